@@ -1,0 +1,77 @@
+"""Mirror a Dask distributed cluster into OpenTelemetry.
+
+Turn it on with one dask config key, before the scheduler starts::
+
+    distributed.scheduler.preload: [dask_otel]
+    # or: export DASK_DISTRIBUTED__SCHEDULER__PRELOAD=dask_otel
+
+or, for a cluster that is already running, ``dask_otel.instrument(client)``.
+Where the telemetry goes is set by the standard ``OTEL_*`` environment variables;
+the ``otel:`` dask config namespace holds the rest (see ``otel.yaml``).
+"""
+
+from __future__ import annotations
+
+from importlib.metadata import PackageNotFoundError, version
+from typing import TYPE_CHECKING, Any
+
+from dask_otel.config import ConfigError  # also loads the otel: config defaults
+from dask_otel.plugin import PLUGIN_NAME, OtelSchedulerPlugin
+
+if TYPE_CHECKING:
+    from distributed import Client, Scheduler
+
+try:
+    __version__ = version("dask-otel")
+except PackageNotFoundError:  # a source checkout that is not installed
+    __version__ = "0+unknown"
+
+__all__ = ["ConfigError", "dask_setup", "dask_teardown", "instrument", "status"]
+
+
+async def dask_setup(scheduler: Scheduler) -> None:
+    """Preload entry point (``distributed.scheduler.preload: [dask_otel]``).
+
+    Adds the scheduler plugin, which registers the worker plugin with the
+    scheduler, so that every current and future worker exports too.
+    """
+    await scheduler.register_scheduler_plugin(OtelSchedulerPlugin(), idempotent=True)
+
+
+async def dask_teardown(scheduler: Scheduler) -> None:
+    """Preload exit point: export and flush what is pending, within
+    ``otel.flush-timeout``."""
+    plugin = scheduler.plugins.get(PLUGIN_NAME)
+    if isinstance(plugin, OtelSchedulerPlugin):
+        await plugin.close()
+
+
+def instrument(client: Client) -> None:
+    """Turn the bridge on for the cluster ``client`` is connected to.
+
+    Does the same as the preload, through ``Client.register_plugin``; does nothing
+    if the cluster already has it. ``dask_otel`` must be installed on the scheduler
+    and the workers. Dask spans that finished before this call are not exported.
+    """
+    client.register_plugin(OtelSchedulerPlugin())
+
+
+def status(client: Client) -> dict[str, Any]:
+    """The bridge's state on the scheduler and on every worker.
+
+    ``{"scheduler": {"error": None, "exported_spans": 12, ...},
+    "workers": {address: {"error": None, "metrics": True}}}``; ``None`` where the
+    plugin is not installed. ``error`` names the config key or exporter at fault.
+    """
+
+    def _status(dask_server: Any) -> dict[str, Any] | None:
+        plugins = getattr(dask_server, "plugins", {})
+        plugin = plugins.get(PLUGIN_NAME)
+        return plugin.status() if plugin is not None else None
+
+    return {
+        "scheduler": client.run_on_scheduler(
+            lambda dask_scheduler: _status(dask_scheduler)
+        ),
+        "workers": client.run(lambda dask_worker: _status(dask_worker)),
+    }

@@ -1,0 +1,462 @@
+"""The ``otel:`` dask config namespace, and the one place that builds SDK objects.
+
+Everything about *where* telemetry goes (endpoint, protocol, headers, certificate,
+timeouts, batching, resource attributes, service name) is read by the OpenTelemetry
+SDK itself from the standard ``OTEL_*`` environment variables. This module only
+chooses exporters by name, the way ``OTEL_TRACES_EXPORTER`` / ``OTEL_METRICS_EXPORTER``
+name them, and validates the handful of Dask-specific knobs under ``otel:``.
+
+One :class:`Telemetry` exists per process at a time: a LocalCluster with
+``processes=False`` runs a scheduler and several workers in one process, and they
+share one TracerProvider and one MeterProvider (a Prometheus registry can hold the
+bridge's collector only once). It is created by the first Dask server that attaches
+and shut down, flushing, when the last one detaches. The bridge never touches the
+global OpenTelemetry providers, so it does not interfere with the application's own
+instrumentation.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from importlib.metadata import entry_points
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import dask.config
+import yaml
+from dask.utils import parse_timedelta
+from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
+from opentelemetry.sdk.trace.id_generator import IdGenerator, RandomIdGenerator
+
+if TYPE_CHECKING:
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.trace import Tracer
+
+logger = logging.getLogger("dask_otel")
+
+with open(Path(__file__).with_name("otel.yaml")) as f:
+    DEFAULTS: dict = yaml.safe_load(f)
+dask.config.update_defaults(DEFAULTS)
+
+TRACES_EXPORTERS = ("otlp", "console", "memory", "none")
+METRICS_EXPORTERS = ("otlp", "prometheus", "console", "memory", "none")
+#: Protocols of ``OTEL_EXPORTER_OTLP_PROTOCOL`` that the Python SDK implements
+OTLP_PROTOCOLS = {"grpc": "otlp_proto_grpc", "http/protobuf": "otlp_proto_http"}
+#: service.name when neither OTEL_SERVICE_NAME nor OTEL_RESOURCE_ATTRIBUTES sets one
+DEFAULT_SERVICE_NAME = "dask"
+#: Span attribute value length when no OTEL_*ATTRIBUTE_VALUE_LENGTH_LIMIT is set:
+#: span tags are user data, and a 1 MB tag must not become a 1 MB attribute.
+DEFAULT_ATTRIBUTE_LENGTH = 4096
+
+
+class ConfigError(ValueError):
+    """A value under ``otel:`` or in an ``OTEL_*`` variable that the bridge cannot use.
+
+    The message names the key and the value at fault.
+    """
+
+    def __init__(self, key: str, value: Any, expected: str):
+        self.key = key
+        self.value = value
+        super().__init__(f"{key}: expected {expected}, got {value!r}")
+
+
+@dataclass(frozen=True)
+class OtelConfig:
+    """A validated snapshot of the ``otel:`` dask config namespace"""
+
+    #: otel.enabled
+    enabled: bool
+    #: otel.flush-timeout, seconds
+    flush_timeout: float
+    #: otel.traces.exporter, resolved against OTEL_TRACES_EXPORTER
+    traces_exporters: tuple[str, ...]
+    #: otel.spans.poll-interval, seconds
+    poll_interval: float
+    #: otel.spans.export-delay, seconds
+    export_delay: float
+    #: otel.spans.metrics-timeout, seconds
+    metrics_timeout: float
+    #: otel.spans.totals: "subtree" or "own"
+    span_totals: str
+    #: otel.spans.code
+    export_code: bool
+    #: otel.metrics.exporter, resolved against OTEL_METRICS_EXPORTER
+    metrics_exporters: tuple[str, ...]
+    #: otel.metrics.span-label
+    span_label: bool
+
+
+def read_config() -> OtelConfig:
+    """Read and validate ``otel.*`` from dask config.
+
+    Raises
+    ------
+    ConfigError
+        naming the first key (or ``OTEL_*`` variable) whose value is unusable.
+    """
+    _warn_unknown_keys(dask.config.get("otel", default={}), DEFAULTS["otel"], "otel")
+    return OtelConfig(
+        enabled=_bool("otel.enabled"),
+        flush_timeout=_seconds("otel.flush-timeout"),
+        traces_exporters=_exporters("otel.traces.exporter", "TRACES", TRACES_EXPORTERS),
+        poll_interval=_seconds("otel.spans.poll-interval", positive=True),
+        export_delay=_seconds("otel.spans.export-delay"),
+        metrics_timeout=_seconds("otel.spans.metrics-timeout"),
+        span_totals=_choice("otel.spans.totals", ("subtree", "own")),
+        export_code=_bool("otel.spans.code"),
+        metrics_exporters=_exporters("otel.metrics.exporter", "METRICS", METRICS_EXPORTERS),
+        span_label=_bool("otel.metrics.span-label"),
+    )
+
+
+def _warn_unknown_keys(given: Any, defaults: dict, prefix: str) -> None:
+    if not isinstance(given, dict):
+        raise ConfigError(prefix, given, "a mapping")
+    for key, value in given.items():
+        canonical = key.replace("_", "-")
+        if canonical not in defaults:
+            logger.warning("Unknown dask config key %s.%s; ignored", prefix, key)
+        elif isinstance(defaults[canonical], dict):
+            _warn_unknown_keys(value, defaults[canonical], f"{prefix}.{canonical}")
+
+
+def _bool(key: str) -> bool:
+    value = dask.config.get(key)
+    if not isinstance(value, bool):
+        raise ConfigError(key, value, "true or false")
+    return value
+
+
+def _choice(key: str, choices: Sequence[str]) -> str:
+    value = dask.config.get(key)
+    if value not in choices:
+        raise ConfigError(key, value, " or ".join(map(repr, choices)))
+    return value
+
+
+def _seconds(key: str, positive: bool = False) -> float:
+    value = dask.config.get(key)
+    try:
+        out = parse_timedelta(value)
+    except Exception:
+        out = None
+    if isinstance(value, bool) or out is None or out < 0 or (positive and out == 0):
+        raise ConfigError(key, value, "a positive duration like '500ms' or '2s'")
+    return out
+
+
+def _exporters(key: str, signal: str, known: Sequence[str]) -> tuple[str, ...]:
+    """Exporter names from dask config, falling back to OTEL_<signal>_EXPORTER"""
+    env = f"OTEL_{signal}_EXPORTER"
+    group = f"opentelemetry_{signal.lower()}_exporter"
+    value = dask.config.get(key)
+    source = key
+    if value is None:
+        value, source = os.environ.get(env, "otlp"), env
+    if isinstance(value, str):
+        value = [v for v in (v.strip() for v in value.split(",")) if v]
+    if not isinstance(value, (list, tuple)) or not all(isinstance(v, str) for v in value):
+        raise ConfigError(source, value, "a list of exporter names")
+    installed = {ep.name for ep in entry_points(group=group)}
+    for name in value:
+        if name not in known and name not in installed:
+            raise ConfigError(source, name, f"one of {', '.join(known)}")
+    names = tuple(dict.fromkeys(value))
+    if "otlp" in names:
+        _otlp_entry_point(signal)  # validates OTEL_EXPORTER_OTLP_*PROTOCOL now
+    return tuple(n for n in names if n != "none")
+
+
+def _otlp_entry_point(signal: str) -> str:
+    """The exporter entry point for ``otlp``, by OTEL_EXPORTER_OTLP_[signal_]PROTOCOL.
+
+    The SDK's exporters read endpoint, headers, certificate, compression and
+    timeout themselves; only the choice between gRPC and HTTP is made here.
+    """
+    for var in (f"OTEL_EXPORTER_OTLP_{signal}_PROTOCOL", "OTEL_EXPORTER_OTLP_PROTOCOL"):
+        if protocol := os.environ.get(var, "").strip():
+            if protocol not in OTLP_PROTOCOLS:
+                raise ConfigError(var, protocol, " or ".join(OTLP_PROTOCOLS))
+            return OTLP_PROTOCOLS[protocol]
+    return OTLP_PROTOCOLS["grpc"]
+
+
+def _load_entry_point(group: str, name: str) -> Callable[[], Any]:
+    (ep,) = (ep for ep in entry_points(group=group) if ep.name == name)
+    return ep.load()
+
+
+def build_resource(**attributes: Any):
+    """Resource of this process: the caller's attributes, ``service.name=dask``,
+    overridden by OTEL_RESOURCE_ATTRIBUTES and OTEL_SERVICE_NAME as the SDK reads them.
+    """
+    from opentelemetry.sdk.resources import OTELResourceDetector, Resource
+
+    ours = {
+        "service.name": DEFAULT_SERVICE_NAME,
+        "host.name": socket.gethostname(),
+        "process.pid": os.getpid(),
+        **attributes,
+    }
+    return Resource.create(ours).merge(OTELResourceDetector().detect())
+
+
+# --- traces ---------------------------------------------------------------------
+
+
+def span_exporters(names: Sequence[str]) -> list:
+    """SpanExporters for ``otel.traces.exporter`` names; each reads its own OTEL_*"""
+    from opentelemetry.sdk.trace.export import ConsoleSpanExporter
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import (
+        InMemorySpanExporter,
+    )
+
+    out = []
+    for name in names:
+        if name == "memory":
+            out.append(InMemorySpanExporter())
+        elif name == "console":
+            out.append(ConsoleSpanExporter())
+        else:
+            if name == "otlp":
+                name = _otlp_entry_point("TRACES")
+            out.append(_load_entry_point("opentelemetry_traces_exporter", name)())
+    return out
+
+
+class CountingSpanExporter(SpanExporter):
+    """Wraps a SpanExporter to count what it shipped and what it lost, for the
+    bridge's self-metrics. Runs in the SDK's batch processor thread."""
+
+    def __init__(self, exporter: SpanExporter):
+        self.exporter = exporter
+        #: spans the collector accepted
+        self.spans_exported = 0
+        #: spans lost because an export failed after the SDK's retries
+        self.spans_failed = 0
+        #: failed export calls
+        self.export_failures = 0
+
+    def export(self, spans):
+        try:
+            result = self.exporter.export(spans)
+        except Exception:
+            logger.exception("dask_otel: span exporter raised")
+            result = SpanExportResult.FAILURE
+        if result is SpanExportResult.SUCCESS:
+            self.spans_exported += len(spans)
+        else:
+            self.spans_failed += len(spans)
+            self.export_failures += 1
+        return result
+
+    def shutdown(self) -> None:
+        self.exporter.shutdown()
+
+    def force_flush(self, timeout_millis: int = 30000) -> bool:
+        return self.exporter.force_flush(timeout_millis)
+
+
+class DaskIdGenerator(IdGenerator):
+    """Hands the SDK the trace and span ids derived from a Dask span's UUID.
+
+    The SDK asks its IdGenerator for ids inside ``Tracer.start_span``; the mirror
+    sets :attr:`ids` just before that call (on the same thread) so that the OTel ids
+    are a function of the Dask ids. Anything else (TaskGroup spans) gets random ids.
+    """
+
+    def __init__(self) -> None:
+        self._random = RandomIdGenerator()
+        self._local = threading.local()
+
+    def is_trace_id_random(self) -> bool:
+        # UUID4s have six fixed bits: not the W3C "random trace id" guarantee
+        return False
+
+    def set_next(self, trace_id: int | None, span_id: int | None) -> None:
+        self._local.trace_id = trace_id
+        self._local.span_id = span_id
+
+    def generate_span_id(self) -> int:
+        span_id = getattr(self._local, "span_id", None)
+        self._local.span_id = None
+        return span_id or self._random.generate_span_id()
+
+    def generate_trace_id(self) -> int:
+        trace_id = getattr(self._local, "trace_id", None)
+        self._local.trace_id = None
+        return trace_id or self._random.generate_trace_id()
+
+
+def _span_limits():
+    from opentelemetry.sdk.trace import SpanLimits
+
+    set_by_env = any(
+        v in os.environ
+        for v in (
+            "OTEL_SPAN_ATTRIBUTE_VALUE_LENGTH_LIMIT",
+            "OTEL_ATTRIBUTE_VALUE_LENGTH_LIMIT",
+        )
+    )
+    return SpanLimits(
+        max_span_attribute_length=None if set_by_env else DEFAULT_ATTRIBUTE_LENGTH
+    )
+
+
+# --- the per-process telemetry ----------------------------------------------------
+
+
+class Telemetry:
+    """The SDK providers of this process, shared by every Dask server in it.
+
+    ``tracer`` / ``id_generator`` exist only when traces are exported;
+    ``meter_provider`` only when metrics are. ``span_exporters`` are kept so that
+    tests and the demo can read an in-memory exporter.
+    """
+
+    _lock = threading.Lock()
+    _current: Telemetry | None = None
+    _users: int = 0
+
+    def __init__(self, config: OtelConfig, resource_attributes: dict[str, Any]):
+        from opentelemetry.sdk.metrics import MeterProvider
+
+        self.config = config
+        self.resource = build_resource(**resource_attributes)
+        self.span_exporters: list = []
+        #: one per batched exporter, for the self-metrics
+        self.export_stats: list[CountingSpanExporter] = []
+        self.tracer_provider: TracerProvider | None = None
+        self.id_generator: DaskIdGenerator | None = None
+        self._tracer: Tracer | None = None
+        self.metric_readers = metric_readers(config.metrics_exporters)
+        self.meter_provider = None
+        if self.metric_readers:
+            self.meter_provider = MeterProvider(
+                metric_readers=self.metric_readers, resource=self.resource
+            )
+
+    @property
+    def tracer(self) -> Tracer | None:
+        """The tracer of this process, built on first use (only schedulers export
+        spans, so workers never start a span processor thread); None when
+        ``otel.traces.exporter`` is none."""
+        with self._lock:
+            if self._tracer is None and self.config.traces_exporters:
+                self._tracer = self._build_tracer()
+        return self._tracer
+
+    def _build_tracer(self) -> Tracer:
+        from opentelemetry.sdk.trace import TracerProvider
+        from opentelemetry.sdk.trace.export import (
+            BatchSpanProcessor,
+            SimpleSpanProcessor,
+        )
+        from opentelemetry.sdk.trace.export.in_memory_span_exporter import (
+            InMemorySpanExporter,
+        )
+
+        self.span_exporters = span_exporters(self.config.traces_exporters)
+        self.id_generator = DaskIdGenerator()
+        self.tracer_provider = TracerProvider(
+            resource=self.resource,
+            id_generator=self.id_generator,  # type: ignore[arg-type]
+            span_limits=_span_limits(),
+        )
+        for exporter in self.span_exporters:
+            # The in-memory exporter is for tests and the demo: no batching delay
+            if isinstance(exporter, InMemorySpanExporter):
+                self.tracer_provider.add_span_processor(SimpleSpanProcessor(exporter))
+            else:
+                counted = CountingSpanExporter(exporter)
+                self.export_stats.append(counted)
+                self.tracer_provider.add_span_processor(BatchSpanProcessor(counted))
+        from dask_otel import __version__
+
+        return self.tracer_provider.get_tracer("dask_otel", __version__)
+
+    @classmethod
+    def acquire(cls, config: OtelConfig, **resource_attributes: Any) -> Telemetry:
+        """The process's Telemetry, created on first use"""
+        with cls._lock:
+            if cls._current is None:
+                cls._current = Telemetry(config, resource_attributes)
+            cls._users += 1
+            return cls._current
+
+    @classmethod
+    def release(cls, telemetry: Telemetry) -> None:
+        """Detach one user; the last one flushes and shuts the providers down"""
+        with cls._lock:
+            if cls._current is not telemetry:
+                return
+            cls._users -= 1
+            if cls._users > 0:
+                return
+            cls._current = None
+        telemetry.shutdown()
+
+    def force_flush(self) -> None:
+        timeout_ms = int(self.config.flush_timeout * 1000)
+        if self.tracer_provider:
+            self.tracer_provider.force_flush(timeout_ms)
+        if self.meter_provider:
+            self.meter_provider.force_flush(timeout_ms)
+
+    def shutdown(self) -> None:
+        """Flush within otel.flush-timeout, then stop the SDK's threads"""
+        try:
+            self.force_flush()
+        finally:
+            if self.tracer_provider:
+                self.tracer_provider.shutdown()
+            if self.meter_provider:
+                self.meter_provider.shutdown(
+                    timeout_millis=self.config.flush_timeout * 1000
+                )
+
+
+# --- metrics --------------------------------------------------------------------
+
+
+def metric_readers(names: Sequence[str]) -> list:
+    """MetricReaders for ``otel.metrics.exporter`` names; each reads its own OTEL_*.
+
+    ``prometheus`` registers with prometheus_client's default registry, which is
+    what Dask's own ``/metrics`` endpoint serves on every scheduler and worker.
+    """
+    from opentelemetry.sdk.metrics.export import (
+        ConsoleMetricExporter,
+        InMemoryMetricReader,
+        PeriodicExportingMetricReader,
+    )
+
+    out = []
+    for name in names:
+        if name == "memory":
+            out.append(InMemoryMetricReader())
+        elif name == "prometheus":
+            try:
+                from opentelemetry.exporter.prometheus import PrometheusMetricReader
+            except ImportError:
+                raise ConfigError(
+                    "otel.metrics.exporter",
+                    name,
+                    "opentelemetry-exporter-prometheus to be installed "
+                    "(pip install 'dask-otel[prometheus]')",
+                ) from None
+            out.append(PrometheusMetricReader())
+        elif name == "console":
+            out.append(PeriodicExportingMetricReader(ConsoleMetricExporter()))
+        else:
+            if name == "otlp":
+                name = _otlp_entry_point("METRICS")
+            exporter = _load_entry_point("opentelemetry_metrics_exporter", name)()
+            out.append(PeriodicExportingMetricReader(exporter))
+    return out

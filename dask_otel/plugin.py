@@ -1,0 +1,173 @@
+"""Scheduler and worker plugins: wiring, lifecycle, flush on close.
+
+The scheduler plugin owns the span mirror and the scheduler's metrics; on start it
+registers the worker plugin with the scheduler, which hands it to every current
+and future worker. Neither plugin ever raises into Dask: a bad configuration or
+a broken exporter is logged at ERROR, kept in ``.error`` for inspection
+(:func:`dask_otel.status`), and the cluster runs on without telemetry.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import TYPE_CHECKING, Any
+
+from distributed.diagnostics.plugin import SchedulerPlugin, WorkerPlugin
+from distributed.protocol.pickle import dumps
+from tornado.ioloop import PeriodicCallback
+
+from dask_otel.config import Telemetry, read_config
+from dask_otel.spans import SpanMirror
+
+if TYPE_CHECKING:
+    from distributed import Scheduler, Worker
+
+logger = logging.getLogger("dask_otel")
+
+#: Name of both plugins in ``Scheduler.plugins``, ``Scheduler.worker_plugins`` and
+#: ``Worker.plugins``
+PLUGIN_NAME = "dask-otel"
+
+
+def _start_telemetry(server: str, **resource: Any) -> tuple[Telemetry | None, str | None]:
+    """Read config and attach to this process's Telemetry; never raises"""
+    try:
+        config = read_config()
+        if not config.enabled:
+            logger.info("dask_otel: otel.enabled is false on %s; not exporting", server)
+            return None, None
+        return Telemetry.acquire(config, **resource), None
+    except Exception as e:
+        logger.error("dask_otel is off on %s: %s", server, e)
+        return None, f"{type(e).__name__}: {e}"
+
+
+class OtelSchedulerPlugin(SchedulerPlugin):
+    """Mirrors the scheduler's Dask spans and metrics into OpenTelemetry"""
+
+    name = PLUGIN_NAME
+    #: ``Client.register_plugin`` does nothing if the preload already added one
+    idempotent = True
+
+    #: Why the bridge is off on this scheduler, if it is; None when all is well
+    error: str | None
+    telemetry: Telemetry | None
+    mirror: SpanMirror | None
+
+    def __init__(self) -> None:
+        self.error = None
+        self.telemetry = None
+        self.mirror = None
+        self.metrics: Any = None
+        self._poller: PeriodicCallback | None = None
+        self._started = False
+        self._closed = False
+
+    async def start(self, scheduler: Scheduler) -> None:
+        # Idempotent: the preload registers the plugin while the scheduler is
+        # starting, and the scheduler then starts every plugin it holds.
+        if self._started:
+            return
+        self._started = True
+        self.scheduler = scheduler
+        self.telemetry, self.error = _start_telemetry(
+            f"scheduler {scheduler.address}",
+            **{"dask.scheduler.address": scheduler.address},
+        )
+        if self.telemetry is None:
+            return
+        config = self.telemetry.config
+        try:
+            if self.telemetry.tracer is not None:
+                self.mirror = SpanMirror(scheduler, self.telemetry, config)
+                self._poller = PeriodicCallback(self._poll, config.poll_interval * 1000)
+                self._poller.start()
+            if self.telemetry.meter_provider is not None:
+                from dask_otel.metrics import SchedulerMetrics
+
+                self.metrics = SchedulerMetrics(scheduler, self.telemetry, self)
+        except Exception as e:
+            logger.exception("dask_otel: could not start on scheduler")
+            self.error = f"{type(e).__name__}: {e}"
+        await scheduler.register_worker_plugin(
+            None, dumps(OtelWorkerPlugin()), name=PLUGIN_NAME, idempotent=True
+        )
+
+    def _poll(self) -> None:
+        try:
+            self.mirror.poll()  # type: ignore[union-attr]
+        except Exception:
+            logger.exception("dask_otel: span poll failed")
+
+    def update_graph(self, scheduler: Scheduler, *, tasks: Any = (), **kwargs: Any) -> None:
+        if self.mirror is not None:
+            try:
+                self.mirror.observe_graph(tasks)
+            except Exception:
+                logger.exception("dask_otel: could not observe graph")
+
+    async def close(self) -> None:
+        """Export what is still open and flush, within otel.flush-timeout"""
+        if self._closed:
+            return
+        self._closed = True
+        if self._poller is not None:
+            self._poller.stop()
+        if self.mirror is not None:
+            self.mirror.flush()
+        if self.metrics is not None:
+            self.metrics.close()
+        if self.telemetry is not None:
+            # Flushing blocks on the network: not on the event loop
+            await asyncio.to_thread(Telemetry.release, self.telemetry)
+
+    def status(self) -> dict[str, Any]:
+        """What :func:`dask_otel.status` reports for the scheduler"""
+        mirror = self.mirror
+        return {
+            "error": self.error,
+            "traces": mirror is not None,
+            "metrics": self.metrics is not None,
+            "open_spans": len(mirror.open_spans) if mirror else 0,
+            "open_groups": len(mirror.open_groups) if mirror else 0,
+            "exported_spans": mirror.exported if mirror else 0,
+        }
+
+
+class OtelWorkerPlugin(WorkerPlugin):
+    """Exports the worker's SpillBuffer state as OpenTelemetry metrics"""
+
+    name = PLUGIN_NAME
+    idempotent = True
+
+    def __init__(self) -> None:
+        self.error: str | None = None
+        self.telemetry: Telemetry | None = None
+        self.spill: Any = None
+
+    def setup(self, worker: Worker) -> None:
+        self.telemetry, self.error = _start_telemetry(
+            f"worker {worker.address}",
+            **{"dask.scheduler.address": worker.scheduler.address},
+        )
+        if self.telemetry is None or self.telemetry.meter_provider is None:
+            return
+        try:
+            from dask_otel.spill import SpillInstruments
+
+            self.spill = SpillInstruments.observe(worker, self.telemetry)
+        except Exception as e:
+            logger.exception("dask_otel: could not start on worker %s", worker.address)
+            self.error = f"{type(e).__name__}: {e}"
+
+    async def teardown(self, worker: Worker) -> None:
+        if self.spill is not None:
+            self.spill.close()
+            self.spill = None
+        if self.telemetry is not None:
+            telemetry, self.telemetry = self.telemetry, None
+            await asyncio.to_thread(Telemetry.release, telemetry)
+
+    def status(self) -> dict[str, Any]:
+        return {"error": self.error, "metrics": self.spill is not None}

@@ -1,0 +1,358 @@
+"""Dask spans -> OpenTelemetry spans.
+
+Every Dask span (``with distributed.span("Alice's workflow"):``) is mirrored on the
+scheduler as one OpenTelemetry span, and every TaskGroup attached directly to it as
+a child span, once the Dask span has finished. A root Dask span and everything
+below it form one OTel trace.
+
+Ids
+    ``trace_id`` is the 128-bit integer of the root Dask span's UUID, so
+    ``with span("x") as sid:`` is trace ``sid.replace("-", "")`` with no lookup.
+    ``span_id`` is the low 64 bits of the Dask span's UUID; parents mirror the Dask
+    tree. TaskGroup spans get random span ids.
+
+Timing
+    A Dask span starts at ``Span.enqueued`` and ends at ``Span.stop``; the event
+    ``dask.first_task_start`` marks ``Span.start``. A TaskGroup span runs from
+    ``TaskGroup.start`` to ``TaskGroup.stop``.
+
+Attributes (Dask spans)
+    ``dask.span.id`` (str), ``dask.span.name`` (str[], all tags),
+    ``dask.tasks.<state>`` (int, non-zero task counts by state),
+    ``dask.output.bytes``, ``dask.duration`` (s, time spent running tasks),
+    ``dask.active_cpu_seconds`` (s, threads available while the span ran),
+    ``dask.metrics.<context>.<activity>.<unit>`` (fine performance metrics, summed
+    over task prefixes), ``dask.span.code`` (str[], only with ``otel.spans.code``),
+    ``dask.span.unfinished`` (true when the scheduler closed before the span finished).
+
+    With ``otel.spans.totals: subtree`` (default) the task counts, bytes, duration
+    and fine metrics cover the span and all its sub-spans, as Dask's own
+    ``Span`` properties and dashboard do; with ``own`` only the span's own
+    TaskGroups, so that summing over a trace does not count anything twice.
+
+Attributes (TaskGroup spans)
+    ``dask.span.id`` and ``dask.span.name`` of the Dask span the group belongs to,
+    ``dask.taskgroup.name``, ``dask.taskgroup.prefix``, ``dask.tasks.<state>``,
+    ``dask.output.bytes``, ``dask.duration``, and
+    ``dask.metrics.<context>.<activity>.<unit>`` for the group's task prefix within
+    its Dask span (two groups of one prefix in one span both show the prefix total).
+
+Status
+    ERROR, described as ``"<n> tasks erred"``, when any task erred; unset otherwise.
+
+When a span is exported
+    Once it is done (every task in its tree finished), has stayed done for
+    ``otel.spans.export-delay`` (so that the next ``compute()`` of the same
+    workflow, submitted right away, does not cut it in two), and every worker has
+    sent a heartbeat since it finished, which carries the fine performance metrics
+    (or ``otel.spans.metrics-timeout`` passed). Children may be exported before
+    their parents. A span that goes from done back to not done before that simply
+    waits.
+
+After a span is exported, the bridge forgets it: each span is exported exactly once
+and no two OTel spans ever share an id. If more work later lands on an exported
+Dask span (a ``compute()`` after a long pause inside the same ``with span()``
+block), its new sub-spans and TaskGroups are still exported as its children, so
+the trace stays whole; the exported parent keeps the end time and totals it had.
+Recomputation after a worker death of a span already exported is not mirrored.
+"""
+
+from __future__ import annotations
+
+import logging
+import uuid
+from collections.abc import Hashable, Iterable, Mapping
+from itertools import islice
+from typing import TYPE_CHECKING, Any
+
+from distributed.metrics import time
+from opentelemetry import trace
+from opentelemetry.context import Context
+from opentelemetry.trace import NonRecordingSpan, SpanContext, Status, StatusCode
+from opentelemetry.trace import TraceFlags
+
+if TYPE_CHECKING:
+    from distributed import Scheduler
+    from distributed.scheduler import TaskGroup
+    from distributed.spans import Span, SpansSchedulerExtension
+
+    from dask_otel.config import OtelConfig, Telemetry
+
+logger = logging.getLogger("dask_otel")
+
+_SAMPLED = TraceFlags(TraceFlags.SAMPLED)
+_LOW_64 = (1 << 64) - 1
+#: Longest span name exported; the rest of a huge tag is cut (span names are not
+#: attributes, so the SDK's attribute length limit does not apply to them)
+MAX_NAME_LENGTH = 1024
+
+
+def dask_uuid(span_id: str) -> int:
+    """The 128-bit integer of a Dask span id (a UUID string).
+
+    Ids that are not UUIDs (hand-made annotations) are hashed into one.
+    """
+    try:
+        return uuid.UUID(span_id).int
+    except ValueError:
+        return uuid.uuid5(uuid.NAMESPACE_OID, span_id).int
+
+
+def _ns(seconds: float) -> int:
+    return int(seconds * 1e9)
+
+
+def _name(tag: str) -> str:
+    return tag if len(tag) <= MAX_NAME_LENGTH else tag[: MAX_NAME_LENGTH - 1] + "…"
+
+
+def fine_metric_attributes(
+    metrics: Mapping[tuple[Hashable, ...], float], prefix: str | None = None
+) -> dict[str, float]:
+    """``dask.metrics.<context>.<activity>.<unit>`` from Dask's fine performance
+    metrics ``{(context, prefix-or-where, ..., activity, unit): value}``, summed over
+    what lies between context and activity; only ``prefix``'s if given.
+    """
+    out: dict[str, float] = {}
+    for key, value in metrics.items():
+        if len(key) < 3 or not value:
+            continue
+        if prefix is not None and key[1] != prefix:
+            continue
+        context, activity, unit = (str(k).replace(" ", "_") for k in (key[0], key[-2], key[-1]))
+        name = f"dask.metrics.{context}.{activity}.{unit}"
+        out[name] = out.get(name, 0) + value
+    return out
+
+
+def group_attributes(groups: Iterable[TaskGroup]) -> dict[str, Any]:
+    """Task counts by state, output bytes and duration of some TaskGroups"""
+    states: dict[str, int] = {}
+    nbytes = 0
+    duration = 0.0
+    for tg in groups:
+        for state, n in tg.states.items():
+            if n:
+                states[state] = states.get(state, 0) + n
+        nbytes += tg.nbytes_total
+        duration += tg.duration
+    out: dict[str, Any] = {f"dask.tasks.{s}": n for s, n in states.items()}
+    out["dask.output.bytes"] = nbytes
+    out["dask.duration"] = duration
+    return out
+
+
+def _root(span: Span) -> Span:
+    while (parent := span.parent) is not None:
+        span = parent
+    return span
+
+
+def _erred_status(attributes: Mapping[str, Any]) -> Status | None:
+    if erred := attributes.get("dask.tasks.erred"):
+        return Status(StatusCode.ERROR, f"{erred} tasks erred")
+    return None
+
+
+class SpanMirror:
+    """Watches the scheduler's SpansSchedulerExtension and exports each Dask span
+    and TaskGroup once it has finished.
+
+    Work per :meth:`poll` is proportional to the spans and groups not yet exported;
+    memory likewise: nothing is kept about what has been exported.
+    """
+
+    scheduler: Scheduler
+    telemetry: Telemetry
+    config: OtelConfig
+
+    #: Dask spans seen and not yet exported, by id
+    open_spans: dict[str, Span]
+    #: TaskGroups seen and not yet exported, with the Dask span each belongs to
+    #: (``TaskGroup.span_id``)
+    open_groups: dict[TaskGroup, Span]
+    #: ``len(SpansSchedulerExtension.spans)`` when last looked at. Dask never deletes
+    #: a span and dicts keep insertion order, so the spans created since are the
+    #: ones past this count.
+    spans_seen: int
+
+    #: Counters for the bridge's self-metrics
+    exported: int
+    reopened: int
+
+    def __init__(self, scheduler: Scheduler, telemetry: Telemetry, config: OtelConfig):
+        self.scheduler = scheduler
+        self.telemetry = telemetry
+        self.config = config
+        self.open_spans = {}
+        self.open_groups = {}
+        self.exported = 0
+        self.reopened = 0
+        ext = self.extension
+        if ext is None:
+            self.spans_seen = 0
+            return
+        # A cluster instrumented while running: follow what is still in flight
+        self.spans_seen = len(ext.spans)
+        for span in ext.spans.values():
+            if not span.done:
+                self.open_spans[span.id] = span
+                self.open_groups.update((tg, span) for tg in span.groups if not tg.done)
+
+    @property
+    def extension(self) -> SpansSchedulerExtension | None:
+        return self.scheduler.extensions.get("spans")
+
+    # --- discovery ---------------------------------------------------------------
+
+    def observe_new_spans(self) -> None:
+        """Open the Dask spans created since the last look"""
+        ext = self.extension
+        if ext is None or len(ext.spans) == self.spans_seen:
+            return
+        new = len(ext.spans) - self.spans_seen
+        self.spans_seen = len(ext.spans)
+        for span in islice(reversed(ext.spans.values()), new):
+            self.open_spans[span.id] = span
+
+    def observe_graph(self, keys: Iterable[Hashable]) -> None:
+        """Open the TaskGroups of a graph that just reached the scheduler.
+
+        Called from ``SchedulerPlugin.update_graph``, after Dask attached the tasks
+        to their spans and before they run.
+        """
+        ext = self.extension
+        if ext is None:
+            return
+        self.observe_new_spans()
+        tasks = self.scheduler.tasks
+        groups = {ts.group for key in keys if (ts := tasks.get(key)) is not None}
+        for tg in groups:
+            # A group that already ran (stop != 0) was exported or is open; its
+            # tasks are merely requested again.
+            if tg in self.open_groups or tg.stop or tg.span_id is None:
+                continue
+            span = ext.spans.get(tg.span_id)
+            if span is None:
+                continue
+            self.open_groups[tg] = span
+            if span.id not in self.open_spans:
+                # New work on a span that was already exported: its groups are
+                # still exported as its children; the span itself is not again.
+                self.reopened += 1
+
+    # --- export ------------------------------------------------------------------
+
+    def poll(self) -> None:
+        """Export every open span and group that is finished, on the event loop"""
+        self.observe_new_spans()
+        now = time()
+        heard = min(
+            (ws.last_seen for ws in self.scheduler.workers.values()), default=now
+        )
+        for tg, span in list(self.open_groups.items()):
+            if tg.done and self._ready(tg.stop or span.enqueued, now, heard):
+                del self.open_groups[tg]
+                self._export(self.mirror_group, tg, span)
+        for span in list(self.open_spans.values()):
+            if span.done and self._ready(span.stop, now, heard):
+                del self.open_spans[span.id]
+                self._export(self.mirror_span, span)
+
+    def _ready(self, stop: float, now: float, heard: float) -> bool:
+        waited = now - stop
+        return waited >= self.config.export_delay and (
+            heard > stop or waited >= self.config.metrics_timeout
+        )
+
+    def flush(self) -> None:
+        """Export everything still open, finished or not (the scheduler is closing)"""
+        self.observe_new_spans()
+        for tg, span in list(self.open_groups.items()):
+            self._export(self.mirror_group, tg, span)
+        for span in list(self.open_spans.values()):
+            self._export(self.mirror_span, span, unfinished=not span.done)
+        self.open_groups.clear()
+        self.open_spans.clear()
+
+    def _export(self, mirror: Any, *args: Any, **kwargs: Any) -> None:
+        # Telemetry must never take the scheduler down: a span that cannot be
+        # mirrored is logged and dropped.
+        try:
+            mirror(*args, **kwargs)
+            self.exported += 1
+        except Exception:
+            logger.exception("dask_otel: could not mirror %r; dropped", args[0])
+
+    def _parent_context(self, span: Span | None, root: Span) -> Context:
+        if span is None:
+            return Context()  # a root: no parent, not even an ambient one
+        parent = SpanContext(
+            trace_id=dask_uuid(root.id),
+            span_id=dask_uuid(span.id) & _LOW_64,
+            is_remote=False,
+            trace_flags=_SAMPLED,
+        )
+        return trace.set_span_in_context(NonRecordingSpan(parent))
+
+    def mirror_span(self, span: Span, unfinished: bool = False) -> None:
+        """Export one Dask span as an OTel span with the ids derived from its UUID"""
+        root = _root(span)
+        subtree = self.config.span_totals == "subtree"
+        groups = span.traverse_groups() if subtree else span.groups
+        metrics = (
+            span.cumulative_worker_metrics
+            if subtree
+            else span._cumulative_worker_metrics  # the span's own, without children
+        )
+        attributes = {
+            "dask.span.id": span.id,
+            "dask.span.name": list(span.name),
+            **group_attributes(groups),
+            "dask.active_cpu_seconds": span.active_cpu_seconds,
+            **fine_metric_attributes(metrics),
+        }
+        if self.config.export_code:
+            attributes["dask.span.code"] = [
+                sc.code for snippets in span.code for sc in snippets
+            ]
+        if unfinished:
+            attributes["dask.span.unfinished"] = True
+
+        self.telemetry.id_generator.set_next(dask_uuid(root.id), dask_uuid(span.id) & _LOW_64)
+        otel = self.telemetry.tracer.start_span(
+            _name(span.name[-1]),
+            context=self._parent_context(span.parent, root),
+            attributes=attributes,
+            start_time=_ns(span.enqueued),
+        )
+        if span.start:
+            otel.add_event("dask.first_task_start", timestamp=_ns(span.start))
+        if status := _erred_status(attributes):
+            otel.set_status(status)
+        otel.end(end_time=_ns(span.stop))
+
+    def mirror_group(self, tg: TaskGroup, span: Span) -> None:
+        """Export one TaskGroup as a child of the OTel span of its Dask span"""
+        root = _root(span)
+        prefix = tg.prefix.name
+        attributes = {
+            "dask.span.id": span.id,
+            "dask.span.name": list(span.name),
+            "dask.taskgroup.name": tg.name,
+            "dask.taskgroup.prefix": prefix,
+            **group_attributes([tg]),
+            **fine_metric_attributes(span._cumulative_worker_metrics, prefix),
+        }
+        start = tg.start or span.enqueued
+        stop = max(tg.stop, start) if tg.done else time()
+        self.telemetry.id_generator.set_next(None, None)
+        otel = self.telemetry.tracer.start_span(
+            _name(str(prefix)),
+            context=self._parent_context(span, root),
+            attributes=attributes,
+            start_time=_ns(start),
+        )
+        if status := _erred_status(attributes):
+            otel.set_status(status)
+        otel.end(end_time=_ns(stop))
