@@ -18,7 +18,9 @@ Timing
 
 Attributes (Dask spans)
     ``dask.span.id`` (str), ``dask.span.name`` (str[], all tags),
-    ``dask.tasks.<state>`` (int, non-zero task counts by state),
+    ``dask.tasks.total`` (int, tasks in the span whatever their state),
+    ``dask.tasks.<state>`` (int, non-zero task counts by state at export time:
+    ``memory``, ``released``, ``forgotten``, ``erred``...),
     ``dask.output.bytes``, ``dask.duration`` (s, time spent running tasks),
     ``dask.active_cpu_seconds`` (s, threads available while the span ran),
     ``dask.metrics.<context>.<activity>.<unit>`` (fine performance metrics, summed
@@ -137,6 +139,7 @@ def group_attributes(groups: Iterable[TaskGroup]) -> dict[str, Any]:
         nbytes += tg.nbytes_total
         duration += tg.duration
     out: dict[str, Any] = {f"dask.tasks.{s}": n for s, n in states.items()}
+    out["dask.tasks.total"] = sum(states.values())
     out["dask.output.bytes"] = nbytes
     out["dask.duration"] = duration
     return out

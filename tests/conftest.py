@@ -1,0 +1,98 @@
+"""Shared fixtures: real LocalClusters with the bridge switched on by the preload key"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import dask
+import pytest
+from distributed import Client, LocalCluster
+
+#: Dask config that switches the bridge on with spans kept in memory on the scheduler
+#: and a short export delay, so that tests do not wait seconds per span
+MEMORY_CONFIG = {
+    "distributed.scheduler.preload": ["dask_otel"],
+    "otel.traces.exporter": "memory",
+    "otel.metrics.exporter": "none",
+    "otel.spans.export-delay": "200ms",
+    "otel.spans.poll-interval": "100ms",
+}
+
+
+def wait_until(predicate: Callable[[], Any], timeout: float = 20, what: str = "") -> Any:
+    """Poll ``predicate`` until it returns something truthy; fail after ``timeout``"""
+    deadline = time.monotonic() + timeout
+    while True:
+        if result := predicate():
+            return result
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting for {what or predicate}")
+        time.sleep(0.05)
+
+
+class Mirrored:
+    """What the bridge exported from one LocalCluster, read from its in-memory
+    exporter on the scheduler (LocalCluster runs the scheduler in this process)"""
+
+    def __init__(self, cluster: LocalCluster):
+        self.cluster = cluster
+        self.plugin = cluster.scheduler.plugins["dask-otel"]
+
+    def spans(self) -> list:
+        (exporter,) = self.plugin.telemetry.span_exporters
+        return list(exporter.get_finished_spans())
+
+    def by_dask_id(self, dask_id: str, timeout: float = 20):
+        """The OTel span mirroring the Dask span ``dask_id``, waiting for its export"""
+        span_id = int(dask_id.replace("-", ""), 16) & ((1 << 64) - 1)
+
+        def find():
+            return next((s for s in self.spans() if s.context.span_id == span_id), None)
+
+        return wait_until(find, timeout, f"the span of Dask span {dask_id}")
+
+    def children(self, parent) -> list:
+        return sorted(
+            (s for s in self.spans() if s.parent and s.parent.span_id == parent.context.span_id),
+            key=lambda s: (s.start_time, s.name),
+        )
+
+
+@contextlib.contextmanager
+def otel_cluster(config: dict | None = None, **cluster_kwargs: Any) -> Iterator[tuple[Client, Mirrored]]:
+    """A LocalCluster with the bridge on; yields a client and what was mirrored"""
+    kwargs = dict(
+        n_workers=2,
+        threads_per_worker=1,
+        processes=False,
+        dashboard_address=":0",
+    )
+    kwargs.update(cluster_kwargs)
+    if kwargs["processes"]:
+        kwargs.setdefault("host", "127.0.0.1")
+    with dask.config.set({**MEMORY_CONFIG, **(config or {})}):
+        with LocalCluster(**kwargs) as cluster, Client(cluster) as client:
+            yield client, Mirrored(cluster)
+
+
+@pytest.fixture(autouse=True)
+def telemetry_released():
+    """Every test leaves no Telemetry behind: the last Dask server of a process that
+    closes must flush and shut the SDK providers down."""
+    from dask_otel.config import Telemetry
+
+    yield
+    leaked = Telemetry._current
+    Telemetry._current, Telemetry._users = None, 0
+    if leaked is not None:
+        leaked.shutdown()
+        pytest.fail("a test left dask_otel's Telemetry acquired (a server did not close)")
+
+
+@pytest.fixture
+def cluster():
+    with otel_cluster() as (client, mirrored):
+        yield client, mirrored

@@ -1,0 +1,314 @@
+"""Dask spans -> OTel spans, read back from the SDK's in-memory exporter on the
+scheduler of a real LocalCluster (the mapping contract of ARCHITECTURE.md)."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import dask
+import pytest
+from distributed import Client, LocalCluster, span, wait
+from opentelemetry.trace import StatusCode
+
+import dask_otel
+from conftest import MEMORY_CONFIG, otel_cluster, wait_until
+
+LOW_64 = (1 << 64) - 1
+
+
+def inc(x):
+    return x + 1
+
+
+def double(x):
+    return 2 * x
+
+
+def total(xs):
+    return sum(xs)
+
+
+def fail(x):
+    raise ValueError(f"bad {x}")
+
+
+def slow(x, delay=0.5):
+    time.sleep(delay)
+    return x
+
+
+def ids_of(sid: str) -> tuple[int, int]:
+    n = int(sid.replace("-", ""), 16)
+    return n, n & LOW_64
+
+
+@pytest.mark.parametrize("processes", [False, True])
+def test_nested_spans_become_one_trace(processes):
+    with otel_cluster(processes=processes) as (client, mirrored):
+        with span("Alice's workflow") as root_id:
+            with span("data load") as load_id:
+                client.gather(client.map(inc, range(4)))
+            with span("train") as train_id:
+                with span("evaluate") as eval_id:
+                    client.submit(total, client.map(double, range(4))).result()
+
+        root = mirrored.by_dask_id(root_id)
+        load, train, evaluate = (
+            mirrored.by_dask_id(i) for i in (load_id, train_id, eval_id)
+        )
+        trace_id, _ = ids_of(root_id)
+        for s in (root, load, train, evaluate):
+            assert s.context.trace_id == trace_id
+            assert s.context.span_id == ids_of(s.attributes["dask.span.id"])[1]
+        assert f"{root.context.trace_id:032x}" == root_id.replace("-", "")
+        assert root.parent is None
+        assert load.parent.span_id == root.context.span_id
+        assert train.parent.span_id == root.context.span_id
+        assert evaluate.parent.span_id == train.context.span_id
+        assert [s.name for s in (root, load, train, evaluate)] == [
+            "Alice's workflow", "data load", "train", "evaluate",
+        ]
+        assert evaluate.attributes["dask.span.name"] == (
+            "Alice's workflow", "train", "evaluate",
+        )
+
+
+def test_taskgroups_are_children_named_by_prefix(cluster):
+    client, mirrored = cluster
+    with span("stage") as sid:
+        client.gather(client.map(inc, range(5)))
+        client.gather(client.map(double, range(3)))
+    stage = mirrored.by_dask_id(sid)
+    children = wait_until(lambda: len(mirrored.children(stage)) == 2 and mirrored.children(stage))
+    by_name = {c.name: c for c in children}
+    assert set(by_name) == {"inc", "double"}
+    assert by_name["inc"].attributes["dask.tasks.total"] == 5
+    assert by_name["double"].attributes["dask.taskgroup.prefix"] == "double"
+    assert by_name["inc"].attributes["dask.span.id"] == sid
+    for c in children:
+        assert c.context.trace_id == stage.context.trace_id
+        assert stage.start_time <= c.start_time <= c.end_time <= stage.end_time
+
+
+def test_span_timing_and_first_task_event(cluster):
+    client, mirrored = cluster
+    before = time.time()
+    with span("timed") as sid:
+        client.gather(client.map(slow, range(2), delay=0.3))
+    after = time.time()
+    s = mirrored.by_dask_id(sid)
+    start, end = s.start_time / 1e9, s.end_time / 1e9
+    assert before - 0.1 <= start < end <= after + 0.1
+    assert end - start >= 0.3
+    (event,) = [e for e in s.events if e.name == "dask.first_task_start"]
+    assert start <= event.timestamp / 1e9 <= end
+
+
+def test_span_attributes_carry_counts_bytes_and_fine_metrics(cluster):
+    client, mirrored = cluster
+    with span("work") as sid:
+        client.gather(client.map(slow, range(4), delay=0.05))
+    attrs = mirrored.by_dask_id(sid).attributes
+    assert attrs["dask.tasks.total"] == 4
+    assert attrs["dask.output.bytes"] > 0
+    assert attrs["dask.duration"] >= 0.2
+    assert attrs["dask.active_cpu_seconds"] > 0
+    # Fine performance metrics arrived with the workers' heartbeats before export
+    assert attrs["dask.metrics.execute.thread-noncpu.seconds"] >= 0.15
+    assert "dask.metrics.execute.thread-cpu.seconds" in attrs
+
+
+def test_erred_tasks_set_error_status(cluster):
+    client, mirrored = cluster
+    with span("fails") as sid:
+        futures = client.map(fail, range(3))
+        wait(futures)
+    s = mirrored.by_dask_id(sid)
+    assert s.status.status_code is StatusCode.ERROR
+    assert s.status.description == "3 tasks erred"
+    (group,) = wait_until(lambda: mirrored.children(s))
+    assert group.status.status_code is StatusCode.ERROR
+
+    with span("fine") as ok_id:
+        client.submit(inc, 1).result()
+    assert mirrored.by_dask_id(ok_id).status.status_code is StatusCode.UNSET
+
+
+def test_multiple_tags_at_once_nest(cluster):
+    client, mirrored = cluster
+    with span("a", "b", "c") as leaf_id:
+        client.submit(inc, 10).result()
+    leaf = mirrored.by_dask_id(leaf_id)
+    assert leaf.name == "c"
+    assert leaf.attributes["dask.span.name"] == ("a", "b", "c")
+    parent = next(s for s in mirrored.spans() if s.context.span_id == leaf.parent.span_id)
+    assert parent.name == "b"
+    wait_until(lambda: any(s.name == "a" and s.parent is None for s in mirrored.spans()))
+
+
+def test_unicode_and_parameterised_tags(cluster):
+    client, mirrored = cluster
+    for i, tag in enumerate(["données", "モデル", "x" * 5000]):
+        with span(f"run {i}", tag) as sid:
+            client.submit(inc, i, key=f"inc-tag-{i}").result()
+        s = mirrored.by_dask_id(sid)
+        assert s.attributes["dask.span.name"][0] == f"run {i}"
+        assert s.name == tag if len(tag) < 1000 else len(s.name) <= 1024
+
+
+def test_default_span_each_idle_period_its_own_trace(cluster):
+    client, mirrored = cluster
+    client.submit(inc, 1, key="first-default").result()
+    wait_until(lambda: [s for s in mirrored.spans() if s.name == "default"])
+    client.submit(inc, 2, key="second-default").result()
+    defaults = wait_until(
+        lambda: len(r := [s for s in mirrored.spans() if s.name == "default"]) == 2 and r
+    )
+    assert defaults[0].context.trace_id != defaults[1].context.trace_id
+    assert all(s.parent is None for s in defaults)
+
+
+def test_span_code_is_not_exported_by_default(cluster):
+    client, mirrored = cluster
+    with span("secret") as sid:
+        client.submit(inc, 1).result()
+    assert not any("code" in k for k in mirrored.by_dask_id(sid).attributes)
+
+
+def test_span_code_is_exported_when_asked():
+    config = {"otel.spans.code": True, "distributed.diagnostics.computations.nframes": 1}
+    with otel_cluster(config) as (client, mirrored):
+        with span("shown") as sid:
+            dask.delayed(inc)(1).compute()
+        code = mirrored.by_dask_id(sid).attributes["dask.span.code"]
+        assert any("dask.delayed(inc)(1).compute()" in c for c in code)
+
+
+def test_own_totals_count_nothing_twice():
+    with otel_cluster({"otel.spans.totals": "own"}) as (client, mirrored):
+        with span("parent") as parent_id:
+            client.gather(client.map(inc, range(2)))
+            with span("child") as child_id:
+                client.gather(client.map(double, range(3)))
+        parent, child = mirrored.by_dask_id(parent_id), mirrored.by_dask_id(child_id)
+        assert parent.attributes["dask.tasks.total"] == 2
+        assert child.attributes["dask.tasks.total"] == 3
+
+
+def test_subtree_totals_include_children(cluster):
+    client, mirrored = cluster
+    with span("parent") as parent_id:
+        client.gather(client.map(inc, range(2)))
+        with span("child"):
+            client.gather(client.map(double, range(3)))
+    assert mirrored.by_dask_id(parent_id).attributes["dask.tasks.total"] == 5
+
+
+def test_each_span_is_exported_once_and_forgotten(cluster):
+    client, mirrored = cluster
+    with span("once") as sid:
+        client.gather(client.map(inc, range(3)))
+    mirrored.by_dask_id(sid)
+    time.sleep(0.5)  # several more polls
+    ids = [s.context.span_id for s in mirrored.spans()]
+    assert len(ids) == len(set(ids))
+    status = dask_otel.status(client)["scheduler"]
+    assert status["open_spans"] == status["open_groups"] == 0
+    assert status["exported_spans"] == len(ids)
+
+
+def test_work_on_an_exported_span_becomes_new_children_not_a_duplicate(cluster):
+    client, mirrored = cluster
+    with span("notebook") as sid:
+        client.submit(inc, 1).result()
+        first = mirrored.by_dask_id(sid)  # exported: done for longer than the delay
+        client.submit(double, 2).result()  # new work under the same Dask span
+        late = wait_until(lambda: [c for c in mirrored.children(first) if c.name == "double"])
+    time.sleep(0.5)
+    same_id = [s for s in mirrored.spans() if s.context.span_id == first.context.span_id]
+    assert same_id == [first]
+    assert late[0].context.trace_id == first.context.trace_id
+
+
+def test_span_not_done_waits_for_export_delay():
+    with otel_cluster({"otel.spans.export-delay": "1s"}) as (client, mirrored):
+        with span("quick succession") as sid:
+            client.submit(inc, 1).result()
+            time.sleep(0.3)  # less than the export delay
+            client.submit(slow, 1, delay=0.5).result()
+        s = mirrored.by_dask_id(sid)
+        # One OTel span covering both computes, not one cut after the first
+        assert (s.end_time - s.start_time) / 1e9 >= 0.8
+        assert s.attributes["dask.tasks.total"] == 2
+
+
+def test_scheduler_close_exports_unfinished_spans():
+    with dask.config.set({**MEMORY_CONFIG, "otel.spans.export-delay": "1h"}):
+        cluster = LocalCluster(
+            n_workers=1, processes=False, dashboard_address=":0"
+        )
+        client = Client(cluster)
+        exporter = cluster.scheduler.plugins["dask-otel"].telemetry.span_exporters[0]
+        with span("cut short") as sid:
+            fut = client.submit(slow, 1, delay=5)
+            wait_until(lambda: getattr(cluster.scheduler.tasks.get(fut.key), "state", None) == "processing")
+        cluster.close()  # while the task runs and the client still wants it
+        client.close()
+    (s,) = [s for s in exporter.get_finished_spans() if s.context.span_id == ids_of(sid)[1]]
+    assert s.attributes["dask.span.unfinished"] is True
+    assert s.end_time >= s.start_time
+
+
+def test_instrument_a_running_cluster():
+    with dask.config.set({**MEMORY_CONFIG, "distributed.scheduler.preload": []}):
+        with LocalCluster(
+            n_workers=1, processes=False, dashboard_address=":0"
+        ) as cluster, Client(cluster) as client:
+            with span("before") as before_id:
+                client.submit(inc, 1).result()
+            assert "dask-otel" not in cluster.scheduler.plugins
+            dask_otel.instrument(client)
+            dask_otel.instrument(client)  # twice is harmless
+            plugin = cluster.scheduler.plugins["dask-otel"]
+            with span("after") as after_id:
+                client.submit(inc, 2).result()
+            wait_until(lambda: plugin.mirror.exported >= 2)
+            spans = plugin.telemetry.span_exporters[0].get_finished_spans()
+            names = {s.attributes["dask.span.id"] for s in spans}
+            assert after_id in names and before_id not in names
+            assert all(w["error"] is None for w in dask_otel.status(client)["workers"].values())
+
+
+@pytest.mark.parametrize(
+    "key, value",
+    [
+        ("otel.spans.export-delay", "soon"),
+        ("otel.spans.poll-interval", 0),
+        ("otel.spans.code", "yes"),
+        ("otel.traces.exporter", "jaeger-thrift"),
+        ("otel.spans.totals", "everything"),
+    ],
+)
+def test_bad_config_value_is_logged_and_the_cluster_computes(key, value, caplog):
+    with caplog.at_level(logging.ERROR, logger="dask_otel"):
+        with otel_cluster({key: value}) as (client, _):
+            assert client.submit(inc, 41).result() == 42
+            status = dask_otel.status(client)
+    assert key in status["scheduler"]["error"] and repr(value) in status["scheduler"]["error"]
+    assert any(key in r.getMessage() and repr(value) in r.getMessage() for r in caplog.records)
+
+
+def test_bad_otlp_protocol_names_the_variable(monkeypatch):
+    monkeypatch.setenv("OTEL_EXPORTER_OTLP_PROTOCOL", "http/json")
+    with otel_cluster({"otel.traces.exporter": "otlp"}) as (client, _):
+        assert client.submit(inc, 1).result() == 2
+        error = dask_otel.status(client)["scheduler"]["error"]
+    assert "OTEL_EXPORTER_OTLP_PROTOCOL" in error and "http/json" in error
+
+
+def test_disabled_does_nothing():
+    with otel_cluster({"otel.enabled": False}) as (client, _):
+        status = dask_otel.status(client)
+        assert status["scheduler"]["traces"] is False
+        assert client.submit(inc, 1).result() == 2
