@@ -107,6 +107,14 @@ class OtelSchedulerPlugin(SchedulerPlugin):
             except Exception:
                 logger.exception("dask_otel: could not observe graph")
 
+    def transition(self, key: Any, start: str, finish: str, *args: Any, **kwargs: Any) -> None:
+        # Called for every transition of every task: keep the common path one test
+        if finish == "erred" and self.mirror is not None:
+            try:
+                self.mirror.observe_erred(key)
+            except Exception:
+                logger.exception("dask_otel: could not count erred task")
+
     async def close(self) -> None:
         """Export what is still open and flush, within otel.flush-timeout"""
         if self._closed:

@@ -63,6 +63,7 @@ from __future__ import annotations
 
 import logging
 import uuid
+from collections import defaultdict
 from collections.abc import Hashable, Iterable, Mapping
 from itertools import islice
 from typing import TYPE_CHECKING, Any
@@ -151,10 +152,17 @@ def _root(span: Span) -> Span:
     return span
 
 
-def _erred_status(attributes: Mapping[str, Any]) -> Status | None:
-    if erred := attributes.get("dask.tasks.erred"):
-        return Status(StatusCode.ERROR, f"{erred} tasks erred")
-    return None
+def _erred_status(attributes: dict[str, Any], erred: int) -> Status | None:
+    """Record the erred count and return the ERROR status, if any task erred.
+
+    ``erred`` counts the erred transitions the mirror saw; the state count alone
+    would miss tasks whose futures the client released before the export.
+    """
+    erred = max(erred, attributes.get("dask.tasks.erred", 0))
+    if not erred:
+        return None
+    attributes["dask.tasks.erred"] = erred
+    return Status(StatusCode.ERROR, f"{erred} tasks erred")
 
 
 class SpanMirror:
@@ -179,6 +187,10 @@ class SpanMirror:
     #: ones past this count.
     spans_seen: int
 
+    #: Tasks that transitioned to erred, by open TaskGroup and by open Dask span id
+    #: (each span counts its subtree's, or its own with ``otel.spans.totals: own``)
+    erred: defaultdict[Any, int]
+
     #: Counters for the bridge's self-metrics
     exported: int
     reopened: int
@@ -189,6 +201,7 @@ class SpanMirror:
         self.config = config
         self.open_spans = {}
         self.open_groups = {}
+        self.erred = defaultdict(int)
         self.exported = 0
         self.reopened = 0
         ext = self.extension
@@ -243,6 +256,24 @@ class SpanMirror:
                 # New work on a span that was already exported: its groups are
                 # still exported as its children; the span itself is not again.
                 self.reopened += 1
+
+    def observe_erred(self, key: Hashable) -> None:
+        """A task erred: count it for its open group and open spans (Dask's own
+        state counts forget it once the client releases the future)"""
+        ts = self.scheduler.tasks.get(key)
+        ext = self.extension
+        if ts is None or ext is None:
+            return
+        tg = ts.group
+        if tg in self.open_groups:
+            self.erred[tg] += 1
+        span = ext.spans.get(tg.span_id) if tg.span_id else None
+        while span is not None:
+            if span.id in self.open_spans:
+                self.erred[span.id] += 1
+            if self.config.span_totals == "own":
+                break
+            span = span.parent
 
     # --- export ------------------------------------------------------------------
 
@@ -321,6 +352,7 @@ class SpanMirror:
             ]
         if unfinished:
             attributes["dask.span.unfinished"] = True
+        status = _erred_status(attributes, self.erred.pop(span.id, 0))
 
         self.telemetry.id_generator.set_next(dask_uuid(root.id), dask_uuid(span.id) & _LOW_64)
         otel = self.telemetry.tracer.start_span(
@@ -331,7 +363,7 @@ class SpanMirror:
         )
         if span.start:
             otel.add_event("dask.first_task_start", timestamp=_ns(span.start))
-        if status := _erred_status(attributes):
+        if status:
             otel.set_status(status)
         otel.end(end_time=_ns(span.stop))
 
@@ -347,6 +379,7 @@ class SpanMirror:
             **group_attributes([tg]),
             **fine_metric_attributes(span._cumulative_worker_metrics, prefix),
         }
+        status = _erred_status(attributes, self.erred.pop(tg, 0))
         start = tg.start or span.enqueued
         stop = max(tg.stop, start) if tg.done else time()
         self.telemetry.id_generator.set_next(None, None)
@@ -356,6 +389,6 @@ class SpanMirror:
             attributes=attributes,
             start_time=_ns(start),
         )
-        if status := _erred_status(attributes):
+        if status:
             otel.set_status(status)
         otel.end(end_time=_ns(stop))

@@ -1,0 +1,131 @@
+"""A Dask cluster of real ``dask scheduler`` and ``dask worker`` processes, configured
+only through environment variables, as a user deploys one."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+from distributed import Client
+
+#: What a user exports to switch the bridge on
+PRELOAD_ENV = {"DASK_DISTRIBUTED__SCHEDULER__PRELOAD": "dask_otel"}
+#: Faster than the defaults, so that tests do not wait: spans exported 300 ms after
+#: they finish, batches sent every 200 ms, metrics every 500 ms
+FAST_ENV = {
+    "DASK_OTEL__SPANS__EXPORT_DELAY": "300ms",
+    "DASK_OTEL__SPANS__POLL_INTERVAL": "100ms",
+    "OTEL_BSP_SCHEDULE_DELAY": "200",
+    "OTEL_METRIC_EXPORT_INTERVAL": "500",
+}
+
+
+def _dask(*args: str) -> list[str]:
+    return [sys.executable, "-m", "distributed.cli.dask_" + args[0], *args[1:]]
+
+
+class DaskProcesses:
+    """``dask scheduler`` + ``dask worker`` subprocesses on 127.0.0.1"""
+
+    def __init__(self, env: dict[str, str], n_workers: int = 2, worker_args: tuple = ()):
+        # Task functions defined in test modules are pickled by reference
+        tests = str(Path(__file__).parent)
+        pythonpath = os.pathsep.join(filter(None, [tests, os.environ.get("PYTHONPATH")]))
+        self.env = {**os.environ, "PYTHONPATH": pythonpath, **env}
+        self.n_workers = n_workers
+        self.worker_args = worker_args
+        self.dir = tempfile.TemporaryDirectory()
+        self.scheduler_file = str(Path(self.dir.name) / "scheduler.json")
+        self.logs: dict[str, Path] = {}
+        self.procs: dict[str, subprocess.Popen] = {}
+
+    def _spawn(self, name: str, cmd: list[str]) -> subprocess.Popen:
+        log = Path(self.dir.name) / f"{name}.log"
+        self.logs[name] = log
+        proc = subprocess.Popen(
+            cmd, env=self.env, stdout=log.open("w"), stderr=subprocess.STDOUT,
+            cwd=self.dir.name,
+        )
+        self.procs[name] = proc
+        return proc
+
+    def start(self) -> DaskProcesses:
+        self._spawn(
+            "scheduler",
+            _dask("scheduler", "--host", "127.0.0.1", "--port", "0",
+                  "--dashboard-address", "127.0.0.1:0",
+                  "--scheduler-file", self.scheduler_file),
+        )
+        deadline = time.monotonic() + 60
+        while not os.path.exists(self.scheduler_file):
+            if time.monotonic() > deadline or self.procs["scheduler"].poll() is not None:
+                raise RuntimeError(f"scheduler did not start:\n{self.log('scheduler')}")
+            time.sleep(0.1)
+        for i in range(self.n_workers):
+            self.add_worker(f"worker-{i}")
+        return self
+
+    def add_worker(self, name: str, env: dict[str, str] | None = None) -> subprocess.Popen:
+        cmd = _dask("worker", "--scheduler-file", self.scheduler_file, "--nthreads", "1",
+                    "--host", "127.0.0.1", "--dashboard-address", "127.0.0.1:0",
+                    "--no-nanny", "--name", name, *self.worker_args)
+        if env is None:
+            return self._spawn(name, cmd)
+        old, self.env = self.env, {**self.env, **env}
+        try:
+            return self._spawn(name, cmd)
+        finally:
+            self.env = old
+
+    @property
+    def address(self) -> str:
+        with open(self.scheduler_file) as f:
+            return json.load(f)["address"]
+
+    def client(self, n_workers: int | None = None) -> Client:
+        client = Client(self.address, timeout=30)
+        client.wait_for_workers(self.n_workers if n_workers is None else n_workers, timeout=60)
+        return client
+
+    def log(self, name: str) -> str:
+        return self.logs[name].read_text() if name in self.logs else ""
+
+    def stop(self) -> None:
+        """SIGINT, as a user's Ctrl-C or an orchestrator's stop: the scheduler closes
+        cleanly, running dask_teardown and flushing pending spans"""
+        for name in sorted(self.procs, key=lambda n: n == "scheduler"):
+            proc = self.procs[name]
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGINT)
+        for proc in self.procs.values():
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+
+    def __enter__(self) -> DaskProcesses:
+        try:
+            return self.start()
+        except BaseException:
+            self.stop()
+            self.dir.cleanup()
+            raise
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+        self.dir.cleanup()
+
+
+@contextlib.contextmanager
+def dask_processes(env: dict[str, str], **kwargs) -> Iterator[DaskProcesses]:
+    with DaskProcesses({**PRELOAD_ENV, **FAST_ENV, **env}, **kwargs) as procs:
+        yield procs

@@ -1,0 +1,143 @@
+"""The user's path end to end: ``dask scheduler`` and ``dask worker`` processes with
+the bridge switched on only by DASK_DISTRIBUTED__SCHEDULER__PRELOAD=dask_otel and the
+standard OTEL_* variables, exporting over real OTLP (gRPC and HTTP/protobuf) to a
+receiver the test runs on 127.0.0.1."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+from distributed import span, wait
+
+from otlp_receiver import OTLPReceiver
+from processes import dask_processes
+
+
+def load(i):
+    time.sleep(0.05)
+    return list(range(i * 100))
+
+
+def clean(xs):
+    return [x for x in xs if x % 2]
+
+
+def fit(parts):
+    time.sleep(0.05)
+    return sum(map(len, parts))
+
+
+def broken(x):
+    raise RuntimeError("diverged")
+
+
+def workflow(client):
+    """Three levels of spans, each stage with its own task prefixes, one failure"""
+    with span("Alice's workflow") as root_id:
+        with span("data load") as load_id:
+            parts = client.map(load, range(4))
+            with span("cleaning") as clean_id:
+                cleaned = client.map(clean, parts)
+                wait(cleaned)
+        with span("train") as train_id:
+            model = client.submit(fit, cleaned)
+            model.result()
+            bad = client.submit(broken, 1)
+            wait(bad)
+    return root_id, {"data load": load_id, "cleaning": clean_id, "train": train_id}
+
+
+@pytest.mark.parametrize("protocol", ["grpc", "http/protobuf"])
+def test_workflow_arrives_as_one_trace_over_otlp(protocol):
+    with OTLPReceiver(protocol) as receiver:
+        env = {**receiver.env(), "OTEL_METRICS_EXPORTER": "none"}
+        with dask_processes(env) as cluster, cluster.client() as client:
+            started = time.time()
+            root_id, ids = workflow(client)
+            finished = time.time()
+            trace_id = root_id.replace("-", "")
+            # Root + 3 sub-spans + TaskGroups load, clean, fit, broken
+            spans = receiver.wait_for(
+                lambda r: len(t := [s for s in r.spans() if s.trace_id == trace_id]) >= 8 and t,
+                timeout=30,
+            )
+            scheduler_address = cluster.address
+
+    by_name = {s.name: s for s in spans}
+    root = by_name["Alice's workflow"]
+    assert root.span_id == trace_id[-16:]
+    assert root.parent_span_id is None
+    for name, dask_id in ids.items():
+        assert by_name[name].span_id == dask_id.replace("-", "")[-16:]
+        assert by_name[name].attributes["dask.span.id"] == dask_id
+    assert by_name["data load"].parent_span_id == root.span_id
+    assert by_name["cleaning"].parent_span_id == by_name["data load"].span_id
+    assert by_name["train"].parent_span_id == root.span_id
+    assert by_name["load"].parent_span_id == by_name["data load"].span_id
+    assert by_name["clean"].parent_span_id == by_name["cleaning"].span_id
+    assert by_name["fit"].parent_span_id == by_name["train"].span_id
+    assert by_name["cleaning"].attributes["dask.span.name"] == (
+        "Alice's workflow", "data load", "cleaning",
+    )
+
+    # Times: within the client's view of the run, children within their parents
+    assert started - 0.5 <= root.start <= root.end <= finished + 0.5
+    parents = {s.span_id: s for s in spans}
+    for s in spans:
+        if s.parent_span_id:
+            parent = parents[s.parent_span_id]
+            assert parent.start - 0.01 <= s.start <= s.end <= parent.end + 0.01, s.name
+
+    # Attributes and status
+    assert by_name["load"].attributes["dask.tasks.total"] == 4
+    assert by_name["data load"].attributes["dask.tasks.total"] == 8  # subtree
+    assert by_name["fit"].attributes["dask.metrics.execute.thread-noncpu.seconds"] > 0.03
+    assert by_name["train"].status_code == "ERROR"
+    assert by_name["train"].status_message == "1 tasks erred"
+    assert by_name["broken"].status_code == "ERROR"
+    assert by_name["data load"].status_code == "UNSET"
+    assert root.status_code == "ERROR"
+    assert any(e[0] == "dask.first_task_start" for e in root.events)
+
+    # Which process emitted it
+    assert root.resource["service.name"] == "dask"
+    assert root.resource["dask.scheduler.address"] == scheduler_address
+    assert root.scope == "dask_otel"
+
+
+def test_service_name_and_resource_attributes_come_from_otel_variables():
+    with OTLPReceiver("grpc") as receiver:
+        env = {
+            **receiver.env(),
+            "OTEL_METRICS_EXPORTER": "none",
+            "OTEL_SERVICE_NAME": "etl-cluster",
+            "OTEL_RESOURCE_ATTRIBUTES": "deployment.environment=staging",
+        }
+        with dask_processes(env, n_workers=1) as cluster, cluster.client() as client:
+            with span("named"):
+                client.submit(load, 1).result()
+            (s,) = receiver.wait_for(lambda r: r.spans("named"), timeout=30)
+    assert s.resource["service.name"] == "etl-cluster"
+    assert s.resource["deployment.environment"] == "staging"
+
+
+def test_scheduler_shutdown_flushes_pending_spans():
+    """Spans not yet exported when the scheduler stops are exported by dask_teardown"""
+    with OTLPReceiver("grpc") as receiver:
+        env = {
+            **receiver.env(),
+            "OTEL_METRICS_EXPORTER": "none",
+            "DASK_OTEL__SPANS__EXPORT_DELAY": "1h",  # never by the poll
+            "OTEL_BSP_SCHEDULE_DELAY": "60000",  # never by the batch timer
+        }
+        with dask_processes(env, n_workers=1) as cluster:
+            with cluster.client() as client:
+                with span("last words") as sid:
+                    client.submit(load, 1).result()
+            time.sleep(0.5)
+            assert not receiver.spans("last words")
+        # the scheduler was stopped with SIGINT on leaving the block
+        (s,) = receiver.wait_for(lambda r: r.spans("last words"), timeout=10)
+    assert s.attributes["dask.span.id"] == sid
+    assert "dask.span.unfinished" not in s.attributes
