@@ -1,0 +1,201 @@
+"""Observable instruments shared by every Dask server of a process.
+
+A process holds one MeterProvider (see :class:`dask_otel.config.Telemetry`), and a
+LocalCluster with ``processes=False`` runs a scheduler and several workers in it.
+An instrument name may be registered only once per MeterProvider, so each kind of
+instrument set (:class:`~dask_otel.spill.SpillInstruments`,
+:class:`~dask_otel.metrics.SchedulerInstruments`) is created once per provider, and
+its callbacks report on every Dask server currently attached to it, each with the
+attributes that name it.
+
+Callbacks run in the metric reader's thread (or, in Prometheus pull mode, in the
+thread that serves ``/metrics``) while the event loop and the task threads change
+what they read. They copy what they read, skip a server for one round on
+``RuntimeError`` (a dict changed size during iteration), and never raise.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable, Hashable, Iterable, Mapping
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, ClassVar
+from weakref import WeakKeyDictionary
+
+from opentelemetry.metrics import CallbackOptions, Observation
+
+if TYPE_CHECKING:
+    from opentelemetry.metrics import Meter, MeterProvider
+
+logger = logging.getLogger("dask_otel")
+
+#: Instrument kinds of :attr:`MetricSpec.kind`
+GAUGE = "gauge"
+COUNTER = "counter"
+
+#: What a MetricSpec reads from one attached server: ``[(value, attributes)]``,
+#: added to the attributes that name the server
+Reading = Iterable[tuple[float, Mapping[str, Any]]]
+
+
+@dataclass(frozen=True)
+class MetricSpec:
+    """One row of a metric table: everything needed to create the instrument and
+    to observe it. Tables of MetricSpecs are the only place a metric name is spelled.
+    """
+
+    #: OpenTelemetry instrument name: dotted lowercase, no unit in it
+    name: str
+    #: :data:`GAUGE` (a current level) or :data:`COUNTER` (a cumulative total that
+    #: only goes up while the process lives)
+    kind: str
+    #: UCUM unit: ``s``, ``By``, or an annotation such as ``{key}``
+    unit: str
+    description: str
+    #: What one attached server contributes, given its :class:`Attached` handle
+    read: Callable[[Any], Reading]
+    #: Read from one attached server only: the value belongs to the process (the
+    #: Telemetry), not to a server, and must not be counted once per server
+    per_process: bool = False
+
+
+class Attached:
+    """One Dask server that a :class:`ProcessInstruments` reports on.
+
+    ``close()`` detaches it: its series stop at the next collection.
+    """
+
+    #: Attributes added to every observation of this server
+    attributes: dict[str, Any]
+    instruments: ProcessInstruments | None
+
+    def __init__(self, attributes: dict[str, Any]):
+        self.attributes = attributes
+        self.instruments = None
+
+    @property
+    def active(self) -> bool:
+        """False while the server is closing: it is skipped until detached"""
+        return True
+
+    def close(self) -> None:
+        if self.instruments is not None:
+            self.instruments.detach(self)
+            self.instruments = None
+
+
+# provider -> {ProcessInstruments subclass: its instance}. Weak, so that a
+# MeterProvider that was shut down and dropped takes its instruments with it.
+_by_provider: WeakKeyDictionary[MeterProvider, dict[type, ProcessInstruments]] = (
+    WeakKeyDictionary()
+)
+_by_provider_lock = threading.Lock()
+
+
+class ProcessInstruments:
+    """The instruments of one metric table on one MeterProvider, and the Dask
+    servers of this process they currently report on."""
+
+    #: The metric table; one instrument per row
+    table: ClassVar[tuple[MetricSpec, ...]]
+
+    _attached: dict[Attached, None]
+    _lock: threading.Lock
+    #: Rows whose read failed once already: logged at WARNING once, then DEBUG
+    _failed: set[str]
+
+    def __init__(self, meter: Meter):
+        self._attached = {}
+        self._lock = threading.Lock()
+        self._failed = set()
+        for spec in self.table:
+            create = (
+                meter.create_observable_gauge
+                if spec.kind == GAUGE
+                else meter.create_observable_counter
+            )
+            create(
+                spec.name,
+                callbacks=[self._callback(spec)],
+                unit=spec.unit,
+                description=spec.description,
+            )
+
+    @classmethod
+    def of(cls, meter_provider: MeterProvider) -> ProcessInstruments:
+        """This table's instruments on ``meter_provider``, created on first use"""
+        with _by_provider_lock:
+            per_class = _by_provider.setdefault(meter_provider, {})
+            instruments = per_class.get(cls)
+            if instruments is None:
+                from dask_otel import __version__
+
+                meter = meter_provider.get_meter("dask_otel", __version__)
+                instruments = per_class[cls] = cls(meter)
+            return instruments
+
+    def attach(self, attached: Attached) -> Attached:
+        with self._lock:
+            self._attached[attached] = None
+        attached.instruments = self
+        return attached
+
+    def detach(self, attached: Attached) -> None:
+        with self._lock:
+            self._attached.pop(attached, None)
+
+    @property
+    def attached(self) -> list[Attached]:
+        """A copy, safe to iterate in the reader's thread"""
+        with self._lock:
+            return list(self._attached)
+
+    def _callback(
+        self, spec: MetricSpec
+    ) -> Callable[[CallbackOptions], list[Observation]]:
+        def callback(options: CallbackOptions) -> list[Observation]:
+            attached = self.attached
+            if spec.per_process:
+                attached = attached[:1]
+            out = []
+            for server in attached:
+                if server.active:
+                    out.extend(self._observe(spec, server))
+            return out
+
+        return callback
+
+    def _observe(self, spec: MetricSpec, server: Attached) -> list[Observation]:
+        try:
+            return [
+                Observation(value, {**server.attributes, **attributes})
+                for value, attributes in spec.read(server)
+            ]
+        except RuntimeError:
+            # "dictionary changed size during iteration": the server is busy; it
+            # reports again at the next collection
+            return []
+        except Exception:
+            level = logging.DEBUG if spec.name in self._failed else logging.WARNING
+            self._failed.add(spec.name)
+            logger.log(
+                level,
+                "dask_otel: could not read %s for %s; skipped",
+                spec.name,
+                server.attributes,
+                exc_info=True,
+            )
+            return []
+
+
+def copy_mapping(mapping: Mapping[Hashable, float]) -> dict[Hashable, float]:
+    """A copy of a mapping that another thread may be changing.
+
+    ``dict.copy`` runs in C without releasing the GIL, so it sees a consistent
+    state of a plain dict or defaultdict; other mappings are iterated, which may
+    raise RuntimeError (the caller skips this round).
+    """
+    if isinstance(mapping, dict):
+        return dict.copy(mapping)
+    return dict(mapping)

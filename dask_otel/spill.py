@@ -1,0 +1,332 @@
+"""A worker's SpillBuffer as OpenTelemetry metrics.
+
+Every worker of a cluster with the ``dask_otel`` preload reports, at each
+collection of the metric reader (every ``OTEL_METRIC_EXPORT_INTERVAL`` ms with
+OTLP; at each scrape in Prometheus pull mode), what its managed data
+(``Worker.data``) holds and what it cost to get there. Nothing is sampled or
+recorded in between: the values are read from the worker's ``data`` when the
+reader asks.
+
+Metrics
+-------
+Every series carries ``dask.worker.address`` and ``dask.worker.name``.
+
+Current levels (observable gauges):
+
+================================ ====== ============================================
+``dask.spill.memory.count``      {key}  keys held in memory
+``dask.spill.memory.size``       By     their size in memory, as ``sizeof()``
+``dask.spill.disk.count``        {key}  keys spilled to disk
+``dask.spill.disk.size``         By     bytes those keys take on disk (pickled,
+                                        possibly compressed)
+``dask.spill.disk.memory_size``  By     ``sizeof()`` of those keys: what they would
+                                        take in memory if unspilled
+``dask.memory.threshold``        By     the worker's memory thresholds, attribute
+                                        ``dask.threshold``: ``limit`` (the memory
+                                        limit), ``target``, ``spill``, ``pause``,
+                                        ``terminate`` (only those enabled; terminate
+                                        only for workers with a nanny)
+================================ ====== ============================================
+
+Cumulative totals since the worker started (observable counters), attribute
+``dask.activity.name``: ``memory-read``, ``disk-read``, ``disk-write``,
+``serialize``, ``deserialize``, ``compress``, ``decompress`` (whatever Dask measures):
+
+====================== ====== ==============================================
+``dask.spill.count``   {key}  keys read or written
+``dask.spill.size``    By     bytes read or written
+``dask.spill.time``    s      seconds spent
+====================== ====== ==============================================
+
+A restarted worker is a new process and starts from zero with a new start time:
+OTLP backends and Prometheus' ``rate()`` read that as a counter reset.
+
+Derived metrics (Prometheus names; ``A`` = ``dask_activity_name``), as in
+``distributed.http.worker.prometheus.core.WorkerMetricCollector.collect_spillbuffer``::
+
+    cache hit ratio, by keys  = rate(dask_spill_count_total{A="memory-read"})
+                                / ignoring(A) (rate(..{A="memory-read"}) + rate(..{A="disk-read"}))
+    cache hit ratio, by bytes = the same with dask_spill_size_bytes_total
+    seconds per key:  serialize = rate(dask_spill_time_seconds_total{A="serialize"})
+                                  / rate(dask_spill_count_total{A="disk-write"})
+                      write     = time{A="disk-write"}  / count{A="disk-write"}
+                      deserialize = time{A="deserialize"} / count{A="disk-read"}
+                      read      = time{A="disk-read"}   / count{A="disk-read"}
+    bytes per key:    write     = size{A="disk-write"}  / count{A="disk-write"}
+                      read      = size{A="disk-read"}   / count{A="disk-read"}
+    bytes per second: write     = size{A="disk-write"}  / time{A="disk-write"}
+                      read      = size{A="disk-read"}   / time{A="disk-read"}
+    spill rate (B/s) = rate(dask_spill_size_bytes_total{A="disk-write"}[1m])
+    unspill rate     = rate(dask_spill_size_bytes_total{A="disk-read"}[1m])
+
+Prometheus names (dots become underscores, the unit is appended, counters get
+``_total``): ``dask_spill_memory_count``, ``dask_spill_memory_size_bytes``,
+``dask_spill_disk_count``, ``dask_spill_disk_size_bytes``,
+``dask_spill_disk_memory_size_bytes``, ``dask_memory_threshold_bytes``,
+``dask_spill_count_total``, ``dask_spill_size_bytes_total``,
+``dask_spill_time_seconds_total``. None collides with Dask's own ``/metrics``
+(``dask_worker_*``, ``dask_scheduler_*``).
+
+What ``Worker.data`` may be
+---------------------------
+- ``distributed.spill.SpillBuffer`` since 2023.3.2: totals from
+  ``cumulative_metrics[(label, unit)]``.
+- ``SpillBuffer`` of 2022.12.1 to 2023.3.1: totals from ``get_metrics()``
+  (``FastMetrics`` / ``SlowMetrics``), mapped to the same names: ``pickle`` becomes
+  ``serialize``, ``unpickle`` ``deserialize``, underscores become hyphens, ``time``
+  becomes seconds, so one dashboard query covers both.
+- a plain dict (spilling disabled): levels only; everything is in memory, disk
+  levels are 0.
+- a third-party buffer following ``distributed.spill.ManualEvictProto`` (dask-cuda's
+  ProxifyHostFile): whatever of ``fast``, ``slow``, ``spilled_total``,
+  ``cumulative_metrics`` or ``get_metrics()`` it has; the rest is not reported.
+
+Usage
+-----
+Nothing to call: the worker plugin that the ``dask_otel`` preload registers does
+it on every worker::
+
+    DASK_DISTRIBUTED__SCHEDULER__PRELOAD=dask_otel \\
+    OTEL_EXPORTER_OTLP_ENDPOINT=http://collector:4317 \\
+    OTEL_METRIC_EXPORT_INTERVAL=15000 \\
+    dask scheduler
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sized
+from typing import TYPE_CHECKING, Any
+
+import dask.config
+
+from dask_otel.instruments import (
+    COUNTER,
+    GAUGE,
+    Attached,
+    MetricSpec,
+    ProcessInstruments,
+    Reading,
+    copy_mapping,
+)
+
+if TYPE_CHECKING:
+    from distributed import Worker
+
+    from dask_otel.config import Telemetry
+
+#: Attributes
+WORKER_ADDRESS = "dask.worker.address"
+WORKER_NAME = "dask.worker.name"
+#: Same attribute as on the scheduler's fine performance metrics
+ACTIVITY = "dask.activity.name"
+THRESHOLD = "dask.threshold"
+
+#: Activity labels of ``SpillBuffer.get_metrics()`` (2022.12.1 to 2023.3.1) that
+#: were renamed when ``cumulative_metrics`` replaced it (in 2023.3.2)
+OLD_ACTIVITIES = {"pickle": "serialize", "unpickle": "deserialize"}
+#: Unit suffixes of ``get_metrics()`` keys -> units of ``cumulative_metrics`` keys
+OLD_UNITS = {"count": "count", "bytes": "bytes", "time": "seconds"}
+#: What the current SpillBuffer records in ``cumulative_metrics``, exported as 0
+#: until it happens: Prometheus' rate() loses the first increase of a series
+#: that appears with a value above 0
+SPILLBUFFER_TOTALS = (
+    *((activity, unit) for activity in ("memory-read", "disk-read", "disk-write")
+      for unit in ("count", "bytes")),
+    *((activity, "seconds") for activity in (
+        "disk-read", "disk-write", "serialize", "deserialize", "compress", "decompress"
+    )),
+)
+
+
+class ObservedWorker(Attached):
+    """A worker that the spill instruments of its process report on"""
+
+    worker: Worker
+    #: distributed.worker.memory.terminate when the worker started; only a nanny
+    #: enforces it, so None for a worker without one
+    terminate_fraction: float | None
+
+    def __init__(self, worker: Worker):
+        super().__init__({WORKER_ADDRESS: worker.address, WORKER_NAME: str(worker.name)})
+        self.worker = worker
+        fraction = dask.config.get("distributed.worker.memory.terminate", False)
+        self.terminate_fraction = fraction if getattr(worker, "nanny", None) else None
+
+    @property
+    def active(self) -> bool:
+        status = getattr(self.worker.status, "name", "")
+        return status not in ("closing", "closed", "failed")
+
+
+# --- what is read from Worker.data ------------------------------------------------
+
+
+def spill_levels(worker: Worker) -> dict[str, float]:
+    """What the worker's data holds now, keyed by the fields of :data:`LEVELS`.
+
+    Fields that this kind of ``data`` cannot tell are missing.
+    """
+    data = worker.data
+    fast = getattr(data, "fast", None)
+    slow = getattr(data, "slow", None)
+    spilled = getattr(data, "spilled_total", None)  # SpilledSize(memory, disk)
+    out: dict[str, float] = {}
+    if fast is None and slow is None:
+        # Spilling is disabled: a plain mapping, all of it in memory
+        out.update(disk_count=0, disk_size=0, disk_memory_size=0)
+    if isinstance(slow, Sized):
+        out["disk_count"] = len(slow)
+    if spilled is not None:
+        out["disk_memory_size"], out["disk_size"] = spilled
+    if isinstance(fast, Sized):
+        out["memory_count"] = len(fast)
+    elif "disk_count" in out:
+        out["memory_count"] = len(data) - out["disk_count"]
+    weight = getattr(fast, "total_weight", None)  # zict.LRU: sum of sizeof()
+    if isinstance(weight, (int, float)):
+        out["memory_size"] = weight
+    elif "disk_memory_size" in out:
+        # WorkerState.nbytes counts every key in data, spilled or not
+        out["memory_size"] = worker.state.nbytes - out["disk_memory_size"]
+    return out
+
+
+def spill_totals(worker: Worker) -> dict[tuple[str, str], float]:
+    """Cumulative ``{(activity, unit): value}`` of the worker's data, in the labels
+    and units of ``SpillBuffer.cumulative_metrics``, whichever generation it is.
+    Empty when spilling is disabled.
+    """
+    data = worker.data
+    current = getattr(data, "cumulative_metrics", None)
+    if isinstance(current, Mapping):
+        out = dict.fromkeys(SPILLBUFFER_TOTALS, 0.0)
+        out.update(
+            ((str(label), str(unit)), value)
+            for (label, unit), value in copy_mapping(current).items()
+        )
+        return out
+    get_metrics = getattr(data, "get_metrics", None)
+    if callable(get_metrics):
+        return old_generation_totals(get_metrics())
+    return {}
+
+
+def old_generation_totals(metrics: Mapping[str, float]) -> dict[tuple[str, str], float]:
+    """``SpillBuffer.get_metrics()`` of 2022.12.1 to 2023.3.1 as
+    ``{(activity, unit): value}``: ``disk_write_time_total`` becomes
+    ``("disk-write", "seconds")``, ``pickle_time_total`` ``("serialize", "seconds")``.
+    Its levels (``memory_count``...) are left out: :func:`spill_levels` reads them.
+    """
+    out: dict[tuple[str, str], float] = {}
+    for name, value in metrics.items():
+        if not name.endswith("_total"):
+            continue
+        activity, _, unit = name[: -len("_total")].rpartition("_")
+        if unit not in OLD_UNITS or not activity:
+            continue
+        activity = OLD_ACTIVITIES.get(activity, activity.replace("_", "-"))
+        key = (activity, OLD_UNITS[unit])
+        out[key] = out.get(key, 0) + value
+    return out
+
+
+def memory_thresholds(observed: ObservedWorker) -> Reading:
+    """The worker's memory limit and the enabled thresholds, in bytes"""
+    manager = getattr(observed.worker, "memory_manager", None)
+    limit = getattr(manager, "memory_limit", None)
+    if not limit:
+        return []
+    fractions = {
+        "target": getattr(manager, "memory_target_fraction", False),
+        "spill": getattr(manager, "memory_spill_fraction", False),
+        "pause": getattr(manager, "memory_pause_fraction", False),
+        "terminate": observed.terminate_fraction,
+    }
+    out: list[tuple[float, Mapping[str, Any]]] = [(limit, {THRESHOLD: "limit"})]
+    for name, fraction in fractions.items():
+        if fraction is not None and fraction is not False:
+            out.append((int(limit * fraction), {THRESHOLD: name}))
+    return out
+
+
+def _level(field: str):
+    def read(observed: ObservedWorker) -> Reading:
+        value = spill_levels(observed.worker).get(field)
+        return [] if value is None else [(value, {})]
+
+    return read
+
+
+def _total(dask_unit: str):
+    def read(observed: ObservedWorker) -> Reading:
+        return [
+            (value, {ACTIVITY: activity})
+            for (activity, unit), value in spill_totals(observed.worker).items()
+            if unit == dask_unit
+        ]
+
+    return read
+
+
+#: Every spill instrument. The Dask unit in ``_total(...)`` is the second element
+#: of the keys of ``SpillBuffer.cumulative_metrics``.
+SPILL_METRICS: tuple[MetricSpec, ...] = (
+    MetricSpec(
+        "dask.spill.memory.count", GAUGE, "{key}",
+        "Keys held in memory by the worker", _level("memory_count"),
+    ),
+    MetricSpec(
+        "dask.spill.memory.size", GAUGE, "By",
+        "Size in memory (sizeof) of the keys held in memory by the worker",
+        _level("memory_size"),
+    ),
+    MetricSpec(
+        "dask.spill.disk.count", GAUGE, "{key}",
+        "Keys spilled to disk by the worker", _level("disk_count"),
+    ),
+    MetricSpec(
+        "dask.spill.disk.size", GAUGE, "By",
+        "Bytes on disk (pickled, possibly compressed) of the keys spilled by the worker",
+        _level("disk_size"),
+    ),
+    MetricSpec(
+        "dask.spill.disk.memory_size", GAUGE, "By",
+        "Size in memory (sizeof) of the keys spilled to disk by the worker",
+        _level("disk_memory_size"),
+    ),
+    MetricSpec(
+        "dask.memory.threshold", GAUGE, "By",
+        "Memory limit and thresholds of the worker (attribute dask.threshold)",
+        memory_thresholds,
+    ),
+    MetricSpec(
+        "dask.spill.count", COUNTER, "{key}",
+        "Keys read from memory or disk, or written to disk, by the worker's data "
+        "since the worker started", _total("count"),
+    ),
+    MetricSpec(
+        "dask.spill.size", COUNTER, "By",
+        "Bytes read from memory or disk, or written to disk, by the worker's data "
+        "since the worker started", _total("bytes"),
+    ),
+    MetricSpec(
+        "dask.spill.time", COUNTER, "s",
+        "Time spent spilling and unspilling (disk I/O, (de)serialization, "
+        "(de)compression) since the worker started", _total("seconds"),
+    ),
+)
+
+
+class SpillInstruments(ProcessInstruments):
+    """The spill instruments of one MeterProvider, reporting on every worker of
+    this process that is observed"""
+
+    table = SPILL_METRICS
+
+    @classmethod
+    def observe(cls, worker: Worker, telemetry: Telemetry) -> ObservedWorker:
+        """Report on ``worker`` from the next collection on, until the returned
+        handle's ``close()``"""
+        assert telemetry.meter_provider is not None
+        instruments = cls.of(telemetry.meter_provider)
+        return instruments.attach(ObservedWorker(worker))  # type: ignore[return-value]

@@ -1,0 +1,93 @@
+"""Helpers for the metrics tests: config for an in-process cluster that spills,
+and reading the bridge's InMemoryMetricReader."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+from opentelemetry.sdk.metrics.export import InMemoryMetricReader
+
+#: An in-process cluster with the bridge and an in-memory metric reader, whose
+#: workers spill as soon as their data passes 10% of their memory limit. The
+#: memory monitor's thresholds are off: with processes=False it would measure the
+#: whole test process.
+SPILL_CONFIG: dict[str, Any] = {
+    "distributed.scheduler.preload": ["dask_otel"],
+    "otel.metrics.exporter": "memory",
+    "otel.traces.exporter": "none",
+    "distributed.worker.memory.target": 0.1,
+    "distributed.worker.memory.spill": False,
+    "distributed.worker.memory.pause": False,
+    "distributed.worker.memory.terminate": False,
+}
+#: memory_limit that goes with SPILL_CONFIG: workers keep 10 MB in memory
+MEMORY_LIMIT = 100_000_000
+#: One chunk of data: 4 MB, so that three of them pass a worker's 10 MB target
+CHUNK_BYTES = 4_000_000
+
+
+def make_chunk(seed: int) -> np.ndarray:
+    """4 MB of random floats (incompressible, so pickled size ~ sizeof)"""
+    return np.random.default_rng(seed).random(CHUNK_BYTES // 8)
+
+
+def total(chunks: list[np.ndarray]) -> float:
+    return float(sum(chunk.sum() for chunk in chunks))
+
+
+@dataclass
+class Point:
+    attributes: dict[str, Any]
+    value: float
+    start_time_unix_nano: int
+
+
+def metric_reader(cluster: Any) -> InMemoryMetricReader:
+    """The in-memory reader of the process Telemetry a LocalCluster's scheduler uses"""
+    telemetry = cluster.scheduler.plugins["dask-otel"].telemetry
+    (reader,) = [
+        r for r in telemetry.metric_readers if isinstance(r, InMemoryMetricReader)
+    ]
+    return reader
+
+
+def collect(reader: InMemoryMetricReader) -> dict[str, list[Point]]:
+    """One collection: ``{metric name: [Point]}``"""
+    out: dict[str, list[Point]] = {}
+    data = reader.get_metrics_data()
+    if data is None:
+        return out
+    for rm in data.resource_metrics:
+        for sm in rm.scope_metrics:
+            for metric in sm.metrics:
+                out.setdefault(metric.name, []).extend(
+                    Point(
+                        dict(p.attributes),
+                        p.value,
+                        getattr(p, "start_time_unix_nano", 0),
+                    )
+                    for p in metric.data.data_points
+                )
+    return out
+
+
+def value(points: dict[str, list[Point]], name: str, **attributes: Any) -> float:
+    """Sum of the points of ``name`` whose attributes include ``attributes``
+    (keyword ``dask_worker_address`` means attribute ``dask.worker.address``)"""
+    wanted = {k.replace("_", "."): v for k, v in attributes.items()}
+    return sum(
+        p.value
+        for p in points.get(name, [])
+        if all(p.attributes.get(k) == v for k, v in wanted.items())
+    )
+
+
+def by_worker(points: dict[str, list[Point]], name: str) -> dict[str, float]:
+    """``{worker address: value}`` of a worker metric, summed over other attributes"""
+    out: dict[str, float] = {}
+    for p in points.get(name, []):
+        address = p.attributes["dask.worker.address"]
+        out[address] = out.get(address, 0) + p.value
+    return out

@@ -1,0 +1,410 @@
+"""Each worker's SpillBuffer as OpenTelemetry metrics (dask_otel.spill), read
+through the bridge's InMemoryMetricReader on real in-process clusters."""
+
+from __future__ import annotations
+
+import logging
+import pickle
+from collections.abc import Iterator, Mapping
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import dask
+import pytest
+import zict
+from dask.sizeof import sizeof
+from distributed import Client, LocalCluster, wait
+from distributed.spill import SpillBuffer
+
+from dask_otel.spill import SpillInstruments, old_generation_totals
+from metric_utils import (
+    MEMORY_LIMIT,
+    SPILL_CONFIG,
+    by_worker,
+    collect,
+    make_chunk,
+    metric_reader,
+    total,
+    value,
+)
+
+pytestmark = pytest.mark.timeout(60)
+
+LEVELS = (
+    "dask.spill.memory.count",
+    "dask.spill.memory.size",
+    "dask.spill.disk.count",
+    "dask.spill.disk.size",
+    "dask.spill.disk.memory_size",
+)
+
+
+@contextmanager
+def spilling_cluster(n_workers: int = 1, **kwargs: Any) -> Iterator[tuple[LocalCluster, Client]]:
+    config = {**SPILL_CONFIG, **kwargs.pop("config", {})}
+    with dask.config.set(config), LocalCluster(
+        n_workers=n_workers,
+        threads_per_worker=1,
+        processes=False,
+        memory_limit=kwargs.pop("memory_limit", MEMORY_LIMIT),
+        dashboard_address=":0",
+        **kwargs,
+    ) as cluster, Client(cluster) as client:
+        yield cluster, client
+
+
+# --- the current SpillBuffer (distributed >= 2023.3.2) -------------------------------
+
+
+def test_spilled_bytes_are_exported():
+    with spilling_cluster() as (cluster, client):
+        (worker,) = cluster.workers.values()
+        assert isinstance(worker.data, SpillBuffer)
+        chunks = client.map(make_chunk, range(6))  # 24 MB, target 10 MB
+        wait(chunks)
+        points = collect(metric_reader(cluster))
+
+        spilled = worker.data.spilled_total
+        assert spilled.disk > 0
+        assert value(points, "dask.spill.disk.size") == spilled.disk
+        assert value(points, "dask.spill.disk.memory_size") == spilled.memory
+        assert value(points, "dask.spill.disk.count") == len(worker.data.slow) > 0
+        assert value(points, "dask.spill.memory.count") == len(worker.data.fast)
+        assert value(points, "dask.spill.memory.size") == worker.data.fast.total_weight
+        assert value(points, "dask.spill.memory.size") <= MEMORY_LIMIT * 0.1
+
+
+def test_disk_writes_increase_between_collections():
+    with spilling_cluster() as (cluster, client):
+        reader = metric_reader(cluster)
+        first = client.map(make_chunk, range(6))
+        wait(first)
+        before = collect(reader)
+        second = client.map(make_chunk, range(6, 12))
+        wait(second)
+        after = collect(reader)
+
+        for name in ("dask.spill.count", "dask.spill.size", "dask.spill.time"):
+            written = value(before, name, dask_activity_name="disk-write")
+            assert written > 0, name
+            assert value(after, name, dask_activity_name="disk-write") > written, name
+        assert value(after, "dask.spill.time", dask_activity_name="serialize") > 0
+        assert value(after, "dask.spill.disk.size") > value(before, "dask.spill.disk.size")
+
+
+def test_unspilling_raises_disk_read():
+    with spilling_cluster() as (cluster, client):
+        reader = metric_reader(cluster)
+        chunks = client.map(make_chunk, range(6))
+        wait(chunks)
+        before = collect(reader)
+        assert value(before, "dask.spill.count", dask_activity_name="disk-read") == 0
+
+        client.submit(total, chunks).result()  # reads every chunk, spilled or not
+        after = collect(reader)
+        assert value(after, "dask.spill.count", dask_activity_name="disk-read") > 0
+        assert value(after, "dask.spill.size", dask_activity_name="disk-read") > 0
+        assert value(after, "dask.spill.time", dask_activity_name="deserialize") > 0
+        assert value(after, "dask.spill.count", dask_activity_name="memory-read") > 0
+
+
+def test_counters_are_cumulative_and_monotonic():
+    with spilling_cluster() as (cluster, client):
+        reader = metric_reader(cluster)
+        chunks = client.map(make_chunk, range(6))
+        wait(chunks)
+        first = collect(reader)
+        second = collect(reader)  # nothing happened in between
+        for name in ("dask.spill.count", "dask.spill.size", "dask.spill.time"):
+            assert [p.value for p in second[name]] == [p.value for p in first[name]]
+            # one start time per series, kept across collections: a new start
+            # time (a new process) is what marks a reset
+            assert [p.start_time_unix_nano for p in second[name]] == [
+                p.start_time_unix_nano for p in first[name]
+            ]
+
+
+def test_each_worker_reports_its_own_series():
+    with spilling_cluster(n_workers=2) as (cluster, client):
+        a, b = cluster.workers.values()
+        on_a = client.map(make_chunk, range(6), workers=[a.address])
+        on_b = client.map(make_chunk, range(10, 11), workers=[b.address])
+        wait(on_a + on_b)
+        points = collect(metric_reader(cluster))
+
+        for name in LEVELS + ("dask.spill.count", "dask.memory.threshold"):
+            assert set(by_worker(points, name)) == {a.address, b.address}, name
+        names = {
+            p.attributes["dask.worker.address"]: p.attributes["dask.worker.name"]
+            for p in points["dask.spill.memory.count"]
+        }
+        assert names == {a.address: str(a.name), b.address: str(b.name)}
+        disk = by_worker(points, "dask.spill.disk.size")
+        assert disk[a.address] == a.data.spilled_total.disk > 0
+        assert disk[b.address] == 0
+        assert by_worker(points, "dask.spill.memory.count") == {a.address: 2, b.address: 1}
+
+
+def test_closed_worker_stops_reporting():
+    with spilling_cluster(n_workers=2) as (cluster, client):
+        reader = metric_reader(cluster)
+        a, b = cluster.workers.values()
+        assert set(by_worker(collect(reader), "dask.spill.memory.count")) == {
+            a.address,
+            b.address,
+        }
+        client.sync(b.close)
+        points = collect(reader)
+        for name in LEVELS + ("dask.spill.count", "dask.memory.threshold"):
+            assert set(by_worker(points, name)) == {a.address}, name
+        # and the process' spill instruments forgot it
+        provider = cluster.scheduler.plugins["dask-otel"].telemetry.meter_provider
+        attached = SpillInstruments.of(provider).attached
+        assert [w.attributes["dask.worker.address"] for w in attached] == [a.address]
+
+
+def test_memory_thresholds_in_bytes():
+    config = {
+        "distributed.worker.memory.target": 0.6,
+        "distributed.worker.memory.spill": 0.7,
+        "distributed.worker.memory.pause": 0.8,
+        "distributed.worker.memory.terminate": 0.95,
+    }
+    # A limit far above the test process' memory (Dask caps it to the host's),
+    # so that the memory monitor does not act
+    with spilling_cluster(config=config, memory_limit="64 GiB") as (cluster, client):
+        (worker,) = cluster.workers.values()
+        limit = worker.memory_manager.memory_limit
+        points = collect(metric_reader(cluster))
+        thresholds = {
+            p.attributes["dask.threshold"]: p.value
+            for p in points["dask.memory.threshold"]
+        }
+        # No nanny, so nothing enforces the terminate threshold: not reported
+        assert thresholds == {
+            "limit": limit,
+            "target": int(limit * 0.6),
+            "spill": int(limit * 0.7),
+            "pause": int(limit * 0.8),
+        }
+
+
+def test_spilling_disabled_exports_levels(caplog):
+    config = {"distributed.worker.memory.target": False}
+    with caplog.at_level(logging.WARNING, logger="dask_otel"):
+        with spilling_cluster(config=config) as (cluster, client):
+            (worker,) = cluster.workers.values()
+            assert type(worker.data) is dict
+            chunks = client.map(make_chunk, range(3))
+            wait(chunks)
+            points = collect(metric_reader(cluster))
+    assert value(points, "dask.spill.memory.count") == 3
+    assert value(points, "dask.spill.memory.size") == 3 * sizeof(make_chunk(0))
+    for name in ("dask.spill.disk.count", "dask.spill.disk.size", "dask.spill.disk.memory_size"):
+        assert [p.value for p in points[name]] == [0], name
+    assert "dask.spill.count" not in points
+    assert not [r for r in caplog.records if r.name == "dask_otel"]
+
+
+def test_a_broken_worker_is_skipped_and_the_others_still_report():
+    with spilling_cluster(n_workers=2) as (cluster, client):
+        a, b = cluster.workers.values()
+
+        class Changing(Mapping):
+            """cumulative_metrics being written to while it is read"""
+
+            def __getitem__(self, key):
+                raise KeyError(key)
+
+            def __len__(self):
+                return 1
+
+            def __iter__(self):
+                raise RuntimeError("dictionary changed size during iteration")
+
+        a.data.cumulative_metrics = Changing()  # type: ignore[attr-defined]
+        chunks = client.map(make_chunk, range(6), workers=[b.address])
+        wait(chunks)
+        points = collect(metric_reader(cluster))
+        assert set(by_worker(points, "dask.spill.count")) == {b.address}
+        # levels of the busy worker are still read
+        assert set(by_worker(points, "dask.spill.memory.count")) == {a.address, b.address}
+
+
+# --- the SpillBuffer of distributed 2022.12.1 to 2023.3.1: get_metrics() ------------
+
+
+@dataclass
+class FastMetrics:
+    """Shaped as distributed.spill.FastMetrics of 2022.12.1 to 2023.3.1"""
+
+    read_count_total: int = 0
+    read_bytes_total: int = 0
+
+
+@dataclass
+class SlowMetrics:
+    """Shaped as distributed.spill.SlowMetrics of 2022.12.1 to 2023.3.1"""
+
+    read_count_total: int = 0
+    read_bytes_total: int = 0
+    read_time_total: float = 0
+    write_count_total: int = 0
+    write_bytes_total: int = 0
+    write_time_total: float = 0
+    pickle_time_total: float = 0
+    unpickle_time_total: float = 0
+
+
+class OldSlow(zict.Func):
+    """Shaped as distributed.spill.Slow of 2022.12.1 to 2023.3.1, in memory"""
+
+    def __init__(self):
+        super().__init__(pickle.dumps, pickle.loads, {})
+        self.weight_by_key: dict = {}
+        self.total_weight = (0, 0)
+        self.metrics = SlowMetrics()
+
+    def __setitem__(self, key, value):
+        pickled = self.dump(value)
+        self.d[key] = pickled
+        weight = (sizeof(value), len(pickled))
+        self.weight_by_key[key] = weight
+        self.total_weight = tuple(map(sum, zip(self.total_weight, weight)))
+        m = self.metrics
+        m.write_count_total += 1
+        m.write_bytes_total += len(pickled)
+        m.pickle_time_total += 0.001
+        m.write_time_total += 0.002
+
+    def __getitem__(self, key):
+        pickled = self.d[key]
+        m = self.metrics
+        m.read_count_total += 1
+        m.read_bytes_total += len(pickled)
+        m.read_time_total += 0.003
+        m.unpickle_time_total += 0.004
+        return self.load(pickled)
+
+    def __delitem__(self, key):
+        del self.d[key]
+        weight = self.weight_by_key.pop(key)
+        self.total_weight = tuple(a - b for a, b in zip(self.total_weight, weight))
+
+
+class OldSpillBuffer(zict.Buffer):
+    """Shaped as distributed.spill.SpillBuffer of 2022.12.1 to 2023.3.1: no
+    cumulative_metrics, but get_metrics() over FastMetrics and SlowMetrics"""
+
+    def __init__(self, target: int = 10_000_000):
+        super().__init__(fast={}, slow=OldSlow(), n=target, weight=lambda k, v: sizeof(v))
+        self.fast_metrics = FastMetrics()
+
+    def __getitem__(self, key):
+        if key in self.fast:
+            self.fast_metrics.read_count_total += 1
+            self.fast_metrics.read_bytes_total += self.fast.weights[key]
+        return super().__getitem__(key)
+
+    def evict(self) -> int:
+        _, _, weight = self.fast.evict()
+        return weight
+
+    @property
+    def spilled_total(self):
+        return self.slow.total_weight
+
+    def get_metrics(self) -> dict[str, float]:
+        # As in distributed 2023.3.1
+        out = {
+            "memory_count": len(self.fast),
+            "memory_bytes": self.fast.total_weight,
+            "disk_count": len(self.slow),
+            "disk_bytes": self.slow.total_weight[1],
+        }
+        for k, v in self.fast_metrics.__dict__.items():
+            out[f"memory_{k}"] = v
+        for k, v in self.slow.metrics.__dict__.items():
+            out[k if "pickle" in k else f"disk_{k}"] = v
+        return out
+
+
+def test_old_generation_keys_map_to_current_labels():
+    buffer = OldSpillBuffer()
+    assert old_generation_totals(buffer.get_metrics()) == {
+        ("memory-read", "count"): 0,
+        ("memory-read", "bytes"): 0,
+        ("disk-read", "count"): 0,
+        ("disk-read", "bytes"): 0,
+        ("disk-read", "seconds"): 0,
+        ("disk-write", "count"): 0,
+        ("disk-write", "bytes"): 0,
+        ("disk-write", "seconds"): 0,
+        ("serialize", "seconds"): 0,
+        ("deserialize", "seconds"): 0,
+    }
+
+
+def test_old_generation_get_metrics_is_exported_under_the_same_names():
+    with spilling_cluster(data=OldSpillBuffer) as (cluster, client):
+        (worker,) = cluster.workers.values()
+        assert isinstance(worker.data, OldSpillBuffer)
+        assert not hasattr(worker.data, "cumulative_metrics")
+        chunks = client.map(make_chunk, range(6))
+        wait(chunks)
+        client.submit(total, chunks).result()
+        points = collect(metric_reader(cluster))
+
+        slow = worker.data.slow.metrics
+        count = lambda activity: value(points, "dask.spill.count", dask_activity_name=activity)
+        seconds = lambda activity: value(points, "dask.spill.time", dask_activity_name=activity)
+        assert count("disk-write") == slow.write_count_total > 0
+        assert count("disk-read") == slow.read_count_total > 0
+        assert count("memory-read") == worker.data.fast_metrics.read_count_total > 0
+        assert value(points, "dask.spill.size", dask_activity_name="disk-write") == (
+            slow.write_bytes_total
+        )
+        assert seconds("serialize") == pytest.approx(slow.pickle_time_total)
+        assert seconds("deserialize") == pytest.approx(slow.unpickle_time_total)
+        assert seconds("disk-write") == pytest.approx(slow.write_time_total)
+        assert value(points, "dask.spill.disk.size") == worker.data.get_metrics()["disk_bytes"] > 0
+        assert value(points, "dask.spill.memory.size") == worker.data.get_metrics()["memory_bytes"]
+        activities = {p.attributes["dask.activity.name"] for p in points["dask.spill.time"]}
+        assert activities == {"disk-read", "disk-write", "serialize", "deserialize"}
+
+
+# --- a third-party buffer (ManualEvictProto, as dask-cuda's ProxifyHostFile) ----------
+
+
+class ThirdPartyBuffer(dict):
+    """The least ManualEvictProto asks, as dask-cuda's ProxifyHostFile does it: a
+    MutableMapping with ``evict()`` and a ``fast`` that is False when there is
+    nothing to evict, else an object with ``evict()``: no ``slow``, no sizes"""
+
+    class EvictDummy:
+        @staticmethod
+        def evict() -> tuple[None, None, int]:
+            return None, None, -1
+
+    @property
+    def fast(self) -> Any:
+        return self.EvictDummy() if self else False
+
+    def evict(self) -> int:
+        return -1
+
+
+def test_third_party_buffer_exports_what_it_can(caplog):
+    with caplog.at_level(logging.WARNING, logger="dask_otel"):
+        with spilling_cluster(data=ThirdPartyBuffer) as (cluster, client):
+            (worker,) = cluster.workers.values()
+            assert isinstance(worker.data, ThirdPartyBuffer)
+            chunks = client.map(make_chunk, range(2))
+            wait(chunks)
+            points = collect(metric_reader(cluster))
+    # It cannot tell what is on disk, nor the size of what is in memory
+    assert set(points) & set(LEVELS) == set()
+    assert "dask.spill.count" not in points
+    assert value(points, "dask.memory.threshold", dask_threshold="limit") == MEMORY_LIMIT
+    assert not [r for r in caplog.records if r.name == "dask_otel"]
