@@ -230,37 +230,133 @@ def span_exporters(names: Sequence[str]) -> list:
     return out
 
 
-class CountingSpanExporter(SpanExporter):
-    """Wraps a SpanExporter to count what it shipped and what it lost, for the
-    bridge's self-metrics. Runs in the SDK's batch processor thread."""
+class _HeldExporterLogs(logging.Filter):
+    """Holds back the log records that the SDK's exporters emit while a dask_otel
+    export runs in the current thread (one WARNING and one ERROR per failed batch,
+    per retry), so that :class:`ExportOutage` can log once per outage instead."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.local = threading.local()
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        held = getattr(self.local, "held", None)
+        if held is None:
+            return True
+        held.append(record)
+        return False
+
+    def attach(self) -> None:
+        # Filters apply to the logger a record is logged on, not its ancestors:
+        # attach to every exporter module's logger (imported by now)
+        for name in list(logging.root.manager.loggerDict):
+            if name.startswith("opentelemetry.exporter"):
+                logging.getLogger(name).addFilter(self)
+
+
+_HELD_LOGS = _HeldExporterLogs()
+
+
+class ExportOutage:
+    """Counts what one exporter shipped and lost, and logs an outage once: a WARNING
+    with the exporter's reason when exports start failing, one when they recover.
+    Runs in the SDK's export thread."""
+
+    def __init__(self, signal: str):
+        self.signal = signal
+        #: items the collector accepted
+        self.exported = 0
+        #: items lost because an export failed after the SDK's retries
+        self.failed = 0
+        #: failed export calls
+        self.export_failures = 0
+        #: failed export calls since the last success
+        self.failing = 0
+
+    def export(self, export: Callable[[], Any], items: int) -> bool:
+        _HELD_LOGS.local.held = held = []
+        try:
+            ok = bool(export())
+        except Exception as e:
+            held.append(logging.makeLogRecord({"msg": f"{type(e).__name__}: {e}"}))
+            ok = False
+        finally:
+            _HELD_LOGS.local.held = None
+        if ok:
+            self.exported += items
+            if self.failing:
+                logger.warning(
+                    "dask_otel: %s export recovered after %d failed exports",
+                    self.signal, self.failing,
+                )
+                self.failing = 0
+            return True
+        self.failed += items
+        self.export_failures += 1
+        if not self.failing:
+            reason = held[-1].getMessage() if held else "the exporter returned FAILURE"
+            logger.warning(
+                "dask_otel: cannot export %s (%s); dropping them until the collector "
+                "answers again (counted in the self-metrics, logged once per outage)",
+                self.signal, reason,
+            )
+        self.failing += 1
+        return False
+
+
+class GatedSpanExporter(SpanExporter):
+    """A SpanExporter with :class:`ExportOutage` accounting"""
 
     def __init__(self, exporter: SpanExporter):
         self.exporter = exporter
-        #: spans the collector accepted
-        self.spans_exported = 0
-        #: spans lost because an export failed after the SDK's retries
-        self.spans_failed = 0
-        #: failed export calls
-        self.export_failures = 0
+        self.outage = ExportOutage("spans")
 
     def export(self, spans):
-        try:
-            result = self.exporter.export(spans)
-        except Exception:
-            logger.exception("dask_otel: span exporter raised")
-            result = SpanExportResult.FAILURE
-        if result is SpanExportResult.SUCCESS:
-            self.spans_exported += len(spans)
-        else:
-            self.spans_failed += len(spans)
-            self.export_failures += 1
-        return result
+        ok = self.outage.export(
+            lambda: self.exporter.export(spans) is SpanExportResult.SUCCESS, len(spans)
+        )
+        return SpanExportResult.SUCCESS if ok else SpanExportResult.FAILURE
 
     def shutdown(self) -> None:
         self.exporter.shutdown()
 
     def force_flush(self, timeout_millis: int = 30000) -> bool:
         return self.exporter.force_flush(timeout_millis)
+
+    # The self-metrics read these
+    spans_exported = property(lambda self: self.outage.exported)
+    spans_failed = property(lambda self: self.outage.failed)
+    export_failures = property(lambda self: self.outage.export_failures)
+
+
+def _gated_metric_exporter(exporter: Any) -> Any:
+    """The metric exporter wrapped with :class:`ExportOutage` accounting"""
+    from opentelemetry.sdk.metrics.export import MetricExporter, MetricExportResult
+
+    class GatedMetricExporter(MetricExporter):
+        def __init__(self) -> None:
+            super().__init__(
+                preferred_temporality=exporter._preferred_temporality,
+                preferred_aggregation=exporter._preferred_aggregation,
+            )
+            self.exporter = exporter
+            self.outage = ExportOutage("metrics")
+
+        def export(self, metrics_data, timeout_millis: float = 10_000, **kwargs):
+            ok = self.outage.export(
+                lambda: self.exporter.export(metrics_data, timeout_millis=timeout_millis)
+                is MetricExportResult.SUCCESS,
+                1,
+            )
+            return MetricExportResult.SUCCESS if ok else MetricExportResult.FAILURE
+
+        def force_flush(self, timeout_millis: float = 10_000) -> bool:
+            return self.exporter.force_flush(timeout_millis=timeout_millis)
+
+        def shutdown(self, timeout_millis: float = 30_000, **kwargs) -> None:
+            self.exporter.shutdown(timeout_millis=timeout_millis)
+
+    return GatedMetricExporter()
 
 
 class DaskIdGenerator(IdGenerator):
@@ -331,7 +427,7 @@ class Telemetry:
         self.resource = build_resource(**resource_attributes)
         self.span_exporters: list = []
         #: one per batched exporter, for the self-metrics
-        self.export_stats: list[CountingSpanExporter] = []
+        self.export_stats: list[GatedSpanExporter] = []
         self.tracer_provider: TracerProvider | None = None
         self.id_generator: DaskIdGenerator | None = None
         self._tracer: Tracer | None = None
@@ -339,7 +435,9 @@ class Telemetry:
         self.meter_provider = None
         if self.metric_readers:
             self.meter_provider = MeterProvider(
-                metric_readers=self.metric_readers, resource=self.resource
+                metric_readers=self.metric_readers,
+                resource=self.resource,
+                shutdown_on_exit=False,
             )
 
     @property
@@ -368,15 +466,19 @@ class Telemetry:
             resource=self.resource,
             id_generator=self.id_generator,  # type: ignore[arg-type]
             span_limits=_span_limits(),
+            # We own the lifecycle (flush on close, bounded by otel.flush-timeout);
+            # an atexit shutdown could hold a dying process on a dead collector.
+            shutdown_on_exit=False,
         )
         for exporter in self.span_exporters:
             # The in-memory exporter is for tests and the demo: no batching delay
             if isinstance(exporter, InMemorySpanExporter):
                 self.tracer_provider.add_span_processor(SimpleSpanProcessor(exporter))
             else:
-                counted = CountingSpanExporter(exporter)
-                self.export_stats.append(counted)
-                self.tracer_provider.add_span_processor(BatchSpanProcessor(counted))
+                gated = GatedSpanExporter(exporter)
+                self.export_stats.append(gated)
+                self.tracer_provider.add_span_processor(BatchSpanProcessor(gated))
+        _HELD_LOGS.attach()
         from dask_otel import __version__
 
         return self.tracer_provider.get_tracer("dask_otel", __version__)
@@ -458,5 +560,6 @@ def metric_readers(names: Sequence[str]) -> list:
             if name == "otlp":
                 name = _otlp_entry_point("METRICS")
             exporter = _load_entry_point("opentelemetry_metrics_exporter", name)()
-            out.append(PeriodicExportingMetricReader(exporter))
+            out.append(PeriodicExportingMetricReader(_gated_metric_exporter(exporter)))
+            _HELD_LOGS.attach()
     return out

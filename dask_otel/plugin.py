@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
+import time
 from typing import TYPE_CHECKING, Any
 
 from distributed.diagnostics.plugin import SchedulerPlugin, WorkerPlugin
@@ -28,6 +30,29 @@ logger = logging.getLogger("dask_otel")
 #: Name of both plugins in ``Scheduler.plugins``, ``Scheduler.worker_plugins`` and
 #: ``Worker.plugins``
 PLUGIN_NAME = "dask-otel"
+
+
+async def _release_telemetry(telemetry: Telemetry) -> None:
+    """Detach from the process's Telemetry, flushing if this was the last user.
+
+    The SDK's flush does not stop an export that is retrying against a dead or
+    hung collector, so it runs in a daemon thread and the Dask server waits for
+    it at most otel.flush-timeout: shutdown is never held longer than that.
+    """
+    timeout = telemetry.config.flush_timeout
+    thread = threading.Thread(
+        target=Telemetry.release, args=(telemetry,), name="dask_otel-flush", daemon=True
+    )
+    thread.start()
+    deadline = time.monotonic() + timeout
+    while thread.is_alive() and time.monotonic() < deadline:
+        await asyncio.sleep(0.01)
+    if thread.is_alive():
+        logger.warning(
+            "dask_otel: telemetry not flushed within otel.flush-timeout=%ss; "
+            "what was still queued is dropped",
+            timeout,
+        )
 
 
 def _start_telemetry(server: str, **resource: Any) -> tuple[Telemetry | None, str | None]:
@@ -127,8 +152,7 @@ class OtelSchedulerPlugin(SchedulerPlugin):
         if self.metrics is not None:
             self.metrics.close()
         if self.telemetry is not None:
-            # Flushing blocks on the network: not on the event loop
-            await asyncio.to_thread(Telemetry.release, self.telemetry)
+            await _release_telemetry(self.telemetry)
 
     def status(self) -> dict[str, Any]:
         """What :func:`dask_otel.status` reports for the scheduler"""
@@ -175,7 +199,7 @@ class OtelWorkerPlugin(WorkerPlugin):
             self.spill = None
         if self.telemetry is not None:
             telemetry, self.telemetry = self.telemetry, None
-            await asyncio.to_thread(Telemetry.release, telemetry)
+            await _release_telemetry(telemetry)
 
     def status(self) -> dict[str, Any]:
         return {"error": self.error, "metrics": self.spill is not None}
