@@ -1,0 +1,367 @@
+"""Helpers for tests/test_deploy.py: reading what deploy/ ships, and checking it
+without the services it is for (no Docker engine, no Kubernetes, no Grafana here).
+
+- Grafana: the PromQL of every dashboard panel, and the template variables
+  substituted the way Grafana does it for Prometheus.
+- PromQL: the metric names and vector selectors an expression uses.
+- OpenTelemetry Collector: the Prometheus name its prometheus exporter gives an
+  OTLP metric, to compare the push path with the pull path.
+- Environment variables, Dask CLI arguments and container images named by the
+  compose file and the Kubernetes manifests.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import json
+import os
+import re
+import shlex
+import sys
+from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import yaml
+
+REPO = Path(__file__).resolve().parents[1]
+DEPLOY = REPO / "deploy"
+DASHBOARDS = DEPLOY / "grafana" / "dashboards"
+
+
+def load_yaml_documents(path: Path) -> list[Any]:
+    return [doc for doc in yaml.safe_load_all(path.read_text()) if doc is not None]
+
+
+def load_workload() -> ModuleType:
+    """deploy/compose/workload.py, imported as ``workload``. Dask pickles task
+    functions by reference: run clusters with :func:`workload_pythonpath` so that
+    the scheduler and workers import it too."""
+    path = str(DEPLOY / "compose")
+    if path not in sys.path:
+        sys.path.insert(0, path)
+    return importlib.import_module("workload")
+
+
+def workload_pythonpath() -> dict[str, str]:
+    """PYTHONPATH for dask_processes: the tests (as it sets by default) and the
+    workload's directory"""
+    parts = [str(Path(__file__).parent), str(DEPLOY / "compose"), os.environ.get("PYTHONPATH", "")]
+    return {"PYTHONPATH": os.pathsep.join(p for p in parts if p)}
+
+
+# --- Grafana ----------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class PanelQuery:
+    dashboard: str
+    panel: str
+    #: the target as written in the JSON
+    target: Mapping[str, Any]
+
+    @property
+    def datasource_type(self) -> str:
+        return (self.target.get("datasource") or {}).get("type", "")
+
+    @property
+    def expr(self) -> str:
+        return self.target.get("expr", "")
+
+    @property
+    def instant(self) -> bool:
+        return bool(self.target.get("instant")) and not self.target.get("range")
+
+    def __str__(self) -> str:
+        return f"{self.dashboard} / {self.panel}"
+
+
+def dashboards() -> dict[str, dict[str, Any]]:
+    return {p.name: json.loads(p.read_text()) for p in sorted(DASHBOARDS.glob("*.json"))}
+
+
+def panels(dashboard: Mapping[str, Any]) -> Iterator[dict[str, Any]]:
+    for panel in dashboard.get("panels", []):
+        yield panel
+        yield from panel.get("panels", [])  # collapsed rows
+
+
+def panel_queries(name: str, dashboard: Mapping[str, Any]) -> list[PanelQuery]:
+    return [
+        PanelQuery(name, panel.get("title", f"panel {panel.get('id')}"), target)
+        for panel in panels(dashboard)
+        for target in panel.get("targets", [])
+    ]
+
+
+def variables(dashboard: Mapping[str, Any]) -> dict[str, dict[str, Any]]:
+    return {v["name"]: v for v in dashboard.get("templating", {}).get("list", [])}
+
+
+#: Grafana's global variables that the dashboards may use
+GRAFANA_BUILTINS = ("__rate_interval", "__interval", "__interval_ms", "__range", "__range_s",
+                    "__range_ms", "__dashboard", "__from", "__to")
+VARIABLE = re.compile(r"\$\{(\w+)(?::[\w]+)?\}|\[\[(\w+)(?::\w+)?\]\]|\$(\w+)")
+
+
+def variable_names(text: str) -> set[str]:
+    return {next(g for g in m.groups() if g) for m in VARIABLE.finditer(text)}
+
+
+def prometheus_regex_escape(value: str) -> str:
+    """What Grafana's Prometheus data source does to a variable value that goes into
+    a regex matcher: regex metacharacters get a backslash, itself escaped for the
+    PromQL string"""
+    return re.sub(r"([$^*{}\[\]'+?.()|\\])", r"\\\\\1", value)
+
+
+def substitute(text: str, values: Mapping[str, str | list[str]],
+               variable_defs: Mapping[str, Mapping[str, Any]]) -> str:
+    """``text`` with Grafana's variables replaced: a multi-value or include-all
+    variable as a regex alternation of escaped values (or its allValue for "All"),
+    others as their value. Unknown variables raise KeyError."""
+
+    def replace(match: re.Match) -> str:
+        name = next(g for g in match.groups() if g)
+        value = values[name]
+        definition = variable_defs.get(name, {})
+        if not (definition.get("multi") or definition.get("includeAll")):
+            return value if isinstance(value, str) else value[0]
+        if value == ["$__all"]:
+            return definition.get("allValue") or ".*"
+        items = [value] if isinstance(value, str) else value
+        escaped = [prometheus_regex_escape(v) for v in items]
+        return escaped[0] if len(escaped) == 1 else "(" + "|".join(escaped) + ")"
+
+    return VARIABLE.sub(replace, text)
+
+
+LABEL_VALUES = re.compile(r"^\s*label_values\(\s*(?:(.+),\s*)?(\w+)\s*\)\s*$", re.S)
+
+
+def label_values_query(variable: Mapping[str, Any]) -> tuple[str | None, str]:
+    """``(selector or None, label)`` of a ``label_values(...)`` query variable"""
+    query = variable.get("query")
+    if isinstance(query, Mapping):
+        query = query.get("query", "")
+    match = LABEL_VALUES.match(query or "")
+    if not match:
+        raise ValueError(f"variable {variable['name']}: not a label_values() query: {query!r}")
+    return match.group(1), match.group(2)
+
+
+# --- PromQL ------------------------------------------------------------------------
+
+_STRING = re.compile(r'"(?:[^"\\]|\\.)*"|\'(?:[^\'\\]|\\.)*\'')
+_GROUPING = re.compile(r"\b(by|without|on|ignoring|group_left|group_right)\s*\([^)]*\)")
+_IDENTIFIER = re.compile(r"(?<![\w.:])([a-zA-Z_:][a-zA-Z0-9_:]*)")
+_KEYWORDS = {"by", "without", "on", "ignoring", "group_left", "group_right", "bool",
+             "offset", "and", "or", "unless", "inf", "nan", "Inf", "NaN", "atan2"}
+
+
+def metric_names(expr: str) -> list[str]:
+    """Metric names an expression selects: identifiers that are not functions,
+    aggregations, keywords, label names or inside strings"""
+    text = _STRING.sub('""', expr)
+    text = re.sub(r"\{[^}]*\}", " ", text)
+    text = re.sub(r"\[[^\]]*\]", " ", text)
+    text = _GROUPING.sub(" ", text)
+    names = []
+    for match in _IDENTIFIER.finditer(text):
+        name = match.group(1)
+        if name in _KEYWORDS or text[match.end():].lstrip().startswith("("):
+            continue
+        names.append(name)
+    return names
+
+
+def vector_selectors(expr: str) -> list[str]:
+    """The vector selectors (``name{matchers}``) of an expression, each a valid
+    query on its own"""
+    out = []
+    for name in dict.fromkeys(metric_names(expr)):
+        for match in re.finditer(rf"(?<![\w:]){re.escape(name)}\s*(\{{[^}}]*\}})?", expr):
+            out.append(name + (match.group(1) or ""))
+    return list(dict.fromkeys(out))
+
+
+# --- the Collector's prometheus exporter ------------------------------------------
+
+#: OTLP units -> Prometheus unit words, as the Collector's translator maps them
+#: (opentelemetry-collector-contrib pkg/translator/prometheus, normalize_name.go)
+COLLECTOR_UNITS = {
+    "d": "days", "h": "hours", "min": "minutes", "s": "seconds", "ms": "milliseconds",
+    "us": "microseconds", "ns": "nanoseconds", "By": "bytes", "KiBy": "kibibytes",
+    "MiBy": "mebibytes", "GiBy": "gibibytes", "TiBy": "tibibytes", "KBy": "kilobytes",
+    "MBy": "megabytes", "GBy": "gigabytes", "TBy": "terabytes", "m": "meters",
+    "V": "volts", "A": "amperes", "J": "joules", "W": "watts", "g": "grams",
+    "Cel": "celsius", "Hz": "hertz", "1": "", "%": "percent",
+}
+COLLECTOR_PER_UNITS = {"s": "second", "m": "minute", "h": "hour", "d": "day",
+                       "w": "week", "mo": "month", "y": "year"}
+
+
+def _tokens(text: str) -> list[str]:
+    return [t for t in re.split(r"[^0-9A-Za-z]+", text) if t]
+
+
+def collector_prometheus_name(name: str, unit: str, kind: str, monotonic: bool | None) -> str:
+    """The name the Collector's prometheus exporter gives an OTLP metric with
+    ``add_metric_suffixes: true`` (its default), following the Collector's
+    ``normalizeName``: name tokens, the unit word unless the unit is an annotation
+    in braces or already in the name, ``per_<unit>``, ``_total`` for monotonic
+    sums, ``_ratio`` for gauges of unit 1."""
+    tokens = _tokens(name)
+    main, _, per = unit.partition("/")
+    main = main.strip()
+    if main and not re.search("[{}]", main):
+        word = "_".join(_tokens(COLLECTOR_UNITS.get(main, main)))
+        if word and word not in tokens:
+            tokens.append(word)
+    per = per.strip()
+    if per and not re.search("[{}]", per):
+        word = "_".join(_tokens(COLLECTOR_PER_UNITS.get(per, per)))
+        if word and word not in tokens:
+            tokens += ["per", word]
+    if kind == "sum" and monotonic:
+        tokens = [t for t in tokens if t != "total"] + ["total"]
+    if unit == "1" and kind == "gauge":
+        tokens = [t for t in tokens if t != "ratio"] + ["ratio"]
+    out = "_".join(tokens)
+    return "_" + out if out[:1].isdigit() else out
+
+
+def prometheus_label(attribute: str) -> str:
+    """An attribute key as a Prometheus label name (both exporters)"""
+    label = re.sub(r"[^a-zA-Z0-9_]", "_", attribute)
+    return "key_" + label if label[:1].isdigit() else label
+
+
+# --- images, environment variables, CLI arguments -----------------------------------
+
+#: An image reference with an explicit version tag: name:tag where the tag has a
+#: digit and is not "latest"-like, optionally followed by @sha256 digest
+PINNED_IMAGE = re.compile(r"^[a-z0-9./_-]+(:\d+)?(/[a-z0-9._-]+)*:(v?\d[\w.-]*)(@sha256:[0-9a-f]{64})?$")
+
+
+def image_is_pinned(image: str) -> bool:
+    return bool(PINNED_IMAGE.match(image)) and "latest" not in image.rsplit(":", 1)[-1]
+
+
+def known_otel_variables() -> set[str]:
+    """Every OTEL_* variable the OpenTelemetry Python SDK, API and exporters name"""
+    import opentelemetry.environment_variables as api
+    import opentelemetry.sdk.environment_variables as sdk
+
+    return {
+        value for module in (api, sdk) for key, value in vars(module).items()
+        if key.startswith("OTEL_") and isinstance(value, str)
+    }
+
+
+def dask_config_key(variable: str) -> str | None:
+    """The dask config key a DASK_* variable sets (``DASK_A__B_C`` -> ``a.b_c``)"""
+    import dask.config
+
+    if not variable.startswith("DASK_"):
+        return None
+    nested = dask.config.collect_env({variable: "x"})
+    parts = []
+    while isinstance(nested, dict) and nested:
+        (key, nested), = nested.items()
+        parts.append(key)
+    return ".".join(parts)
+
+
+def dask_config_key_exists(key: str) -> bool:
+    import dask.config
+    import distributed  # noqa: F401  (its defaults)
+
+    import dask_otel  # noqa: F401  (the otel: defaults)
+
+    try:
+        dask.config.get(key, config=dask.config.merge(*dask.config.defaults))
+    except KeyError:
+        return False
+    return True
+
+
+@dataclass(frozen=True)
+class ContainerEnv:
+    """The environment one container of a deploy file gets"""
+
+    where: str
+    #: name -> literal value, or None when set from a valueFrom reference
+    values: Mapping[str, str | None]
+    #: names the container sets from valueFrom (the downward API...)
+    from_references: frozenset[str] = frozenset()
+
+
+def k8s_env(where: str, env: Iterable[Mapping[str, Any]] | None) -> ContainerEnv:
+    values: dict[str, str | None] = {}
+    refs = set()
+    for item in env or []:
+        if "valueFrom" in item:
+            values[item["name"]] = None
+            refs.add(item["name"])
+        else:
+            values[item["name"]] = str(item.get("value", ""))
+    return ContainerEnv(where, values, frozenset(refs))
+
+
+REFERENCE = re.compile(r"\$\((\w+)\)")
+
+
+def resolved_env(env: ContainerEnv) -> dict[str, str]:
+    """Literal values with Kubernetes' ``$(VAR)`` references to other variables
+    replaced, and variables set from references given a placeholder"""
+    out = {name: value if value is not None else f"<{name}>" for name, value in env.values.items()}
+    return {name: REFERENCE.sub(lambda m: out.get(m.group(1), m.group(0)), value)
+            for name, value in out.items()}
+
+
+def check_dask_cli(args: list[str]) -> None:
+    """Parse ``dask scheduler ...`` / ``dask worker ...`` (or the old dask-scheduler /
+    dask-worker spelling) with distributed's own click commands, without running
+    them. Raises click's UsageError/BadParameter on an unknown or bad option."""
+    from distributed.cli import dask_scheduler, dask_worker
+
+    if args[:2] in (["dask", "scheduler"], ["dask", "worker"]):
+        command, rest = args[1], args[2:]
+    elif args[0] in ("dask-scheduler", "dask-worker"):
+        command, rest = args[0].removeprefix("dask-"), args[1:]
+    else:
+        raise ValueError(f"not a dask scheduler/worker command: {shlex.join(args)}")
+    main = dask_scheduler.main if command == "scheduler" else dask_worker.main
+    main.make_context(f"dask {command}", list(rest))
+
+
+def dotted(nested: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+    """``{"a": {"b": 1}}`` -> ``{"a.b": 1}``: what dask.config.set takes without
+    replacing whole subtrees"""
+    out: dict[str, Any] = {}
+    for key, value in nested.items():
+        if isinstance(value, Mapping):
+            out.update(dotted(value, f"{prefix}{key}."))
+        else:
+            out[f"{prefix}{key}"] = value
+    return out
+
+
+@contextlib.contextmanager
+def otel_environ(env: Mapping[str, str]) -> Iterator[None]:
+    """os.environ with ``env``'s OTEL_* variables instead of the test process's
+    (dask_otel.config.read_config reads the OTLP protocol from the environment)"""
+    saved = {k: v for k, v in os.environ.items() if k.startswith("OTEL_")}
+    for key in saved:
+        del os.environ[key]
+    os.environ.update({k: v for k, v in env.items() if k.startswith("OTEL_")})
+    try:
+        yield
+    finally:
+        for key in [k for k in os.environ if k.startswith("OTEL_")]:
+            del os.environ[key]
+        os.environ.update(saved)
