@@ -21,6 +21,7 @@ import math
 import re
 import shutil
 import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -42,7 +43,6 @@ from deploy_checks import (
     DASHBOARDS,
     DEPLOY,
     GRAFANA_BUILTINS,
-    REPO,
     REFERENCE,
     ContainerEnv,
     check_dask_cli,
@@ -132,7 +132,7 @@ def test_podmonitor_relabelings_are_valid_prometheus_relabel_configs(tmp_path):
 
 def test_dashboards_are_what_the_generator_writes():
     result = subprocess.run(
-        ["python", str(DEPLOY / "grafana" / "generate_dashboards.py"), "--check"],
+        [sys.executable, str(DEPLOY / "grafana" / "generate_dashboards.py"), "--check"],
         capture_output=True, text=True,
     )
     assert result.returncode == 0, result.stdout + result.stderr
