@@ -236,6 +236,15 @@ def test_compose_files_it_names_exist():
                         assert (context / source).exists(), f"Dockerfile: COPY {source}"
 
 
+def test_no_secrets_in_deploy_files():
+    """No password, token or key is written in a file we ship (Grafana runs with
+    anonymous access on 127.0.0.1 instead of an admin password)"""
+    secret = re.compile(r"(?i)(password|passwd|secret|token|api[_-]?key)\w*\s*[:=]\s*\S")
+    for path in DEPLOY.rglob("*"):
+        if path.is_file() and path.suffix in {".yaml", ".yml", ".json", ".py", ""}:
+            assert not secret.search(path.read_text()), path
+
+
 def test_compose_publishes_ports_on_localhost_only():
     for name, service in compose()["services"].items():
         for port in service.get("ports", []):
