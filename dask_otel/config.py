@@ -187,9 +187,25 @@ def _otlp_entry_point(signal: str) -> str:
     return OTLP_PROTOCOLS["grpc"]
 
 
-def _load_entry_point(group: str, name: str) -> Callable[[], Any]:
+def _build_exporter(group: str, name: str, **kwargs: Any) -> Any:
+    """An exporter from its entry point; it reads its own OTEL_* variables.
+
+    The SDK's errors for a malformed variable do not always name it ("could not
+    convert string to float: 'forever'"): name the variable holding that value.
+    """
     (ep,) = (ep for ep in entry_points(group=group) if ep.name == name)
-    return ep.load()
+    try:
+        return ep.load()(**kwargs)
+    except Exception as e:
+        culprits = [
+            k for k, v in os.environ.items()
+            if k.startswith("OTEL_") and v.strip() and v.strip() in str(e)
+        ]
+        raise ConfigError(
+            ", ".join(culprits) or f"the {name} exporter's OTEL_* settings",
+            os.environ[culprits[0]] if culprits else str(e),
+            f"a value the OpenTelemetry SDK accepts ({type(e).__name__}: {e})",
+        ) from e
 
 
 def build_resource(**attributes: Any):
@@ -226,7 +242,7 @@ def span_exporters(names: Sequence[str]) -> list:
         else:
             if name == "otlp":
                 name = _otlp_entry_point("TRACES")
-            out.append(_load_entry_point("opentelemetry_traces_exporter", name)())
+            out.append(_build_exporter("opentelemetry_traces_exporter", name))
     return out
 
 
@@ -559,7 +575,7 @@ def metric_readers(names: Sequence[str]) -> list:
         else:
             if name == "otlp":
                 name = _otlp_entry_point("METRICS")
-            exporter = _load_entry_point("opentelemetry_metrics_exporter", name)()
+            exporter = _build_exporter("opentelemetry_metrics_exporter", name)
             out.append(PeriodicExportingMetricReader(_gated_metric_exporter(exporter)))
             _HELD_LOGS.attach()
     return out

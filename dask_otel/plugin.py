@@ -16,11 +16,11 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from distributed.diagnostics.plugin import SchedulerPlugin, WorkerPlugin
-from distributed.protocol.pickle import dumps
 from tornado.ioloop import PeriodicCallback
 
 from dask_otel.config import Telemetry, read_config
 from dask_otel.spans import SpanMirror
+from dask_otel.worker_shim import dumps_by_value
 
 if TYPE_CHECKING:
     from distributed import Scheduler, Worker
@@ -116,7 +116,7 @@ class OtelSchedulerPlugin(SchedulerPlugin):
             logger.exception("dask_otel: could not start on scheduler")
             self.error = f"{type(e).__name__}: {e}"
         await scheduler.register_worker_plugin(
-            None, dumps(OtelWorkerPlugin()), name=PLUGIN_NAME, idempotent=True
+            None, dumps_by_value(), name=PLUGIN_NAME, idempotent=True
         )
 
     def _poll(self) -> None:
@@ -164,7 +164,14 @@ class OtelSchedulerPlugin(SchedulerPlugin):
             "open_spans": len(mirror.open_spans) if mirror else 0,
             "open_groups": len(mirror.open_groups) if mirror else 0,
             "exported_spans": mirror.exported if mirror else 0,
+            "spans_delivered": sum(e.spans_exported for e in self._export_stats),
+            "spans_failed": sum(e.spans_failed for e in self._export_stats),
+            "export_failures": sum(e.export_failures for e in self._export_stats),
         }
+
+    @property
+    def _export_stats(self) -> list:
+        return self.telemetry.export_stats if self.telemetry is not None else []
 
 
 class OtelWorkerPlugin(WorkerPlugin):

@@ -28,7 +28,14 @@ FAST_ENV = {
 }
 
 
-def _dask(*args: str) -> list[str]:
+def _dask(*args: str, without_dask_otel: bool = False) -> list[str]:
+    if without_dask_otel:
+        # As if dask_otel were not installed in this process's environment
+        code = (
+            "import sys; sys.modules['dask_otel'] = None; "
+            f"from distributed.cli.dask_{args[0]} import main; main()"
+        )
+        return [sys.executable, "-c", code, *args[1:]]
     return [sys.executable, "-m", "distributed.cli.dask_" + args[0], *args[1:]]
 
 
@@ -73,10 +80,13 @@ class DaskProcesses:
             self.add_worker(f"worker-{i}")
         return self
 
-    def add_worker(self, name: str, env: dict[str, str] | None = None) -> subprocess.Popen:
+    def add_worker(
+        self, name: str, env: dict[str, str] | None = None, without_dask_otel: bool = False
+    ) -> subprocess.Popen:
         cmd = _dask("worker", "--scheduler-file", self.scheduler_file, "--nthreads", "1",
                     "--host", "127.0.0.1", "--dashboard-address", "127.0.0.1:0",
-                    "--no-nanny", "--name", name, *self.worker_args)
+                    "--no-nanny", "--name", name, *self.worker_args,
+                    without_dask_otel=without_dask_otel)
         if env is None:
             return self._spawn(name, cmd)
         old, self.env = self.env, {**self.env, **env}

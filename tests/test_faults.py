@@ -1,0 +1,323 @@
+"""Telemetry must never hurt the cluster: every fault of the telemetry path, each
+test named after the fault. Real clusters, real exporters, real (misbehaving)
+receivers on 127.0.0.1."""
+
+from __future__ import annotations
+
+import logging
+import operator
+import os
+import signal
+import socket
+import time
+
+import dask
+import pytest
+from distributed import Client, LocalCluster, span, wait
+
+import dask_otel
+from conftest import MEMORY_CONFIG, otel_cluster, wait_until
+from otlp_receiver import BlackHole, OTLPReceiver
+from processes import dask_processes
+
+#: The bridge exporting spans over OTLP (as configured by OTEL_* variables) with
+#: fast batching, short exporter timeouts and a short flush timeout
+OTLP_CONFIG = {
+    **MEMORY_CONFIG,
+    "otel.traces.exporter": "otlp",
+    "otel.flush-timeout": "1s",
+}
+FAST_EXPORT_ENV = {"OTEL_BSP_SCHEDULE_DELAY": "100", "OTEL_EXPORTER_OTLP_TIMEOUT": "1"}
+
+
+def inc(x):
+    return x + 1
+
+
+def slow_inc(x, delay=0.2):
+    time.sleep(delay)
+    return x + 1
+
+
+def closed_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def set_env(monkeypatch, env: dict[str, str]) -> None:
+    for key in [k for k in os.environ if k.startswith("OTEL_EXPORTER_OTLP")]:
+        monkeypatch.delenv(key)
+    for key, value in {**FAST_EXPORT_ENV, **env}.items():
+        monkeypatch.setenv(key, value)
+
+
+def run_spans(client, n: int, prefix: str = "stage") -> list[str]:
+    """n Dask spans, one after the other, each with its own key prefix; checks results"""
+    ids = []
+    for i in range(n):
+        with span(f"{prefix} {i}") as sid:
+            futures = client.map(inc, range(5), key=[f"{prefix}{i}-{j}" for j in range(5)])
+            assert client.gather(futures) == [1, 2, 3, 4, 5]
+        ids.append(sid)
+    return ids
+
+
+def outage_warnings(caplog) -> list[str]:
+    return [r.getMessage() for r in caplog.records if "cannot export spans" in r.getMessage()]
+
+
+def sdk_records(caplog) -> list[logging.LogRecord]:
+    return [r for r in caplog.records if r.name.startswith("opentelemetry.exporter")]
+
+
+def no_unresponsive_loop(caplog) -> None:
+    slow = [r.getMessage() for r in caplog.records if "Event loop was unresponsive" in r.getMessage()]
+    assert not slow, slow
+
+
+def test_collector_down_from_the_start(monkeypatch, caplog):
+    set_env(monkeypatch, {
+        "OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{closed_port()}",
+        "OTEL_EXPORTER_OTLP_INSECURE": "true",
+    })
+    with caplog.at_level(logging.INFO):
+        with otel_cluster(OTLP_CONFIG) as (client, mirrored):
+            run_spans(client, 10)
+            # 10 Dask spans + 10 TaskGroups, all lost and counted
+            status = wait_until(
+                lambda: (s := dask_otel.status(client)["scheduler"])["spans_failed"] >= 20 and s,
+                timeout=30,
+            )
+    assert status["spans_failed"] == status["exported_spans"] == 20
+    assert status["spans_delivered"] == 0
+    assert status["error"] is None
+    assert len(outage_warnings(caplog)) == 1, outage_warnings(caplog)
+    assert not sdk_records(caplog)  # the SDK's per-batch warnings were held back
+    no_unresponsive_loop(caplog)
+
+
+@pytest.mark.parametrize("protocol", ["grpc", "http/protobuf"])
+def test_collector_answers_unavailable_then_recovers(protocol, monkeypatch, caplog):
+    with OTLPReceiver(protocol, mode="unavailable") as receiver:
+        set_env(monkeypatch, receiver.env())
+        with caplog.at_level(logging.INFO):
+            with otel_cluster(OTLP_CONFIG) as (client, mirrored):
+                run_spans(client, 5, "before")
+                wait_until(lambda: dask_otel.status(client)["scheduler"]["spans_failed"] > 0,
+                           timeout=30)
+                assert receiver.rejected > 0
+                receiver.mode = "ok"
+                ids = run_spans(client, 5, "after")
+                receiver.wait_for(lambda r: {s.attributes.get("dask.span.id") for s in r.spans()}
+                                  >= set(ids), timeout=30)
+    assert len(outage_warnings(caplog)) == 1
+    assert any("export recovered" in r.getMessage() for r in caplog.records)
+    no_unresponsive_loop(caplog)
+
+
+def test_collector_killed_mid_run_and_restarted(monkeypatch, caplog):
+    with OTLPReceiver("grpc") as receiver:
+        set_env(monkeypatch, receiver.env())
+        with caplog.at_level(logging.INFO):
+            with otel_cluster(OTLP_CONFIG) as (client, mirrored):
+                first = run_spans(client, 3, "first")
+                receiver.wait_for(lambda r: len(r.spans()) >= 6, timeout=30)
+                receiver.stop()
+                run_spans(client, 5, "during")
+                wait_until(lambda: dask_otel.status(client)["scheduler"]["spans_failed"] > 0,
+                           timeout=30)
+                receiver.start()  # same port
+                last = run_spans(client, 3, "last")
+                received = receiver.wait_for(
+                    lambda r: (ids := {s.attributes.get("dask.span.id") for s in r.spans()})
+                    >= set(first + last) and ids,
+                    timeout=30,
+                )
+    assert set(first + last) <= received
+    assert len(outage_warnings(caplog)) == 1
+    no_unresponsive_loop(caplog)
+
+
+def test_black_hole_collector_and_shutdown_is_bounded_by_flush_timeout(monkeypatch):
+    """A collector that accepts TCP and never answers: the workload runs at full
+    speed and closing the cluster waits at most otel.flush-timeout for it"""
+
+    def close_time(config: dict) -> float:
+        with dask.config.set(config):
+            cluster = LocalCluster(n_workers=1, processes=False, dashboard_address=":0")
+            client = Client(cluster)
+            run_spans(client, 5)
+            time.sleep(1)  # spans are exported and stuck in the exporter
+            start = time.monotonic()
+            client.close()
+            cluster.close()
+            return time.monotonic() - start
+
+    with BlackHole() as hole:
+        set_env(monkeypatch, {**hole.env(protocol="grpc"), "OTEL_EXPORTER_OTLP_TIMEOUT": "30"})
+        without = close_time({**OTLP_CONFIG, "distributed.scheduler.preload": []})
+        with_bridge = close_time(OTLP_CONFIG)  # otel.flush-timeout: 1s
+    # Unbounded, the exporter would hold shutdown for its 30 s timeout
+    assert with_bridge - without < 1 + 3, (with_bridge, without)
+
+
+def test_bounded_memory_when_the_collector_is_gone(monkeypatch):
+    """The SDK's queue limit bounds what waits for a dead collector; what does not
+    fit is dropped and counted, and the mirror itself keeps nothing"""
+    with BlackHole() as hole:
+        set_env(monkeypatch, {**hole.env(protocol="grpc"), "OTEL_BSP_MAX_QUEUE_SIZE": "16",
+                              "OTEL_BSP_MAX_EXPORT_BATCH_SIZE": "4",
+                              "OTEL_EXPORTER_OTLP_TIMEOUT": "30"})
+        with otel_cluster(OTLP_CONFIG) as (client, mirrored):
+            run_spans(client, 30)
+            wait_until(lambda: mirrored.plugin.mirror.exported >= 60)
+            status = dask_otel.status(client)["scheduler"]
+            assert status["open_spans"] == status["open_groups"] == 0
+            assert not mirrored.plugin.mirror.erred
+            (processor,) = mirrored.plugin.telemetry.tracer_provider._active_span_processor._span_processors
+            assert len(processor._batch_processor._queue) <= 16
+
+
+def test_worker_without_dask_otel_installed_joins_and_computes():
+    with OTLPReceiver("grpc") as receiver:
+        with dask_processes(receiver.env(), n_workers=1) as cluster:
+            cluster.add_worker("plain", without_dask_otel=True)
+            with cluster.client(n_workers=2) as client:
+                plain = next(a for a, w in client.scheduler_info()["workers"].items()
+                             if w["name"] == "plain")
+                # (operator.add: this worker cannot import test modules, which import dask_otel)
+                futures = client.map(operator.add, range(20), [1] * 20, workers=[plain])
+                assert client.gather(futures) == list(range(1, 21))
+                with span("still traced"):
+                    client.gather(client.map(operator.add, range(4), [1] * 4,
+                                             key=[f"traced-{i}" for i in range(4)]))
+                status = dask_otel.status(client)["workers"]
+                receiver.wait_for(lambda r: r.spans("still traced"), timeout=30)
+                # the other worker keeps exporting its metrics
+                receiver.wait_for(lambda r: any(
+                    p.attributes.get("dask.worker.name") == "worker-0" for p in r.metric_points()
+                ), timeout=30)
+            log = cluster.log("plain")
+    assert "dask_otel is not installed on worker" in status[plain]["error"]
+    assert "dask_otel is not installed on worker" in log
+    assert "Install dask-otel" in log
+
+
+def test_worker_killed_mid_span():
+    with otel_cluster(processes=True, n_workers=2) as (client, mirrored):
+        pids = client.run(os.getpid)
+        with span("survives") as sid:
+            futures = client.map(slow_inc, range(8), delay=0.5, key=[f"s-{i}" for i in range(8)])
+            time.sleep(0.7)
+            os.kill(next(iter(pids.values())), signal.SIGKILL)
+            assert client.gather(futures) == list(range(1, 9))
+        s = mirrored.by_dask_id(sid, timeout=40)
+        assert s.attributes["dask.tasks.total"] == 8
+        time.sleep(1)
+        assert [x.context.span_id for x in mirrored.spans()].count(s.context.span_id) == 1
+
+
+def test_client_restart_mid_span():
+    with otel_cluster(processes=True, n_workers=1) as (client, mirrored):
+        with span("restarted") as sid:
+            client.map(slow_inc, range(4), delay=2, key=[f"r-{i}" for i in range(4)])
+            time.sleep(0.5)
+            client.restart()
+            assert client.submit(inc, 1, key="after-restart").result() == 2
+        s = mirrored.by_dask_id(sid, timeout=30)
+        assert s.end_time >= s.start_time
+
+
+def test_client_disconnect_mid_workflow():
+    with otel_cluster() as (client, mirrored):
+        scheduler_address = mirrored.cluster.scheduler_address
+        other = Client(scheduler_address)
+        with span("abandoned") as sid:
+            other.map(slow_inc, range(4), delay=1, key=[f"a-{i}" for i in range(4)])
+            time.sleep(0.3)
+        other.close()  # the tasks are released: the span ends
+        s = mirrored.by_dask_id(sid, timeout=30)
+        assert s.end_time >= s.start_time
+        assert client.submit(inc, 1).result() == 2
+
+
+@pytest.mark.parametrize(
+    "variable, value",
+    [
+        ("OTEL_TRACES_EXPORTER", "zipkin-thrift"),
+        ("OTEL_EXPORTER_OTLP_PROTOCOL", "carrier-pigeon"),
+        ("OTEL_BSP_SCHEDULE_DELAY", "soon"),
+        ("OTEL_EXPORTER_OTLP_TIMEOUT", "forever"),
+        ("OTEL_EXPORTER_OTLP_HEADERS", "not a header"),
+        ("OTEL_EXPORTER_OTLP_ENDPOINT", "::not a url::"),
+        ("OTEL_RESOURCE_ATTRIBUTES", "=,=,novalue"),
+        ("OTEL_ATTRIBUTE_VALUE_LENGTH_LIMIT", "-5"),
+    ],
+)
+def test_malformed_otel_variable(variable, value, monkeypatch):
+    """Either a clear error naming the variable (the bridge is off) or the SDK's own
+    fallback; never a crash, and the cluster computes"""
+    set_env(monkeypatch, {variable: value})
+    with otel_cluster({**OTLP_CONFIG, "otel.traces.exporter": None}) as (client, mirrored):
+        with span("computes"):
+            assert client.gather(client.map(inc, range(3))) == [1, 2, 3]
+        error = dask_otel.status(client)["scheduler"]["error"]
+    if error is not None:
+        assert variable in error and value in error
+
+
+def test_huge_and_many_span_names_are_bounded():
+    with otel_cluster() as (client, mirrored):
+        with span("x" * 1_000_000, "ü" * 10) as sid:
+            client.submit(inc, 1, key="huge-tag").result()
+        s = mirrored.by_dask_id(sid)
+        assert len(s.attributes["dask.span.name"][0]) <= 4096
+        ids, futures = [], []
+        for i in range(300):
+            with span(f"name {i} ✓") as sid:
+                futures.append(client.submit(inc, i, key=f"many{i}"))
+            ids.append(sid)
+        assert client.gather(futures) == list(range(1, 301))
+        mirrored.by_dask_id(ids[-1], timeout=60)
+        wait_until(lambda: dask_otel.status(client)["scheduler"]["open_spans"] == 0)
+        assert not mirrored.plugin.mirror.erred
+
+
+def test_auth_headers_never_reach_logs_or_attributes():
+    secret = "s3cret-token-never-logged"
+    with OTLPReceiver("grpc", mode="unavailable") as receiver:
+        env = {
+            **receiver.env(headers={"authorization": f"Bearer {secret}"}),
+            **FAST_EXPORT_ENV,
+            "DASK_LOGGING__DASK_OTEL": "debug",
+            "DASK_LOGGING__OPENTELEMETRY": "debug",
+        }
+        with dask_processes(env, n_workers=1) as cluster:
+            with cluster.client() as client:
+                with span("lost in the outage"):
+                    client.submit(inc, 1).result()
+                wait_until(lambda: dask_otel.status(client)["scheduler"]["spans_failed"] > 0,
+                           timeout=30)
+                receiver.mode = "ok"
+                with span("authorized"):
+                    client.submit(inc, 2).result()
+                (s,) = receiver.wait_for(lambda r: r.spans("authorized"), timeout=30)
+            logs = cluster.log("scheduler") + cluster.log("worker-0")
+    assert any(h.get("authorization") == f"Bearer {secret}" for h in receiver.headers)
+    assert "cannot export spans" in logs  # the outage was logged...
+    assert secret not in logs  # ...without the token
+    assert not any(secret in str(v) for v in s.attributes.values())
+    assert not any(secret in str(v) for v in s.resource.values())
+
+
+@pytest.mark.parametrize("protocol", ["grpc", "http/protobuf"])
+def test_tls_collector_with_self_signed_certificate(protocol):
+    with OTLPReceiver(protocol, tls=True) as receiver:
+        env = {**receiver.env(), "OTEL_METRICS_EXPORTER": "none"}
+        with dask_processes(env, n_workers=1) as cluster, cluster.client() as client:
+            with span("encrypted") as sid:
+                client.submit(inc, 1).result()
+            (s,) = receiver.wait_for(lambda r: r.spans("encrypted"), timeout=30)
+    assert receiver.endpoint.startswith("https://")
+    assert s.attributes["dask.span.id"] == sid
