@@ -312,3 +312,14 @@ def test_disabled_does_nothing():
         status = dask_otel.status(client)
         assert status["scheduler"]["traces"] is False
         assert client.submit(inc, 1).result() == 2
+
+
+def test_default_settings_export_within_5_seconds_of_completion():
+    defaults = {"otel.spans.export-delay": "2s", "otel.spans.poll-interval": "500ms"}
+    with otel_cluster(defaults) as (client, mirrored):
+        with span("prompt") as sid:
+            client.gather(client.map(inc, range(3)))
+        done = time.monotonic()
+        mirrored.by_dask_id(sid, timeout=5)
+        latency = time.monotonic() - done
+    assert 1.5 <= latency < 5  # not long before the 2 s export delay; within the promise
