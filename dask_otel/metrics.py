@@ -1,0 +1,240 @@
+"""The scheduler's metrics: Dask's fine performance metrics, and the bridge's own.
+
+Fine performance metrics
+------------------------
+Workers measure where their time goes (``context_meter``) and send the totals to
+the scheduler with every heartbeat, which adds them up in
+``Scheduler.cumulative_worker_metrics`` (the "Fine Performance Metrics" dashboard
+page shows the same numbers). They are exported as observable counters, one per
+Dask unit:
+
+======================== =========== ===========================================
+``dask.activity.time``   s           seconds the workers spent
+``dask.activity.size``   By          bytes they processed (memory-read, disk-read,
+                                     disk-write, p2p shards...)
+``dask.activity.count``  {operation} operations (keys read or written, shards...)
+======================== =========== ===========================================
+
+with the attributes:
+
+- ``dask.activity.context``: ``execute`` (running tasks), ``gather-dep`` (fetching
+  task inputs from other workers), ``get-data`` (serving them), ``p2p`` (P2P
+  shuffle and rechunk);
+- ``dask.task.prefix``: the task prefix (``execute`` only), e.g. ``random_sample``;
+- ``dask.activity.where``: ``foreground``, ``background-comms`` or
+  ``background-disk`` (``p2p`` only);
+- ``dask.activity.name``: ``thread-cpu``, ``thread-noncpu``, ``executor``,
+  ``other``, ``memory-read``, ``disk-read``, ``disk-write``, ``serialize``,
+  ``deserialize``, ``compress``, ``decompress``, ``network``...;
+- ``dask.span.name`` (string array, the Dask span's tags) only with
+  ``otel.metrics.span-label: true``. Span names are user data, so this is off by
+  default: every distinct span name is a new series, and the SDK folds series past
+  its cardinality limit (2000 per instrument) into one with
+  ``otel.metric.overflow=true``. With it on, ``execute`` and ``p2p`` are broken
+  down by span (each span counts its own tasks, not its sub-spans'), and the
+  other contexts, which have no span, carry no span attribute.
+
+The values reach the scheduler with heartbeats (every 0.5 s up to 10 workers,
+slower on larger clusters), so they lag the workers by up to a heartbeat.
+
+Self-metrics of the bridge
+--------------------------
+Observable counters for alerting on telemetry loss, on the scheduler only:
+
+=============================== ========= ======================================
+``dask.otel.span.mirrored``     {span}    Dask spans and TaskGroups handed to the
+                                          OpenTelemetry SDK
+``dask.otel.span.exported``     {span}    spans the exporter delivered
+``dask.otel.span.dropped``      {span}    spans lost: their export failed after
+                                          the SDK's retries
+``dask.otel.export.failures``   {request} failed export requests
+=============================== ========= ======================================
+
+The last three carry ``dask.otel.exporter``, the exporter's class name (e.g.
+``OTLPSpanExporter``). ``mirrored - exported - dropped`` is what is still queued
+in the SDK's batch processor, or was dropped because its queue was full. Spans
+go to the in-memory exporter (tests) without being counted.
+
+Prometheus names: ``dask_activity_time_seconds_total``,
+``dask_activity_size_bytes_total``, ``dask_activity_count_total``,
+``dask_otel_span_mirrored_total``, ``dask_otel_span_exported_total``,
+``dask_otel_span_dropped_total``, ``dask_otel_export_failures_total``; attribute
+dots become underscores (``dask_task_prefix``, ``dask_activity_name``...).
+Time per task prefix and activity::
+
+    sum by (dask_task_prefix, dask_activity_name)
+        (rate(dask_activity_time_seconds_total{dask_activity_context="execute"}[1m]))
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Mapping
+from typing import TYPE_CHECKING, Any
+
+from dask_otel.instruments import (
+    COUNTER,
+    Attached,
+    MetricSpec,
+    ProcessInstruments,
+    Reading,
+    copy_mapping,
+)
+
+if TYPE_CHECKING:
+    from distributed import Scheduler
+
+    from dask_otel.config import Telemetry
+
+#: Attributes
+CONTEXT = "dask.activity.context"
+TASK_PREFIX = "dask.task.prefix"
+WHERE = "dask.activity.where"
+ACTIVITY = "dask.activity.name"
+SPAN_NAME = "dask.span.name"
+EXPORTER = "dask.otel.exporter"
+
+try:
+    from distributed.spans import CONTEXTS_WITH_SPAN_ID
+except ImportError:  # distributed < 2023.9
+    CONTEXTS_WITH_SPAN_ID = ("execute", "p2p")
+
+
+def fine_metric_attributes(key: Hashable) -> tuple[str, dict[str, Any]] | None:
+    """``(dask unit, attributes)`` of one key of ``Scheduler.cumulative_worker_metrics``
+    or ``Span._cumulative_worker_metrics``: ``(context, [prefix or where...],
+    activity, unit)``. None for the other keys (``"latency"``, ``"tick-duration"``:
+    digests that are not fine performance metrics).
+    """
+    if not isinstance(key, tuple) or len(key) < 3:
+        return None
+    context, *middle, activity, unit = key
+    attributes = {CONTEXT: str(context), ACTIVITY: str(activity)}
+    if middle:
+        if context == "execute":
+            attributes[TASK_PREFIX] = str(middle[0])
+        else:
+            attributes[WHERE] = " ".join(map(str, middle))
+    return str(unit), attributes
+
+
+def _fine_metrics(dask_unit: str):
+    def read(observed: SchedulerMetrics) -> Reading:
+        scheduler = observed.scheduler
+        spans = observed.span_label and scheduler.extensions.get("spans")
+        # With span-label, what can be attributed to spans is read from them
+        skip = CONTEXTS_WITH_SPAN_ID if spans else ()
+        out = _readings(scheduler.cumulative_worker_metrics, dask_unit, skip=skip)
+        if spans:
+            for span in list(spans.spans.values()):
+                own = getattr(span, "_cumulative_worker_metrics", None)
+                if own:
+                    out += _readings(own, dask_unit, {SPAN_NAME: tuple(span.name)})
+        return out
+
+    return read
+
+
+def _readings(
+    metrics: Mapping[Hashable, float],
+    dask_unit: str,
+    extra: Mapping[str, Any] | None = None,
+    skip: tuple[str, ...] = (),
+) -> list[tuple[float, Mapping[str, Any]]]:
+    out: list[tuple[float, Mapping[str, Any]]] = []
+    for key, value in copy_mapping(metrics).items():
+        parsed = fine_metric_attributes(key)
+        if parsed is None or parsed[0] != dask_unit:
+            continue
+        attributes = parsed[1]
+        if attributes[CONTEXT] in skip:
+            continue
+        if extra:
+            attributes.update(extra)
+        out.append((value, attributes))
+    return out
+
+
+def _spans_mirrored(observed: SchedulerMetrics) -> Reading:
+    mirror = observed.plugin.mirror
+    return [] if mirror is None else [(mirror.exported, {})]
+
+
+def _export_stat(field: str):
+    def read(observed: SchedulerMetrics) -> Reading:
+        return [
+            (getattr(stats, field), {EXPORTER: type(stats.exporter).__name__})
+            for stats in list(observed.telemetry.export_stats)
+        ]
+
+    return read
+
+
+#: Every scheduler instrument. The Dask unit in ``_fine_metrics(...)`` is the last
+#: element of the keys of ``Scheduler.cumulative_worker_metrics``.
+SCHEDULER_METRICS: tuple[MetricSpec, ...] = (
+    MetricSpec(
+        "dask.activity.time", COUNTER, "s",
+        "Time workers spent, by context, task prefix and activity "
+        "(Dask's fine performance metrics)", _fine_metrics("seconds"),
+    ),
+    MetricSpec(
+        "dask.activity.size", COUNTER, "By",
+        "Bytes workers processed, by context, task prefix and activity "
+        "(Dask's fine performance metrics)", _fine_metrics("bytes"),
+    ),
+    MetricSpec(
+        "dask.activity.count", COUNTER, "{operation}",
+        "Operations workers performed, by context, task prefix and activity "
+        "(Dask's fine performance metrics)", _fine_metrics("count"),
+    ),
+    MetricSpec(
+        "dask.otel.span.mirrored", COUNTER, "{span}",
+        "Dask spans and TaskGroups the bridge handed to the OpenTelemetry SDK",
+        _spans_mirrored,
+    ),
+    MetricSpec(
+        "dask.otel.span.exported", COUNTER, "{span}",
+        "Spans the exporter delivered", _export_stat("spans_exported"),
+        per_process=True,
+    ),
+    MetricSpec(
+        "dask.otel.span.dropped", COUNTER, "{span}",
+        "Spans lost because their export failed after the SDK's retries",
+        _export_stat("spans_failed"), per_process=True,
+    ),
+    MetricSpec(
+        "dask.otel.export.failures", COUNTER, "{request}",
+        "Span export requests that failed after the SDK's retries",
+        _export_stat("export_failures"), per_process=True,
+    ),
+)
+
+
+class SchedulerInstruments(ProcessInstruments):
+    """The scheduler instruments of one MeterProvider, reporting on every
+    scheduler of this process"""
+
+    table = SCHEDULER_METRICS
+
+
+class SchedulerMetrics(Attached):
+    """Exports one scheduler's fine performance metrics and the bridge's
+    self-metrics, from now until :meth:`close`"""
+
+    scheduler: Scheduler
+    telemetry: Telemetry
+    #: The OtelSchedulerPlugin: its ``mirror`` counts the spans it mirrored
+    plugin: Any
+    #: otel.metrics.span-label
+    span_label: bool
+
+    def __init__(self, scheduler: Scheduler, telemetry: Telemetry, plugin: Any):
+        # No attribute names the scheduler: the process's resource does
+        # (dask.scheduler.address), and the fine metrics are the cluster's totals
+        super().__init__({})
+        self.scheduler = scheduler
+        self.telemetry = telemetry
+        self.plugin = plugin
+        self.span_label = telemetry.config.span_label
+        assert telemetry.meter_provider is not None
+        SchedulerInstruments.of(telemetry.meter_provider).attach(self)

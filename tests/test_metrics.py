@@ -1,0 +1,384 @@
+"""The scheduler's metrics (dask_otel.metrics): fine performance metrics and the
+bridge's self-metrics; the metric table of docs/metrics.md against what is emitted;
+OTLP over gRPC and HTTP from real scheduler and worker processes."""
+
+from __future__ import annotations
+
+import re
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import dask
+import dask.array as da
+import prometheus_client
+import pytest
+from distributed import Client, LocalCluster, span, wait
+
+import dask_otel.metrics
+import dask_otel.spill
+from conftest import wait_until
+from dask_otel.instruments import COUNTER, GAUGE
+from dask_otel.metrics import SCHEDULER_METRICS, fine_metric_attributes
+from dask_otel.spill import SPILL_METRICS
+from metric_utils import (
+    MEMORY_LIMIT,
+    SPILL_CONFIG,
+    collect,
+    make_chunk,
+    metric_reader,
+    total,
+    value,
+)
+from otlp_receiver import OTLPReceiver
+from processes import dask_processes
+
+pytestmark = pytest.mark.timeout(60)
+
+DOCS = Path(__file__).parent.parent / "docs" / "metrics.md"
+
+
+def otel_inc(x: int) -> int:
+    return x + 1
+
+
+def otel_total(xs: list[int]) -> int:
+    return sum(xs)
+
+
+@contextmanager
+def metrics_cluster(config: dict | None = None, **kwargs: Any) -> Iterator[tuple[LocalCluster, Client]]:
+    with dask.config.set({**SPILL_CONFIG, **(config or {})}), LocalCluster(
+        n_workers=kwargs.pop("n_workers", 2),
+        threads_per_worker=1,
+        processes=False,
+        memory_limit=MEMORY_LIMIT,
+        dashboard_address=":0",
+        **kwargs,
+    ) as cluster, Client(cluster) as client:
+        yield cluster, client
+
+
+def heartbeats_carried(cluster: LocalCluster, key: tuple) -> None:
+    """Wait until the workers' fine performance metrics for ``key`` reached the
+    scheduler (they travel with heartbeats)"""
+    wait_until(lambda: cluster.scheduler.cumulative_worker_metrics.get(key), what=str(key))
+
+
+def fine_metrics_by_unit(metrics: dict) -> dict[str, dict[tuple, float]]:
+    """Dask's fine metrics as ``{dask unit: {sorted attribute items: value}}``"""
+    out: dict[str, dict[tuple, float]] = {}
+    for key, v in metrics.items():
+        parsed = fine_metric_attributes(key)
+        if parsed is not None:
+            unit, attributes = parsed
+            out.setdefault(unit, {})[tuple(sorted(attributes.items()))] = v
+    return out
+
+
+def exported_by_unit(points: dict) -> dict[str, dict[tuple, float]]:
+    names = {"seconds": "dask.activity.time", "bytes": "dask.activity.size", "count": "dask.activity.count"}
+    return {
+        unit: {tuple(sorted(p.attributes.items())): p.value for p in points.get(name, [])}
+        for unit, name in names.items()
+    }
+
+
+# --- fine performance metrics ---------------------------------------------------------
+
+
+def test_fine_metric_keys_become_bounded_attributes():
+    assert fine_metric_attributes(("execute", "otel_inc", "thread-cpu", "seconds")) == (
+        "seconds",
+        {"dask.activity.context": "execute", "dask.task.prefix": "otel_inc",
+         "dask.activity.name": "thread-cpu"},
+    )
+    assert fine_metric_attributes(("gather-dep", "network", "seconds")) == (
+        "seconds",
+        {"dask.activity.context": "gather-dep", "dask.activity.name": "network"},
+    )
+    assert fine_metric_attributes(("p2p", "background-comms", "send", "bytes")) == (
+        "bytes",
+        {"dask.activity.context": "p2p", "dask.activity.where": "background-comms",
+         "dask.activity.name": "send"},
+    )
+    # Digests that are not fine performance metrics
+    assert fine_metric_attributes("tick-duration") is None
+    assert fine_metric_attributes(("latency",)) is None
+
+
+def test_fine_metrics_equal_the_schedulers_totals():
+    with metrics_cluster() as (cluster, client):
+        parts = client.map(otel_inc, range(20))
+        assert client.submit(otel_total, parts).result() == sum(range(1, 21))
+        heartbeats_carried(cluster, ("execute", "otel_total", "thread-cpu", "seconds"))
+        expected = fine_metrics_by_unit(dict(cluster.scheduler.cumulative_worker_metrics))
+        points = collect(metric_reader(cluster))
+
+    assert exported_by_unit(points) == expected
+    prefixes = {p.attributes.get("dask.task.prefix") for p in points["dask.activity.time"]}
+    assert {"otel_inc", "otel_total"} <= prefixes
+    activities = {
+        p.attributes["dask.activity.name"]
+        for p in points["dask.activity.time"]
+        if p.attributes.get("dask.task.prefix") == "otel_inc"
+    }
+    assert {"thread-cpu", "thread-noncpu", "executor", "other"} <= activities
+    assert value(points, "dask.activity.count", dask_task_prefix="otel_total",
+                 dask_activity_name="memory-read") >= 1
+
+
+def test_no_span_attribute_by_default():
+    with metrics_cluster() as (cluster, client):
+        with span("etl"):
+            client.gather(client.map(otel_inc, range(5)))
+        heartbeats_carried(cluster, ("execute", "otel_inc", "thread-cpu", "seconds"))
+        points = collect(metric_reader(cluster))
+    for name in ("dask.activity.time", "dask.activity.size", "dask.activity.count"):
+        assert all("dask.span.name" not in p.attributes for p in points[name])
+
+
+def test_span_label_breaks_task_metrics_down_by_span():
+    with metrics_cluster({"otel.metrics.span-label": True}) as (cluster, client):
+        with span("etl"):
+            client.gather(client.map(otel_inc, range(10)))
+        with span("report"):
+            client.submit(otel_total, list(range(5))).result()
+        heartbeats_carried(cluster, ("execute", "otel_total", "thread-cpu", "seconds"))
+        expected = fine_metrics_by_unit(dict(cluster.scheduler.cumulative_worker_metrics))
+        points = collect(metric_reader(cluster))
+
+    time_points = points["dask.activity.time"]
+    spans_of = lambda prefix: {
+        p.attributes.get("dask.span.name")
+        for p in time_points
+        if p.attributes.get("dask.task.prefix") == prefix
+    }
+    assert spans_of("otel_inc") == {("etl",)}
+    assert spans_of("otel_total") == {("report",)}
+    # Contexts without a span carry no span attribute
+    assert all(
+        "dask.span.name" not in p.attributes
+        for p in time_points
+        if p.attributes["dask.activity.context"] not in ("execute", "p2p")
+    )
+    # Summed over spans, the totals are the scheduler's
+    for unit, by_attributes in exported_by_unit(points).items():
+        summed: dict[tuple, float] = {}
+        for attributes, v in by_attributes.items():
+            key = tuple(kv for kv in attributes if kv[0] != "dask.span.name")
+            summed[key] = summed.get(key, 0) + v
+        assert summed == pytest.approx(expected.get(unit, {})), unit
+
+
+# --- self-metrics -----------------------------------------------------------------
+
+
+def test_self_metrics_count_spans_exported_and_lost(monkeypatch):
+    with OTLPReceiver("grpc") as receiver:
+        for k, v in receiver.env().items():
+            monkeypatch.setenv(k, v)
+        monkeypatch.setenv("OTEL_BSP_SCHEDULE_DELAY", "100")
+        config = {
+            "otel.traces.exporter": "otlp",
+            "otel.spans.export-delay": "100ms",
+            "otel.spans.poll-interval": "50ms",
+        }
+        with metrics_cluster(config, n_workers=1) as (cluster, client):
+            reader = metric_reader(cluster)
+            with span("accepted"):
+                client.gather(client.map(otel_inc, range(3)))
+            receiver.wait_for(lambda r: r.spans("accepted"), timeout=20)
+            delivered = len(receiver.spans())
+            points = wait_until(
+                lambda: (p := collect(reader))
+                and value(p, "dask.otel.span.exported") == delivered
+                and p,
+                what="the exported count to match what the receiver got",
+            )
+            assert value(points, "dask.otel.span.mirrored") >= delivered
+            assert value(points, "dask.otel.span.dropped") == 0
+            assert value(points, "dask.otel.export.failures") == 0
+            (exported,) = points["dask.otel.span.exported"]
+            assert exported.attributes == {"dask.otel.exporter": "OTLPSpanExporter"}
+
+            receiver.mode = "reject"  # not retried: the batch is lost at once
+            with span("rejected"):
+                client.gather(client.map(otel_inc, range(3, 6)))
+            points = wait_until(
+                lambda: (p := collect(reader)) and value(p, "dask.otel.export.failures") and p,
+                what="an export failure to be counted",
+            )
+            assert value(points, "dask.otel.span.dropped") >= 1
+            assert value(points, "dask.otel.span.exported") == delivered
+
+
+# --- the documented table ------------------------------------------------------------
+
+
+def documented_metrics() -> dict[str, dict[str, str]]:
+    """The instrument table of docs/metrics.md: ``{name: {column: cell}}``"""
+    rows: dict[str, dict[str, str]] = {}
+    header: list[str] | None = None
+    for line in DOCS.read_text().splitlines():
+        if not line.startswith("|"):
+            header = None
+            continue
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if header is None:
+            header = [c.lower() for c in cells]
+            continue
+        if set(line) <= set("|-: "):
+            continue
+        if header[:2] != ["name", "type"]:
+            continue  # another table
+        row = dict(zip(header, cells))
+        rows[row["name"].strip("`")] = {k: v.strip("`") for k, v in row.items()}
+    return rows
+
+
+def test_every_emitted_metric_is_documented_and_every_documented_one_emitted(monkeypatch):
+    documented = documented_metrics()
+    with OTLPReceiver("grpc") as receiver:
+        for k, v in receiver.env().items():
+            monkeypatch.setenv(k, v)
+        monkeypatch.setenv("OTEL_BSP_SCHEDULE_DELAY", "100")
+        config = {
+            "otel.metrics.exporter": ["memory", "prometheus"],
+            "otel.traces.exporter": "otlp",
+            "otel.spans.export-delay": "100ms",
+        }
+        with metrics_cluster(config) as (cluster, client):
+            chunks = client.map(make_chunk, range(6), workers=[next(iter(cluster.workers.values())).address])  # spills
+            client.submit(total, chunks).result()  # unspills
+            # a P2P rechunk, for dask.activity.where
+            da.ones((100, 100), chunks=(10, 100)).rechunk((100, 10), method="p2p").sum().compute()
+            receiver.wait_for(lambda r: r.spans(), timeout=20)
+            heartbeats_carried(cluster, ("execute", "total", "disk-read", "count"))
+            wait_until(
+                lambda: any(k[0] == "p2p" for k in cluster.scheduler.cumulative_worker_metrics),
+                what="P2P metrics",
+            )
+            reader = metric_reader(cluster)
+            points = wait_until(
+                lambda: (p := collect(reader)) and "dask.otel.span.exported" in p and p,
+                what="the self-metrics",
+            )
+            data = reader.get_metrics_data()
+            exposition = prometheus_client.generate_latest().decode()
+
+    emitted = {
+        m.name: m
+        for rm in data.resource_metrics
+        for sm in rm.scope_metrics
+        if sm.scope.name == "dask_otel"
+        for m in sm.metrics
+    }
+    assert set(points) == set(emitted)
+    assert sorted(emitted) == sorted(documented), "docs/metrics.md and the emitted metrics differ"
+
+    kinds = {"Gauge": GAUGE, "Sum": COUNTER}
+    # The names of the samples Prometheus stores
+    samples = set(re.findall(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)[{ ]", exposition, flags=re.M))
+    for name, metric in emitted.items():
+        row = documented[name]
+        assert row["type"] == kinds[type(metric.data).__name__], name
+        assert row["unit"] == metric.unit, name
+        assert row["prometheus name"] in samples, name
+        for attribute in row["attributes"].replace("`", "").split(","):
+            attribute = attribute.strip().split(" ")[0]
+            if attribute and attribute != "dask.span.name":  # opt-in
+                assert any(attribute in p.attributes for p in points[name]), (name, attribute)
+
+    # The module docstrings, the user manual, name every metric too
+    manual = dask_otel.spill.__doc__ + dask_otel.metrics.__doc__
+    for spec in SPILL_METRICS + SCHEDULER_METRICS:
+        assert f"``{spec.name}``" in manual, spec.name
+        assert documented[spec.name]["prometheus name"] in manual, spec.name
+
+
+# --- OTLP over the wire -----------------------------------------------------------------
+
+
+def latest(receiver: OTLPReceiver, name: str, **attributes: Any) -> dict[str, float]:
+    """The latest received value of ``name`` per worker address, summed over the
+    series whose attributes include ``attributes``"""
+    wanted = {k.replace("_", "."): v for k, v in attributes.items()}
+    last: dict[tuple, tuple[float, float]] = {}
+    for p in receiver.metric_points(name):
+        if all(p.attributes.get(k) == v for k, v in wanted.items()):
+            key = tuple(sorted(p.attributes.items()))
+            if key not in last or p.time >= last[key][0]:
+                last[key] = (p.time, p.value)
+    out: dict[str, float] = {}
+    for key, (_, v) in last.items():
+        address = dict(key).get("dask.worker.address", "")
+        out[address] = out.get(address, 0) + v
+    return out
+
+
+#: Workers of 100 MB that spill past 10 MB, configured as a user would
+SPILL_ENV = {
+    "DASK_DISTRIBUTED__WORKER__MEMORY__TARGET": "0.1",
+    "DASK_DISTRIBUTED__WORKER__MEMORY__SPILL": "False",
+    "DASK_DISTRIBUTED__WORKER__MEMORY__PAUSE": "False",
+    "DASK_DISTRIBUTED__WORKER__MEMORY__TERMINATE": "False",
+}
+
+
+# Three processes to start: slow on a busy machine. "signal" ends the test inside
+# its with-blocks, so that the dask processes are stopped.
+@pytest.mark.timeout(120, method="signal")
+@pytest.mark.parametrize("protocol", ["grpc", "http/protobuf"])
+def test_spill_and_fine_metrics_arrive_over_otlp(protocol):
+    with OTLPReceiver(protocol) as receiver:
+        env = {**receiver.env(), **SPILL_ENV, "OTEL_TRACES_EXPORTER": "none"}
+        with dask_processes(env, worker_args=("--memory-limit", "100MB")) as procs, procs.client() as client:
+            workers = set(client.scheduler_info()["workers"])
+            chunks = [client.map(make_chunk, range(i * 10, i * 10 + 5), workers=[w])
+                      for i, w in enumerate(sorted(workers))]
+            wait(sum(chunks, []))
+
+            disk = receiver.wait_for(
+                lambda r: (d := latest(r, "dask.spill.disk.size"))
+                and set(d) == workers and all(d.values()) and d,
+                timeout=20,
+            )
+            written = latest(receiver, "dask.spill.count", dask_activity_name="disk-write")
+            more = client.map(make_chunk, range(100, 104))
+            wait(more)
+            receiver.wait_for(
+                lambda r: sum(latest(r, "dask.spill.count", dask_activity_name="disk-write").values())
+                > sum(written.values()),
+                timeout=20,
+            )
+            client.submit(total, sum(chunks, [])).result()
+            receiver.wait_for(
+                lambda r: sum(latest(r, "dask.spill.size", dask_activity_name="disk-read").values()) > 0,
+                timeout=20,
+            )
+            receiver.wait_for(
+                lambda r: latest(r, "dask.activity.time", dask_task_prefix="make_chunk"),
+                timeout=20,
+            )
+            scheduler_address = procs.address
+            # Close the cluster from the scheduler rather than by SIGINT: a
+            # ``dask worker --no-nanny`` interrupted while it closes (and flushes
+            # its metrics) can hang in asyncio's task cancellation
+            client.shutdown()
+            wait_until(lambda: all(p.poll() is not None for p in procs.procs.values()),
+                       timeout=30, what="the dask processes to exit")
+
+    assert all(v > 1_000_000 for v in disk.values())
+    (counter,) = {(p.kind, p.monotonic, p.temporality, p.unit) for p in receiver.metric_points("dask.spill.count")}
+    assert counter == ("sum", True, "cumulative", "{key}")
+    (threshold,) = {p.value for p in receiver.metric_points("dask.memory.threshold")
+                    if p.attributes["dask.threshold"] == "target"}
+    assert threshold == 10_000_000
+    fine = receiver.metric_points("dask.activity.time")
+    assert {p.resource["dask.scheduler.address"] for p in fine} == {scheduler_address}
+    assert {p.resource["service.name"] for p in fine} == {"dask"}
+    spill = receiver.metric_points("dask.spill.memory.size")
+    assert {p.attributes["dask.worker.name"] for p in spill} == {"worker-0", "worker-1"}
