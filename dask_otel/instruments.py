@@ -63,25 +63,32 @@ class MetricSpec:
 class Attached:
     """One Dask server that a :class:`ProcessInstruments` reports on.
 
-    ``close()`` detaches it: its series stop at the next collection.
+    ``close()`` does not silence it at once: it is reported once more, by the next
+    collection, and then forgotten. That next collection is usually the flush of
+    the process's Telemetry when its last Dask server closes, so the final values
+    (whatever happened since the last periodic export) are not lost, and a
+    cluster shorter-lived than one export interval still exports something.
     """
 
     #: Attributes added to every observation of this server
     attributes: dict[str, Any]
     instruments: ProcessInstruments | None
+    #: Rows not yet reported since close(); None while the server is open
+    last_round: set[str] | None
 
     def __init__(self, attributes: dict[str, Any]):
         self.attributes = attributes
         self.instruments = None
+        self.last_round = None
 
     @property
     def active(self) -> bool:
-        """False while the server is closing: it is skipped until detached"""
+        """False while the server is closing, until close(): it is skipped"""
         return True
 
     def close(self) -> None:
         if self.instruments is not None:
-            self.instruments.detach(self)
+            self.instruments.retire(self)
             self.instruments = None
 
 
@@ -141,9 +148,18 @@ class ProcessInstruments:
         attached.instruments = self
         return attached
 
-    def detach(self, attached: Attached) -> None:
+    def retire(self, attached: Attached) -> None:
+        """Report ``attached`` at the next collection of each row, then forget it"""
         with self._lock:
-            self._attached.pop(attached, None)
+            if attached in self._attached:
+                attached.last_round = {spec.name for spec in self.table}
+
+    def _reported(self, attached: Attached, spec: MetricSpec) -> None:
+        with self._lock:
+            if attached.last_round is not None:
+                attached.last_round.discard(spec.name)
+                if not attached.last_round:
+                    self._attached.pop(attached, None)
 
     @property
     def attached(self) -> list[Attached]:
@@ -155,13 +171,19 @@ class ProcessInstruments:
         self, spec: MetricSpec
     ) -> Callable[[CallbackOptions], list[Observation]]:
         def callback(options: CallbackOptions) -> list[Observation]:
-            attached = self.attached
+            reporting = []
+            for server in self.attached:
+                if server.last_round is None:
+                    if server.active:
+                        reporting.append(server)
+                elif spec.name in server.last_round:
+                    reporting.append(server)
+                    self._reported(server, spec)
             if spec.per_process:
-                attached = attached[:1]
+                reporting = reporting[:1]
             out = []
-            for server in attached:
-                if server.active:
-                    out.extend(self._observe(spec, server))
+            for server in reporting:
+                out.extend(self._observe(spec, server))
             return out
 
         return callback

@@ -64,6 +64,16 @@ Time per task prefix and activity::
 
     sum by (dask_task_prefix, dask_activity_name)
         (rate(dask_activity_time_seconds_total{dask_activity_context="execute"}[1m]))
+
+Usage
+-----
+On with the preload, like the spill metrics (see :mod:`dask_otel.spill`), and
+exported wherever ``otel.metrics.exporter`` / ``OTEL_METRICS_EXPORTER`` says. The
+one knob of this module, off by default::
+
+    otel:
+      metrics:
+        span-label: true      # or DASK_OTEL__METRICS__SPAN_LABEL=True
 """
 
 from __future__ import annotations

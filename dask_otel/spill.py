@@ -39,33 +39,38 @@ Cumulative totals since the worker started (observable counters), attribute
 ====================== ====== ==============================================
 
 A restarted worker is a new process and starts from zero with a new start time:
-OTLP backends and Prometheus' ``rate()`` read that as a counter reset.
+OTLP backends and Prometheus' ``rate()`` read that as a counter reset. A worker
+that closes is reported once more, by the next collection (the flush when the
+last Dask server of the process closes), and then no more.
 
-Derived metrics (Prometheus names; ``A`` = ``dask_activity_name``), as in
-``distributed.http.worker.prometheus.core.WorkerMetricCollector.collect_spillbuffer``::
+Derived metrics, as in the docstring of Dask's own
+``distributed.http.worker.prometheus.core.WorkerMetricCollector.collect_spillbuffer``;
+``count[a]``, ``size[a]``, ``time[a]`` stand for the rate of ``dask.spill.count``,
+``dask.spill.size``, ``dask.spill.time`` with ``dask.activity.name=a``::
 
-    cache hit ratio, by keys  = rate(dask_spill_count_total{A="memory-read"})
-                                / ignoring(A) (rate(..{A="memory-read"}) + rate(..{A="disk-read"}))
-    cache hit ratio, by bytes = the same with dask_spill_size_bytes_total
-    seconds per key:  serialize = rate(dask_spill_time_seconds_total{A="serialize"})
-                                  / rate(dask_spill_count_total{A="disk-write"})
-                      write     = time{A="disk-write"}  / count{A="disk-write"}
-                      deserialize = time{A="deserialize"} / count{A="disk-read"}
-                      read      = time{A="disk-read"}   / count{A="disk-read"}
-    bytes per key:    write     = size{A="disk-write"}  / count{A="disk-write"}
-                      read      = size{A="disk-read"}   / count{A="disk-read"}
-    bytes per second: write     = size{A="disk-write"}  / time{A="disk-write"}
-                      read      = size{A="disk-read"}   / time{A="disk-read"}
-    spill rate (B/s) = rate(dask_spill_size_bytes_total{A="disk-write"}[1m])
-    unspill rate     = rate(dask_spill_size_bytes_total{A="disk-read"}[1m])
+    cache hit ratio by keys   count[memory-read] / (count[memory-read] + count[disk-read])
+    cache hit ratio by bytes  size[memory-read] / (size[memory-read] + size[disk-read])
+    spill, unspill rate       size[disk-write], size[disk-read]                (bytes/s)
+    seconds per key           time[serialize] / count[disk-write]     (pickle)
+                              time[disk-write] / count[disk-write]    (write)
+                              time[deserialize] / count[disk-read]    (unpickle)
+                              time[disk-read] / count[disk-read]      (read)
+    bytes per key             size[disk-write] / count[disk-write], size[disk-read] / count[disk-read]
+    disk bandwidth            size[disk-write] / time[disk-write], size[disk-read] / time[disk-read]
+
+In PromQL, the cache hit ratio by keys of each worker::
+
+      sum by (dask_worker_name) (rate(dask_spill_count_total{dask_activity_name="memory-read"}[5m]))
+    / sum by (dask_worker_name) (rate(dask_spill_count_total{dask_activity_name=~"memory-read|disk-read"}[5m]))
 
 Prometheus names (dots become underscores, the unit is appended, counters get
 ``_total``): ``dask_spill_memory_count``, ``dask_spill_memory_size_bytes``,
 ``dask_spill_disk_count``, ``dask_spill_disk_size_bytes``,
 ``dask_spill_disk_memory_size_bytes``, ``dask_memory_threshold_bytes``,
 ``dask_spill_count_total``, ``dask_spill_size_bytes_total``,
-``dask_spill_time_seconds_total``. None collides with Dask's own ``/metrics``
-(``dask_worker_*``, ``dask_scheduler_*``).
+``dask_spill_time_seconds_total``; attributes likewise (``dask_worker_name``,
+``dask_activity_name``, ``dask_threshold``). None collides with Dask's own
+``/metrics`` (``dask_worker_*``, ``dask_scheduler_*``).
 
 What ``Worker.data`` may be
 ---------------------------
@@ -84,12 +89,23 @@ What ``Worker.data`` may be
 Usage
 -----
 Nothing to call: the worker plugin that the ``dask_otel`` preload registers does
-it on every worker::
+it on every worker. Workers need the same ``OTEL_*`` variables as the scheduler::
 
-    DASK_DISTRIBUTED__SCHEDULER__PRELOAD=dask_otel \\
-    OTEL_EXPORTER_OTLP_ENDPOINT=http://collector:4317 \\
-    OTEL_METRIC_EXPORT_INTERVAL=15000 \\
-    dask scheduler
+    export DASK_DISTRIBUTED__SCHEDULER__PRELOAD=dask_otel
+    export OTEL_EXPORTER_OTLP_ENDPOINT=http://collector:4317 OTEL_METRIC_EXPORT_INTERVAL=15000
+    dask scheduler                        # fine performance metrics
+    dask worker tcp://scheduler:8786      # this worker's spill metrics
+
+To look at them without a collector (printed when the cluster closes)::
+
+    import dask
+    from distributed import Client, LocalCluster
+
+    config = {"distributed.scheduler.preload": ["dask_otel"],
+              "otel.metrics.exporter": "console", "otel.traces.exporter": "none"}
+    with dask.config.set(config), LocalCluster(processes=False) as cluster:
+        with Client(cluster) as client:
+            client.submit(sum, [1, 2]).result()
 """
 
 from __future__ import annotations

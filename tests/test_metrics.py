@@ -5,6 +5,8 @@ OTLP over gRPC and HTTP from real scheduler and worker processes."""
 from __future__ import annotations
 
 import re
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -297,6 +299,50 @@ def test_every_emitted_metric_is_documented_and_every_documented_one_emitted(mon
     for spec in SPILL_METRICS + SCHEDULER_METRICS:
         assert f"``{spec.name}``" in manual, spec.name
         assert documented[spec.name]["prometheus name"] in manual, spec.name
+
+
+def test_final_values_are_flushed_when_the_cluster_closes():
+    with metrics_cluster(n_workers=1) as (cluster, client):
+        reader = metric_reader(cluster)
+        (worker,) = cluster.workers.values()
+        chunks = client.map(make_chunk, range(6))
+        client.submit(total, chunks).result()
+        heartbeats_carried(cluster, ("execute", "total", "thread-cpu", "seconds"))
+        final = dict(worker.data.cumulative_metrics)
+        # nothing collected so far: the first export is at the flush on close
+    points = {}
+    data = reader._metrics_data  # what the flush on close collected
+    assert data is not None
+    for rm in data.resource_metrics:
+        for sm in rm.scope_metrics:
+            for metric in sm.metrics:
+                points[metric.name] = [
+                    (dict(p.attributes), p.value) for p in metric.data.data_points
+                ]
+    assert {spec.name for spec in SPILL_METRICS + SCHEDULER_METRICS[:3]} <= set(points)
+    written = [v for a, v in points["dask.spill.count"] if a["dask.activity.name"] == "disk-write"]
+    assert written == [final["disk-write", "count"]]
+
+
+CONSOLE_SCRIPT = """
+import dask
+from distributed import Client, LocalCluster
+with dask.config.set({"distributed.scheduler.preload": ["dask_otel"],
+                      "otel.metrics.exporter": "console", "otel.traces.exporter": "none"}):
+    with LocalCluster(n_workers=1, processes=False, dashboard_address=":0") as cluster:
+        with Client(cluster) as client:
+            client.submit(sum, [1, 2]).result()
+"""
+
+
+def test_console_exporter_prints_the_metrics():
+    # A subprocess: the SDK's console exporter writes to the sys.stdout of when it
+    # was imported, which pytest's capture replaced
+    out = subprocess.run(
+        [sys.executable, "-c", CONSOLE_SCRIPT], capture_output=True, text=True, timeout=60
+    ).stdout
+    for spec in SPILL_METRICS[:3]:
+        assert f'"name": "{spec.name}"' in out, spec.name
 
 
 # --- OTLP over the wire -----------------------------------------------------------------

@@ -146,19 +146,25 @@ def test_each_worker_reports_its_own_series():
         assert by_worker(points, "dask.spill.memory.count") == {a.address: 2, b.address: 1}
 
 
-def test_closed_worker_stops_reporting():
+def test_closed_worker_reports_once_more_then_stops():
     with spilling_cluster(n_workers=2) as (cluster, client):
         reader = metric_reader(cluster)
         a, b = cluster.workers.values()
+        chunks = client.map(make_chunk, range(6), workers=[b.address])
+        wait(chunks)
         assert set(by_worker(collect(reader), "dask.spill.memory.count")) == {
             a.address,
             b.address,
         }
+        written = b.data.cumulative_metrics["disk-write", "count"]
         client.sync(b.close)
+        # Its final values, in case nothing collected them since they last changed
+        last = collect(reader)
+        assert by_worker(last, "dask.spill.count")[b.address] >= written > 0
+        # then nothing
         points = collect(reader)
         for name in LEVELS + ("dask.spill.count", "dask.memory.threshold"):
             assert set(by_worker(points, name)) == {a.address}, name
-        # and the process' spill instruments forgot it
         provider = cluster.scheduler.plugins["dask-otel"].telemetry.meter_provider
         attached = SpillInstruments.of(provider).attached
         assert [w.attributes["dask.worker.address"] for w in attached] == [a.address]
