@@ -195,7 +195,13 @@ def _build_exporter(group: str, name: str, **kwargs: Any) -> Any:
     """
     (ep,) = (ep for ep in entry_points(group=group) if ep.name == name)
     try:
-        return ep.load()(**kwargs)
+        cls = ep.load()
+        try:
+            return cls(**kwargs)
+        except TypeError:
+            if not kwargs:
+                raise
+            return cls()  # an exporter without SDK metrics (older, third-party)
     except Exception as e:
         culprits = [
             k for k, v in os.environ.items()
@@ -226,8 +232,11 @@ def build_resource(**attributes: Any):
 # --- traces ---------------------------------------------------------------------
 
 
-def span_exporters(names: Sequence[str]) -> list:
-    """SpanExporters for ``otel.traces.exporter`` names; each reads its own OTEL_*"""
+def span_exporters(names: Sequence[str], meter_provider: Any = None) -> list:
+    """SpanExporters for ``otel.traces.exporter`` names; each reads its own OTEL_*.
+
+    OTLP exporters report their own SDK metrics to ``meter_provider``.
+    """
     from opentelemetry.sdk.trace.export import ConsoleSpanExporter
     from opentelemetry.sdk.trace.export.in_memory_span_exporter import (
         InMemorySpanExporter,
@@ -242,7 +251,8 @@ def span_exporters(names: Sequence[str]) -> list:
         else:
             if name == "otlp":
                 name = _otlp_entry_point("TRACES")
-            out.append(_build_exporter("opentelemetry_traces_exporter", name))
+            kwargs = {"meter_provider": meter_provider} if meter_provider else {}
+            out.append(_build_exporter("opentelemetry_traces_exporter", name, **kwargs))
     return out
 
 
@@ -476,7 +486,9 @@ class Telemetry:
             InMemorySpanExporter,
         )
 
-        self.span_exporters = span_exporters(self.config.traces_exporters)
+        self.span_exporters = span_exporters(
+            self.config.traces_exporters, self.meter_provider
+        )
         self.id_generator = DaskIdGenerator()
         self.tracer_provider = TracerProvider(
             resource=self.resource,
@@ -493,11 +505,20 @@ class Telemetry:
             else:
                 gated = GatedSpanExporter(exporter)
                 self.export_stats.append(gated)
-                self.tracer_provider.add_span_processor(BatchSpanProcessor(gated))
+                self.tracer_provider.add_span_processor(
+                    BatchSpanProcessor(gated, **self._sdk_metrics)
+                )
         _HELD_LOGS.attach()
         from dask_otel import __version__
 
         return self.tracer_provider.get_tracer("dask_otel", __version__)
+
+    @property
+    def _sdk_metrics(self) -> dict[str, Any]:
+        """The SDK's own metrics (queue size, spans dropped by a full queue, export
+        duration), opt-in with OTEL_PYTHON_SDK_INTERNAL_METRICS_ENABLED=true, go to
+        this MeterProvider rather than the application's global one."""
+        return {"meter_provider": self.meter_provider} if self.meter_provider else {}
 
     @classmethod
     def acquire(cls, config: OtelConfig, **resource_attributes: Any) -> Telemetry:

@@ -45,8 +45,14 @@ async def _release_telemetry(telemetry: Telemetry) -> None:
     )
     thread.start()
     deadline = time.monotonic() + timeout
-    while thread.is_alive() and time.monotonic() < deadline:
-        await asyncio.sleep(0.01)
+    try:
+        while thread.is_alive() and time.monotonic() < deadline:
+            await asyncio.sleep(0.01)
+    except asyncio.CancelledError:
+        # `dask worker` cancels its tasks on a second Ctrl-C; re-raising here would
+        # abandon Dask's own close half-way (the worker then hangs). The flush goes
+        # on in its daemon thread.
+        return
     if thread.is_alive():
         logger.warning(
             "dask_otel: telemetry not flushed within otel.flush-timeout=%ss; "

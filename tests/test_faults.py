@@ -168,15 +168,26 @@ def test_bounded_memory_when_the_collector_is_gone(monkeypatch):
     with BlackHole() as hole:
         set_env(monkeypatch, {**hole.env(protocol="grpc"), "OTEL_BSP_MAX_QUEUE_SIZE": "16",
                               "OTEL_BSP_MAX_EXPORT_BATCH_SIZE": "4",
-                              "OTEL_EXPORTER_OTLP_TIMEOUT": "30"})
-        with otel_cluster(OTLP_CONFIG) as (client, mirrored):
+                              "OTEL_EXPORTER_OTLP_TIMEOUT": "30",
+                              "OTEL_PYTHON_SDK_INTERNAL_METRICS_ENABLED": "true"})
+        config = {**OTLP_CONFIG, "otel.metrics.exporter": "memory"}
+        with otel_cluster(config) as (client, mirrored):
             run_spans(client, 30)
             wait_until(lambda: mirrored.plugin.mirror.exported >= 60)
             status = dask_otel.status(client)["scheduler"]
             assert status["open_spans"] == status["open_groups"] == 0
             assert not mirrored.plugin.mirror.erred
-            (processor,) = mirrored.plugin.telemetry.tracer_provider._active_span_processor._span_processors
-            assert len(processor._batch_processor._queue) <= 16
+            # The SDK's own metric, reported to the bridge's MeterProvider
+            (reader,) = mirrored.plugin.telemetry.metric_readers
+            dropped = [
+                p.value
+                for rm in reader.get_metrics_data().resource_metrics
+                for sm in rm.scope_metrics for m in sm.metrics
+                if m.name == "otel.sdk.processor.span.processed"
+                for p in m.data.data_points
+                if p.attributes.get("error.type") == "queue_full"
+            ]
+            assert sum(dropped) >= 60 - 16 - 4 - 4  # all but the queue and two batches
 
 
 def test_worker_without_dask_otel_installed_joins_and_computes():
