@@ -1,0 +1,58 @@
+"""The README's main job: ``dask-otel demo``, as a newcomer runs it"""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+
+import pytest
+
+from otlp_receiver import OTLPReceiver
+
+TREE = [
+    "Alice's workflow",
+    "  data load",
+    "    load_partition",
+    "  train",
+    "    evaluate",
+    "      evaluate",
+    "    fit",
+]
+
+
+def run_demo(*args: str) -> str:
+    out = subprocess.run(
+        [sys.executable, "-m", "dask_otel", "demo", *args],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert out.returncode == 0, out.stdout + out.stderr
+    return out.stdout
+
+
+def tree_of(stdout: str) -> tuple[str, list[str]]:
+    trace_id = re.search(r"^trace ([0-9a-f]{32})$", stdout, re.M).group(1)
+    lines = stdout.split(f"trace {trace_id}\n", 1)[1].splitlines()
+    names = [re.match(r"^( *\S.*?)\s+[\d.]+ ms \|", line).group(1) for line in lines if " ms |" in line]
+    return trace_id, names
+
+
+def test_demo_prints_the_workflow_as_a_waterfall():
+    stdout = run_demo()
+    trace_id, names = tree_of(stdout)
+    assert names == TREE
+    assert f"-> OTel trace id {trace_id}" in stdout
+
+
+@pytest.mark.parametrize("protocol", ["grpc", "http/protobuf"])
+def test_demo_sends_the_same_tree_to_a_collector(protocol):
+    with OTLPReceiver(protocol) as receiver:
+        stdout = run_demo("--endpoint", receiver.endpoint, "--protocol", protocol)
+        trace_id, names = tree_of(stdout)
+        spans = receiver.wait_for(
+            lambda r: len(t := [s for s in r.spans() if s.trace_id == trace_id]) >= 7 and t,
+            timeout=30,
+        )
+    assert sorted(s.name for s in spans) == sorted(n.strip() for n in names)
+    root = next(s for s in spans if s.parent_span_id is None)
+    assert root.name == "Alice's workflow" and root.span_id == trace_id[-16:]
