@@ -31,11 +31,9 @@ import dask.config
 import yaml
 from dask.utils import parse_timedelta
 from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
-from opentelemetry.sdk.trace.id_generator import IdGenerator, RandomIdGenerator
 
 if TYPE_CHECKING:
     from opentelemetry.sdk.trace import TracerProvider
-    from opentelemetry.trace import Tracer
 
 logger = logging.getLogger("dask_otel")
 
@@ -385,35 +383,38 @@ def _gated_metric_exporter(exporter: Any) -> Any:
     return GatedMetricExporter()
 
 
-class DaskIdGenerator(IdGenerator):
-    """Hands the SDK the trace and span ids derived from a Dask span's UUID.
-
-    The SDK asks its IdGenerator for ids inside ``Tracer.start_span``; the mirror
-    sets :attr:`ids` just before that call (on the same thread) so that the OTel ids
-    are a function of the Dask ids. Anything else (TaskGroup spans) gets random ids.
+class SpanSink:
+    """Where the mirror hands the spans it builds: already finished, so they go
+    straight to the SDK's span processors as ``ReadableSpan``s, with what a Tracer
+    would add (resource, instrumentation scope, the sampler's decision, attribute
+    length limits) and without what only live spans need (locks, contexts, ids from
+    an IdGenerator: the mirror's ids come from Dask).
     """
 
-    def __init__(self) -> None:
-        self._random = RandomIdGenerator()
-        self._local = threading.local()
+    def __init__(self, provider: TracerProvider, processors: list, limits: Any):
+        from opentelemetry.sdk.util.instrumentation import InstrumentationScope
 
-    def is_trace_id_random(self) -> bool:
-        # UUID4s have six fixed bits: not the W3C "random trace id" guarantee
-        return False
+        from dask_otel import __version__
 
-    def set_next(self, trace_id: int | None, span_id: int | None) -> None:
-        self._local.trace_id = trace_id
-        self._local.span_id = span_id
+        self.provider = provider
+        self.processors = processors
+        self.resource = provider.resource
+        self.scope = InstrumentationScope("dask_otel", __version__)
+        #: OTEL_SPAN_ATTRIBUTE_VALUE_LENGTH_LIMIT, or ours; None: no limit
+        self.max_length: int | None = limits.max_span_attribute_length
 
-    def generate_span_id(self) -> int:
-        span_id = getattr(self._local, "span_id", None)
-        self._local.span_id = None
-        return span_id or self._random.generate_span_id()
+    def sampled(self, trace_id: int, root_name: str) -> bool:
+        """The sampler's decision for a whole trace (OTEL_TRACES_SAMPLER).
 
-    def generate_trace_id(self) -> int:
-        trace_id = getattr(self._local, "trace_id", None)
-        self._local.trace_id = None
-        return trace_id or self._random.generate_trace_id()
+        Asked as for the root, whichever span of the trace is exported first, so
+        that a trace-id ratio sampler keeps or drops whole traces.
+        """
+        result = self.provider.sampler.should_sample(None, trace_id, root_name)
+        return result.decision.is_sampled()
+
+    def emit(self, span: Any) -> None:
+        for processor in self.processors:
+            processor.on_end(span)
 
 
 def _span_limits():
@@ -437,7 +438,7 @@ def _span_limits():
 class Telemetry:
     """The SDK providers of this process, shared by every Dask server in it.
 
-    ``tracer`` / ``id_generator`` exist only when traces are exported;
+    ``spans`` exists only when traces are exported;
     ``meter_provider`` only when metrics are. ``span_exporters`` are kept so that
     tests and the demo can read an in-memory exporter.
     """
@@ -455,8 +456,7 @@ class Telemetry:
         #: one per batched exporter, for the self-metrics
         self.export_stats: list[GatedSpanExporter] = []
         self.tracer_provider: TracerProvider | None = None
-        self.id_generator: DaskIdGenerator | None = None
-        self._tracer: Tracer | None = None
+        self._spans: SpanSink | None = None
         self.metric_readers = metric_readers(config.metrics_exporters)
         self.meter_provider = None
         if self.metric_readers:
@@ -467,16 +467,16 @@ class Telemetry:
             )
 
     @property
-    def tracer(self) -> Tracer | None:
-        """The tracer of this process, built on first use (only schedulers export
-        spans, so workers never start a span processor thread); None when
-        ``otel.traces.exporter`` is none."""
+    def spans(self) -> SpanSink | None:
+        """Where this process's mirrored spans go, built on first use (only
+        schedulers mirror spans, so workers never start a span processor thread);
+        None when ``otel.traces.exporter`` is none."""
         with self._lock:
-            if self._tracer is None and self.config.traces_exporters:
-                self._tracer = self._build_tracer()
-        return self._tracer
+            if self._spans is None and self.config.traces_exporters:
+                self._spans = self._build_spans()
+        return self._spans
 
-    def _build_tracer(self) -> Tracer:
+    def _build_spans(self) -> SpanSink:
         from opentelemetry.sdk.trace import TracerProvider
         from opentelemetry.sdk.trace.export import (
             BatchSpanProcessor,
@@ -489,29 +489,28 @@ class Telemetry:
         self.span_exporters = span_exporters(
             self.config.traces_exporters, self.meter_provider
         )
-        self.id_generator = DaskIdGenerator()
+        limits = _span_limits()
+        # The provider reads OTEL_TRACES_SAMPLER and owns flush and shutdown
         self.tracer_provider = TracerProvider(
             resource=self.resource,
-            id_generator=self.id_generator,  # type: ignore[arg-type]
-            span_limits=_span_limits(),
+            span_limits=limits,
             # We own the lifecycle (flush on close, bounded by otel.flush-timeout);
             # an atexit shutdown could hold a dying process on a dead collector.
             shutdown_on_exit=False,
         )
+        processors = []
         for exporter in self.span_exporters:
             # The in-memory exporter is for tests and the demo: no batching delay
             if isinstance(exporter, InMemorySpanExporter):
-                self.tracer_provider.add_span_processor(SimpleSpanProcessor(exporter))
+                processor = SimpleSpanProcessor(exporter)
             else:
                 gated = GatedSpanExporter(exporter)
                 self.export_stats.append(gated)
-                self.tracer_provider.add_span_processor(
-                    BatchSpanProcessor(gated, **self._sdk_metrics)
-                )
+                processor = BatchSpanProcessor(gated, **self._sdk_metrics)
+            self.tracer_provider.add_span_processor(processor)
+            processors.append(processor)
         _HELD_LOGS.attach()
-        from dask_otel import __version__
-
-        return self.tracer_provider.get_tracer("dask_otel", __version__)
+        return SpanSink(self.tracer_provider, processors, limits)
 
     @property
     def _sdk_metrics(self) -> dict[str, Any]:

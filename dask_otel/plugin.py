@@ -16,7 +16,7 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from distributed.diagnostics.plugin import SchedulerPlugin, WorkerPlugin
-from tornado.ioloop import PeriodicCallback
+from tornado.ioloop import IOLoop, PeriodicCallback
 
 from dask_otel.config import Telemetry, read_config
 from dask_otel.spans import SpanMirror
@@ -110,7 +110,7 @@ class OtelSchedulerPlugin(SchedulerPlugin):
             return
         config = self.telemetry.config
         try:
-            if self.telemetry.tracer is not None:
+            if self.telemetry.spans is not None:
                 self.mirror = SpanMirror(scheduler, self.telemetry, config)
                 self._poller = PeriodicCallback(self._poll, config.poll_interval * 1000)
                 self._poller.start()
@@ -127,9 +127,13 @@ class OtelSchedulerPlugin(SchedulerPlugin):
 
     def _poll(self) -> None:
         try:
-            self.mirror.poll()  # type: ignore[union-attr]
+            more = self.mirror.poll()  # type: ignore[union-attr]
         except Exception:
             logger.exception("dask_otel: span poll failed")
+            return
+        if more and not self._closed:
+            # Many spans finished at once: go on after the loop has run other work
+            IOLoop.current().add_callback(self._poll)
 
     def update_graph(self, scheduler: Scheduler, *, tasks: Any = (), **kwargs: Any) -> None:
         if self.mirror is not None:

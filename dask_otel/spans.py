@@ -62,28 +62,32 @@ Recomputation after a worker death of a span already exported is not mirrored.
 from __future__ import annotations
 
 import logging
+import random
 import uuid
 from collections import defaultdict
 from collections.abc import Hashable, Iterable, Mapping
+from functools import lru_cache
 from itertools import islice
+from time import perf_counter
 from typing import TYPE_CHECKING, Any
 
 from distributed.metrics import time
-from opentelemetry import trace
-from opentelemetry.context import Context
-from opentelemetry.trace import NonRecordingSpan, SpanContext, Status, StatusCode
-from opentelemetry.trace import TraceFlags
+from opentelemetry.sdk.trace import Event, ReadableSpan
+from opentelemetry.trace import SpanContext, Status, StatusCode, TraceFlags
 
 if TYPE_CHECKING:
     from distributed import Scheduler
     from distributed.scheduler import TaskGroup
     from distributed.spans import Span, SpansSchedulerExtension
 
-    from dask_otel.config import OtelConfig, Telemetry
+    from dask_otel.config import OtelConfig, SpanSink, Telemetry
 
 logger = logging.getLogger("dask_otel")
 
 _SAMPLED = TraceFlags(TraceFlags.SAMPLED)
+_UNSET = Status(StatusCode.UNSET)
+#: Longest a poll may hold the scheduler's event loop before yielding, seconds
+POLL_BUDGET = 0.002
 _LOW_64 = (1 << 64) - 1
 #: Longest span name exported; the rest of a huge tag is cut (span names are not
 #: attributes, so the SDK's attribute length limit does not apply to them)
@@ -95,37 +99,104 @@ def dask_uuid(span_id: str) -> int:
 
     Ids that are not UUIDs (hand-made annotations) are hashed into one.
     """
-    try:
-        return uuid.UUID(span_id).int
-    except ValueError:
-        return uuid.uuid5(uuid.NAMESPACE_OID, span_id).int
+    hex_ = span_id.replace("-", "")
+    if len(hex_) == 32:
+        try:
+            return int(hex_, 16)
+        except ValueError:
+            pass
+    return uuid.uuid5(uuid.NAMESPACE_OID, span_id).int
 
 
 def _ns(seconds: float) -> int:
     return int(seconds * 1e9)
 
 
-def _name(tag: str) -> str:
-    return tag if len(tag) <= MAX_NAME_LENGTH else tag[: MAX_NAME_LENGTH - 1] + "…"
+def _metric_name(key: tuple[Hashable, ...]) -> str:
+    return _metric_name_of(key[0], key[-2], key[-1])
 
 
-def fine_metric_attributes(
-    metrics: Mapping[tuple[Hashable, ...], float], prefix: str | None = None
-) -> dict[str, float]:
+@lru_cache(maxsize=1024)  # contexts x activities x units: a few dozen in practice
+def _metric_name_of(context: Hashable, activity: Hashable, unit: Hashable) -> str:
+    context, activity, unit = (str(k).replace(" ", "_") for k in (context, activity, unit))
+    return f"dask.metrics.{context}.{activity}.{unit}"
+
+
+def active_cpu_seconds(span: Span, stop: float) -> float:
+    """``Span.active_cpu_seconds`` of a span that is not a merge, given its stop.
+
+    The property walks the subtree four times (for ``stop`` and ``done``) and
+    skips through the cluster's whole thread-count history; this reads only the
+    history since the span was enqueued.
+    """
+    try:
+        history = span._total_nthreads_history
+        first = span._total_nthreads_offset
+    except AttributeError:  # another Dask version: the public, slower way
+        return span.active_cpu_seconds
+    total = 0.0
+    since, nthreads = span.enqueued, 0
+    for i in range(first, len(history)):
+        t, n = history[i]
+        if t >= stop:
+            break
+        t = max(t, span.enqueued)
+        total += (t - since) * nthreads
+        since, nthreads = t, n
+    return total + max(stop - since, 0.0) * nthreads
+
+
+def fine_metric_attributes(metrics: Mapping[tuple[Hashable, ...], float]) -> dict[str, float]:
     """``dask.metrics.<context>.<activity>.<unit>`` from Dask's fine performance
     metrics ``{(context, prefix-or-where, ..., activity, unit): value}``, summed over
-    what lies between context and activity; only ``prefix``'s if given.
+    what lies between context and activity.
     """
     out: dict[str, float] = {}
     for key, value in metrics.items():
-        if len(key) < 3 or not value:
-            continue
-        if prefix is not None and key[1] != prefix:
-            continue
-        context, activity, unit = (str(k).replace(" ", "_") for k in (key[0], key[-2], key[-1]))
-        name = f"dask.metrics.{context}.{activity}.{unit}"
-        out[name] = out.get(name, 0) + value
+        if len(key) >= 3 and value:
+            name = _metric_name(key)
+            out[name] = out.get(name, 0) + value
     return out
+
+
+def metrics_by_prefix(
+    metrics: Mapping[tuple[Hashable, ...], float],
+) -> dict[Hashable, dict[str, float]]:
+    """:func:`fine_metric_attributes` of each task prefix, in one pass: a span's
+    TaskGroups are usually exported together."""
+    out: dict[Hashable, dict[str, float]] = {}
+    for key, value in metrics.items():
+        if len(key) >= 4 and value and key[0] == "execute":
+            attrs = out.setdefault(key[1], {})
+            name = _metric_name(key)
+            attrs[name] = attrs.get(name, 0) + value
+    return out
+
+
+def subtree_worker_metrics(span: Span, active_cpu_seconds: float) -> dict[Hashable, float]:
+    """``Span.cumulative_worker_metrics``, given ``Span.active_cpu_seconds``, which
+    the property would otherwise compute again (it walks the subtree four times)"""
+    out: defaultdict[Hashable, float] = defaultdict(int)
+    for child in span.traverse_spans():
+        for key, value in child._cumulative_worker_metrics.items():
+            out[key] += value
+    known_seconds = sum(
+        v for k, v in out.items() if k[0] == "execute" and k[-1] == "seconds"
+    )
+    out["execute", "N/A", "idle or other spans", "seconds"] = max(
+        0.0, active_cpu_seconds - known_seconds
+    )
+    return out
+
+
+def _truncate(value: str, limit: int | None) -> str:
+    return value if limit is None or len(value) <= limit else value[: limit - 1] + "…"
+
+
+def _truncate_all(values: Iterable[str], limit: int | None) -> tuple[str, ...]:
+    """A string array cut to the attribute length limit, as the SDK's Tracer would
+    (user data: span tags, code); the mirror's other values are numbers, UUIDs"""
+    return tuple(_truncate(v, limit) for v in values)
 
 
 def group_attributes(groups: Iterable[TaskGroup]) -> dict[str, Any]:
@@ -191,6 +262,12 @@ class SpanMirror:
     #: (each span counts its subtree's, or its own with ``otel.spans.totals: own``)
     erred: defaultdict[Any, int]
 
+    #: Fine metrics by task prefix of the Dask spans whose groups this poll exports
+    _prefix_metrics: dict[str, dict[Hashable, dict[str, float]]]
+
+    #: Trace id (0: dropped by the sampler) by root span id, for the current poll
+    _sampled: dict[str, int]
+
     #: Counters for the bridge's self-metrics
     exported: int
     reopened: int
@@ -202,6 +279,9 @@ class SpanMirror:
         self.open_spans = {}
         self.open_groups = {}
         self.erred = defaultdict(int)
+        self._prefix_metrics = {}
+        self._sampled = {}
+        self._random = random.Random()
         self.exported = 0
         self.reopened = 0
         ext = self.extension
@@ -214,6 +294,10 @@ class SpanMirror:
             if not span.done:
                 self.open_spans[span.id] = span
                 self.open_groups.update((tg, span) for tg in span.groups if not tg.done)
+
+    @property
+    def sink(self) -> SpanSink:
+        return self.telemetry.spans  # type: ignore[return-value]
 
     @property
     def extension(self) -> SpansSchedulerExtension | None:
@@ -277,21 +361,36 @@ class SpanMirror:
 
     # --- export ------------------------------------------------------------------
 
-    def poll(self) -> None:
-        """Export every open span and group that is finished, on the event loop"""
+    def poll(self) -> bool:
+        """Export the open spans and groups that are finished, on the event loop.
+
+        Stops after ``POLL_BUDGET`` seconds so as not to hold the event loop when
+        many spans finish at once; returns True if there is more to do (the plugin
+        then polls again on the next turn of the loop).
+        """
         self.observe_new_spans()
         now = time()
+        deadline = perf_counter() + POLL_BUDGET
         heard = min(
             (ws.last_seen for ws in self.scheduler.workers.values()), default=now
         )
-        for tg, span in list(self.open_groups.items()):
-            if tg.done and self._ready(tg.stop or span.enqueued, now, heard):
-                del self.open_groups[tg]
-                self._export(self.mirror_group, tg, span)
-        for span in list(self.open_spans.values()):
-            if span.done and self._ready(span.stop, now, heard):
-                del self.open_spans[span.id]
-                self._export(self.mirror_span, span)
+        try:
+            for tg, span in list(self.open_groups.items()):
+                if tg.done and self._ready(tg.stop or span.enqueued, now, heard):
+                    del self.open_groups[tg]
+                    self._export(self.mirror_group, tg, span)
+                    if perf_counter() > deadline:
+                        return True
+            for span in list(self.open_spans.values()):
+                if span.done and self._ready(stop := span.stop, now, heard):
+                    del self.open_spans[span.id]
+                    self._export(self.mirror_span, span, stop)
+                    if perf_counter() > deadline:
+                        return True
+            return False
+        finally:
+            self._prefix_metrics.clear()
+            self._sampled.clear()
 
     def _ready(self, stop: float, now: float, heard: float) -> bool:
         waited = now - stop
@@ -305,9 +404,11 @@ class SpanMirror:
         for tg, span in list(self.open_groups.items()):
             self._export(self.mirror_group, tg, span)
         for span in list(self.open_spans.values()):
-            self._export(self.mirror_span, span, unfinished=not span.done)
+            self._export(self.mirror_span, span, span.stop, unfinished=not span.done)
         self.open_groups.clear()
         self.open_spans.clear()
+        self._prefix_metrics.clear()
+        self._sampled.clear()
 
     def _export(self, mirror: Any, *args: Any, **kwargs: Any) -> None:
         # Telemetry must never take the scheduler down: a span that cannot be
@@ -318,77 +419,127 @@ class SpanMirror:
         except Exception:
             logger.exception("dask_otel: could not mirror %r; dropped", args[0])
 
-    def _parent_context(self, span: Span | None, root: Span) -> Context:
-        if span is None:
-            return Context()  # a root: no parent, not even an ambient one
-        parent = SpanContext(
-            trace_id=dask_uuid(root.id),
-            span_id=dask_uuid(span.id) & _LOW_64,
-            is_remote=False,
-            trace_flags=_SAMPLED,
-        )
-        return trace.set_span_in_context(NonRecordingSpan(parent))
-
-    def mirror_span(self, span: Span, unfinished: bool = False) -> None:
-        """Export one Dask span as an OTel span with the ids derived from its UUID"""
+    def _trace_id(self, span: Span) -> int | None:
+        """The trace id of a span's tree, or None if the sampler drops that trace
+        (decisions are kept for the current poll)"""
         root = _root(span)
-        subtree = self.config.span_totals == "subtree"
-        groups = span.traverse_groups() if subtree else span.groups
-        metrics = (
-            span.cumulative_worker_metrics
-            if subtree
-            else span._cumulative_worker_metrics  # the span's own, without children
+        trace_id = self._sampled.get(root.id)
+        if trace_id is None:
+            trace_id = dask_uuid(root.id)
+            if not self.sink.sampled(trace_id, root.name[-1]):
+                trace_id = 0
+            self._sampled[root.id] = trace_id
+        return trace_id or None
+
+    def _emit(
+        self,
+        name: str,
+        trace_id: int,
+        span_id: int,
+        parent_id: int | None,
+        start: float,
+        stop: float,
+        attributes: dict[str, Any],
+        status: Status | None,
+        events: tuple[Event, ...] = (),
+    ) -> None:
+        sink = self.sink
+        context = SpanContext(trace_id, span_id, is_remote=False, trace_flags=_SAMPLED)
+        parent = (
+            SpanContext(trace_id, parent_id, is_remote=False, trace_flags=_SAMPLED)
+            if parent_id is not None
+            else None
         )
+        sink.emit(
+            ReadableSpan(
+                _truncate(name, MAX_NAME_LENGTH),
+                context=context,
+                parent=parent,
+                resource=sink.resource,
+                attributes=attributes,
+                events=events,
+                status=status or _UNSET,
+                start_time=_ns(start),
+                end_time=_ns(max(stop, start)),
+                instrumentation_scope=sink.scope,
+            )
+        )
+
+    def mirror_span(self, span: Span, stop: float, unfinished: bool = False) -> None:
+        """Export one Dask span as an OTel span with the ids derived from its UUID"""
+        trace_id = self._trace_id(span)
+        if trace_id is None:
+            return
+        limit = self.sink.max_length
+        active = active_cpu_seconds(span, stop)
+        if self.config.span_totals == "subtree":
+            groups = list(span.traverse_groups())
+            metrics = subtree_worker_metrics(span, active)
+        else:
+            groups = list(span.groups)
+            metrics = span._cumulative_worker_metrics  # the span's own, no children
         attributes = {
             "dask.span.id": span.id,
-            "dask.span.name": list(span.name),
+            "dask.span.name": _truncate_all(span.name, limit),
             **group_attributes(groups),
-            "dask.active_cpu_seconds": span.active_cpu_seconds,
+            "dask.active_cpu_seconds": active,
             **fine_metric_attributes(metrics),
         }
         if self.config.export_code:
-            attributes["dask.span.code"] = [
-                sc.code for snippets in span.code for sc in snippets
-            ]
+            attributes["dask.span.code"] = _truncate_all(
+                (sc.code for snippets in span.code for sc in snippets), limit
+            )
         if unfinished:
             attributes["dask.span.unfinished"] = True
         status = _erred_status(attributes, self.erred.pop(span.id, 0))
-
-        self.telemetry.id_generator.set_next(dask_uuid(root.id), dask_uuid(span.id) & _LOW_64)
-        otel = self.telemetry.tracer.start_span(
-            _name(span.name[-1]),
-            context=self._parent_context(span.parent, root),
-            attributes=attributes,
-            start_time=_ns(span.enqueued),
+        first_task = span.start
+        events = (
+            (Event("dask.first_task_start", timestamp=_ns(first_task)),)
+            if first_task
+            else ()
         )
-        if span.start:
-            otel.add_event("dask.first_task_start", timestamp=_ns(span.start))
-        if status:
-            otel.set_status(status)
-        otel.end(end_time=_ns(span.stop))
+        parent = span.parent
+        self._emit(
+            span.name[-1],
+            trace_id,
+            dask_uuid(span.id) & _LOW_64,
+            dask_uuid(parent.id) & _LOW_64 if parent is not None else None,
+            span.enqueued,
+            stop if not unfinished else time(),
+            attributes,
+            status,
+            events,
+        )
 
     def mirror_group(self, tg: TaskGroup, span: Span) -> None:
         """Export one TaskGroup as a child of the OTel span of its Dask span"""
-        root = _root(span)
+        trace_id = self._trace_id(span)
+        if trace_id is None:
+            return
+        limit = self.sink.max_length
         prefix = tg.prefix.name
+        by_prefix = self._prefix_metrics.get(span.id)
+        if by_prefix is None:
+            by_prefix = self._prefix_metrics[span.id] = metrics_by_prefix(
+                span._cumulative_worker_metrics  # the span's own, no children
+            )
         attributes = {
             "dask.span.id": span.id,
-            "dask.span.name": list(span.name),
-            "dask.taskgroup.name": tg.name,
-            "dask.taskgroup.prefix": prefix,
+            "dask.span.name": _truncate_all(span.name, limit),
+            "dask.taskgroup.name": _truncate(str(tg.name), limit),
+            "dask.taskgroup.prefix": _truncate(str(prefix), limit),
             **group_attributes([tg]),
-            **fine_metric_attributes(span._cumulative_worker_metrics, prefix),
+            **by_prefix.get(prefix, {}),
         }
         status = _erred_status(attributes, self.erred.pop(tg, 0))
         start = tg.start or span.enqueued
-        stop = max(tg.stop, start) if tg.done else time()
-        self.telemetry.id_generator.set_next(None, None)
-        otel = self.telemetry.tracer.start_span(
-            _name(str(prefix)),
-            context=self._parent_context(span, root),
-            attributes=attributes,
-            start_time=_ns(start),
+        self._emit(
+            str(prefix),
+            trace_id,
+            self._random.getrandbits(64) or 1,
+            dask_uuid(span.id) & _LOW_64,
+            start,
+            tg.stop if tg.done else time(),
+            attributes,
+            status,
         )
-        if status:
-            otel.set_status(status)
-        otel.end(end_time=_ns(stop))

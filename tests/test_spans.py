@@ -323,3 +323,29 @@ def test_default_settings_export_within_5_seconds_of_completion():
         mirrored.by_dask_id(sid, timeout=5)
         latency = time.monotonic() - done
     assert 1.5 <= latency < 5  # not long before the 2 s export delay; within the promise
+
+
+def test_active_cpu_seconds_is_dasks(cluster):
+    from dask_otel.spans import active_cpu_seconds
+
+    client, mirrored = cluster
+    with span("measured") as sid:
+        client.gather(client.map(slow, range(3), delay=0.1))
+    exported = mirrored.by_dask_id(sid).attributes["dask.active_cpu_seconds"]
+    dask_span = mirrored.cluster.scheduler.extensions["spans"].spans[sid]
+    assert exported == pytest.approx(dask_span.active_cpu_seconds, rel=1e-9)
+    assert active_cpu_seconds(dask_span, dask_span.stop) == pytest.approx(
+        dask_span.active_cpu_seconds, rel=1e-9
+    )
+
+
+@pytest.mark.parametrize("sampler, kept", [("always_off", 0), ("always_on", 4)])
+def test_otel_traces_sampler_is_honoured_per_trace(sampler, kept, monkeypatch):
+    monkeypatch.setenv("OTEL_TRACES_SAMPLER", sampler)
+    with otel_cluster() as (client, mirrored):
+        with span("sampled?"):
+            with span("child"):
+                client.submit(inc, 1, key="sampledinc-1").result()
+            client.submit(double, 1, key="sampleddouble-1").result()
+        wait_until(lambda: mirrored.plugin.mirror.exported >= 4)
+        assert len(mirrored.spans()) == kept
