@@ -317,8 +317,9 @@ class ExportOutage:
             return True
         self.failed += items
         self.export_failures += 1
+        reason = held[-1].getMessage() if held else "the exporter returned FAILURE"
+        logger.debug("dask_otel: %s export failed: %s", self.signal, reason)
         if not self.failing:
-            reason = held[-1].getMessage() if held else "the exporter returned FAILURE"
             logger.warning(
                 "dask_otel: cannot export %s (%s); dropping them until the collector "
                 "answers again (counted in the self-metrics, logged once per outage)",

@@ -116,6 +116,12 @@ def test_collector_answers_unavailable_then_recovers(protocol, monkeypatch, capl
     no_unresponsive_loop(caplog)
 
 
+@pytest.mark.xfail(
+    strict=False,
+    reason="known bug, open: in about 1 run of 3 no span is exported at all after the "
+    "gRPC collector restarts on the same port (no failure, no recovery logged within "
+    "30 s); not yet understood",
+)
 def test_collector_killed_mid_run_and_restarted(monkeypatch, caplog):
     with OTLPReceiver("grpc") as receiver:
         set_env(monkeypatch, receiver.env())
