@@ -655,8 +655,9 @@ def scraped_run() -> Iterator[ScrapedRun]:
             time.sleep(2 * SCRAPE_INTERVAL)  # counters scraped at 0 before the work
             run.start = time.time()
             for i in range(ROUNDS):
-                workload.run_round(client, chunks=20, chunk_bytes=4_000_000, seed=100 * i)
-                time.sleep(1)
+                # Held across scrapes: the gauges of keys on disk are sampled
+                workload.run_round(client, chunks=20, chunk_bytes=4_000_000, seed=100 * i,
+                                   hold=3 * SCRAPE_INTERVAL)
             time.sleep(3 * SCRAPE_INTERVAL)
             run.end = time.time()
             run.prometheus, run.receiver = prometheus, receiver
@@ -772,9 +773,12 @@ def test_the_spill_dashboard_shows_spilling(scraped_run):
     prom = scraped_run.prometheus
     for worker in scraped_run.workers:
         selector = f'job="{scraped_run.job}", dask_worker_name="{worker}"'
-        written = prom.query(f'max_over_time(dask_spill_disk_count{{{selector}}}[1h])',
+        written = prom.query(f'dask_spill_count_total{{{selector}, dask_activity_name="disk-write"}}',
                              time=scraped_run.end)
-        assert prom.values(written)[0] > 0, f"{worker} never had a key on disk"
+        assert prom.values(written)[0] > 0, f"{worker} never spilled"
+        on_disk = prom.query(f'max_over_time(dask_spill_disk_count{{{selector}}}[1h])',
+                             time=scraped_run.end)
+        assert prom.values(on_disk)[0] > 0, f"{worker} never had a key on disk at a scrape"
         read = prom.query(f'dask_spill_count_total{{{selector}, dask_activity_name="disk-read"}}',
                           time=scraped_run.end)
         assert prom.values(read)[0] > 0, f"{worker} never unspilled"

@@ -49,9 +49,15 @@ def add_up(sums: list[float]) -> float:
 
 
 def run_round(client: Client, chunks: int = 16, chunk_bytes: int = 4_000_000,
-              seed: int = 0) -> str:
+              seed: int = 0, hold: float = 0.0) -> str:
     """One round of the workload; returns the root Dask span's id (the OTel trace
-    id is that UUID without dashes)"""
+    id is that UUID without dashes).
+
+    ``hold``: seconds to keep the chunks (some of them on disk) after the round
+    before releasing them. Spill levels are gauges, sampled once per metric export
+    or scrape; a round lasts about a second, so without holding a dashboard may
+    never see a key on disk.
+    """
     with span("spill demo") as root_id:
         with span("load"):
             data = client.map(make_chunk, range(seed, seed + chunks), nbytes=chunk_bytes)
@@ -61,6 +67,7 @@ def run_round(client: Client, chunks: int = 16, chunk_bytes: int = 4_000_000,
             wait(sums)
             with span("total"):
                 client.submit(add_up, sums).result()
+    time.sleep(hold)
     del data, sums
     return root_id
 
@@ -73,6 +80,8 @@ def main() -> None:
     parser.add_argument("--every", type=float, default=15.0,
                         help="seconds between the starts of two rounds")
     parser.add_argument("--rounds", type=int, default=0, help="0: run forever")
+    parser.add_argument("--hold", type=float, default=10.0,
+                        help="seconds to keep each round's chunks before releasing them")
     args = parser.parse_args()
 
     with Client(args.scheduler, timeout=120) as client:
@@ -80,7 +89,7 @@ def main() -> None:
         while args.rounds == 0 or done < args.rounds:
             started = time.monotonic()
             root_id = run_round(client, args.chunks, int(args.chunk_mb * 1e6),
-                                seed=done * args.chunks)
+                                seed=done * args.chunks, hold=args.hold)
             done += 1
             print(f"round {done}: trace id {root_id.replace('-', '')} "
                   f"(Dask span {root_id})", flush=True)
