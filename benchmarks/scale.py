@@ -199,8 +199,10 @@ def mirror_structures(mirror: Any) -> dict[str, int]:
         "open_spans": len(mirror.open_spans),
         "open_groups": len(mirror.open_groups),
         "erred": len(mirror.erred),
+        "folded": len(mirror.folded),
         "bytes": sum(
-            sys.getsizeof(x) for x in (mirror.open_spans, mirror.open_groups, mirror.erred)
+            sys.getsizeof(x)
+            for x in (mirror.open_spans, mirror.open_groups, mirror.erred, mirror.folded)
         ),
     }
 

@@ -31,6 +31,8 @@ Attributes (Dask spans)
     and fine metrics cover the span and all its sub-spans, as Dask's own
     ``Span`` properties and dashboard do; with ``own`` only the span's own
     TaskGroups, so that summing over a trace does not count anything twice.
+    Subtree totals are summed as sub-spans are exported (task counts by state are
+    each sub-span's as of its export), so exporting a span never walks its tree.
 
 Attributes (TaskGroup spans)
     ``dask.span.id`` and ``dask.span.name`` of the Dask span the group belongs to,
@@ -66,12 +68,12 @@ import random
 import uuid
 from collections import defaultdict
 from collections.abc import Hashable, Iterable, Mapping
-from functools import lru_cache
 from itertools import islice
 from time import perf_counter
 from typing import TYPE_CHECKING, Any
 
 from distributed.metrics import time
+from distributed.scheduler import ALL_TASK_STATES
 from opentelemetry.sdk.trace import Event, ReadableSpan
 from opentelemetry.trace import SpanContext, Status, StatusCode, TraceFlags
 
@@ -89,6 +91,7 @@ _UNSET = Status(StatusCode.UNSET)
 #: Longest a poll may hold the scheduler's event loop before yielding, seconds
 POLL_BUDGET = 0.002
 _LOW_64 = (1 << 64) - 1
+_IDLE = "dask.metrics.execute.idle_or_other_spans.seconds"
 #: Longest span name exported; the rest of a huge tag is cut (span names are not
 #: attributes, so the SDK's attribute length limit does not apply to them)
 MAX_NAME_LENGTH = 1024
@@ -112,14 +115,19 @@ def _ns(seconds: float) -> int:
     return int(seconds * 1e9)
 
 
+#: Attribute name by (context, activity, unit): a few dozen in practice
+_METRIC_NAMES: dict[tuple[Hashable, Hashable, Hashable], str] = {}
+
+
 def _metric_name(key: tuple[Hashable, ...]) -> str:
-    return _metric_name_of(key[0], key[-2], key[-1])
-
-
-@lru_cache(maxsize=1024)  # contexts x activities x units: a few dozen in practice
-def _metric_name_of(context: Hashable, activity: Hashable, unit: Hashable) -> str:
-    context, activity, unit = (str(k).replace(" ", "_") for k in (context, activity, unit))
-    return f"dask.metrics.{context}.{activity}.{unit}"
+    short = (key[0], key[-2], key[-1])
+    name = _METRIC_NAMES.get(short)
+    if name is None:
+        if len(_METRIC_NAMES) > 4096:  # labels Dask did not make: stay bounded
+            _METRIC_NAMES.clear()
+        parts = (str(k).replace(" ", "_") for k in short)
+        name = _METRIC_NAMES[short] = "dask.metrics.{}.{}.{}".format(*parts)
+    return name
 
 
 def active_cpu_seconds(span: Span, stop: float) -> float:
@@ -146,46 +154,18 @@ def active_cpu_seconds(span: Span, stop: float) -> float:
     return total + max(stop - since, 0.0) * nthreads
 
 
-def fine_metric_attributes(metrics: Mapping[tuple[Hashable, ...], float]) -> dict[str, float]:
-    """``dask.metrics.<context>.<activity>.<unit>`` from Dask's fine performance
-    metrics ``{(context, prefix-or-where, ..., activity, unit): value}``, summed over
-    what lies between context and activity.
-    """
-    out: dict[str, float] = {}
-    for key, value in metrics.items():
-        if len(key) >= 3 and value:
-            name = _metric_name(key)
-            out[name] = out.get(name, 0) + value
-    return out
-
-
 def metrics_by_prefix(
     metrics: Mapping[tuple[Hashable, ...], float],
 ) -> dict[Hashable, dict[str, float]]:
-    """:func:`fine_metric_attributes` of each task prefix, in one pass: a span's
-    TaskGroups are usually exported together."""
+    """``dask.metrics.<context>.<activity>.<unit>`` of each task prefix, from Dask's
+    fine performance metrics ``{(context, prefix, activity, unit): value}`` of one
+    span, in one pass: a span's TaskGroups are usually exported together."""
     out: dict[Hashable, dict[str, float]] = {}
     for key, value in metrics.items():
         if len(key) >= 4 and value and key[0] == "execute":
             attrs = out.setdefault(key[1], {})
             name = _metric_name(key)
             attrs[name] = attrs.get(name, 0) + value
-    return out
-
-
-def subtree_worker_metrics(span: Span, active_cpu_seconds: float) -> dict[Hashable, float]:
-    """``Span.cumulative_worker_metrics``, given ``Span.active_cpu_seconds``, which
-    the property would otherwise compute again (it walks the subtree four times)"""
-    out: defaultdict[Hashable, float] = defaultdict(int)
-    for child in span.traverse_spans():
-        for key, value in child._cumulative_worker_metrics.items():
-            out[key] += value
-    known_seconds = sum(
-        v for k, v in out.items() if k[0] == "execute" and k[-1] == "seconds"
-    )
-    out["execute", "N/A", "idle or other spans", "seconds"] = max(
-        0.0, active_cpu_seconds - known_seconds
-    )
     return out
 
 
@@ -199,34 +179,130 @@ def _truncate_all(values: Iterable[str], limit: int | None) -> tuple[str, ...]:
     return tuple(_truncate(v, limit) for v in values)
 
 
-def group_attributes(groups: Iterable[TaskGroup]) -> dict[str, Any]:
-    """Task counts by state, output bytes and duration of some TaskGroups"""
-    states: dict[str, int] = {}
-    nbytes = 0
-    duration = 0.0
-    for tg in groups:
-        for state, n in tg.states.items():
-            if n:
-                states[state] = states.get(state, 0) + n
-        nbytes += tg.nbytes_total
-        duration += tg.duration
-    out: dict[str, Any] = {f"dask.tasks.{s}": n for s, n in states.items()}
-    out["dask.tasks.total"] = sum(states.values())
-    out["dask.output.bytes"] = nbytes
-    out["dask.duration"] = duration
-    return out
+#: TaskGroup states in which a task has yet to finish: ``TaskGroup.done`` is "no
+#: task in any of these"
+_PENDING = tuple(sorted(ALL_TASK_STATES - {"memory", "erred", "released", "forgotten"}))
 
 
-def subtree_done(span: Span) -> bool:
-    """``Span.done``, looking at the newest sub-spans first.
+def group_done(tg: TaskGroup) -> bool:
+    """``TaskGroup.done``, in a quarter of the time: polls ask it of every open group"""
+    states = tg.states
+    for state in _PENDING:
+        if states.get(state):
+            return False
+    return True
 
-    What still runs in a workflow is usually its newest step; Dask's property
-    walks the steps in creation order, so an open pipeline span with thousands of
-    finished steps would cost thousands of checks per poll.
+
+def _subtree_stop(span: Span) -> float | None:
+    stop = 0.0
+    for tg in span.groups:
+        if not group_done(tg):
+            return None
+        if tg.stop > stop:
+            stop = tg.stop
+    # What still runs in a workflow is usually its newest step: look there first
+    for child in reversed(span.children):
+        child_stop = _subtree_stop(child)
+        if child_stop is None:
+            return None
+        if child_stop > stop:
+            stop = child_stop
+    return stop
+
+
+def finished_at(span: Span) -> float | None:
+    """``Span.stop`` if ``Span.done``, else None, in one walk of the tree.
+
+    Dask's two properties walk the tree three times, oldest sub-spans first, so an
+    open pipeline span with thousands of finished steps would cost thousands of
+    checks per poll.
     """
-    return all(tg.done for tg in span.groups) and all(
-        subtree_done(child) for child in reversed(span.children)
-    )
+    stop = _subtree_stop(span)
+    return None if stop is None else max(stop, span.enqueued)
+
+
+class Totals:
+    """What a Dask span's attributes sum over TaskGroups and fine metrics: of its
+    own groups, or of its whole subtree.
+
+    A span's subtree totals are its own plus its sub-spans' subtree totals. The
+    mirror sums those as the sub-spans are exported (:attr:`SpanMirror.folded`),
+    so exporting a span reads its own groups and metrics only, however deep and
+    wide its tree. Task counts by state are each sub-span's as of its export.
+    """
+
+    __slots__ = ("states", "nbytes", "duration", "start", "metrics", "execute_seconds")
+
+    def __init__(self) -> None:
+        self.states: dict[str, int] = {}
+        self.nbytes = 0
+        self.duration = 0.0
+        #: when the first task started (0: none has), as ``Span.start``
+        self.start = 0.0
+        #: ``dask.metrics.*`` attributes, summed over task prefixes
+        self.metrics: dict[str, float] = {}
+        #: seconds of the execute context, for "idle or other spans"
+        self.execute_seconds = 0.0
+
+    @classmethod
+    def own(cls, span: Span) -> Totals:
+        totals = cls()
+        totals.add_groups(span.groups)
+        metrics = totals.metrics
+        for key, value in span._cumulative_worker_metrics.items():
+            if len(key) >= 3 and value:
+                name = _metric_name(key)
+                metrics[name] = metrics.get(name, 0) + value
+                if key[0] == "execute" and key[-1] == "seconds":
+                    totals.execute_seconds += value
+        return totals
+
+    def add_groups(self, groups: Iterable[TaskGroup]) -> None:
+        states = self.states
+        for tg in groups:
+            for state, n in tg.states.items():
+                if n:
+                    states[state] = states.get(state, 0) + n
+            self.nbytes += tg.nbytes_total
+            self.duration += tg.duration
+            self._started(tg.start)
+
+    def _started(self, start: float) -> None:
+        if start and (not self.start or start < self.start):
+            self.start = start
+
+    def add(self, other: Totals) -> None:
+        for state, n in other.states.items():
+            self.states[state] = self.states.get(state, 0) + n
+        for name, value in other.metrics.items():
+            self.metrics[name] = self.metrics.get(name, 0) + value
+        self.nbytes += other.nbytes
+        self.duration += other.duration
+        self.execute_seconds += other.execute_seconds
+        self._started(other.start)
+
+    def attributes(self) -> dict[str, Any]:
+        """Task counts by state, output bytes, duration; fine metrics apart"""
+        out: dict[str, Any] = {f"dask.tasks.{s}": n for s, n in self.states.items()}
+        out["dask.tasks.total"] = sum(self.states.values())
+        out["dask.output.bytes"] = self.nbytes
+        out["dask.duration"] = self.duration
+        return out
+
+
+def subtree_totals(span: Span) -> Totals:
+    """:class:`Totals` of a span and all its sub-spans, by walking the tree"""
+    totals = Totals.own(span)
+    for child in span.children:
+        totals.add(subtree_totals(child))
+    return totals
+
+
+def group_attributes(tg: TaskGroup) -> dict[str, Any]:
+    """Task counts by state, output bytes and duration of one TaskGroup"""
+    totals = Totals()
+    totals.add_groups((tg,))
+    return totals.attributes()
 
 
 def _root(span: Span) -> Span:
@@ -274,6 +350,12 @@ class SpanMirror:
     #: (each span counts its subtree's, or its own with ``otel.spans.totals: own``)
     erred: defaultdict[Any, int]
 
+    #: By open Dask span id: the subtree totals of its sub-spans exported so far,
+    #: summed (only with ``otel.spans.totals: subtree``). One per open span with
+    #: finished steps, however many steps: a pipeline of 10,000 steps is summed
+    #: as it goes, not walked when it ends.
+    folded: dict[str, Totals]
+
     #: Fine metrics by task prefix of the Dask spans whose groups this poll exports
     _prefix_metrics: dict[str, dict[Hashable, dict[str, float]]]
 
@@ -291,6 +373,7 @@ class SpanMirror:
         self.open_spans = {}
         self.open_groups = {}
         self.erred = defaultdict(int)
+        self.folded = {}
         self._prefix_metrics = {}
         self._sampled = {}
         self._random = random.Random()
@@ -303,9 +386,15 @@ class SpanMirror:
         # A cluster instrumented while running: follow what is still in flight
         self.spans_seen = len(ext.spans)
         for span in ext.spans.values():
-            if not subtree_done(span):
+            if finished_at(span) is None:
                 self.open_spans[span.id] = span
                 self.open_groups.update((tg, span) for tg in span.groups if not tg.done)
+        if self.config.span_totals == "subtree":
+            # Steps that finished before: walked once, now
+            for span in self.open_spans.values():
+                for child in span.children:
+                    if child.id not in self.open_spans:
+                        self._fold(span.id, subtree_totals(child))
 
     @property
     def sink(self) -> SpanSink:
@@ -324,7 +413,8 @@ class SpanMirror:
             return
         new = len(ext.spans) - self.spans_seen
         self.spans_seen = len(ext.spans)
-        for span in islice(reversed(ext.spans.values()), new):
+        # In creation order, as in Dask: a parent before its sub-spans
+        for span in reversed(list(islice(reversed(ext.spans.values()), new))):
             self.open_spans[span.id] = span
 
     def observe_graph(self, keys: Iterable[Hashable]) -> None:
@@ -388,13 +478,17 @@ class SpanMirror:
         )
         try:
             for tg, span in list(self.open_groups.items()):
-                if tg.done and self._ready(tg.stop or span.enqueued, now, heard):
+                # The cheap test first: a running group's last task finished lately
+                if self._ready(tg.stop or span.enqueued, now, heard) and group_done(tg):
                     del self.open_groups[tg]
                     self._export(self.mirror_group, tg, span)
                     if perf_counter() > deadline:
                         return True
-            for span in list(self.open_spans.values()):
-                if subtree_done(span) and self._ready(stop := span.stop, now, heard):
+            # Newest first: sub-spans before their parent, whose subtree totals
+            # are then the sum of theirs
+            for span in reversed(list(self.open_spans.values())):
+                stop = finished_at(span)
+                if stop is not None and self._ready(stop, now, heard):
                     del self.open_spans[span.id]
                     self._export(self.mirror_span, span, stop)
                     if perf_counter() > deadline:
@@ -415,11 +509,12 @@ class SpanMirror:
         self.observe_new_spans()
         for tg, span in list(self.open_groups.items()):
             self._export(self.mirror_group, tg, span)
-        for span in list(self.open_spans.values()):
-            done = subtree_done(span)
-            self._export(self.mirror_span, span, span.stop, unfinished=not done)
+        for span in reversed(list(self.open_spans.values())):
+            del self.open_spans[span.id]
+            stop = finished_at(span)
+            self._export(self.mirror_span, span, stop or time(), unfinished=stop is None)
         self.open_groups.clear()
-        self.open_spans.clear()
+        self.folded.clear()
         self._prefix_metrics.clear()
         self._sampled.clear()
 
@@ -478,26 +573,47 @@ class SpanMirror:
             )
         )
 
+    def totals(self, span: Span) -> Totals:
+        """What a span's attributes count: its own, or its subtree's. A subtree's
+        are its own plus its sub-spans', folded in as each was exported (sub-spans
+        are exported before their parent); they are then folded into its parent's."""
+        totals = Totals.own(span)
+        if self.config.span_totals == "subtree":
+            if (folded := self.folded.pop(span.id, None)) is not None:
+                totals.add(folded)
+            parent = span.parent
+            if parent is not None and parent.id in self.open_spans:
+                self._fold(parent.id, totals)
+        return totals
+
+    def _fold(self, span_id: str, totals: Totals) -> None:
+        folded = self.folded.get(span_id)
+        if folded is None:
+            folded = self.folded[span_id] = Totals()
+        folded.add(totals)
+
     def mirror_span(self, span: Span, stop: float, unfinished: bool = False) -> None:
         """Export one Dask span as an OTel span with the ids derived from its UUID"""
+        totals = self.totals(span)  # also when sampled out: the parent needs them
         trace_id = self._trace_id(span)
         if trace_id is None:
             return
         limit = self.sink.max_length
         active = active_cpu_seconds(span, stop)
-        if self.config.span_totals == "subtree":
-            groups = list(span.traverse_groups())
-            metrics = subtree_worker_metrics(span, active)
-        else:
-            groups = list(span.groups)
-            metrics = span._cumulative_worker_metrics  # the span's own, no children
         attributes = {
             "dask.span.id": span.id,
             "dask.span.name": _truncate_all(span.name, limit),
-            **group_attributes(groups),
+            **totals.attributes(),
             "dask.active_cpu_seconds": active,
-            **fine_metric_attributes(metrics),
+            **totals.metrics,
         }
+        if self.config.span_totals == "subtree":
+            # As Span.cumulative_worker_metrics: thread time no task accounts for
+            if (idle := active - totals.execute_seconds) > 0:
+                attributes[_IDLE] = idle
+            first_task = totals.start and max(totals.start, span.enqueued)
+        else:
+            first_task = span.start
         if self.config.export_code:
             attributes["dask.span.code"] = _truncate_all(
                 (sc.code for snippets in span.code for sc in snippets), limit
@@ -505,7 +621,6 @@ class SpanMirror:
         if unfinished:
             attributes["dask.span.unfinished"] = True
         status = _erred_status(attributes, self.erred.pop(span.id, 0))
-        first_task = span.start
         events = (
             (Event("dask.first_task_start", timestamp=_ns(first_task)),)
             if first_task
@@ -541,7 +656,7 @@ class SpanMirror:
             "dask.span.name": _truncate_all(span.name, limit),
             "dask.taskgroup.name": _truncate(str(tg.name), limit),
             "dask.taskgroup.prefix": _truncate(str(prefix), limit),
-            **group_attributes([tg]),
+            **group_attributes(tg),
             **by_prefix.get(prefix, {}),
         }
         status = _erred_status(attributes, self.erred.pop(tg, 0))
@@ -552,7 +667,7 @@ class SpanMirror:
             self._random.getrandbits(64) or 1,
             dask_uuid(span.id) & _LOW_64,
             start,
-            tg.stop if tg.done else time(),
+            tg.stop if group_done(tg) else time(),
             attributes,
             status,
         )

@@ -205,6 +205,56 @@ def test_subtree_totals_include_children(cluster):
     assert mirrored.by_dask_id(parent_id).attributes["dask.tasks.total"] == 5
 
 
+def test_subtree_totals_are_dasks_own_span_properties(cluster):
+    """Sub-spans' totals are rolled up into their parent as they are exported; the
+    result is what Dask's own Span properties say of the whole tree"""
+    client, mirrored = cluster
+    with span("root") as root_id:
+        client.gather(client.map(inc, range(2), key=["r0", "r1"]))
+        with span("left"):
+            client.gather(client.map(slow, range(3), delay=0.05))
+            with span("deep"):
+                client.gather(client.map(double, range(4)))
+        with span("right"):
+            client.gather(client.map(inc, range(5), key=[f"right{i}" for i in range(5)]))
+    attrs = mirrored.by_dask_id(root_id).attributes
+    dask_span = mirrored.cluster.scheduler.extensions["spans"].spans[root_id]
+    assert attrs["dask.tasks.total"] == sum(dask_span.states.values()) == 14
+    assert attrs["dask.output.bytes"] == dask_span.nbytes_total
+    assert attrs["dask.duration"] == pytest.approx(dask_span.duration)
+    expected: dict[str, float] = {}
+    for (context, *_, activity, unit), value in dask_span.cumulative_worker_metrics.items():
+        name = f"dask.metrics.{context}.{activity}.{unit}".replace(" ", "_")
+        expected[name] = expected.get(name, 0) + value
+    got = {k: v for k, v in attrs.items() if k.startswith("dask.metrics.")}
+    assert got == pytest.approx({k: v for k, v in expected.items() if v})
+    (event,) = [e for e in mirrored.by_dask_id(root_id).events]
+    assert event.timestamp == int(dask_span.start * 1e9)
+    # Nothing is kept once the tree is exported
+    assert not mirrored.plugin.mirror.folded
+
+
+def test_instrumented_mid_span_counts_the_steps_before_it():
+    with dask.config.set({**MEMORY_CONFIG, "distributed.scheduler.preload": []}):
+        with LocalCluster(
+            n_workers=1, processes=False, dashboard_address=":0"
+        ) as cluster, Client(cluster) as client:
+            with span("outer") as outer_id:
+                with span("done before"):
+                    client.gather(client.map(inc, range(3)))
+                with span("running"):
+                    running = client.submit(slow, 1, delay=1)
+                wait_until(lambda: running.key in cluster.scheduler.tasks)
+                dask_otel.instrument(client)  # "outer" and "running" are open
+                running.result()
+            plugin = cluster.scheduler.plugins["dask-otel"]
+            wait_until(lambda: not plugin.mirror.open_spans)
+            spans = plugin.telemetry.span_exporters[0].get_finished_spans()
+            (outer,) = [s for s in spans if s.attributes["dask.span.id"] == outer_id]
+            assert outer.attributes["dask.tasks.total"] == 4
+            assert not plugin.mirror.folded
+
+
 def test_each_span_is_exported_once_and_forgotten(cluster):
     client, mirrored = cluster
     with span("once") as sid:
