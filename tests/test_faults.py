@@ -116,15 +116,19 @@ def test_collector_answers_unavailable_then_recovers(protocol, monkeypatch, capl
     no_unresponsive_loop(caplog)
 
 
-@pytest.mark.xfail(
-    strict=False,
-    reason="known bug, open: in about 1 run of 3 no span is exported at all after the "
-    "gRPC collector restarts on the same port (no failure, no recovery logged within "
-    "30 s); not yet understood",
-)
 def test_collector_killed_mid_run_and_restarted(monkeypatch, caplog):
+    """The first spans after the restart arrive: the SDK's retries carry them.
+
+    After a refused connection a gRPC channel fails every call at once (UNAVAILABLE,
+    with the stale "Connection refused") until its reconnect backoff, 1 s +-20 %, has
+    passed, even when the collector is back by then. The exporter gets a batch past
+    that by retrying after 1 s +-20 % on a new channel, but only if the retry fits in
+    OTEL_EXPORTER_OTLP_TIMEOUT: FAST_EXPORT_ENV's 1 s leaves no room for it, and the
+    batch that meets the backoff is then dropped (and counted) as documented.
+    """
     with OTLPReceiver("grpc") as receiver:
-        set_env(monkeypatch, receiver.env())
+        # room for the SDK's retries at about 1 s and 3 s into an export
+        set_env(monkeypatch, {**receiver.env(), "OTEL_EXPORTER_OTLP_TIMEOUT": "5"})
         with caplog.at_level(logging.INFO):
             with otel_cluster(OTLP_CONFIG) as (client, mirrored):
                 first = run_spans(client, 3, "first")
@@ -142,6 +146,7 @@ def test_collector_killed_mid_run_and_restarted(monkeypatch, caplog):
                 )
     assert set(first + last) <= received
     assert len(outage_warnings(caplog)) == 1
+    assert any("export recovered" in r.getMessage() for r in caplog.records)
     no_unresponsive_loop(caplog)
 
 
