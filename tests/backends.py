@@ -277,12 +277,102 @@ def prometheus_config(
     }
 
 
-class PrometheusServer:
+class _ServerProcess:
+    """A backend server run as a child process on free 127.0.0.1 ports, with its
+    state in a temporary directory; a context manager that waits until the server
+    answers ``health_path`` and stops it on exit. Subclasses say how to start it."""
+
+    name = ""
+    health_path = ""
+    startup_timeout = 60.0
+    proc: subprocess.Popen | None = None
+    url = ""
+    startup_seconds: float | None = None
+    _tmp: tempfile.TemporaryDirectory | None = None
+
+    def _executable(self) -> str:
+        raise NotImplementedError
+
+    def _prepare(self) -> None:
+        """Write what the server reads (workdir and log_path are set)"""
+
+    def _command(self, executable: str) -> list[str]:
+        """The command line, on freshly chosen ports (set ``self.url``)"""
+        raise NotImplementedError
+
+    def _env(self) -> dict[str, str] | None:
+        return None
+
+    def __enter__(self):
+        executable = self._executable()
+        self._tmp = tempfile.TemporaryDirectory(prefix=f"dask-otel-{self.name}-")
+        self.workdir = Path(self._tmp.name)
+        self.log_path = self.workdir / f"{self.name}.log"
+        try:
+            self._prepare()
+            self._start(executable)
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def _start(self, executable: str) -> None:
+        last_error = ""
+        for _attempt in range(3):  # a free port may be taken between probe and bind
+            cmd = self._command(executable)
+            t0 = time.monotonic()
+            with open(self.log_path, "ab") as log:
+                self.proc = subprocess.Popen(
+                    cmd,
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    stdin=subprocess.DEVNULL,
+                    cwd=self.workdir,  # no stray files from the test's cwd
+                    env=self._env(),
+                    start_new_session=True,
+                )
+            deadline = t0 + self.startup_timeout
+            while time.monotonic() < deadline:
+                if self.proc.poll() is not None:
+                    break
+                if _http_ok(self.url + self.health_path):
+                    self.startup_seconds = time.monotonic() - t0
+                    return
+                time.sleep(0.1)
+            last_error = _tail(self.log_path)
+            if self.proc.poll() is None:
+                _stop_process(self.proc)
+                raise BackendError(
+                    f"{self.name} not ready after {self.startup_timeout}s on {self.url}\n"
+                    f"{last_error}"
+                )
+            if "address already in use" not in last_error.lower():
+                break
+        raise BackendError(f"{self.name} exited with {self.proc.returncode}:\n{last_error}")
+
+    def close(self) -> None:
+        _stop_process(self.proc)
+        self.proc = None
+        if self._tmp is not None:
+            self._tmp.cleanup()
+            self._tmp = None
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def log(self) -> str:
+        return _tail(self.log_path, 200)
+
+
+class PrometheusServer(_ServerProcess):
     """A real ``prometheus`` scraping ``targets``, on a free 127.0.0.1 port, with its TSDB
     in a temporary directory. Use as a context manager; the process is stopped on exit.
 
     Attributes after ``__enter__``: ``url``, ``port``, ``config_path``, ``log_path``,
     ``workdir``, ``config`` (the dict written to ``config_path``)."""
+
+    name = "prometheus"
+    health_path = "/-/ready"
 
     def __init__(
         self,
@@ -308,76 +398,26 @@ class PrometheusServer:
         )
         self.extra_args = list(extra_args)
         self.startup_timeout = startup_timeout
-        self.proc: subprocess.Popen | None = None
         self.port: int | None = None
-        self.url: str = ""
-        self._tmp: tempfile.TemporaryDirectory | None = None
 
     # -- lifecycle
-    def __enter__(self) -> PrometheusServer:
-        binary = require_binary("prometheus")
-        self._tmp = tempfile.TemporaryDirectory(prefix="dask-otel-prometheus-")
-        self.workdir = Path(self._tmp.name)
+    def _executable(self) -> str:
+        return require_binary("prometheus")
+
+    def _prepare(self) -> None:
         self.config_path = self.workdir / "prometheus.yml"
         self.config_path.write_text(json.dumps(self.config, indent=2))
-        self.log_path = self.workdir / "prometheus.log"
-        try:
-            self._start(binary)
-        except BaseException:
-            self.close()
-            raise
-        return self
 
-    def _start(self, binary: str) -> None:
-        last_error = ""
-        for _attempt in range(3):  # the free port may be taken between probe and bind
-            self.port = free_port()
-            self.url = f"http://127.0.0.1:{self.port}"
-            cmd = [
-                binary,
-                f"--config.file={self.config_path}",
-                f"--storage.tsdb.path={self.workdir / 'data'}",
-                f"--web.listen-address=127.0.0.1:{self.port}",
-                *self.extra_args,
-            ]
-            with open(self.log_path, "ab") as log:
-                self.proc = subprocess.Popen(
-                    cmd,
-                    stdout=log,
-                    stderr=subprocess.STDOUT,
-                    stdin=subprocess.DEVNULL,
-                    cwd=self.workdir,
-                    start_new_session=True,
-                )
-            deadline = time.monotonic() + self.startup_timeout
-            while time.monotonic() < deadline:
-                if self.proc.poll() is not None:
-                    break
-                if _http_ok(self.url + "/-/ready"):
-                    return
-                time.sleep(0.1)
-            last_error = _tail(self.log_path)
-            if self.proc.poll() is None:
-                _stop_process(self.proc)
-                raise BackendError(
-                    f"prometheus not ready after {self.startup_timeout}s on {self.url}\n{last_error}"
-                )
-            if "address already in use" not in last_error:
-                break
-        raise BackendError(f"prometheus exited with {self.proc.returncode}:\n{last_error}")
-
-    def close(self) -> None:
-        _stop_process(self.proc)
-        self.proc = None
-        if self._tmp is not None:
-            self._tmp.cleanup()
-            self._tmp = None
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-    def log(self) -> str:
-        return _tail(self.log_path, 200)
+    def _command(self, executable: str) -> list[str]:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        return [
+            executable,
+            f"--config.file={self.config_path}",
+            f"--storage.tsdb.path={self.workdir / 'data'}",
+            f"--web.listen-address=127.0.0.1:{self.port}",
+            *self.extra_args,
+        ]
 
     # -- HTTP API
     def _api(self, path: str, params: Mapping[str, Any] | None = None) -> Any:
@@ -560,7 +600,7 @@ def span_children(spans: Iterable[Mapping[str, Any]]) -> dict[str | None, list[M
     return out
 
 
-class PhoenixServer:
+class PhoenixServer(_ServerProcess):
     """A real Arize Phoenix server (OTLP trace store) from its own venv, bound to
     127.0.0.1 on free ports, with its SQLite DB in a temporary working dir.
 
@@ -574,6 +614,9 @@ class PhoenixServer:
       :meth:`wait_for_spans`.
     """
 
+    name = "phoenix"
+    health_path = "/healthz"
+
     def __init__(
         self,
         *,
@@ -584,12 +627,8 @@ class PhoenixServer:
         self.venv = Path(venv) if venv else None
         self.extra_env = dict(env or {})
         self.startup_timeout = startup_timeout
-        self.proc: subprocess.Popen | None = None
         self.port: int | None = None
         self.grpc_port: int | None = None
-        self.url = ""
-        self.startup_seconds: float | None = None
-        self._tmp: tempfile.TemporaryDirectory | None = None
 
     @property
     def otlp_http_endpoint(self) -> str:
@@ -604,22 +643,20 @@ class PhoenixServer:
         return f"http://127.0.0.1:{self.grpc_port}"
 
     # -- lifecycle
-    def __enter__(self) -> PhoenixServer:
-        if self.venv is not None:
-            exe = self.venv / "bin" / "phoenix"
-            if not os.access(exe, os.X_OK):
-                _missing(f"no Phoenix executable at {exe}")
-        else:
-            exe = require_phoenix()
-        self._tmp = tempfile.TemporaryDirectory(prefix="dask-otel-phoenix-")
-        self.workdir = Path(self._tmp.name)
-        self.log_path = self.workdir / "phoenix.log"
-        try:
-            self._start(exe)
-        except BaseException:
-            self.close()
-            raise
-        return self
+    def _executable(self) -> str:
+        if self.venv is None:
+            return str(require_phoenix())
+        exe = self.venv / "bin" / "phoenix"
+        if not os.access(exe, os.X_OK):
+            _missing(f"no Phoenix executable at {exe}")
+        return str(exe)
+
+    def _command(self, executable: str) -> list[str]:
+        self.port, self.grpc_port = free_port(), free_port()
+        while self.grpc_port == self.port:
+            self.grpc_port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        return [executable, "serve"]
 
     def _env(self) -> dict[str, str]:
         env = {
@@ -636,55 +673,6 @@ class PhoenixServer:
         )
         env.update(self.extra_env)
         return env
-
-    def _start(self, exe: Path) -> None:
-        last_error = ""
-        for _attempt in range(3):  # the free ports may be taken between probe and bind
-            self.port, self.grpc_port = free_port(), free_port()
-            while self.grpc_port == self.port:
-                self.grpc_port = free_port()
-            self.url = f"http://127.0.0.1:{self.port}"
-            t0 = time.monotonic()
-            with open(self.log_path, "ab") as log:
-                self.proc = subprocess.Popen(
-                    [str(exe), "serve"],
-                    stdout=log,
-                    stderr=subprocess.STDOUT,
-                    stdin=subprocess.DEVNULL,
-                    cwd=self.workdir,  # no stray .env from the test's cwd
-                    env=self._env(),
-                    start_new_session=True,
-                )
-            deadline = t0 + self.startup_timeout
-            while time.monotonic() < deadline:
-                if self.proc.poll() is not None:
-                    break
-                if _http_ok(self.url + "/healthz"):
-                    self.startup_seconds = time.monotonic() - t0
-                    return
-                time.sleep(0.2)
-            last_error = _tail(self.log_path)
-            if self.proc.poll() is None:
-                _stop_process(self.proc)
-                raise BackendError(
-                    f"phoenix not healthy after {self.startup_timeout}s on {self.url}\n{last_error}"
-                )
-            if "address already in use" not in last_error.lower():
-                break
-        raise BackendError(f"phoenix exited with {self.proc.returncode}:\n{last_error}")
-
-    def close(self) -> None:
-        _stop_process(self.proc)
-        self.proc = None
-        if self._tmp is not None:
-            self._tmp.cleanup()
-            self._tmp = None
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-    def log(self) -> str:
-        return _tail(self.log_path, 200)
 
     # -- REST API
     def version(self) -> str:
