@@ -147,14 +147,14 @@ def bridge_probe(cluster: LocalCluster) -> Callable[[], dict]:
     mirror = plugin.mirror
     gc_clock = GCClock()
     timers = {
-        "poll": Timed(mirror, "poll", gc_clock, extra=lambda: mirror.exported),
+        "poll": Timed(mirror, "poll", gc_clock, extra=lambda: mirror.mirrored),
         "update_graph": Timed(plugin, "update_graph", gc_clock),
         "mirror_span": Timed(mirror, "mirror_span", gc_clock),
         "mirror_group": Timed(mirror, "mirror_group", gc_clock),
     }
     exports = [Timed(stats, "export", gc_clock) for stats in plugin.telemetry.export_stats]
     transitions0 = scheduler.transition_counter
-    exported0 = mirror.exported
+    mirrored0 = mirror.mirrored
 
     def finish() -> dict:
         gc_clock.close()
@@ -164,7 +164,7 @@ def bridge_probe(cluster: LocalCluster) -> Callable[[], dict]:
             "transitions": scheduler.transition_counter - transitions0,
             "transition_hook": transition_hook_cost(plugin),
             "transition_noop": transition_hook_cost(SchedulerPlugin()),
-            "mirrored": mirror.exported - exported0,
+            "mirrored": mirror.mirrored - mirrored0,
         }
 
     return finish

@@ -361,7 +361,7 @@ def run_workload(
             result.loop_cpu = loop2 - loop0
             result.max_tick = cluster.scheduler.digests_max["tick-duration"]
             if plugin is not None and plugin.mirror is not None:
-                result.mirrored = plugin.mirror.exported
+                result.mirrored = plugin.mirror.mirrored
             if receiver is not None:
                 result.received = receiver.count()
             if finish_probe is not None:

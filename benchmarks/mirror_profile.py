@@ -12,7 +12,7 @@ exported once, so the workload runs twice on the same cluster:
    (``dask_otel/``, ``distributed/``, ``opentelemetry/``, the rest), then the
    functions with the most time.
 
-It uses only ``SpanMirror.poll``, ``.exported`` and ``.config``, so it keeps
+It uses only ``SpanMirror.poll``, ``.mirrored`` and ``.config``, so it keeps
 working while the mirror's internals change.
 
 Usage::
@@ -58,7 +58,7 @@ OWNERS = (
 def poll_until_exported(mirror: Any, profile: cProfile.Profile | None) -> tuple[float, int]:
     """Poll (on the event loop) until nothing is left to export; (thread seconds,
     OTel spans exported)"""
-    before = mirror.exported
+    before = mirror.mirrored
     t0 = time.thread_time()
     if profile is not None:
         profile.enable()
@@ -70,7 +70,7 @@ def poll_until_exported(mirror: Any, profile: cProfile.Profile | None) -> tuple[
     finally:
         if profile is not None:
             profile.disable()
-    return time.thread_time() - t0, mirror.exported - before
+    return time.thread_time() - t0, mirror.mirrored - before
 
 
 def owner(filename: str) -> str:

@@ -131,10 +131,10 @@ class Pipeline:
     def wait_exported(self, timeout: float = 300) -> None:
         """Until the bridge has mirrored, and the collector received, every span"""
         deadline = time.monotonic() + timeout
-        while self.mirror.exported < self.expected or self.receiver.count() < self.expected:
+        while self.mirror.mirrored < self.expected or self.receiver.count() < self.expected:
             if time.monotonic() > deadline:
                 raise RuntimeError(
-                    f"{self.mirror.exported} spans mirrored and {self.receiver.count()} "
+                    f"{self.mirror.mirrored} spans mirrored and {self.receiver.count()} "
                     f"received of {self.expected} after {timeout}s; open spans "
                     f"{len(self.mirror.open_spans)}, open groups {len(self.mirror.open_groups)}"
                 )
@@ -200,9 +200,11 @@ def mirror_structures(mirror: Any) -> dict[str, int]:
         "open_groups": len(mirror.open_groups),
         "erred": len(mirror.erred),
         "folded": len(mirror.folded),
+        "open_children": len(mirror.open_children),
         "bytes": sum(
             sys.getsizeof(x)
-            for x in (mirror.open_spans, mirror.open_groups, mirror.erred, mirror.folded)
+            for x in (mirror.open_spans, mirror.open_groups, mirror.erred, mirror.folded,
+                      mirror.open_children)
         ),
     }
 

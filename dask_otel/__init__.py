@@ -59,7 +59,7 @@ def instrument(client: Client) -> None:
 def status(client: Client) -> dict[str, Any]:
     """The bridge's state on the scheduler and on every worker.
 
-    ``{"scheduler": {"error": None, "exported_spans": 12, ...},
+    ``{"scheduler": {"error": None, "mirrored_spans": 12, ...},
     "workers": {address: {"error": None, "metrics": True}}}``; ``None`` where the
     plugin is not installed. ``error`` names the config key or exporter at fault.
     """

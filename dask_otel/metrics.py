@@ -166,7 +166,7 @@ def _readings(
 
 def _spans_mirrored(observed: SchedulerMetrics) -> Reading:
     mirror = observed.plugin.mirror
-    return [] if mirror is None else [(mirror.exported, {})]
+    return [] if mirror is None else [(mirror.mirrored, {})]
 
 
 def _export_stat(field: str):

@@ -176,7 +176,7 @@ class OtelSchedulerPlugin(SchedulerPlugin):
             "metrics": self.metrics is not None,
             "open_spans": len(mirror.open_spans) if mirror else 0,
             "open_groups": len(mirror.open_groups) if mirror else 0,
-            "exported_spans": mirror.exported if mirror else 0,
+            "mirrored_spans": mirror.mirrored if mirror else 0,
             "spans_delivered": sum(e.spans_exported for e in self._export_stats),
             "spans_failed": sum(e.spans_failed for e in self._export_stats),
             "export_failures": sum(e.export_failures for e in self._export_stats),

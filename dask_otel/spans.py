@@ -231,7 +231,7 @@ class Totals:
     wide its tree. Task counts by state are each sub-span's as of its export.
     """
 
-    __slots__ = ("states", "nbytes", "duration", "start", "metrics", "execute_seconds")
+    __slots__ = ("duration", "execute_seconds", "metrics", "nbytes", "start", "states", "stop")
 
     def __init__(self) -> None:
         self.states: dict[str, int] = {}
@@ -239,6 +239,8 @@ class Totals:
         self.duration = 0.0
         #: when the first task started (0: none has), as ``Span.start``
         self.start = 0.0
+        #: when the last task finished, as ``Span.stop`` of a finished span
+        self.stop = 0.0
         #: ``dask.metrics.*`` attributes, summed over task prefixes
         self.metrics: dict[str, float] = {}
         #: seconds of the execute context, for "idle or other spans"
@@ -266,6 +268,8 @@ class Totals:
             self.nbytes += tg.nbytes_total
             self.duration += tg.duration
             self._started(tg.start)
+            if tg.stop > self.stop:
+                self.stop = tg.stop
 
     def _started(self, start: float) -> None:
         if start and (not self.start or start < self.start):
@@ -280,6 +284,8 @@ class Totals:
         self.duration += other.duration
         self.execute_seconds += other.execute_seconds
         self._started(other.start)
+        if other.stop > self.stop:
+            self.stop = other.stop
 
     def attributes(self) -> dict[str, Any]:
         """Task counts by state, output bytes, duration; fine metrics apart"""
@@ -350,10 +356,12 @@ class SpanMirror:
     #: (each span counts its subtree's, or its own with ``otel.spans.totals: own``)
     erred: defaultdict[Any, int]
 
+    #: By open Dask span id: how many of its sub-spans are open. A span is done
+    #: when none is and its own groups are: polls never walk a span's tree.
+    open_children: dict[str, int]
     #: By open Dask span id: the subtree totals of its sub-spans exported so far,
-    #: summed (only with ``otel.spans.totals: subtree``). One per open span with
-    #: finished steps, however many steps: a pipeline of 10,000 steps is summed
-    #: as it goes, not walked when it ends.
+    #: summed. One per open span with finished steps, however many steps: a
+    #: pipeline of 10,000 steps is summed as it goes, not walked when it ends.
     folded: dict[str, Totals]
 
     #: Fine metrics by task prefix of the Dask spans whose groups this poll exports
@@ -363,7 +371,7 @@ class SpanMirror:
     _sampled: dict[str, int]
 
     #: Counters for the bridge's self-metrics
-    exported: int
+    mirrored: int
     reopened: int
 
     def __init__(self, scheduler: Scheduler, telemetry: Telemetry, config: OtelConfig):
@@ -373,11 +381,12 @@ class SpanMirror:
         self.open_spans = {}
         self.open_groups = {}
         self.erred = defaultdict(int)
+        self.open_children = defaultdict(int)
         self.folded = {}
         self._prefix_metrics = {}
         self._sampled = {}
         self._random = random.Random()
-        self.exported = 0
+        self.mirrored = 0
         self.reopened = 0
         ext = self.extension
         if ext is None:
@@ -387,14 +396,13 @@ class SpanMirror:
         self.spans_seen = len(ext.spans)
         for span in ext.spans.values():
             if finished_at(span) is None:
-                self.open_spans[span.id] = span
-                self.open_groups.update((tg, span) for tg in span.groups if not tg.done)
-        if self.config.span_totals == "subtree":
-            # Steps that finished before: walked once, now
-            for span in self.open_spans.values():
-                for child in span.children:
-                    if child.id not in self.open_spans:
-                        self._fold(span.id, subtree_totals(child))
+                self._open(span)
+                self.open_groups.update((tg, span) for tg in span.groups if not group_done(tg))
+        # Steps that finished before: walked once, now
+        for span in self.open_spans.values():
+            for child in span.children:
+                if child.id not in self.open_spans:
+                    self._fold(span.id, subtree_totals(child))
 
     @property
     def sink(self) -> SpanSink:
@@ -415,7 +423,38 @@ class SpanMirror:
         self.spans_seen = len(ext.spans)
         # In creation order, as in Dask: a parent before its sub-spans
         for span in reversed(list(islice(reversed(ext.spans.values()), new))):
-            self.open_spans[span.id] = span
+            self._open(span)
+
+    def _open(self, span: Span) -> None:
+        self.open_spans[span.id] = span
+        parent = span.parent
+        if parent is not None and parent.id in self.open_spans:
+            self.open_children[parent.id] += 1
+
+    def _close(self, span: Span) -> None:
+        del self.open_spans[span.id]
+        self.open_children.pop(span.id, None)
+        parent = span.parent
+        if parent is not None and parent.id in self.open_children:
+            left = self.open_children[parent.id] = self.open_children[parent.id] - 1
+            if left <= 0:
+                del self.open_children[parent.id]
+
+    def finished_at(self, span: Span) -> float | None:
+        """``Span.stop`` of an open span if ``Span.done``, else None: reads its own
+        groups, and its sub-spans' stops as folded in when they were exported"""
+        if self.open_children.get(span.id):
+            return None
+        stop = 0.0
+        for tg in span.groups:
+            if not group_done(tg):
+                return None
+            if tg.stop > stop:
+                stop = tg.stop
+        folded = self.folded.get(span.id)
+        if folded is not None and folded.stop > stop:
+            stop = folded.stop
+        return max(stop, span.enqueued)
 
     def observe_graph(self, keys: Iterable[Hashable]) -> None:
         """Open the TaskGroups of a graph that just reached the scheduler.
@@ -487,9 +526,9 @@ class SpanMirror:
             # Newest first: sub-spans before their parent, whose subtree totals
             # are then the sum of theirs
             for span in reversed(list(self.open_spans.values())):
-                stop = finished_at(span)
+                stop = self.finished_at(span)
                 if stop is not None and self._ready(stop, now, heard):
-                    del self.open_spans[span.id]
+                    self._close(span)
                     self._export(self.mirror_span, span, stop)
                     if perf_counter() > deadline:
                         return True
@@ -510,10 +549,11 @@ class SpanMirror:
         for tg, span in list(self.open_groups.items()):
             self._export(self.mirror_group, tg, span)
         for span in reversed(list(self.open_spans.values())):
-            del self.open_spans[span.id]
-            stop = finished_at(span)
+            stop = self.finished_at(span)
+            self._close(span)
             self._export(self.mirror_span, span, stop or time(), unfinished=stop is None)
         self.open_groups.clear()
+        self.open_children.clear()
         self.folded.clear()
         self._prefix_metrics.clear()
         self._sampled.clear()
@@ -523,7 +563,7 @@ class SpanMirror:
         # mirrored is logged and dropped.
         try:
             mirror(*args, **kwargs)
-            self.exported += 1
+            self.mirrored += 1
         except Exception:
             logger.exception("dask_otel: could not mirror %r; dropped", args[0])
 
@@ -573,18 +613,18 @@ class SpanMirror:
             )
         )
 
-    def totals(self, span: Span) -> Totals:
-        """What a span's attributes count: its own, or its subtree's. A subtree's
-        are its own plus its sub-spans', folded in as each was exported (sub-spans
-        are exported before their parent); they are then folded into its parent's."""
-        totals = Totals.own(span)
-        if self.config.span_totals == "subtree":
-            if (folded := self.folded.pop(span.id, None)) is not None:
-                totals.add(folded)
-            parent = span.parent
-            if parent is not None and parent.id in self.open_spans:
-                self._fold(parent.id, totals)
-        return totals
+    def totals(self, span: Span) -> tuple[Totals, Totals]:
+        """A span's own totals and its subtree's: its own plus its sub-spans',
+        folded in as each was exported (sub-spans are exported before their
+        parent). The subtree's are then folded into its parent's."""
+        own = subtree = Totals.own(span)
+        if (folded := self.folded.pop(span.id, None)) is not None:
+            folded.add(own)
+            subtree = folded
+        parent = span.parent
+        if parent is not None and parent.id in self.open_spans:
+            self._fold(parent.id, subtree)
+        return own, subtree
 
     def _fold(self, span_id: str, totals: Totals) -> None:
         folded = self.folded.get(span_id)
@@ -594,7 +634,8 @@ class SpanMirror:
 
     def mirror_span(self, span: Span, stop: float, unfinished: bool = False) -> None:
         """Export one Dask span as an OTel span with the ids derived from its UUID"""
-        totals = self.totals(span)  # also when sampled out: the parent needs them
+        own, subtree = self.totals(span)  # also when sampled out: the parent needs them
+        totals = subtree if self.config.span_totals == "subtree" else own
         trace_id = self._trace_id(span)
         if trace_id is None:
             return
@@ -611,9 +652,7 @@ class SpanMirror:
             # As Span.cumulative_worker_metrics: thread time no task accounts for
             if (idle := active - totals.execute_seconds) > 0:
                 attributes[_IDLE] = idle
-            first_task = totals.start and max(totals.start, span.enqueued)
-        else:
-            first_task = span.start
+        first_task = subtree.start and max(subtree.start, span.enqueued)
         if self.config.export_code:
             attributes["dask.span.code"] = _truncate_all(
                 (sc.code for snippets in span.code for sc in snippets), limit
