@@ -42,6 +42,11 @@ def test_demo_prints_the_workflow_as_a_waterfall():
     trace_id, names = tree_of(stdout)
     assert names == TREE
     assert f"-> OTel trace id {trace_id}" in stdout
+    # Each span's task count covers its subtree, each task once
+    tasks = [int(n) for n in re.findall(r"tasks=(\d+)", stdout)]
+    root, load, partitions, train, evaluate, evaluate_group, fit = tasks
+    assert root == load + train and load == partitions
+    assert train == evaluate + fit and evaluate == evaluate_group == 1
 
 
 @pytest.mark.parametrize("protocol", ["grpc", "http/protobuf"])
