@@ -193,32 +193,15 @@ def group_done(tg: TaskGroup) -> bool:
     return True
 
 
-def _subtree_stop(span: Span) -> float | None:
+def groups_stop(groups: Iterable[TaskGroup]) -> float | None:
+    """When the last task of some TaskGroups finished, or None if one is not done"""
     stop = 0.0
-    for tg in span.groups:
+    for tg in groups:
         if not group_done(tg):
             return None
         if tg.stop > stop:
             stop = tg.stop
-    # What still runs in a workflow is usually its newest step: look there first
-    for child in reversed(span.children):
-        child_stop = _subtree_stop(child)
-        if child_stop is None:
-            return None
-        if child_stop > stop:
-            stop = child_stop
     return stop
-
-
-def finished_at(span: Span) -> float | None:
-    """``Span.stop`` if ``Span.done``, else None, in one walk of the tree.
-
-    Dask's two properties walk the tree three times, oldest sub-spans first, so an
-    open pipeline span with thousands of finished steps would cost thousands of
-    checks per poll.
-    """
-    stop = _subtree_stop(span)
-    return None if stop is None else max(stop, span.enqueued)
 
 
 class Totals:
@@ -395,7 +378,7 @@ class SpanMirror:
         # A cluster instrumented while running: follow what is still in flight
         self.spans_seen = len(ext.spans)
         for span in ext.spans.values():
-            if finished_at(span) is None:
+            if not span.done:  # Dask's own walk, once
                 self._open(span)
                 self.open_groups.update((tg, span) for tg in span.groups if not group_done(tg))
         # Steps that finished before: walked once, now
@@ -445,12 +428,9 @@ class SpanMirror:
         groups, and its sub-spans' stops as folded in when they were exported"""
         if self.open_children.get(span.id):
             return None
-        stop = 0.0
-        for tg in span.groups:
-            if not group_done(tg):
-                return None
-            if tg.stop > stop:
-                stop = tg.stop
+        stop = groups_stop(span.groups)
+        if stop is None:
+            return None
         folded = self.folded.get(span.id)
         if folded is not None and folded.stop > stop:
             stop = folded.stop
