@@ -3,8 +3,10 @@ scheduler of a real LocalCluster (the mapping contract of ARCHITECTURE.md)."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
+from collections.abc import Iterator
 
 import dask
 import pytest
@@ -234,25 +236,32 @@ def test_subtree_totals_are_dasks_own_span_properties(cluster):
     assert not (mirrored.plugin.mirror.folded or mirrored.plugin.mirror.open_children)
 
 
-def test_instrumented_mid_span_counts_the_steps_before_it():
+@contextlib.contextmanager
+def uninstrumented_cluster() -> Iterator[tuple[LocalCluster, Client]]:
+    """A LocalCluster started without the preload key, for dask_otel.instrument"""
     with dask.config.set({**MEMORY_CONFIG, "distributed.scheduler.preload": []}):
         with LocalCluster(
             n_workers=1, processes=False, dashboard_address=":0"
         ) as cluster, Client(cluster) as client:
-            with span("outer") as outer_id:
-                with span("done before"):
-                    client.gather(client.map(inc, range(3)))
-                with span("running"):
-                    running = client.submit(slow, 1, delay=1)
-                wait_until(lambda: running.key in cluster.scheduler.tasks)
-                dask_otel.instrument(client)  # "outer" and "running" are open
-                running.result()
-            plugin = cluster.scheduler.plugins["dask-otel"]
-            wait_until(lambda: not plugin.mirror.open_spans)
-            spans = plugin.telemetry.span_exporters[0].get_finished_spans()
-            (outer,) = [s for s in spans if s.attributes["dask.span.id"] == outer_id]
-            assert outer.attributes["dask.tasks.total"] == 4
-            assert not (plugin.mirror.folded or plugin.mirror.open_children)
+            yield cluster, client
+
+
+def test_instrumented_mid_span_counts_the_steps_before_it():
+    with uninstrumented_cluster() as (cluster, client):
+        with span("outer") as outer_id:
+            with span("done before"):
+                client.gather(client.map(inc, range(3)))
+            with span("running"):
+                running = client.submit(slow, 1, delay=1)
+            wait_until(lambda: running.key in cluster.scheduler.tasks)
+            dask_otel.instrument(client)  # "outer" and "running" are open
+            running.result()
+        plugin = cluster.scheduler.plugins["dask-otel"]
+        wait_until(lambda: not plugin.mirror.open_spans)
+        spans = plugin.telemetry.span_exporters[0].get_finished_spans()
+        (outer,) = [s for s in spans if s.attributes["dask.span.id"] == outer_id]
+        assert outer.attributes["dask.tasks.total"] == 4
+        assert not (plugin.mirror.folded or plugin.mirror.open_children)
 
 
 def test_each_span_is_exported_once_and_forgotten(cluster):
@@ -311,23 +320,20 @@ def test_scheduler_close_exports_unfinished_spans():
 
 
 def test_instrument_a_running_cluster():
-    with dask.config.set({**MEMORY_CONFIG, "distributed.scheduler.preload": []}):
-        with LocalCluster(
-            n_workers=1, processes=False, dashboard_address=":0"
-        ) as cluster, Client(cluster) as client:
-            with span("before") as before_id:
-                client.submit(inc, 1).result()
-            assert "dask-otel" not in cluster.scheduler.plugins
-            dask_otel.instrument(client)
-            dask_otel.instrument(client)  # twice is harmless
-            plugin = cluster.scheduler.plugins["dask-otel"]
-            with span("after") as after_id:
-                client.submit(inc, 2).result()
-            wait_until(lambda: plugin.mirror.mirrored >= 2)
-            spans = plugin.telemetry.span_exporters[0].get_finished_spans()
-            names = {s.attributes["dask.span.id"] for s in spans}
-            assert after_id in names and before_id not in names
-            assert all(w["error"] is None for w in dask_otel.status(client)["workers"].values())
+    with uninstrumented_cluster() as (cluster, client):
+        with span("before") as before_id:
+            client.submit(inc, 1).result()
+        assert "dask-otel" not in cluster.scheduler.plugins
+        dask_otel.instrument(client)
+        dask_otel.instrument(client)  # twice is harmless
+        plugin = cluster.scheduler.plugins["dask-otel"]
+        with span("after") as after_id:
+            client.submit(inc, 2).result()
+        wait_until(lambda: plugin.mirror.mirrored >= 2)
+        spans = plugin.telemetry.span_exporters[0].get_finished_spans()
+        names = {s.attributes["dask.span.id"] for s in spans}
+        assert after_id in names and before_id not in names
+        assert all(w["error"] is None for w in dask_otel.status(client)["workers"].values())
 
 
 @pytest.mark.parametrize(
