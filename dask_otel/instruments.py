@@ -1,6 +1,6 @@
 """Observable instruments shared by every Dask server of a process.
 
-A process holds one MeterProvider (see :class:`dask_otel.config.Telemetry`), and a
+A process holds one MeterProvider (see :class:`dask_otel.telemetry.Telemetry`), and a
 LocalCluster with ``processes=False`` runs a scheduler and several workers in it.
 An instrument name may be registered only once per MeterProvider, so each kind of
 instrument set (:class:`~dask_otel.spill.SpillInstruments`,

@@ -93,7 +93,7 @@ from dask_otel.instruments import (
 if TYPE_CHECKING:
     from distributed import Scheduler
 
-    from dask_otel.config import Telemetry
+    from dask_otel.telemetry import Telemetry
 
 #: Attributes
 CONTEXT = "dask.activity.context"

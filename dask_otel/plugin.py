@@ -18,7 +18,8 @@ from typing import TYPE_CHECKING, Any
 from distributed.diagnostics.plugin import SchedulerPlugin, WorkerPlugin
 from tornado.ioloop import IOLoop, PeriodicCallback
 
-from dask_otel.config import Telemetry, read_config
+from dask_otel.config import read_config
+from dask_otel.telemetry import Telemetry
 from dask_otel.spans import SpanMirror
 from dask_otel.worker_shim import dumps_by_value
 

@@ -82,7 +82,8 @@ if TYPE_CHECKING:
     from distributed.scheduler import TaskGroup
     from distributed.spans import Span, SpansSchedulerExtension
 
-    from dask_otel.config import OtelConfig, SpanSink, Telemetry
+    from dask_otel.config import OtelConfig
+    from dask_otel.telemetry import SpanSink, Telemetry
 
 logger = logging.getLogger("dask_otel")
 

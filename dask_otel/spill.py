@@ -128,7 +128,7 @@ from dask_otel.instruments import (
 if TYPE_CHECKING:
     from distributed import Worker
 
-    from dask_otel.config import Telemetry
+    from dask_otel.telemetry import Telemetry
 
 #: Attributes
 WORKER_ADDRESS = "dask.worker.address"

@@ -1,0 +1,147 @@
+"""Export accounting: what each exporter shipped and lost, and one log line per
+outage instead of one per failed batch and retry.
+
+The wrappers run in the SDK's export threads; they add counting and nothing else
+(batching, retries and timeouts stay the SDK's).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable
+from typing import Any
+
+from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
+
+logger = logging.getLogger("dask_otel")
+
+
+class _HeldExporterLogs(logging.Filter):
+    """Holds back the log records that the SDK's exporters emit while a dask_otel
+    export runs in the current thread (one WARNING and one ERROR per failed batch,
+    per retry), so that :class:`ExportOutage` can log once per outage instead."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.local = threading.local()
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        held = getattr(self.local, "held", None)
+        if held is None:
+            return True
+        held.append(record)
+        return False
+
+    def attach(self) -> None:
+        # Filters apply to the logger a record is logged on, not its ancestors:
+        # attach to every exporter module's logger (imported by now)
+        for name in list(logging.root.manager.loggerDict):
+            if name.startswith("opentelemetry.exporter"):
+                logging.getLogger(name).addFilter(self)
+
+
+HELD_EXPORTER_LOGS = _HeldExporterLogs()
+
+
+class ExportOutage:
+    """Counts what one exporter shipped and lost, and logs an outage once: a WARNING
+    with the exporter's reason when exports start failing, one when they recover.
+    Runs in the SDK's export thread."""
+
+    def __init__(self, signal: str):
+        self.signal = signal
+        #: items the collector accepted
+        self.exported = 0
+        #: items lost because an export failed after the SDK's retries
+        self.failed = 0
+        #: failed export calls
+        self.export_failures = 0
+        #: failed export calls since the last success
+        self.failing = 0
+
+    def export(self, export: Callable[[], Any], items: int) -> bool:
+        HELD_EXPORTER_LOGS.local.held = held = []
+        try:
+            ok = bool(export())
+        except Exception as e:
+            held.append(logging.makeLogRecord({"msg": f"{type(e).__name__}: {e}"}))
+            ok = False
+        finally:
+            HELD_EXPORTER_LOGS.local.held = None
+        if ok:
+            self.exported += items
+            if self.failing:
+                logger.warning(
+                    "dask_otel: %s export recovered after %d failed exports",
+                    self.signal, self.failing,
+                )
+                self.failing = 0
+            return True
+        self.failed += items
+        self.export_failures += 1
+        reason = held[-1].getMessage() if held else "the exporter returned FAILURE"
+        logger.debug("dask_otel: %s export failed: %s", self.signal, reason)
+        if not self.failing:
+            logger.warning(
+                "dask_otel: cannot export %s (%s); dropping them until the collector "
+                "answers again (counted in the self-metrics, logged once per outage)",
+                self.signal, reason,
+            )
+        self.failing += 1
+        return False
+
+
+class GatedSpanExporter(SpanExporter):
+    """A SpanExporter with :class:`ExportOutage` accounting"""
+
+    def __init__(self, exporter: SpanExporter):
+        self.exporter = exporter
+        self.outage = ExportOutage("spans")
+
+    def export(self, spans):
+        ok = self.outage.export(
+            lambda: self.exporter.export(spans) is SpanExportResult.SUCCESS, len(spans)
+        )
+        return SpanExportResult.SUCCESS if ok else SpanExportResult.FAILURE
+
+    def shutdown(self) -> None:
+        self.exporter.shutdown()
+
+    def force_flush(self, timeout_millis: int = 30000) -> bool:
+        return self.exporter.force_flush(timeout_millis)
+
+    # The self-metrics read these
+    spans_exported = property(lambda self: self.outage.exported)
+    spans_failed = property(lambda self: self.outage.failed)
+    export_failures = property(lambda self: self.outage.export_failures)
+
+
+def gated_metric_exporter(exporter: Any) -> Any:
+    """The metric exporter wrapped with :class:`ExportOutage` accounting"""
+    from opentelemetry.sdk.metrics.export import MetricExporter, MetricExportResult
+
+    class GatedMetricExporter(MetricExporter):
+        def __init__(self) -> None:
+            super().__init__(
+                preferred_temporality=exporter._preferred_temporality,
+                preferred_aggregation=exporter._preferred_aggregation,
+            )
+            self.exporter = exporter
+            self.outage = ExportOutage("metrics")
+
+        def export(self, metrics_data, timeout_millis: float = 10_000, **kwargs):
+            ok = self.outage.export(
+                lambda: self.exporter.export(metrics_data, timeout_millis=timeout_millis)
+                is MetricExportResult.SUCCESS,
+                1,
+            )
+            return MetricExportResult.SUCCESS if ok else MetricExportResult.FAILURE
+
+        def force_flush(self, timeout_millis: float = 10_000) -> bool:
+            return self.exporter.force_flush(timeout_millis=timeout_millis)
+
+        def shutdown(self, timeout_millis: float = 30_000, **kwargs) -> None:
+            self.exporter.shutdown(timeout_millis=timeout_millis)
+
+    return GatedMetricExporter()
