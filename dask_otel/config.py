@@ -27,6 +27,9 @@ logger = logging.getLogger("dask_otel")
 
 with open(Path(__file__).with_name("otel.yaml")) as f:
     DEFAULTS: dict = yaml.safe_load(f)
+# For `dask config list` and friends. The bridge itself never relies on these being
+# in dask config: applications and test fixtures (distributed's gen_cluster) restore
+# dask config to snapshots taken before this import; see get().
 dask.config.update_defaults(DEFAULTS)
 
 TRACES_EXPORTERS = ("otlp", "console", "memory", "none")
@@ -96,6 +99,20 @@ def read_config() -> OtelConfig:
     )
 
 
+def get(key: str) -> Any:
+    """``dask.config.get(key)``, or the shipped default (otel.yaml) when the key is
+    absent: the application may have reset dask config since this module was
+    imported, which must not switch the bridge off."""
+    return dask.config.get(key, default=_default(key))
+
+
+def _default(key: str) -> Any:
+    value: Any = DEFAULTS
+    for part in key.split("."):
+        value = value[part]
+    return value
+
+
 def _warn_unknown_keys(given: Any, defaults: dict, prefix: str) -> None:
     if not isinstance(given, dict):
         raise ConfigError(prefix, given, "a mapping")
@@ -108,21 +125,21 @@ def _warn_unknown_keys(given: Any, defaults: dict, prefix: str) -> None:
 
 
 def _bool(key: str) -> bool:
-    value = dask.config.get(key)
+    value = get(key)
     if not isinstance(value, bool):
         raise ConfigError(key, value, "true or false")
     return value
 
 
 def _choice(key: str, choices: Sequence[str]) -> str:
-    value = dask.config.get(key)
+    value = get(key)
     if value not in choices:
         raise ConfigError(key, value, " or ".join(map(repr, choices)))
     return value
 
 
 def _seconds(key: str, positive: bool = False) -> float:
-    value = dask.config.get(key)
+    value = get(key)
     try:
         out = parse_timedelta(value)
     except Exception:
@@ -136,7 +153,7 @@ def _exporters(key: str, signal: str, known: Sequence[str]) -> tuple[str, ...]:
     """Exporter names from dask config, falling back to OTEL_<signal>_EXPORTER"""
     env = f"OTEL_{signal}_EXPORTER"
     group = f"opentelemetry_{signal.lower()}_exporter"
-    value = dask.config.get(key)
+    value = get(key)
     source = key
     if value is None:
         value, source = os.environ.get(env, "otlp"), env

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 from distributed.diagnostics.plugin import SchedulerPlugin, WorkerPlugin
 from tornado.ioloop import IOLoop, PeriodicCallback
 
-from dask_otel.config import read_config
+from dask_otel.config import ConfigError, read_config
 from dask_otel.telemetry import Telemetry
 from dask_otel.spans import SpanMirror
 from dask_otel.worker_shim import dumps_by_value
@@ -70,9 +70,13 @@ def _start_telemetry(server: str, **resource: Any) -> tuple[Telemetry | None, st
             logger.info("dask_otel: otel.enabled is false on %s; not exporting", server)
             return None, None
         return Telemetry.acquire(config, **resource), None
-    except Exception as e:
+    except ConfigError as e:  # names the key and the value
         logger.error("dask_otel is off on %s: %s", server, e)
-        return None, f"{type(e).__name__}: {e}"
+        return None, f"ConfigError: {e}"
+    except Exception as e:
+        # Never a bare exception text ("'otel'" for a KeyError): say what failed
+        logger.exception("dask_otel is off on %s: could not start telemetry", server)
+        return None, f"could not start telemetry: {type(e).__name__}: {e}"
 
 
 class OtelSchedulerPlugin(SchedulerPlugin):
