@@ -123,14 +123,23 @@ class OtelSchedulerPlugin(SchedulerPlugin):
                 from dask_otel.metrics import SchedulerMetrics
 
                 self.metrics = SchedulerMetrics(scheduler, self.telemetry, self)
+        except ConfigError as e:  # an OTEL_* variable the SDK refused, named
+            logger.error("dask_otel is off on scheduler %s: %s", scheduler.address, e)
+            self.error = f"ConfigError: {e}"
         except Exception as e:
             logger.exception("dask_otel: could not start on scheduler")
             self.error = f"{type(e).__name__}: {e}"
-        await scheduler.register_worker_plugin(
-            None, dumps_by_value(), name=PLUGIN_NAME, idempotent=True
-        )
+        try:
+            await scheduler.register_worker_plugin(
+                None, dumps_by_value(), name=PLUGIN_NAME, idempotent=True
+            )
+        except Exception:
+            # The workers then export no spill metrics; the scheduler goes on
+            logger.exception("dask_otel: could not register the worker plugin")
 
     def _poll(self) -> None:
+        if self._closed:  # a poll queued with add_callback before close()
+            return
         try:
             more = self.mirror.poll()  # type: ignore[union-attr]
         except Exception:
@@ -163,14 +172,30 @@ class OtelSchedulerPlugin(SchedulerPlugin):
         if self._closed:
             return
         self._closed = True
+        # Each step on its own: Dask's plugin.close re-raises, and one failing step
+        # must not keep the others (above all the release) from running
+        for step in (self._stop_polling, self._flush_spans, self._close_metrics):
+            try:
+                step()
+            except Exception:
+                logger.exception("dask_otel: %s failed while closing", step.__name__)
+        if self.telemetry is not None:
+            try:
+                await _release_telemetry(self.telemetry)
+            except Exception:
+                logger.exception("dask_otel: could not release telemetry")
+
+    def _stop_polling(self) -> None:
         if self._poller is not None:
             self._poller.stop()
+
+    def _flush_spans(self) -> None:
         if self.mirror is not None:
             self.mirror.flush()
+
+    def _close_metrics(self) -> None:
         if self.metrics is not None:
             self.metrics.close()
-        if self.telemetry is not None:
-            await _release_telemetry(self.telemetry)
 
     def status(self) -> dict[str, Any]:
         """What :func:`dask_otel.status` reports for the scheduler"""

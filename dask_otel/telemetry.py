@@ -17,7 +17,7 @@ import socket
 import threading
 from typing import TYPE_CHECKING, Any
 
-from dask_otel.config import OtelConfig
+from dask_otel.config import ConfigError, OtelConfig
 from dask_otel.exporters import metric_readers, span_exporters
 from dask_otel.outage import HELD_EXPORTER_LOGS, GatedSpanExporter
 
@@ -90,9 +90,15 @@ def _span_limits():
             "OTEL_ATTRIBUTE_VALUE_LENGTH_LIMIT",
         )
     )
-    return SpanLimits(
-        max_span_attribute_length=None if set_by_env else DEFAULT_ATTRIBUTE_LENGTH
-    )
+    try:
+        return SpanLimits(
+            max_span_attribute_length=None if set_by_env else DEFAULT_ATTRIBUTE_LENGTH
+        )
+    except ValueError as e:  # "OTEL_..._LIMIT must be a non-negative integer but got -5"
+        variable = next((v for v in os.environ if v.startswith("OTEL_") and v in str(e)), None)
+        if variable is None:
+            raise
+        raise ConfigError(variable, os.environ[variable], "a non-negative integer") from e
 
 
 # --- the per-process telemetry ----------------------------------------------------
