@@ -95,6 +95,8 @@ class ExportOutage:
 class GatedSpanExporter(SpanExporter):
     """A SpanExporter with :class:`ExportOutage` accounting"""
 
+    shut_down = False
+
     def __init__(self, exporter: SpanExporter):
         self.exporter = exporter
         self.outage = ExportOutage("spans")
@@ -106,7 +108,11 @@ class GatedSpanExporter(SpanExporter):
         return SpanExportResult.SUCCESS if ok else SpanExportResult.FAILURE
 
     def shutdown(self) -> None:
-        self.exporter.shutdown()
+        # Called by the bridge first (to interrupt a waiting export), then by the
+        # span processor: the exporter's own shutdown warns when called twice
+        if not self.shut_down:
+            self.shut_down = True
+            self.exporter.shutdown()
 
     def force_flush(self, timeout_millis: int = 30000) -> bool:
         return self.exporter.force_flush(timeout_millis)
@@ -129,6 +135,7 @@ def gated_metric_exporter(exporter: Any) -> Any:
             )
             self.exporter = exporter
             self.outage = ExportOutage("metrics")
+            self.shut_down = False
 
         def export(self, metrics_data, timeout_millis: float = 10_000, **kwargs):
             ok = self.outage.export(
@@ -142,6 +149,9 @@ def gated_metric_exporter(exporter: Any) -> Any:
             return self.exporter.force_flush(timeout_millis=timeout_millis)
 
         def shutdown(self, timeout_millis: float = 30_000, **kwargs) -> None:
-            self.exporter.shutdown(timeout_millis=timeout_millis)
+            # Called by the bridge first, then by the reader: once is enough
+            if not self.shut_down:
+                self.shut_down = True
+                self.exporter.shutdown(timeout_millis=timeout_millis)
 
     return GatedMetricExporter()

@@ -33,33 +33,69 @@ logger = logging.getLogger("dask_otel")
 PLUGIN_NAME = "dask-otel"
 
 
-async def _release_telemetry(telemetry: Telemetry) -> None:
-    """Detach from the process's Telemetry, flushing if this was the last user.
+#: Share of otel.flush-timeout one process may wait. A LocalCluster closes its
+#: workers (in parallel) before its scheduler: each waiting half keeps the whole
+#: cluster's shutdown within otel.flush-timeout.
+PROCESS_SHARE = 0.5
+#: Share of that given to the flush; the rest is for shutting the SDK down, which
+#: interrupts an export still waiting on the collector
+FLUSH_SHARE = 0.8
 
-    The SDK's flush does not stop an export that is retrying against a dead or
-    hung collector, so it runs in a daemon thread and the Dask server waits for
-    it at most otel.flush-timeout: shutdown is never held longer than that.
+
+async def _release_telemetry(telemetry: Telemetry) -> None:
+    """Detach from the process's Telemetry; the last user flushes and shuts it down.
+
+    All within half of otel.flush-timeout (:data:`PROCESS_SHARE`), whatever the
+    collector does: the flush (which
+    the SDK does not bound against a hung collector) runs in a thread and gets
+    most of the time; then the SDK is shut down, exporters first, which cuts a
+    waiting export short, so that no thread of the bridge outlives its Dask
+    servers. During an export outage nothing is waited for: what is queued is
+    dropped and counted.
     """
+    if not Telemetry.detach(telemetry):
+        return
     timeout = telemetry.config.flush_timeout
-    thread = threading.Thread(
-        target=Telemetry.release, args=(telemetry,), name="dask_otel-flush", daemon=True
-    )
-    thread.start()
-    deadline = time.monotonic() + timeout
+    budget = PROCESS_SHARE * timeout
+    deadline = time.monotonic() + budget
     try:
-        while thread.is_alive() and time.monotonic() < deadline:
-            await asyncio.sleep(0.01)
+        if telemetry.outage:
+            logger.warning(
+                "dask_otel: exports are failing; closing without waiting for them "
+                "(what was still queued is dropped and counted)"
+            )
+        elif not await _in_thread(
+            telemetry.force_flush, "dask_otel-flush", deadline - (1 - FLUSH_SHARE) * budget
+        ):
+            logger.warning(
+                "dask_otel: telemetry not flushed within %.3gs (half of "
+                "otel.flush-timeout=%ss); what was still queued is dropped",
+                FLUSH_SHARE * budget,
+                timeout,
+            )
+        await _in_thread(telemetry.shutdown, "dask_otel-shutdown", deadline)
     except asyncio.CancelledError:
         # `dask worker` cancels its tasks on a second Ctrl-C; re-raising here would
-        # abandon Dask's own close half-way (the worker then hangs). The flush goes
-        # on in its daemon thread.
-        return
-    if thread.is_alive():
-        logger.warning(
-            "dask_otel: telemetry not flushed within otel.flush-timeout=%ss; "
-            "what was still queued is dropped",
-            timeout,
-        )
+        # abandon Dask's own close half-way (the worker then hangs). Shut the SDK
+        # down without waiting: its threads end as soon as their exports do.
+        threading.Thread(target=telemetry.shutdown, name="dask_otel-shutdown", daemon=True).start()
+
+
+async def _in_thread(function: Any, name: str, deadline: float) -> bool:
+    """Run ``function`` in a daemon thread; wait for it until ``deadline``
+    (``time.monotonic()``) without blocking the event loop. True if it finished."""
+
+    def run() -> None:
+        try:
+            function()
+        except Exception:
+            logger.exception("dask_otel: %s failed", name)
+
+    thread = threading.Thread(target=run, name=name, daemon=True)
+    thread.start()
+    while thread.is_alive() and time.monotonic() < deadline:
+        await asyncio.sleep(0.01)
+    return not thread.is_alive()
 
 
 def _start_telemetry(server: str, **resource: Any) -> tuple[Telemetry | None, str | None]:

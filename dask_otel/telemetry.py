@@ -12,6 +12,7 @@ instrumentation.
 
 from __future__ import annotations
 
+import logging
 import os
 import socket
 import threading
@@ -23,6 +24,8 @@ from dask_otel.outage import HELD_EXPORTER_LOGS, GatedSpanExporter
 
 if TYPE_CHECKING:
     from opentelemetry.sdk.trace import TracerProvider
+
+logger = logging.getLogger("dask_otel")
 
 #: service.name when neither OTEL_SERVICE_NAME nor OTEL_RESOURCE_ATTRIBUTES sets one
 DEFAULT_SERVICE_NAME = "dask"
@@ -126,7 +129,10 @@ class Telemetry:
         self.export_stats: list[GatedSpanExporter] = []
         self.tracer_provider: TracerProvider | None = None
         self._spans: SpanSink | None = None
-        self.metric_readers = metric_readers(config.metrics_exporters)
+        #: batched metric exporters, wrapped with outage accounting
+        self.metric_exporters: list = []
+        self.metric_readers = metric_readers(config.metrics_exporters, self.metric_exporters)
+        self._shut_down = False
         self.meter_provider = None
         if self.metric_readers:
             self.meter_provider = MeterProvider(
@@ -198,18 +204,33 @@ class Telemetry:
             return cls._current
 
     @classmethod
-    def release(cls, telemetry: Telemetry) -> None:
-        """Detach one user; the last one flushes and shuts the providers down"""
+    def detach(cls, telemetry: Telemetry) -> bool:
+        """Detach one user; True if it was the last, which must then
+        :meth:`force_flush` and :meth:`shutdown`"""
         with cls._lock:
             if cls._current is not telemetry:
-                return
+                return False
             cls._users -= 1
             if cls._users > 0:
-                return
+                return False
             cls._current = None
-        telemetry.shutdown()
+            return True
+
+    @property
+    def exporters(self) -> list:
+        """The batched exporters (OTLP and others): the ones that can wait on a
+        collector, with their :class:`~dask_otel.outage.ExportOutage`"""
+        return [*self.export_stats, *self.metric_exporters]
+
+    @property
+    def outage(self) -> bool:
+        """True while some exporter's last export failed: flushing would only wait"""
+        return any(e.outage.failing for e in self.exporters)
 
     def force_flush(self) -> None:
+        """Export what is queued. Blocks while a collector hangs (the SDK's batch
+        processor ignores a flush timeout): :meth:`shutdown` from another thread
+        ends it."""
         timeout_ms = int(self.config.flush_timeout * 1000)
         if self.tracer_provider:
             self.tracer_provider.force_flush(timeout_ms)
@@ -217,13 +238,26 @@ class Telemetry:
             self.meter_provider.force_flush(timeout_ms)
 
     def shutdown(self) -> None:
-        """Flush within otel.flush-timeout, then stop the SDK's threads"""
-        try:
-            self.force_flush()
-        finally:
-            if self.tracer_provider:
-                self.tracer_provider.shutdown()
-            if self.meter_provider:
-                self.meter_provider.shutdown(
-                    timeout_millis=self.config.flush_timeout * 1000
-                )
+        """Stop the SDK's threads now, whatever the collector does.
+
+        The exporters are shut down first: that interrupts a retry back-off and
+        cancels a gRPC call waiting on a hung collector, so that what is still
+        queued fails at once (dropped and counted) and the span processors' and
+        metric readers' threads, joined next, end. Runs once.
+        """
+        with self._lock:
+            if self._shut_down:
+                return
+            self._shut_down = True
+        for exporter in self.exporters:
+            try:
+                exporter.shutdown()
+            except Exception:
+                logger.debug("dask_otel: exporter shutdown failed", exc_info=True)
+        timeout_ms = self.config.flush_timeout * 1000
+        if self.tracer_provider:
+            self.tracer_provider.shutdown()
+        if self.meter_provider:
+            self.meter_provider.shutdown(timeout_millis=timeout_ms)
+
+

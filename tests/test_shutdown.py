@@ -1,0 +1,123 @@
+"""Closing a cluster whatever the collector does: the whole cluster (scheduler and
+worker processes) closes at most otel.flush-timeout later than without the bridge,
+and no thread of the bridge outlives the last Dask server of its process."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import dask
+import pytest
+from distributed import Client, LocalCluster, span
+
+from conftest import wait_until
+from otlp_receiver import BlackHole, OTLPReceiver
+from test_faults import closed_port, inc, set_env
+
+FLUSH_TIMEOUT = 2.0
+#: Exporter timeout far above the flush timeout: unbounded, an export to a hung
+#: collector would hold shutdown (and its thread) this long
+EXPORTER_TIMEOUT = "30"
+#: What the bridge's processes export, and how fast
+ENV = {
+    "OTEL_EXPORTER_OTLP_TIMEOUT": EXPORTER_TIMEOUT,
+    "OTEL_BSP_SCHEDULE_DELAY": "100",
+    "OTEL_METRIC_EXPORT_INTERVAL": "500",
+    "OTEL_TRACES_EXPORTER": "otlp",
+    "OTEL_METRICS_EXPORTER": "otlp",
+}
+CONFIG = {
+    "otel.flush-timeout": f"{FLUSH_TIMEOUT}s",
+    "otel.spans.export-delay": "200ms",
+    "otel.spans.poll-interval": "100ms",
+}
+#: Threads the bridge starts, by name (the SDK's and its own)
+BRIDGE_THREADS = ("OtelBatchSpanRecordProcessor", "OtelPeriodicExportingMetricReader", "dask_otel")
+
+
+class Collector:
+    """A collector in one of the states a shutdown can meet, as OTEL_* variables"""
+
+    def __init__(self, state: str, protocol: str):
+        self.state = state
+        self.protocol = protocol
+
+    def __enter__(self) -> dict[str, str]:
+        if self.state == "refusing":
+            self.server = None
+            env = {"OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{closed_port()}",
+                   "OTEL_EXPORTER_OTLP_PROTOCOL": self.protocol}
+            if self.protocol == "grpc":
+                env["OTEL_EXPORTER_OTLP_INSECURE"] = "true"
+            return env
+        if self.state == "hung":
+            self.server = BlackHole().__enter__()
+            return self.server.env(protocol=self.protocol)
+        mode = "unavailable" if self.state == "unavailable" else "ok"
+        self.server = OTLPReceiver(self.protocol, mode=mode).__enter__()
+        return self.server.env()
+
+    def __exit__(self, *exc) -> None:
+        if self.server is not None:
+            self.server.__exit__(*exc)
+
+
+def close_time(bridge: bool, processes: bool) -> float:
+    """Seconds to close a cluster that has just run a workflow"""
+    preload = ["dask_otel"] if bridge else []
+    with dask.config.set({**CONFIG, "distributed.scheduler.preload": preload}):
+        where = {"host": "127.0.0.1"} if processes else {}
+        cluster = LocalCluster(n_workers=2, threads_per_worker=1, processes=processes,
+                               dashboard_address=":0", **where)
+        client = Client(cluster)
+        try:
+            for i in range(3):
+                with span(f"workflow {i}"):
+                    assert client.gather(client.map(inc, range(4), key=[f"w{i}-{j}" for j in range(4)])) == [1, 2, 3, 4]
+            time.sleep(0.7)  # spans exported, metrics collected: exports under way
+        finally:
+            start = time.monotonic()
+            client.close()
+            cluster.close()
+    return time.monotonic() - start
+
+
+def bridge_threads() -> list[str]:
+    return [t.name for t in threading.enumerate() if t.name.startswith(BRIDGE_THREADS)]
+
+
+@pytest.mark.parametrize("protocol", ["grpc", "http/protobuf"])
+@pytest.mark.parametrize("state", ["hung", "refusing", "unavailable", "up"])
+def test_whole_cluster_closes_within_flush_timeout(state, protocol, monkeypatch):
+    """LocalCluster with two worker processes: the scheduler and the workers flush at
+    the same time, each within otel.flush-timeout, not one after the other"""
+    with Collector(state, protocol) as env:
+        set_env(monkeypatch, {**ENV, **env})
+        without = min(close_time(bridge=False, processes=True) for _ in range(2))
+        with_bridge = close_time(bridge=True, processes=True)
+    assert with_bridge - without <= FLUSH_TIMEOUT + 1.0, (with_bridge, without)
+
+
+#: Over HTTP, an export waiting on a hung collector is a blocking socket read that
+#: nothing in the SDK can interrupt: its (daemon) thread ends at the exporter's
+#: timeout, which this test sets short. It never holds the cluster's shutdown.
+HTTP_HUNG_EXPORTER_TIMEOUT = 3.0
+
+
+@pytest.mark.parametrize("protocol", ["grpc", "http/protobuf"])
+@pytest.mark.parametrize("state", ["hung", "refusing", "unavailable", "up"])
+def test_no_bridge_thread_outlives_the_cluster(state, protocol, monkeypatch):
+    assert not bridge_threads()
+    env = dict(ENV)
+    bound = 0.5  # the threads are gone when close() returns, give or take a switch
+    if state == "hung" and protocol != "grpc":
+        env["OTEL_EXPORTER_OTLP_TIMEOUT"] = str(HTTP_HUNG_EXPORTER_TIMEOUT)
+        bound = HTTP_HUNG_EXPORTER_TIMEOUT + 0.5
+    with Collector(state, protocol) as collector_env:
+        set_env(monkeypatch, {**env, **collector_env})
+        close_time(bridge=True, processes=False)
+        closed = time.monotonic()
+        wait_until(lambda: not bridge_threads(), timeout=bound,
+                   what=f"the bridge's threads to end: {bridge_threads()}")
+    assert time.monotonic() - closed <= bound
