@@ -9,12 +9,18 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable
 from typing import Any
 
 from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
 
 logger = logging.getLogger("dask_otel")
+
+#: Seconds without an answer after which an export counts as an outage: a healthy
+#: collector answers within milliseconds, and shutdown should not wait for one
+#: that does not
+STALLED_AFTER = 1.0
 
 
 class _HeldExporterLogs(logging.Filter):
@@ -59,9 +65,29 @@ class ExportOutage:
         self.export_failures = 0
         #: failed export calls since the last success
         self.failing = 0
+        #: the export under way: when it started (``time.monotonic()``), and the
+        #: exporter's log records held so far (a retry logs one)
+        self._started: float | None = None
+        self._held: list[logging.LogRecord] = []
+
+    @property
+    def in_outage(self) -> bool:
+        """True while the collector is not answering, as far as can be told now:
+        the last export failed, or the one under way is retrying or has had no
+        answer for :data:`STALLED_AFTER` seconds. Read from other threads (on
+        shutdown, to not wait for what would not arrive)."""
+        started = self._started
+        return bool(
+            self.failing
+            or (started is not None and (
+                time.monotonic() - started > STALLED_AFTER
+                or any(r.levelno >= logging.WARNING for r in self._held)
+            ))
+        )
 
     def export(self, export: Callable[[], Any], items: int) -> bool:
-        HELD_EXPORTER_LOGS.local.held = held = []
+        HELD_EXPORTER_LOGS.local.held = held = self._held = []
+        self._started = time.monotonic()
         try:
             ok = bool(export())
         except Exception as e:
@@ -69,6 +95,7 @@ class ExportOutage:
             ok = False
         finally:
             HELD_EXPORTER_LOGS.local.held = None
+            self._started = None
         if ok:
             self.exported += items
             if self.failing:

@@ -45,13 +45,14 @@ FLUSH_SHARE = 0.8
 async def _release_telemetry(telemetry: Telemetry) -> None:
     """Detach from the process's Telemetry; the last user flushes and shuts it down.
 
-    All within half of otel.flush-timeout (:data:`PROCESS_SHARE`), whatever the
-    collector does: the flush (which
-    the SDK does not bound against a hung collector) runs in a thread and gets
-    most of the time; then the SDK is shut down, exporters first, which cuts a
-    waiting export short, so that no thread of the bridge outlives its Dask
-    servers. During an export outage nothing is waited for: what is queued is
-    dropped and counted.
+    Waits at most half of otel.flush-timeout (:data:`PROCESS_SHARE`), whatever the
+    collector does. The flush, which the SDK does not bound against a hung
+    collector, runs in a thread. If it completes, the SDK is shut down and its
+    threads joined. If it does not, or exports were already failing (then nothing
+    is waited for), the SDK is shut down in the background: exporters first, which
+    interrupts a retry back-off and cancels a gRPC call waiting on the collector,
+    so that the SDK's threads end at once. What was still queued is dropped and
+    counted.
     """
     if not Telemetry.detach(telemetry):
         return
@@ -64,21 +65,27 @@ async def _release_telemetry(telemetry: Telemetry) -> None:
                 "dask_otel: exports are failing; closing without waiting for them "
                 "(what was still queued is dropped and counted)"
             )
-        elif not await _in_thread(
+        elif await _in_thread(
             telemetry.force_flush, "dask_otel-flush", deadline - (1 - FLUSH_SHARE) * budget
         ):
+            # Flushed: the shutdown is quick, and ends the SDK's threads before
+            # the server reports itself closed
+            await _in_thread(telemetry.shutdown, "dask_otel-shutdown", deadline)
+            return
+        else:
             logger.warning(
                 "dask_otel: telemetry not flushed within %.3gs (half of "
                 "otel.flush-timeout=%ss); what was still queued is dropped",
                 FLUSH_SHARE * budget,
                 timeout,
             )
-        await _in_thread(telemetry.shutdown, "dask_otel-shutdown", deadline)
     except asyncio.CancelledError:
         # `dask worker` cancels its tasks on a second Ctrl-C; re-raising here would
-        # abandon Dask's own close half-way (the worker then hangs). Shut the SDK
-        # down without waiting: its threads end as soon as their exports do.
-        threading.Thread(target=telemetry.shutdown, name="dask_otel-shutdown", daemon=True).start()
+        # abandon Dask's own close half-way (the worker then hangs).
+        pass
+    # The collector is not answering: shut the SDK down without waiting. Its
+    # threads end as soon as the exporters' shutdown cuts their exports short.
+    threading.Thread(target=telemetry.shutdown, name="dask_otel-shutdown", daemon=True).start()
 
 
 async def _in_thread(function: Any, name: str, deadline: float) -> bool:

@@ -224,8 +224,9 @@ class Telemetry:
 
     @property
     def outage(self) -> bool:
-        """True while some exporter's last export failed: flushing would only wait"""
-        return any(e.outage.failing for e in self.exporters)
+        """True while some exporter's collector is not answering (see
+        :attr:`~dask_otel.outage.ExportOutage.in_outage`): flushing would only wait"""
+        return any(e.outage.in_outage for e in self.exporters)
 
     def force_flush(self) -> None:
         """Export what is queued. Blocks while a collector hangs (the SDK's batch
