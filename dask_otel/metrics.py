@@ -137,21 +137,26 @@ MAX_SERIES = 2000
 #: The series the rest is summed into, as the SDK names its own overflow
 OVERFLOW = {"otel.metric.overflow": True}
 
-#: ``fine_metric_attributes`` by key, parsed once: keys only accumulate in Dask
-#: (about ten per task prefix), and each collection reads every one three times
-_PARSED: dict[Hashable, tuple[str, dict[str, Any]] | None] = {}
-#: Keys parsed once and kept; past that (keys Dask did not make), parsed each time
-_MAX_PARSED = 1_000_000
+#: Attributes of the exported series' keys, built once. Only the first
+#: :data:`MAX_SERIES` keys of each unit are exported, and they stay the same, so
+#: this holds a few thousand entries however many prefixes Dask accumulates.
+_ATTRIBUTES: dict[Hashable, dict[str, Any]] = {}
+_MAX_ATTRIBUTES = 4 * MAX_SERIES
 
 
-def _parsed(key: Hashable) -> tuple[str, dict[str, Any]] | None:
+def _attributes(key: tuple) -> dict[str, Any]:
     try:
-        return _PARSED[key]
+        return _ATTRIBUTES[key]
     except KeyError:
-        parsed = fine_metric_attributes(key)
-        if len(_PARSED) < _MAX_PARSED:
-            _PARSED[key] = parsed
-        return parsed
+        if len(_ATTRIBUTES) >= _MAX_ATTRIBUTES:  # keys Dask did not make
+            _ATTRIBUTES.clear()
+        attributes = _ATTRIBUTES[key] = fine_metric_attributes(key)[1]  # type: ignore[index]
+        return attributes
+
+
+#: One fine-metrics reading before its attributes are built: value, Dask key, and
+#: the attributes to add (the span name)
+_Raw = tuple[float, tuple, Mapping[str, Any] | None]
 
 
 def _fine_metrics(dask_unit: str):
@@ -171,14 +176,18 @@ def _fine_metrics(dask_unit: str):
     return read
 
 
-def _bounded(readings: list[tuple[float, Mapping[str, Any]]]) -> Reading:
-    """At most :data:`MAX_SERIES` readings, the rest summed into one overflow
-    reading. Dask's mappings only grow and keep insertion order, so a series never
-    moves between kept and overflow from one collection to the next."""
-    if len(readings) <= MAX_SERIES:
-        return readings
-    rest = sum(value for value, _ in readings[MAX_SERIES:])
-    return [*readings[:MAX_SERIES], (rest, OVERFLOW)]
+def _bounded(readings: list[_Raw]) -> Reading:
+    """The first :data:`MAX_SERIES` readings with their attributes, the rest summed
+    into one overflow reading. Dask's mappings only grow and keep insertion order,
+    so a series never moves between kept and overflow from one collection to the
+    next, and attributes are built for kept series only."""
+    out: list[tuple[float, Mapping[str, Any]]] = []
+    for value, key, extra in readings[:MAX_SERIES]:
+        attributes = _attributes(key)
+        out.append((value, {**attributes, **extra} if extra else attributes))
+    if len(readings) > MAX_SERIES:
+        out.append((sum(value for value, _, _ in readings[MAX_SERIES:]), OVERFLOW))
+    return out
 
 
 def _readings(
@@ -186,18 +195,15 @@ def _readings(
     dask_unit: str,
     extra: Mapping[str, Any] | None = None,
     skip: tuple[str, ...] = (),
-) -> list[tuple[float, Mapping[str, Any]]]:
-    out: list[tuple[float, Mapping[str, Any]]] = []
-    parsed_of = _PARSED.get
-    for key, value in copy_mapping(metrics).items():
-        parsed = parsed_of(key) or _parsed(key)
-        if parsed is None or parsed[0] != dask_unit:
-            continue
-        attributes = parsed[1]
-        if attributes[CONTEXT] in skip:
-            continue
-        out.append((value, {**attributes, **extra} if extra else attributes))
-    return out
+) -> list[_Raw]:
+    """The fine metrics of ``dask_unit`` among ``metrics``: keys
+    ``(context, ..., activity, unit)`` (see :func:`fine_metric_attributes`)"""
+    return [
+        (value, key, extra)
+        for key, value in copy_mapping(metrics).items()
+        if isinstance(key, tuple) and len(key) >= 3 and key[-1] == dask_unit
+        and key[0] not in skip
+    ]
 
 
 def _spans_mirrored(observed: SchedulerMetrics) -> Reading:
