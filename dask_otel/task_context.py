@@ -57,6 +57,7 @@ from opentelemetry.trace import NonRecordingSpan, SpanContext, TraceFlags
 
 from dask_otel.sampling import trace_sampled
 from dask_otel.spans import dask_uuid
+from dask_otel.telemetry import adopt_global_tracer_provider
 
 if TYPE_CHECKING:
     from distributed import Worker
@@ -172,6 +173,8 @@ def start_task_context(worker: Worker, telemetry: Telemetry) -> TaskContextHook 
     """
     sink = telemetry.spans  # built here: user spans inside tasks need a provider
     sampler = sink.provider.sampler if sink is not None else default_sampler()
+    if sink is not None:
+        adopt_global_tracer_provider()
     return TaskContextHook.install(worker, TaskContexts(sampler))
 
 

@@ -198,3 +198,53 @@ def test_unhookable_worker_runs_tasks_without_context_and_says_so_once(monkeypat
     told = [r for r in handler.records if "without an OpenTelemetry context" in r.getMessage()]
     assert len(told) == 1 and told[0].levelno == logging.INFO
     assert "Worker.execute is not a coroutine function" in told[0].getMessage()
+
+
+# --- user spans inside tasks: the bridge's TracerProvider as the global one -----
+
+#: Spans over OTLP from the scheduler (the mirror) and the workers, batched fast
+OTLP_CONFIG = {"otel.traces.exporter": "otlp", "otel.flush-timeout": "2s"}
+FAST_EXPORT_ENV = {"OTEL_BSP_SCHEDULE_DELAY": "100", "OTEL_EXPORTER_OTLP_TIMEOUT": "2"}
+
+
+def user_work(*_):
+    with trace.get_tracer("x").start_as_current_span("user work"):
+        return current_ids()
+
+
+def global_provider_type(*_):
+    provider = trace.get_tracer_provider()
+    return f"{type(provider).__module__}.{type(provider).__name__}"
+
+
+def test_user_span_in_task_is_exported_as_child_of_dask_span(monkeypatch):
+    from otlp_receiver import OTLPReceiver
+
+    with OTLPReceiver("grpc") as receiver:
+        for name, value in {**receiver.env(), **FAST_EXPORT_ENV}.items():
+            monkeypatch.setenv(name, value)
+        with otel_cluster(OTLP_CONFIG, processes=True) as (client, _):
+            with span("report") as root_id:
+                in_user_span = client.submit(user_work, 1).result()
+            providers = set(client.run(global_provider_type).values())
+            trace_id, dask_span_id, _ = expected(root_id, root_id)
+            (user,) = receiver.wait_for(lambda r: r.spans("user work"))
+            (dask_span,) = receiver.wait_for(lambda r: r.spans("report"))
+    assert providers == {"dask_otel.telemetry.TelemetryTracerProvider"}
+    assert user.trace_id == dask_span.trace_id == f"{trace_id:032x}"
+    assert user.parent_span_id == dask_span.span_id == f"{dask_span_id:016x}"
+    assert in_user_span[0] == trace_id and f"{in_user_span[1]:016x}" == user.span_id
+    assert user.resource["service.name"] == "dask"
+    assert dask_span.start <= user.start <= user.end <= dask_span.end
+
+
+def test_application_tracer_provider_is_never_replaced(monkeypatch):
+    # the workers' "application" configures its own provider through the OTel API's
+    # environment variable, before the bridge looks
+    monkeypatch.setenv("OTEL_PYTHON_TRACER_PROVIDER", "sdk_tracer_provider")
+    with otel_cluster(OTLP_CONFIG | {"otel.traces.exporter": "memory"}, processes=True) as (client, _):
+        with span("app owned") as root_id:
+            # the app's provider made the user span, in the task's trace
+            assert client.submit(user_work, 1).result()[0] == expected(root_id, root_id)[0]
+        providers = set(client.run(global_provider_type).values())
+    assert providers == {"opentelemetry.sdk.trace.TracerProvider"}
