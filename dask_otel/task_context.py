@@ -79,9 +79,13 @@ MAX_CACHED_SPANS = 4096
 class DaskSpanContext:
     """What a task of one Dask span runs in: built once per Dask span and carrier"""
 
-    __slots__ = ("context", "root_tag", "sampled", "span_context")
+    __slots__ = ("context", "dask_id", "root_tag", "sampled", "span_context")
 
-    def __init__(self, span_context: SpanContext, base: Context | None, root_tag: str):
+    def __init__(
+        self, span_context: SpanContext, base: Context | None, root_tag: str, dask_id: str
+    ):
+        #: the Dask span's UUID (``ts.annotations["span"]["ids"][-1]``)
+        self.dask_id = dask_id
         #: the Dask span's ids, as the scheduler's mirror exports them
         self.span_context = span_context
         #: ``span_context`` as the current span, over the carrier's baggage if any
@@ -154,7 +158,7 @@ class TaskContexts:
             trace_flags=_SAMPLED if sampled else _NOT_SAMPLED,
             trace_state=remote.trace_state if remote else None,
         )
-        return DaskSpanContext(span_context, base, root_tag)
+        return DaskSpanContext(span_context, base, root_tag, str(ids[-1]))
 
 
 def default_sampler() -> Sampler:
@@ -173,9 +177,14 @@ def start_task_context(worker: Worker, telemetry: Telemetry) -> TaskContextHook 
     """
     sink = telemetry.spans  # built here: user spans inside tasks need a provider
     sampler = sink.provider.sampler if sink is not None else default_sampler()
+    task_spans = None
     if sink is not None:
         adopt_global_tracer_provider()
-    return TaskContextHook.install(worker, TaskContexts(sampler))
+        if telemetry.config.task_spans:
+            from dask_otel.task_spans import TaskSpans
+
+            task_spans = TaskSpans(worker, sink, telemetry.config)
+    return TaskContextHook.install(worker, TaskContexts(sampler), task_spans)
 
 
 def execute_hookable(worker: Any) -> str | None:
@@ -222,7 +231,7 @@ def _distributed_version() -> str:
 class TaskRun:
     """One run of one task with a context: the hook hands it to the task spans"""
 
-    __slots__ = ("context", "dask_span", "key", "otel", "span_id")
+    __slots__ = ("chosen", "context", "dask_span", "key", "otel", "span_id")
 
     def __init__(
         self,
@@ -239,8 +248,10 @@ class TaskRun:
         self.dask_span = dask_span
         #: the context the task runs in: its Dask span's, or its task span's
         self.context = context
-        #: the task span's id, 0 when the task runs in its Dask span's context
+        #: the task span's id; 0 when the task can have no task span
         self.span_id = span_id
+        #: True when the task span is ``context``'s current span (chosen by ratio)
+        self.chosen = False
 
 
 class TaskContextHook:
