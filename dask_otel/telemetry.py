@@ -208,6 +208,8 @@ class Telemetry:
         self.tracer_provider: TracerProvider | None = None
         self._spans: SpanSink | None = None
         self.metric_readers = metric_readers(config.metrics_exporters)
+        #: :class:`dask_otel.logs.LogExport`, only when logs are exported
+        self.logs: Any = None
         self.meter_provider = None
         if self.metric_readers:
             self.meter_provider = MeterProvider(
@@ -215,6 +217,10 @@ class Telemetry:
                 resource=self.resource,
                 shutdown_on_exit=False,
             )
+        if config.logs_exporters:
+            from dask_otel.logs import LogExport
+
+            self.logs = LogExport(config, self.resource)
 
     @property
     def spans(self) -> SpanSink | None:
@@ -296,6 +302,8 @@ class Telemetry:
             self.tracer_provider.force_flush(timeout_ms)
         if self.meter_provider:
             self.meter_provider.force_flush(timeout_ms)
+        if self.logs:
+            self.logs.force_flush(timeout_ms)
 
     def shutdown(self) -> None:
         """Flush within otel.flush-timeout, then stop the SDK's threads"""
@@ -308,3 +316,5 @@ class Telemetry:
                 self.meter_provider.shutdown(
                     timeout_millis=self.config.flush_timeout * 1000
                 )
+            if self.logs:
+                self.logs.shutdown()
