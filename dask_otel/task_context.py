@@ -44,7 +44,6 @@ Sub-tasks
 
 from __future__ import annotations
 
-import contextlib
 import inspect
 import logging
 from collections.abc import Callable, Hashable, Mapping
@@ -71,7 +70,6 @@ logger = logging.getLogger("dask_otel")
 _LOW_64 = (1 << 64) - 1
 _SAMPLED = TraceFlags(TraceFlags.SAMPLED)
 _NOT_SAMPLED = TraceFlags(TraceFlags.DEFAULT)
-_NO_ANNOTATION = contextlib.nullcontext()
 #: Most Dask spans whose context a worker keeps; past it the cache starts over
 MAX_CACHED_SPANS = 4096
 
@@ -79,11 +77,21 @@ MAX_CACHED_SPANS = 4096
 class DaskSpanContext:
     """What a task of one Dask span runs in: built once per Dask span and carrier"""
 
-    __slots__ = ("context", "dask_id", "root_tag", "sampled", "span_context")
+    __slots__ = ("context", "dask_id", "otel", "root_tag", "sampled", "span_context")
+
+    #: no task span: the hook treats a DaskSpanContext as a run without one
+    span_id = 0
 
     def __init__(
-        self, span_context: SpanContext, base: Context | None, root_tag: str, dask_id: str
+        self,
+        span_context: SpanContext,
+        base: Context | None,
+        root_tag: str,
+        dask_id: str,
+        otel: Mapping[str, Any] | None,
     ):
+        #: the ``otel`` annotation of the span's tasks, passed on to sub-tasks
+        self.otel = otel
         #: the Dask span's UUID (``ts.annotations["span"]["ids"][-1]``)
         self.dask_id = dask_id
         #: the Dask span's ids, as the scheduler's mirror exports them
@@ -135,11 +143,15 @@ class TaskContexts:
         if cached is None:
             if len(self._cache) >= MAX_CACHED_SPANS:
                 self._cache.clear()
-            cached = self._cache[key] = self._build(ids, span["name"], carrier)
+            cached = self._cache[key] = self._build(ids, span["name"], carrier, otel)
         return cached
 
     def _build(
-        self, ids: tuple[str, ...], name: tuple[str, ...], carrier: Mapping[str, str] | None
+        self,
+        ids: tuple[str, ...],
+        name: tuple[str, ...],
+        carrier: Mapping[str, str] | None,
+        otel: Mapping[str, Any] | None,
     ) -> DaskSpanContext:
         root_tag = str(name[0]) if name else "default"
         base = remote = None
@@ -158,7 +170,7 @@ class TaskContexts:
             trace_flags=_SAMPLED if sampled else _NOT_SAMPLED,
             trace_state=remote.trace_state if remote else None,
         )
-        return DaskSpanContext(span_context, base, root_tag, str(ids[-1]))
+        return DaskSpanContext(span_context, base, root_tag, str(ids[-1]), otel)
 
 
 def default_sampler() -> Sampler:
@@ -280,6 +292,8 @@ class TaskContextHook:
         self.active = True
         self.errors = 0
         self._wrapper: Callable | None = None
+        # WorkerState creates its tasks dict once and keeps it
+        self._tasks = worker.state.tasks
 
     @classmethod
     def install(
@@ -298,17 +312,24 @@ class TaskContextHook:
     def _wrap(self, original: Callable) -> None:
         prepare = self.prepare
         finish = self.finish
+        attach, detach = otel_context.attach, otel_context.detach
 
         async def execute(key: Any, *args: Any, **kwargs: Any) -> Any:
             run = prepare(key)
             if run is None:
                 return await original(key, *args, **kwargs)
-            token = otel_context.attach(run.context)
+            token = attach(run.context)
             try:
-                with self._annotated(run):
+                if run.otel is None:
                     event = await original(key, *args, **kwargs)
+                else:
+                    # Sub-tasks submitted from inside the task (worker_client())
+                    # inherit the otel annotation, as distributed makes them
+                    # inherit span
+                    with dask.annotate(otel=run.otel):
+                        event = await original(key, *args, **kwargs)
             finally:
-                otel_context.detach(token)
+                detach(token)
             if run.span_id:
                 finish(run, event)
             return event
@@ -317,20 +338,19 @@ class TaskContextHook:
         self._wrapper = execute
         self.worker.execute = execute  # type: ignore[method-assign]
 
-    def prepare(self, key: Any) -> TaskRun | None:
-        """The run of the task ``key``, or None to run it untouched; never raises"""
+    def prepare(self, key: Any) -> TaskRun | DaskSpanContext | None:
+        """The run of the task ``key`` (its Dask span's context when it can have no
+        task span), or None to run it untouched; never raises"""
         if not self.active:
             return None
         try:
-            ts = self.worker.state.tasks.get(key)
+            ts = self._tasks.get(key)
             if ts is None:
                 return None
             dask_span = self.contexts.of(ts.annotations)
-            if dask_span is None:
-                return None
-            if self.task_spans is not None and dask_span.sampled:
-                return self.task_spans.start(key, ts, dask_span)
-            return TaskRun(key, dask_span, dask_span.context, 0, ts.annotations.get("otel"))
+            if dask_span is None or self.task_spans is None or not dask_span.sampled:
+                return dask_span
+            return self.task_spans.start(key, ts, dask_span)
         except Exception:
             self._failed("build the context of task %r", key)
             return None
@@ -341,14 +361,6 @@ class TaskContextHook:
             self.task_spans.finish(run, event)
         except Exception:
             self._failed("export the span of task %r", run.key)
-
-    @staticmethod
-    def _annotated(run: TaskRun) -> contextlib.AbstractContextManager:
-        """Sub-tasks submitted from inside the task (``worker_client()``) inherit
-        the ``otel`` annotation, as distributed makes them inherit ``span``"""
-        if run.otel is None:
-            return _NO_ANNOTATION
-        return dask.annotate(otel=run.otel)
 
     def _failed(self, what: str, key: Any) -> None:
         self.errors += 1

@@ -105,11 +105,11 @@ class TaskSpans:
         self._after_run_rules = self.slower_than is not None or self.erred
         self._random = random.Random()
 
-    def start(self, key: Any, ts: Any, dask_span: DaskSpanContext) -> TaskRun:
+    def start(self, key: Any, ts: Any, dask_span: DaskSpanContext) -> TaskRun | DaskSpanContext:
         """The run of a task in a sampled trace: in its task span's context if its
         key is chosen, else in its Dask span's (with a span id kept for the
         threshold and erred rules, or none)"""
-        otel = ts.annotations.get("otel")
+        otel = dask_span.otel
         span_id = self._random.getrandbits(64) or 1
         if key_chosen(key, self.ratio):
             parent = dask_span.span_context
@@ -121,7 +121,9 @@ class TaskSpans:
             run = TaskRun(key, dask_span, context, span_id, otel)
             run.chosen = True
             return run
-        return TaskRun(key, dask_span, dask_span.context, span_id if self._after_run_rules else 0, otel)
+        if not self._after_run_rules:
+            return dask_span  # runs as if there were no task spans
+        return TaskRun(key, dask_span, dask_span.context, span_id, otel)
 
     def finish(self, run: TaskRun, event: Any) -> None:
         """Export the run's span if a rule says so, from the event ``execute``
