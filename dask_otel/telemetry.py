@@ -224,9 +224,9 @@ class Telemetry:
 
     @property
     def spans(self) -> SpanSink | None:
-        """Where this process's mirrored spans go, built on first use (only
-        schedulers mirror spans, so workers never start a span processor thread);
-        None when ``otel.traces.exporter`` is none."""
+        """Where this process's spans go (the scheduler's mirrored spans, the
+        workers' task spans and, through the global provider, spans made inside
+        tasks), built on first use; None when ``otel.traces.exporter`` is none."""
         with self._lock:
             if self._spans is None and self.config.traces_exporters:
                 self._spans = self._build_spans()

@@ -140,6 +140,26 @@ def test_unsampled_trace_exports_no_task_span(monkeypatch):
         assert mirrored.spans() == []
 
 
+@pytest.mark.parametrize("sampled", [True, False])
+def test_task_spans_follow_the_callers_sampling_decision(sampled):
+    import dask
+
+    from test_task_context import caller_carrier
+
+    caller_trace, caller_span = 0x5B8AA5A2D2C872E8321CF37308D69DF2, 0x051581BF3CB55C13
+    annotation = {"carrier": caller_carrier(caller_trace, caller_span, sampled), "entered": {}}
+    with otel_cluster(TASK_SPANS) as (client, mirrored):
+        with span("joined") as sid, dask.annotate(otel=annotation):
+            in_task = client.gather(client.map(current_span_id, range(3)))
+        if sampled:
+            spans = wait_until(lambda: len(task_spans(mirrored)) >= 3 and task_spans(mirrored))
+            assert {s.context.trace_id for s in spans} == {caller_trace}
+            assert sorted(in_task) == sorted(s.context.span_id for s in spans)
+        else:
+            time.sleep(1)
+            assert task_spans(mirrored) == []
+
+
 def die_once(marker: str) -> str:
     """Kill this worker process mid-task the first time; finish the second time"""
     from distributed import get_worker
