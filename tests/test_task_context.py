@@ -248,3 +248,27 @@ def test_application_tracer_provider_is_never_replaced(monkeypatch):
             assert client.submit(user_work, 1).result()[0] == expected(root_id, root_id)[0]
         providers = set(client.run(global_provider_type).values())
     assert providers == {"opentelemetry.sdk.trace.TracerProvider"}
+
+
+def log_and_trace_in_task(*_):
+    logging.getLogger("report").warning("inside the task")
+    return user_work()
+
+
+def test_dask_worker_processes_enabled_by_the_preload_alone():
+    """`dask scheduler` + `dask worker` processes, the bridge on by the preload
+    env var only: a user span and a log line made in a task join the Dask span"""
+    from otlp_receiver import OTLPReceiver
+    from processes import dask_processes
+
+    with OTLPReceiver("grpc") as receiver:
+        env = {**receiver.env(), "OTEL_LOGS_EXPORTER": "otlp", "OTEL_BLRP_SCHEDULE_DELAY": "200"}
+        with dask_processes(env, n_workers=1) as cluster, cluster.client() as client:
+            with span("cli workflow") as root_id:
+                client.submit(log_and_trace_in_task, 1).result()
+            (user,) = receiver.wait_for(lambda r: r.spans("user work"))
+            (dask_span,) = receiver.wait_for(lambda r: r.spans("cli workflow"))
+            (line,) = receiver.wait_for(lambda r: [g for g in r.logs() if g.body == "inside the task"])
+    trace_id, span_id, _ = expected(root_id, root_id)
+    assert user.trace_id == dask_span.trace_id == line.trace_id == f"{trace_id:032x}"
+    assert user.parent_span_id == dask_span.span_id == line.span_id == f"{span_id:016x}"
