@@ -364,10 +364,13 @@ class TaskContextHook:
 
     def _failed(self, what: str, key: Any) -> None:
         self.errors += 1
+        what = what % (key,)
         if self.errors == 1:
-            logger.exception("dask_otel: could not %s; the task runs without it (logged once)", what, key)
+            logger.exception(
+                "dask_otel: could not %s; the task runs without it (logged once)", what
+            )
         else:
-            logger.debug("dask_otel: could not " + what, key, exc_info=True)
+            logger.debug("dask_otel: could not %s", what, exc_info=True)
 
     def uninstall(self) -> None:
         """Put ``Worker.execute`` back; if another wrapper sits on ours, ours

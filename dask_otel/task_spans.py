@@ -46,7 +46,13 @@ from distributed.metrics import time
 from distributed.worker_state_machine import ExecuteFailureEvent, ExecuteSuccessEvent
 from opentelemetry import trace
 from opentelemetry.sdk.trace import Event, ReadableSpan
-from opentelemetry.trace import NonRecordingSpan, SpanContext, Status, StatusCode, TraceFlags
+from opentelemetry.trace import (
+    NonRecordingSpan,
+    SpanContext,
+    Status,
+    StatusCode,
+    TraceFlags,
+)
 
 from dask_otel.spans import MAX_NAME_LENGTH, _truncate
 from dask_otel.task_context import TaskRun

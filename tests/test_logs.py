@@ -7,9 +7,8 @@ import logging
 import time
 
 import pytest
-from distributed import span
-
 from conftest import otel_cluster
+from distributed import span
 
 LOW_64 = (1 << 64) - 1
 
@@ -104,7 +103,7 @@ def test_log_export_outage_is_logged_once(monkeypatch, caplog):
             with otel_cluster(config) as (client, _):
                 for i in range(4):
                     client.submit(log_in_task, i).result()
-                    wait_until(lambda: receiver.rejected > i, timeout=10)
+                    wait_until(lambda i=i: receiver.rejected > i, timeout=10)
                 receiver.mode = "ok"
                 client.submit(log_in_task, 100).result()
                 receiver.wait_for(lambda r: [g for g in r.logs() if g.body == "scored partition 100"])

@@ -7,10 +7,9 @@ import asyncio
 import logging
 
 import pytest
+from conftest import otel_cluster
 from distributed import Worker, span, worker_client
 from opentelemetry import trace
-
-from conftest import otel_cluster
 
 LOW_64 = (1 << 64) - 1
 
@@ -272,3 +271,21 @@ def test_dask_worker_processes_enabled_by_the_preload_alone():
     trace_id, span_id, _ = expected(root_id, root_id)
     assert user.trace_id == dask_span.trace_id == line.trace_id == f"{trace_id:032x}"
     assert user.parent_span_id == dask_span.span_id == line.span_id == f"{span_id:016x}"
+
+
+def test_malformed_otel_annotation_runs_tasks_without_context_logged_once(monkeypatch):
+    import dask
+
+    handler = Records()
+    logger = logging.getLogger("dask_otel")
+    logger.addHandler(handler)
+    try:
+        with otel_cluster(n_workers=1) as (client, _):
+            with span("broken"), dask.annotate(otel={"carrier": 5}):
+                results = client.gather(client.map(current_ids, range(3)))
+    finally:
+        logger.removeHandler(handler)
+    assert results == [(0, 0, False)] * 3
+    told = [r for r in handler.records if r.levelno >= logging.ERROR]
+    assert len(told) == 1
+    assert "could not build the context of task 'current_ids-" in told[0].getMessage()

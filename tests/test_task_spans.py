@@ -7,13 +7,13 @@ from __future__ import annotations
 import os
 import signal
 import time
+from pathlib import Path
 
 import pytest
+from conftest import otel_cluster, wait_until
 from distributed import span, wait
 from opentelemetry import trace
 from opentelemetry.trace import StatusCode
-
-from conftest import otel_cluster, wait_until
 from trace_checks import check_span_tree
 
 TASK_SPANS = {"otel.tasks.spans": True}
@@ -143,13 +143,12 @@ def test_unsampled_trace_exports_no_task_span(monkeypatch):
 @pytest.mark.parametrize("sampled", [True, False])
 def test_task_spans_follow_the_callers_sampling_decision(sampled):
     import dask
-
     from test_task_context import caller_carrier
 
     caller_trace, caller_span = 0x5B8AA5A2D2C872E8321CF37308D69DF2, 0x051581BF3CB55C13
     annotation = {"carrier": caller_carrier(caller_trace, caller_span, sampled), "entered": {}}
     with otel_cluster(TASK_SPANS) as (client, mirrored):
-        with span("joined") as sid, dask.annotate(otel=annotation):
+        with span("joined"), dask.annotate(otel=annotation):
             in_task = client.gather(client.map(current_span_id, range(3)))
         if sampled:
             spans = wait_until(lambda: len(task_spans(mirrored)) >= 3 and task_spans(mirrored))
@@ -183,7 +182,7 @@ def test_task_of_a_killed_worker_is_exported_once_by_the_worker_that_finished_it
         for name, value in env.items():
             monkeypatch.setenv(name, value)
         with otel_cluster(config, processes=True) as (client, _):
-            with span("survivor") as sid:
+            with span("survivor"):
                 future = client.submit(die_once, marker)
                 finished_on = future.result(timeout=60)
                 others = client.gather(client.map(current_span_id, range(5)))
@@ -195,7 +194,7 @@ def test_task_of_a_killed_worker_is_exported_once_by_the_worker_that_finished_it
             receiver.wait_for(lambda r: len(tasks(r, "current_span_id")) >= 5)
             (exported,) = receiver.wait_for(lambda r: tasks(r, "die_once"))
             time.sleep(1)  # nothing more arrives
-            killed = open(marker).read()
+            killed = Path(marker).read_text()
             assert killed != finished_on
             assert [s.attributes["dask.task.key"] for s in tasks(receiver, "die_once")] == [str(future.key)]
             assert exported.attributes["dask.worker.address"] == finished_on
