@@ -270,8 +270,15 @@ class OtelWorkerPlugin(WorkerPlugin):
             await _release_telemetry(telemetry)
 
     def status(self) -> dict[str, Any]:
+        hook = self.task_context
+        task_spans = hook.task_spans if hook is not None else None
         return {
             "error": self.error,
             "metrics": self.spill is not None,
-            "task_context": self.task_context is not None,
+            # whether tasks run in their OTel context (False: hook not installed)
+            "task_context": hook is not None,
+            # tasks that ran without context because building it failed
+            "task_context_errors": hook.errors if hook is not None else 0,
+            # task spans exported by this worker; None when otel.tasks.spans is off
+            "task_spans": task_spans.exported if task_spans is not None else None,
         }

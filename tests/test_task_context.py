@@ -152,6 +152,7 @@ def test_status_reports_the_hook():
     with otel_cluster() as (client, _):
         workers = dask_otel.status(client)["workers"]
         assert workers and all(w["task_context"] for w in workers.values())
+        assert all(w["task_spans"] is None for w in workers.values())  # off by default
 
 
 class SyncExecuteWorker(Worker):
@@ -276,6 +277,8 @@ def test_dask_worker_processes_enabled_by_the_preload_alone():
 def test_malformed_otel_annotation_runs_tasks_without_context_logged_once(monkeypatch):
     import dask
 
+    import dask_otel
+
     handler = Records()
     logger = logging.getLogger("dask_otel")
     logger.addHandler(handler)
@@ -283,9 +286,11 @@ def test_malformed_otel_annotation_runs_tasks_without_context_logged_once(monkey
         with otel_cluster(n_workers=1) as (client, _):
             with span("broken"), dask.annotate(otel={"carrier": 5}):
                 results = client.gather(client.map(current_ids, range(3)))
+            (status,) = dask_otel.status(client)["workers"].values()
     finally:
         logger.removeHandler(handler)
     assert results == [(0, 0, False)] * 3
+    assert status["task_context_errors"] == 3
     told = [r for r in handler.records if r.levelno >= logging.ERROR]
     assert len(told) == 1
     assert "could not build the context of task 'current_ids-" in told[0].getMessage()

@@ -75,6 +75,11 @@ def test_ratio_one_exports_every_task_once_as_child_of_its_dask_span():
             assert s.attributes["dask.duration"] >= 0
             assert s.attributes["dask.output.bytes"] > 0
             assert s.status.status_code is StatusCode.UNSET
+        # dask_otel.status counts them per worker
+        import dask_otel
+
+        workers = dask_otel.status(client)["workers"].values()
+        assert sum(w["task_spans"] for w in workers) == 11
         # chosen tasks ran in their task span's context
         assert sorted(in_task) == sorted(s.context.span_id for s in spans if s.name == "current_span_id")
         check_span_tree(mirrored.spans())
