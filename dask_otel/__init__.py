@@ -60,7 +60,8 @@ def status(client: Client) -> dict[str, Any]:
     """The bridge's state on the scheduler and on every worker.
 
     ``{"scheduler": {"error": None, "mirrored_spans": 12, ...},
-    "workers": {address: {"error": None, "metrics": True}}}``; ``None`` where the
+    "workers": {address: {"error": None, "metrics": True, "task_context": True,
+    "task_context_errors": 0, "task_spans": None}}}``; ``None`` where the
     plugin is not installed. ``error`` names the config key or exporter at fault.
     """
 

@@ -178,3 +178,22 @@ def metric_readers(names: Sequence[str], gated: list | None = None) -> list:
             out.append(PeriodicExportingMetricReader(exporter))
             HELD_EXPORTER_LOGS.attach()
     return out
+
+
+def log_exporters(names: Sequence[str]) -> list:
+    """LogRecordExporters for ``otel.logs.exporter`` names; each reads its own OTEL_*"""
+    from opentelemetry.sdk._logs import export as sdk
+
+    out = []
+    for name in names:
+        # Renamed in SDK 1.39 (InMemoryLogExporter -> InMemoryLogRecordExporter ...)
+        if name == "memory":
+            out.append((getattr(sdk, "InMemoryLogRecordExporter", None) or sdk.InMemoryLogExporter)())
+        elif name == "console":
+            out.append((getattr(sdk, "ConsoleLogRecordExporter", None) or sdk.ConsoleLogExporter)())
+        else:
+            if name == "otlp":
+                name = otlp_entry_point("LOGS")
+            out.append(_build_exporter("opentelemetry_logs_exporter", name))
+            HELD_EXPORTER_LOGS.attach()
+    return out

@@ -182,3 +182,35 @@ def gated_metric_exporter(exporter: Any) -> Any:
                 self.exporter.shutdown(timeout_millis=timeout_millis)
 
     return GatedMetricExporter()
+
+
+def gated_log_exporter(exporter: Any) -> Any:
+    """The log record exporter wrapped with :class:`ExportOutage` accounting"""
+    from opentelemetry.sdk._logs import export as sdk
+
+    # Renamed in SDK 1.39 (LogExporter -> LogRecordExporter); older names still work
+    base = getattr(sdk, "LogRecordExporter", None) or sdk.LogExporter
+    Result = getattr(sdk, "LogRecordExportResult", None) or sdk.LogExportResult
+
+    class GatedLogExporter(base):  # type: ignore[valid-type,misc]
+        def __init__(self) -> None:
+            self.exporter = exporter
+            self.outage = ExportOutage("logs")
+            self.shut_down = False
+
+        def export(self, batch):
+            ok = self.outage.export(
+                lambda: self.exporter.export(batch) is Result.SUCCESS, len(batch)
+            )
+            return Result.SUCCESS if ok else Result.FAILURE
+
+        def force_flush(self, timeout_millis: int = 30000) -> bool:
+            return self.exporter.force_flush(timeout_millis)
+
+        def shutdown(self) -> None:
+            # Called by the bridge first, then by the log processor: once is enough
+            if not self.shut_down:
+                self.shut_down = True
+                self.exporter.shutdown()
+
+    return GatedLogExporter()

@@ -261,7 +261,8 @@ class OtelSchedulerPlugin(SchedulerPlugin):
 
 
 class OtelWorkerPlugin(WorkerPlugin):
-    """Exports the worker's SpillBuffer state as OpenTelemetry metrics"""
+    """On each worker: the OTel context tasks run in, and the SpillBuffer state as
+    OpenTelemetry metrics"""
 
     name = PLUGIN_NAME
     idempotent = True
@@ -270,23 +271,40 @@ class OtelWorkerPlugin(WorkerPlugin):
         self.error: str | None = None
         self.telemetry: Telemetry | None = None
         self.spill: Any = None
+        #: :class:`dask_otel.task_context.TaskContextHook`; None where it could
+        #: not be installed
+        self.task_context: Any = None
 
     def setup(self, worker: Worker) -> None:
         self.telemetry, self.error = _start_telemetry(
             f"worker {worker.address}",
             **{"dask.scheduler.address": worker.scheduler.address},
         )
-        if self.telemetry is None or self.telemetry.meter_provider is None:
+        if self.telemetry is None:
             return
-        try:
-            from dask_otel.spill import SpillInstruments
+        for step in (self._start_task_context, self._start_spill):
+            try:
+                step(worker, self.telemetry)
+            except Exception as e:
+                logger.exception("dask_otel: could not start on worker %s", worker.address)
+                self.error = f"{type(e).__name__}: {e}"
 
-            self.spill = SpillInstruments.observe(worker, self.telemetry)
-        except Exception as e:
-            logger.exception("dask_otel: could not start on worker %s", worker.address)
-            self.error = f"{type(e).__name__}: {e}"
+    def _start_task_context(self, worker: Worker, telemetry: Telemetry) -> None:
+        from dask_otel.task_context import start_task_context
+
+        self.task_context = start_task_context(worker, telemetry)
+
+    def _start_spill(self, worker: Worker, telemetry: Telemetry) -> None:
+        if telemetry.meter_provider is None:
+            return
+        from dask_otel.spill import SpillInstruments
+
+        self.spill = SpillInstruments.observe(worker, telemetry)
 
     async def teardown(self, worker: Worker) -> None:
+        if self.task_context is not None:
+            self.task_context.uninstall()
+            self.task_context = None
         if self.spill is not None:
             self.spill.close()
             self.spill = None
@@ -295,4 +313,15 @@ class OtelWorkerPlugin(WorkerPlugin):
             await _release_telemetry(telemetry)
 
     def status(self) -> dict[str, Any]:
-        return {"error": self.error, "metrics": self.spill is not None}
+        hook = self.task_context
+        task_spans = hook.task_spans if hook is not None else None
+        return {
+            "error": self.error,
+            "metrics": self.spill is not None,
+            # whether tasks run in their OTel context (False: hook not installed)
+            "task_context": hook is not None,
+            # tasks that ran without context because building it failed
+            "task_context_errors": hook.errors if hook is not None else 0,
+            # task spans exported by this worker; None when otel.tasks.spans is off
+            "task_spans": task_spans.exported if task_spans is not None else None,
+        }

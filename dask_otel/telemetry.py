@@ -5,9 +5,12 @@ One Telemetry exists per process at a time: a LocalCluster with
 ``processes=False`` runs a scheduler and several workers in one process, and they
 share one TracerProvider and one MeterProvider (a Prometheus registry can hold the
 bridge's collector only once). It is created by the first Dask server that attaches
-and shut down, flushing, when the last one detaches. The bridge never touches the
-global OpenTelemetry providers, so it does not interfere with the application's own
-instrumentation.
+and shut down, flushing, when the last one detaches.
+
+The bridge never replaces an application's global OpenTelemetry providers. Only
+on a worker process that has no global TracerProvider (``dask worker`` usually
+has none) does :func:`adopt_global_tracer_provider` make the bridge's the global
+one, so that spans made with the OTel API inside tasks are exported.
 """
 
 from __future__ import annotations
@@ -17,6 +20,8 @@ import os
 import socket
 import threading
 from typing import TYPE_CHECKING, Any
+
+from opentelemetry import trace
 
 from dask_otel.config import ConfigError, OtelConfig
 from dask_otel.exporters import metric_readers, span_exporters
@@ -83,6 +88,82 @@ class SpanSink:
             processor.on_end(span)
 
 
+class TelemetryTracerProvider(trace.TracerProvider):
+    """The process's global TracerProvider once the bridge has adopted that role:
+    its tracers start spans on the TracerProvider of whichever :class:`Telemetry`
+    is current, and do nothing while there is none.
+
+    The OTel API lets a process set its global provider once, while Telemetry
+    objects come and go (a LocalCluster with ``processes=False`` closed and
+    started again): this level of indirection makes "set once" hold. Tracers
+    that code got before (``trace.get_tracer`` at import) resolve through it too.
+    """
+
+    def get_tracer(
+        self,
+        instrumenting_module_name: str,
+        instrumenting_library_version: str | None = None,
+        schema_url: str | None = None,
+        attributes: Any = None,
+    ) -> trace.Tracer:
+        return TelemetryTracer(
+            instrumenting_module_name, instrumenting_library_version, schema_url, attributes
+        )
+
+
+class TelemetryTracer(trace.ProxyTracer):
+    """A ProxyTracer that follows the current Telemetry's TracerProvider"""
+
+    #: the provider ``_real_tracer`` came from
+    _provider: Any = None
+
+    @property
+    def _tracer(self) -> trace.Tracer:
+        telemetry = Telemetry._current
+        provider = telemetry.tracer_provider if telemetry is not None else None
+        if provider is None:
+            return self._noop_tracer
+        if provider is not self._provider:
+            self._real_tracer = provider.get_tracer(
+                self._instrumenting_module_name,
+                self._instrumenting_library_version,
+                self._schema_url,
+                self._attributes,
+            )
+            self._provider = provider
+        return self._real_tracer  # type: ignore[return-value]
+
+
+def adopt_global_tracer_provider() -> bool:
+    """Make the bridge's TracerProvider the process's global one, if the process
+    has none; True if the bridge's is the global one (now or since before).
+
+    "None" means ``trace.get_tracer_provider()`` is still the API's proxy: no
+    ``trace.set_tracer_provider`` call and no OTEL_PYTHON_TRACER_PROVIDER. An
+    application's provider, even a NoOpTracerProvider, is never replaced; and an
+    application that sets its own *after* the bridge did is refused by the OTel
+    API ("Overriding of current TracerProvider is not allowed"): set it before
+    the worker starts (a worker preload, or at import).
+    """
+    global _ADOPTED
+    with Telemetry._lock:
+        current = trace.get_tracer_provider()
+        if _ADOPTED is not None and current is _ADOPTED:
+            return True
+        if not isinstance(current, trace.ProxyTracerProvider):
+            return False
+        provider = TelemetryTracerProvider()
+        trace.set_tracer_provider(provider)
+        if trace.get_tracer_provider() is provider:  # another thread may have won
+            _ADOPTED = provider
+            return True
+        return False
+
+
+#: The global TracerProvider this process got from the bridge, if it did
+_ADOPTED: Any = None
+
+
 def _span_limits():
     from opentelemetry.sdk.trace import SpanLimits
 
@@ -133,6 +214,8 @@ class Telemetry:
         self.metric_exporters: list = []
         self.metric_readers = metric_readers(config.metrics_exporters, self.metric_exporters)
         self._shut_down = False
+        #: :class:`dask_otel.logs.LogExport`, only when logs are exported
+        self.logs: Any = None
         self.meter_provider = None
         if self.metric_readers:
             self.meter_provider = MeterProvider(
@@ -140,12 +223,16 @@ class Telemetry:
                 resource=self.resource,
                 shutdown_on_exit=False,
             )
+        if config.logs_exporters:
+            from dask_otel.logs import LogExport
+
+            self.logs = LogExport(config, self.resource)
 
     @property
     def spans(self) -> SpanSink | None:
-        """Where this process's mirrored spans go, built on first use (only
-        schedulers mirror spans, so workers never start a span processor thread);
-        None when ``otel.traces.exporter`` is none."""
+        """Where this process's spans go (the scheduler's mirrored spans, the
+        workers' task spans and, through the global provider, spans made inside
+        tasks), built on first use; None when ``otel.traces.exporter`` is none."""
         with self._lock:
             if self._spans is None and self.config.traces_exporters:
                 self._spans = self._build_spans()
@@ -220,7 +307,8 @@ class Telemetry:
     def exporters(self) -> list:
         """The batched exporters (OTLP and others): the ones that can wait on a
         collector, with their :class:`~dask_otel.outage.ExportOutage`"""
-        return [*self.export_stats, *self.metric_exporters]
+        logs = self.logs.export_stats if self.logs else []
+        return [*self.export_stats, *self.metric_exporters, *logs]
 
     @property
     def outage(self) -> bool:
@@ -237,14 +325,16 @@ class Telemetry:
             self.tracer_provider.force_flush(timeout_ms)
         if self.meter_provider:
             self.meter_provider.force_flush(timeout_ms)
+        if self.logs:
+            self.logs.force_flush(timeout_ms)
 
     def shutdown(self) -> None:
         """Stop the SDK's threads now, whatever the collector does.
 
         The exporters are shut down first: that interrupts a retry back-off and
         cancels a gRPC call waiting on a hung collector, so that what is still
-        queued fails at once (dropped and counted) and the span processors' and
-        metric readers' threads, joined next, end. Runs once.
+        queued fails at once (dropped and counted) and the span processors',
+        metric readers' and log processors' threads, joined next, end. Runs once.
         """
         with self._lock:
             if self._shut_down:
@@ -260,5 +350,5 @@ class Telemetry:
             self.tracer_provider.shutdown()
         if self.meter_provider:
             self.meter_provider.shutdown(timeout_millis=timeout_ms)
-
-
+        if self.logs:
+            self.logs.shutdown()

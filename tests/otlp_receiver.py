@@ -4,13 +4,13 @@ This module gives tests a *real* OTLP endpoint to point OpenTelemetry SDK
 exporters at, over real sockets on ``127.0.0.1``, so that what arrives can be
 asserted on as plain Python values instead of mocking exporters.
 
-* :class:`OTLPReceiver` serves the OTLP ``TraceService``/``MetricsService``
-  ``Export`` calls over gRPC (grpcio + opentelemetry-proto) or
-  ``POST /v1/traces`` and ``POST /v1/metrics`` over HTTP with protobuf bodies
+* :class:`OTLPReceiver` serves the OTLP ``TraceService``/``MetricsService``/
+  ``LogsService`` ``Export`` calls over gRPC (grpcio + opentelemetry-proto) or
+  ``POST /v1/traces``, ``/v1/metrics`` and ``/v1/logs`` over HTTP with protobuf bodies
   (stdlib :mod:`http.server`; ``gzip``/``deflate`` bodies are accepted),
   optionally with TLS (a throw-away CA and server certificate are generated
-  once per process).  Received data is decoded into :class:`ReceivedSpan` and
-  :class:`ReceivedPoint` records.
+  once per process).  Received data is decoded into :class:`ReceivedSpan`,
+  :class:`ReceivedPoint` and :class:`ReceivedLog` records.
 * Fault injection for reliability tests: ``receiver.mode = "unavailable"``
   (gRPC ``UNAVAILABLE`` / HTTP 503, which exporters retry) or ``"reject"``
   (gRPC ``INVALID_ARGUMENT`` / HTTP 400, which exporters do not retry), an
@@ -72,6 +72,7 @@ from urllib.parse import quote
 import grpc
 from google.protobuf.message import DecodeError
 from google.rpc.error_details_pb2 import RetryInfo
+from opentelemetry.proto.collector.logs.v1 import logs_service_pb2, logs_service_pb2_grpc
 from opentelemetry.proto.collector.metrics.v1 import metrics_service_pb2, metrics_service_pb2_grpc
 from opentelemetry.proto.collector.trace.v1 import trace_service_pb2, trace_service_pb2_grpc
 from opentelemetry.proto.common.v1.common_pb2 import AnyValue, KeyValue
@@ -122,6 +123,21 @@ class ReceivedSpan:
     @property
     def duration(self) -> float:
         return self.end - self.start
+
+
+@dataclass
+class ReceivedLog:
+    """One log record as received, decoded into plain Python values."""
+
+    body: Any
+    severity_text: str
+    severity_number: int
+    trace_id: str | None  # 32 lowercase hex digits; None when the record had no span
+    span_id: str | None  # 16 lowercase hex digits
+    time: float  # seconds since the epoch
+    attributes: dict[str, Any]
+    resource: dict[str, Any]
+    scope: str
 
 
 @dataclass
@@ -213,6 +229,28 @@ def decode_trace_request(request: trace_service_pb2.ExportTraceServiceRequest) -
                     )
                 )
     return spans
+
+
+def decode_logs_request(request: logs_service_pb2.ExportLogsServiceRequest) -> list[ReceivedLog]:
+    out = []
+    for resource_logs in request.resource_logs:
+        resource = decode_attributes(resource_logs.resource.attributes)
+        for scope_logs in resource_logs.scope_logs:
+            for record in scope_logs.log_records:
+                out.append(
+                    ReceivedLog(
+                        body=_any_value(record.body),
+                        severity_text=record.severity_text,
+                        severity_number=record.severity_number,
+                        trace_id=_hex_or_none(record.trace_id),
+                        span_id=_hex_or_none(record.span_id),
+                        time=_seconds(record.time_unix_nano),
+                        attributes=decode_attributes(record.attributes),
+                        resource=resource,
+                        scope=scope_logs.scope.name,
+                    )
+                )
+    return out
 
 
 def _temporality(value: int) -> str | None:
@@ -494,6 +532,7 @@ class OTLPReceiver:
         self._generation = 0  # bumped on every request, for wait_for
         self._spans: list[ReceivedSpan] = []
         self._points: list[ReceivedPoint] = []
+        self._logs: list[ReceivedLog] = []
         self._raw: list[tuple[str, Any]] = []
         self._headers: list[dict[str, str]] = []
         self._requests = 0
@@ -638,6 +677,7 @@ class OTLPReceiver:
         )
         trace_service_pb2_grpc.add_TraceServiceServicer_to_server(_TraceServicer(self), server)
         metrics_service_pb2_grpc.add_MetricsServiceServicer_to_server(_MetricsServicer(self), server)
+        logs_service_pb2_grpc.add_LogsServiceServicer_to_server(_LogsServicer(self), server)
         address = f"{HOST}:{self._port}"
 
         def bind() -> int:
@@ -694,6 +734,8 @@ class OTLPReceiver:
                 self._raw.append((signal, request))
                 if signal == "traces":
                     self._spans.extend(decode_trace_request(request))
+                elif signal == "logs":
+                    self._logs.extend(decode_logs_request(request))
                 else:
                     self._points.extend(decode_metrics_request(request))
             else:
@@ -737,6 +779,11 @@ class OTLPReceiver:
         with self._cond:
             return [p for p in self._points if name is None or p.name == name]
 
+    def logs(self) -> list[ReceivedLog]:
+        """All log records received so far, in arrival order."""
+        with self._cond:
+            return list(self._logs)
+
     def span_names(self) -> list[str]:
         """Distinct span names, in order of first arrival."""
         return list(dict.fromkeys(s.name for s in self.spans()))
@@ -774,6 +821,7 @@ class OTLPReceiver:
         with self._cond:
             self._spans.clear()
             self._points.clear()
+            self._logs.clear()
             self._raw.clear()
             self._headers.clear()
             self._requests = 0
@@ -855,6 +903,15 @@ class _TraceServicer(trace_service_pb2_grpc.TraceServiceServicer):
         return trace_service_pb2.ExportTraceServiceResponse()
 
 
+class _LogsServicer(logs_service_pb2_grpc.LogsServiceServicer):
+    def __init__(self, receiver: OTLPReceiver) -> None:
+        self._receiver = receiver
+
+    def Export(self, request, context):  # noqa: N802
+        _grpc_answer(self._receiver._handle("logs", _grpc_metadata(context), request), context)
+        return logs_service_pb2.ExportLogsServiceResponse()
+
+
 class _MetricsServicer(metrics_service_pb2_grpc.MetricsServiceServicer):
     def __init__(self, receiver: OTLPReceiver) -> None:
         self._receiver = receiver
@@ -876,6 +933,11 @@ _HTTP_SIGNALS = {
         "metrics",
         metrics_service_pb2.ExportMetricsServiceRequest,
         metrics_service_pb2.ExportMetricsServiceResponse,
+    ),
+    "/v1/logs": (
+        "logs",
+        logs_service_pb2.ExportLogsServiceRequest,
+        logs_service_pb2.ExportLogsServiceResponse,
     ),
 }
 

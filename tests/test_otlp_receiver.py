@@ -504,7 +504,7 @@ def test_http_edge_cases():
             response.read()
             return response.status
 
-        assert post("/v1/logs", body) == 404
+        assert post("/v1/profiles", body) == 404  # a signal the receiver does not serve
         assert post("/v1/traces", b"\xff\xff garbage") == 400
         assert post("/v1/traces", gzip.compress(body), {"Content-Encoding": "gzip"}) == 200
         assert post("/v1/metrics", iter([body[:1], body[1:]] if body else [b""]), chunked=True) == 200
@@ -529,3 +529,32 @@ def test_decode_attributes():
     assert decode_attributes(attrs) == {
         "s": "x", "i": 3, "d": 0.25, "b": False, "raw": b"\x00", "arr": (1, "y"), "map": {"k": "v"}, "empty": None,
     }  # fmt: skip
+
+
+@pytest.mark.parametrize("protocol", ["grpc", "http/protobuf"])
+def test_logs_are_received_with_their_trace_context(protocol):
+    from opentelemetry.sdk._logs import LoggerProvider
+    from opentelemetry.sdk._logs.export import SimpleLogRecordProcessor
+
+    if protocol == "grpc":
+        from opentelemetry.exporter.otlp.proto.grpc._log_exporter import OTLPLogExporter
+    else:
+        from opentelemetry.exporter.otlp.proto.http._log_exporter import OTLPLogExporter
+    from opentelemetry import trace
+    from opentelemetry.trace import NonRecordingSpan, SpanContext, TraceFlags
+
+    with OTLPReceiver(protocol) as receiver:
+        endpoint = receiver.endpoint + ("/v1/logs" if protocol == "http/protobuf" else "")
+        kwargs = {"insecure": True} if protocol == "grpc" else {}
+        provider = LoggerProvider(shutdown_on_exit=False)
+        provider.add_log_record_processor(
+            SimpleLogRecordProcessor(OTLPLogExporter(endpoint=endpoint, **kwargs))
+        )
+        context = trace.set_span_in_context(
+            NonRecordingSpan(SpanContext(0xABC, 0xDEF, False, TraceFlags(1)))
+        )
+        provider.get_logger("t").emit(body="hello", severity_text="WARN", context=context)
+        (log,) = receiver.wait_for(lambda r: r.logs())
+        provider.shutdown()
+    assert (log.body, log.severity_text) == ("hello", "WARN")
+    assert (log.trace_id, log.span_id) == (f"{0xABC:032x}", f"{0xDEF:016x}")
