@@ -20,7 +20,7 @@ from tornado.ioloop import IOLoop, PeriodicCallback
 
 from dask_otel.config import read_config
 from dask_otel.telemetry import Telemetry
-from dask_otel.spans import SpanMirror
+from dask_otel.spans import SpanMirror, failure_time
 from dask_otel.worker_shim import dumps_by_value
 
 if TYPE_CHECKING:
@@ -150,7 +150,9 @@ class OtelSchedulerPlugin(SchedulerPlugin):
         # stimulus_id by name, as Dask passes it: no kwargs dict to build (~60 ns).
         if finish == "erred" and self.mirror is not None:
             try:
-                self.mirror.observe_erred(key)
+                # A task that ran and failed: the worker sent its startstops
+                failed = failure_time(kwargs.get("startstops"))
+                self.mirror.observe_erred(key, failed)
             except Exception:
                 logger.exception("dask_otel: could not count erred task")
 

@@ -49,9 +49,10 @@ def build_resource(**attributes: Any):
 class SpanSink:
     """Where the mirror hands the spans it builds: already finished, so they go
     straight to the SDK's span processors as ``ReadableSpan``s, with what a Tracer
-    would add (resource, instrumentation scope, the sampler's decision, attribute
-    length limits) and without what only live spans need (locks, contexts, ids from
-    an IdGenerator: the mirror's ids come from Dask).
+    would add (resource, instrumentation scope; the mirror asks :attr:`sampler`
+    and applies :attr:`limits` with the SDK's ``BoundedAttributes``, as the SDK's
+    spans do) and without what only live spans need (locks, contexts, ids from an
+    IdGenerator: the mirror's ids come from Dask).
     """
 
     def __init__(self, provider: TracerProvider, processors: list, limits: Any):
@@ -63,17 +64,15 @@ class SpanSink:
         self.processors = processors
         self.resource = provider.resource
         self.scope = InstrumentationScope("dask_otel", __version__)
-        #: OTEL_SPAN_ATTRIBUTE_VALUE_LENGTH_LIMIT, or ours; None: no limit
-        self.max_length: int | None = limits.max_span_attribute_length
+        #: The SDK's SpanLimits: attribute count (OTEL_SPAN_ATTRIBUTE_COUNT_LIMIT)
+        #: and value length (OTEL_SPAN_ATTRIBUTE_VALUE_LENGTH_LIMIT, or ours)
+        self.limits = limits
 
-    def sampled(self, trace_id: int, root_name: str) -> bool:
-        """The sampler's decision for a whole trace (OTEL_TRACES_SAMPLER).
-
-        Asked as for the root, whichever span of the trace is exported first, so
-        that a trace-id ratio sampler keeps or drops whole traces.
-        """
-        result = self.provider.sampler.should_sample(None, trace_id, root_name)
-        return result.decision.is_sampled()
+    @property
+    def sampler(self):
+        """The provider's sampler (OTEL_TRACES_SAMPLER); ask it through
+        :func:`dask_otel.sampling.trace_sampled`, one decision per trace"""
+        return self.provider.sampler
 
     def emit(self, span: Any) -> None:
         for processor in self.processors:

@@ -41,6 +41,14 @@ class Mirrored:
         self.cluster = cluster
         self.plugin = cluster.scheduler.plugins["dask-otel"]
 
+    @property
+    def in_memory(self) -> bool:
+        """Whether spans went to the in-memory exporter (and so can be read)"""
+        telemetry = self.plugin.telemetry
+        return telemetry is not None and [
+            type(e).__name__ for e in telemetry.span_exporters
+        ] == ["InMemorySpanExporter"]
+
     def spans(self) -> list:
         (exporter,) = self.plugin.telemetry.span_exporters
         return list(exporter.get_finished_spans())
@@ -61,6 +69,30 @@ class Mirrored:
         )
 
 
+def assert_well_formed(spans: list) -> None:
+    """What holds for every span the bridge exports, in export order: unique span
+    ids; start <= end; a parent present in the same trace; a span exported before
+    its parent lies within it (start and end); one exported after it (work that ran
+    after the parent's export) starts no earlier than it."""
+    by_id: dict[int, tuple[int, Any]] = {}
+    for i, s in enumerate(spans):
+        assert s.context.span_id not in by_id, f"two spans share the id of {s.name!r}"
+        by_id[s.context.span_id] = (i, s)
+    for i, s in enumerate(spans):
+        assert s.start_time <= s.end_time, s.name
+        if s.parent is None:
+            continue
+        assert s.parent.span_id in by_id, f"the parent of {s.name!r} was not exported"
+        j, parent = by_id[s.parent.span_id]
+        assert parent.context.trace_id == s.context.trace_id, s.name
+        assert s.start_time >= parent.start_time, f"{s.name!r} starts before {parent.name!r}"
+        if i < j:
+            assert s.end_time <= parent.end_time, (
+                f"{s.name!r} ends {(s.end_time - parent.end_time) / 1e6:.1f} ms "
+                f"after its parent {parent.name!r}"
+            )
+
+
 @contextlib.contextmanager
 def otel_cluster(config: dict | None = None, **cluster_kwargs: Any) -> Iterator[tuple[Client, Mirrored]]:
     """A LocalCluster with the bridge on; yields a client and what was mirrored"""
@@ -75,7 +107,11 @@ def otel_cluster(config: dict | None = None, **cluster_kwargs: Any) -> Iterator[
         kwargs.setdefault("host", "127.0.0.1")
     with dask.config.set({**MEMORY_CONFIG, **(config or {})}):
         with LocalCluster(**kwargs) as cluster, Client(cluster) as client:
-            yield client, Mirrored(cluster)
+            mirrored = Mirrored(cluster)
+            yield client, mirrored
+    # Everything is exported now, the open spans by the scheduler's close
+    if mirrored.in_memory:
+        assert_well_formed(mirrored.spans())
 
 
 @pytest.fixture(autouse=True)
