@@ -67,8 +67,11 @@ def span_exporters(names: Sequence[str], meter_provider: Any = None) -> list:
     return out
 
 
-def metric_readers(names: Sequence[str]) -> list:
+def metric_readers(names: Sequence[str], gated: list | None = None) -> list:
     """MetricReaders for ``otel.metrics.exporter`` names; each reads its own OTEL_*.
+
+    The pushing exporters are wrapped with export accounting and appended to
+    ``gated``, for the self-metrics.
 
     ``prometheus`` registers with prometheus_client's default registry, which is
     what Dask's own ``/metrics`` endpoint serves on every scheduler and worker.
@@ -99,7 +102,11 @@ def metric_readers(names: Sequence[str]) -> list:
         else:
             if name == "otlp":
                 name = otlp_entry_point("METRICS")
-            exporter = _build_exporter("opentelemetry_metrics_exporter", name)
-            out.append(PeriodicExportingMetricReader(gated_metric_exporter(exporter)))
+            exporter = gated_metric_exporter(
+                _build_exporter("opentelemetry_metrics_exporter", name)
+            )
+            if gated is not None:
+                gated.append(exporter)
+            out.append(PeriodicExportingMetricReader(exporter))
             HELD_EXPORTER_LOGS.attach()
     return out

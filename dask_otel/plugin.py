@@ -180,6 +180,7 @@ class OtelSchedulerPlugin(SchedulerPlugin):
             "open_spans": len(mirror.open_spans) if mirror else 0,
             "open_groups": len(mirror.open_groups) if mirror else 0,
             "mirrored_spans": mirror.mirrored if mirror else 0,
+            "sampled_out_spans": mirror.sampled_out if mirror else 0,
             "spans_delivered": sum(e.spans_exported for e in self._export_stats),
             "spans_failed": sum(e.spans_failed for e in self._export_stats),
             "export_failures": sum(e.export_failures for e in self._export_stats),

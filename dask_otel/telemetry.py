@@ -119,7 +119,11 @@ class Telemetry:
         self.export_stats: list[GatedSpanExporter] = []
         self.tracer_provider: TracerProvider | None = None
         self._spans: SpanSink | None = None
-        self.metric_readers = metric_readers(config.metrics_exporters)
+        #: one per pushing metric exporter, for the self-metrics
+        self.metric_export_stats: list = []
+        self.metric_readers = metric_readers(
+            config.metrics_exporters, self.metric_export_stats
+        )
         self.meter_provider = None
         if self.metric_readers:
             self.meter_provider = MeterProvider(
