@@ -2,8 +2,8 @@
 
 Every Dask span (``with distributed.span("Alice's workflow"):``) is mirrored on the
 scheduler as one OpenTelemetry span, and every TaskGroup attached directly to it as
-a child span, once the Dask span has finished. A root Dask span and everything
-below it form one OTel trace.
+a child span (one per batch of work, see below), once the Dask span has finished.
+A root Dask span and everything below it form one OTel trace.
 
 Ids
     ``trace_id`` is the 128-bit integer of the root Dask span's UUID, so
@@ -11,10 +11,32 @@ Ids
     ``span_id`` is the low 64 bits of the Dask span's UUID; parents mirror the Dask
     tree. TaskGroup spans get random span ids.
 
+Sampling
+    One decision per trace (:func:`dask_otel.sampling.trace_sampled`, asked with
+    the root span's first tag, ``Span.name[0]``): every span of a trace is kept or
+    dropped together, ratio samplers keep their ratio of Dask traces, and nothing
+    is kept about a span the sampler dropped.
+
 Timing
     A Dask span starts at ``Span.enqueued`` and ends at ``Span.stop``; the event
     ``dask.first_task_start`` marks ``Span.start``. A TaskGroup span runs from
-    ``TaskGroup.start`` to ``TaskGroup.stop``.
+    ``TaskGroup.start`` to ``TaskGroup.stop``. Dask records no run time for an
+    erred task (its group's ``stop`` stays 0, ``Span.stop`` falls back to
+    ``enqueued``): the mirror takes when it failed from the ``transition`` hook
+    (the end of the run in the worker's ``startstops``, else the time it erred)
+    for the ends of its group and span, and for their export delay.
+
+    Every span lies within its parent: a span starts no earlier than any of its
+    ancestors (Dask clamps ``Span.start`` likewise), children are exported before
+    their parent and their exported ends fold into the parent's end
+    (:attr:`SpanMirror.ends`). Only work that runs after its parent's export
+    (below) can end after the parent.
+
+Limits
+    Attributes go through the SDK's ``BoundedAttributes`` with the provider's
+    ``SpanLimits`` (``OTEL_SPAN_ATTRIBUTE_COUNT_LIMIT``,
+    ``OTEL_SPAN_ATTRIBUTE_VALUE_LENGTH_LIMIT``), as the SDK's own spans do;
+    span names are cut to ``MAX_NAME_LENGTH``.
 
 Attributes (Dask spans)
     ``dask.span.id`` (str), ``dask.span.name`` (str[], all tags),
@@ -58,7 +80,16 @@ and no two OTel spans ever share an id. If more work later lands on an exported
 Dask span (a ``compute()`` after a long pause inside the same ``with span()``
 block), its new sub-spans and TaskGroups are still exported as its children, so
 the trace stays whole; the exported parent keeps the end time and totals it had.
-Recomputation after a worker death of a span already exported is not mirrored.
+
+Every batch of tasks that runs is mirrored once. A TaskGroup that gets new tasks
+after its export (``client.submit(f, x)`` without ``key=`` puts every call of
+``f`` in one TaskGroup, attached to the first call's span) opens again with a
+snapshot of its cumulative values (:class:`GroupBatch`, kept only while it is
+open) and is exported as a new child span covering only that batch: from when its
+graph reached the scheduler to when its last task finished or failed, with the
+tasks, bytes, duration and fine metrics added since (``dask.tasks.<state>``: how
+much each state count grew). A batch in which nothing ran exports nothing.
+Recomputation after a worker death, without a new graph, is not mirrored.
 """
 
 from __future__ import annotations
@@ -495,6 +526,7 @@ class SpanMirror:
             for child in span.children:
                 if child.id not in self.open_spans:
                     self._fold(span.id, subtree_totals(child))
+                    self._end_no_earlier(span.id, child.stop)
 
     @property
     def sink(self) -> SpanSink:
