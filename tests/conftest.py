@@ -69,27 +69,40 @@ class Mirrored:
         )
 
 
+def _tree_view(s: Any) -> tuple[int, int, int | None, int, int, str]:
+    """(trace id, span id, parent id, start ns, end ns, name) of an SDK
+    ``ReadableSpan`` or of a span the OTLP receiver decoded"""
+    if hasattr(s, "context"):
+        parent = s.parent.span_id if s.parent is not None else None
+        return s.context.trace_id, s.context.span_id, parent, s.start_time, s.end_time, s.name
+    parent = int(s.parent_span_id, 16) if s.parent_span_id else None
+    return (
+        int(s.trace_id, 16), int(s.span_id, 16), parent,
+        round(s.start * 1e9), round(s.end * 1e9), s.name,
+    )
+
+
 def assert_well_formed(spans: list) -> None:
     """What holds for every span the bridge exports, in export order: unique span
     ids; start <= end; a parent present in the same trace; a span exported before
     its parent lies within it (start and end); one exported after it (work that ran
     after the parent's export) starts no earlier than it."""
-    by_id: dict[int, tuple[int, Any]] = {}
-    for i, s in enumerate(spans):
-        assert s.context.span_id not in by_id, f"two spans share the id of {s.name!r}"
-        by_id[s.context.span_id] = (i, s)
-    for i, s in enumerate(spans):
-        assert s.start_time <= s.end_time, s.name
-        if s.parent is None:
+    views = [_tree_view(s) for s in spans]
+    by_id: dict[int, tuple[int, tuple]] = {}
+    for i, v in enumerate(views):
+        assert v[1] not in by_id, f"two spans share the id of {v[5]!r}"
+        by_id[v[1]] = (i, v)
+    for i, (trace_id, _, parent_id, start, end, name) in enumerate(views):
+        assert start <= end, name
+        if parent_id is None:
             continue
-        assert s.parent.span_id in by_id, f"the parent of {s.name!r} was not exported"
-        j, parent = by_id[s.parent.span_id]
-        assert parent.context.trace_id == s.context.trace_id, s.name
-        assert s.start_time >= parent.start_time, f"{s.name!r} starts before {parent.name!r}"
+        assert parent_id in by_id, f"the parent of {name!r} was not exported"
+        j, parent = by_id[parent_id]
+        assert parent[0] == trace_id, name
+        assert start >= parent[3], f"{name!r} starts before {parent[5]!r}"
         if i < j:
-            assert s.end_time <= parent.end_time, (
-                f"{s.name!r} ends {(s.end_time - parent.end_time) / 1e6:.1f} ms "
-                f"after its parent {parent.name!r}"
+            assert end <= parent[4], (
+                f"{name!r} ends {(end - parent[4]) / 1e6:.1f} ms after its parent {parent[5]!r}"
             )
 
 
