@@ -151,8 +151,8 @@ class OtelSchedulerPlugin(SchedulerPlugin):
         if finish == "erred" and self.mirror is not None:
             try:
                 # A task that ran and failed: the worker sent its startstops
-                failed = failure_time(kwargs.get("startstops"))
-                self.mirror.observe_erred(key, failed)
+                started, failed = failure_time(kwargs.get("startstops"))
+                self.mirror.observe_erred(key, failed, started)
             except Exception:
                 logger.exception("dask_otel: could not count erred task")
 

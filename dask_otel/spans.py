@@ -22,9 +22,10 @@ Timing
     ``dask.first_task_start`` marks ``Span.start``. A TaskGroup span runs from
     ``TaskGroup.start`` to ``TaskGroup.stop``. Dask records no run time for an
     erred task (its group's ``stop`` stays 0, ``Span.stop`` falls back to
-    ``enqueued``): the mirror takes when it failed from the ``transition`` hook
-    (the end of the run in the worker's ``startstops``, else the time it erred)
-    for the ends of its group and span, and for their export delay.
+    ``enqueued``): the mirror takes when it ran and failed from the
+    ``transition`` hook (the run in the worker's ``startstops``, else the time it
+    erred) for the start of its group and the ends of its group and span, and
+    for their export delay.
 
     Every span lies within its parent: a span starts no earlier than any of its
     ancestors (Dask clamps ``Span.start`` likewise), children are exported before
@@ -209,15 +210,14 @@ def _name(name: str) -> str:
     return name[:MAX_NAME_LENGTH]
 
 
-def failure_time(startstops: Iterable[Mapping[str, Any]] | None) -> float:
-    """When an erred task failed: the end of its last ``compute`` in the
-    ``startstops`` the worker sent with the error (already in the scheduler's clock),
-    else now (a task erred because a dependency did, or an older worker)."""
-    stop = 0.0
+def failure_time(startstops: Iterable[Mapping[str, Any]] | None) -> tuple[float, float]:
+    """When an erred task ran and failed: its ``compute`` in the ``startstops`` the
+    worker sent with the error (already in the scheduler's clock); else (0, now):
+    it erred because a dependency did, or an older worker sent no times."""
     for startstop in startstops or ():
-        if startstop.get("action") == "compute" and startstop.get("stop", 0) > stop:
-            stop = startstop["stop"]
-    return stop or time()
+        if startstop.get("action") == "compute" and startstop.get("stop"):
+            return startstop.get("start") or 0.0, startstop["stop"]
+    return 0.0, time()
 
 
 #: TaskGroup states in which a task has yet to finish: ``TaskGroup.done`` is "no
@@ -355,7 +355,10 @@ class GroupBatch:
     the group is open.
     """
 
-    __slots__ = ("duration", "erred", "failed", "metrics", "nbytes", "since", "span", "states", "total")
+    __slots__ = (
+        "duration", "erred", "failed", "metrics", "nbytes", "since", "span", "started",
+        "states", "total",
+    )
 
     #: The Dask span the group belongs to (``TaskGroup.span_id``)
     span: Span
@@ -372,9 +375,11 @@ class GroupBatch:
     #: ``dask.metrics.*`` of the group's prefix within its span then
     metrics: dict[str, float]
     #: Tasks of this batch that erred (transitions seen), and when the last did (0:
-    #: none): Dask records no run time for an erred task
+    #: none), and when the first of them started running (0: none did): Dask
+    #: records no run time for an erred task
     erred: int
     failed: float
+    started: float
 
     def __init__(self, span: Span):
         self.span = span
@@ -384,7 +389,7 @@ class GroupBatch:
         self.duration = 0.0
         self.metrics = {}
         self.erred = 0
-        self.failed = 0.0
+        self.failed = self.started = 0.0
 
     @classmethod
     def reopened(cls, tg: TaskGroup, span: Span, rerun: int) -> GroupBatch:
@@ -398,6 +403,15 @@ class GroupBatch:
         batch.duration = tg.duration
         batch.metrics = prefix_metrics(span, tg.prefix.name)
         return batch
+
+    def start(self, tg: TaskGroup) -> float:
+        """When the batch started: a later batch when its graph arrived, a first
+        one when its first task, finished or failed, started (0: none did)"""
+        if self.since:
+            return self.since
+        if tg.start and self.started:
+            return min(tg.start, self.started)
+        return tg.start or self.started
 
     def end(self, tg: TaskGroup) -> float:
         """When the group's last task finished or failed (0: none did yet; for a
@@ -610,10 +624,11 @@ class SpanMirror:
                 # still exported as its children; the span itself is not again.
                 self.reopened += 1
 
-    def observe_erred(self, key: Hashable, failed: float) -> None:
-        """A task erred at ``failed``: count it for its open group and open spans
-        (Dask's own state counts forget it once the client releases the future),
-        and let its group and span end no earlier"""
+    def observe_erred(self, key: Hashable, failed: float, started: float = 0.0) -> None:
+        """A task erred at ``failed`` (having started to run at ``started``, 0 if
+        it did not run): count it for its open group and open spans (Dask's own
+        state counts forget it once the client releases the future), and let its
+        group and span end no earlier"""
         ts = self.scheduler.tasks.get(key)
         ext = self.extension
         if ts is None or ext is None:
@@ -622,6 +637,8 @@ class SpanMirror:
         if (batch := self.open_groups.get(tg)) is not None:
             batch.erred += 1
             batch.failed = max(batch.failed, failed)
+            if started and (not batch.started or started < batch.started):
+                batch.started = started
         span = ext.spans.get(tg.span_id) if tg.span_id else None
         if span is not None and span.id in self.open_spans:
             self._end_no_earlier(span.id, failed)
@@ -887,7 +904,7 @@ class SpanMirror:
             **counts,
         }
         status = _erred_status(attributes, batch.erred)
-        start = max(batch.since or tg.start or span.enqueued, self.span_start(span))
+        start = max(batch.start(tg) or span.enqueued, self.span_start(span))
         end = max(batch.end(tg) if group_done(tg) else time(), start)
         self._fold_into_parent(span, end)
         self._emit(

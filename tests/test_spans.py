@@ -436,7 +436,7 @@ def test_erred_only_span_ends_when_its_task_failed_within_its_parent(processes):
         failed = mirrored.by_dask_id(fail_id)
         (group,) = wait_until(lambda: mirrored.children(failed))
         # The task ran 0.3 s before it failed: Dask records no run time for it
-        assert _duration(group) >= 0.25
+        assert 0.25 <= _duration(group) < 1
         assert _duration(failed) >= 0.25
         assert group.end_time <= failed.end_time <= root.end_time
         assert failed.status.status_code is StatusCode.ERROR
