@@ -73,7 +73,8 @@ def _tree_view(s: Any) -> tuple[int, int, int | None, int, int, str]:
     """(trace id, span id, parent id, start ns, end ns, name) of an SDK
     ``ReadableSpan`` or of a span the OTLP receiver decoded"""
     if hasattr(s, "context"):
-        parent = s.parent.span_id if s.parent is not None else None
+        # A remote parent (the caller's span a trace joined) is not the bridge's
+        parent = s.parent.span_id if s.parent is not None and not s.parent.is_remote else None
         return s.context.trace_id, s.context.span_id, parent, s.start_time, s.end_time, s.name
     parent = int(s.parent_span_id, 16) if s.parent_span_id else None
     return (
@@ -84,7 +85,7 @@ def _tree_view(s: Any) -> tuple[int, int, int | None, int, int, str]:
 
 def assert_well_formed(spans: list) -> None:
     """What holds for every span the bridge exports, in export order: unique span
-    ids; start <= end; a parent present in the same trace; a span exported before
+    ids; start <= end; a parent present in the same trace (unless remote); a span exported before
     its parent lies within it (start and end); one exported after it (work that ran
     after the parent's export) starts no earlier than it."""
     views = [_tree_view(s) for s in spans]
