@@ -443,6 +443,20 @@ def test_erred_only_span_ends_when_its_task_failed_within_its_parent(processes):
         # (and every span lies within its parent: checked as the cluster closes)
 
 
+def test_export_delay_runs_from_when_the_last_task_failed():
+    """The span's last task erred: the next compute, submitted within the export
+    delay of that failure, still joins the same span"""
+    with otel_cluster({"otel.spans.export-delay": "1s"}) as (client, mirrored):
+        with span("fails last") as sid:
+            client.submit(inc, 1, key="quick-1").result()
+            wait(client.submit(fail_slowly, 1, delay=1.2, key="failslowly-2"))
+            time.sleep(0.4)  # less than the delay since the failure
+            client.submit(inc, 2, key="next-1").result()
+        s = mirrored.by_dask_id(sid)
+        assert s.attributes["dask.tasks.total"] == 3
+        assert _duration(s) >= 1.5
+
+
 def test_nested_erred_only_spans_nest_in_time(cluster):
     client, mirrored = cluster
     with span("outer") as outer_id:
