@@ -208,11 +208,12 @@ def mirror_structures(mirror: Any) -> dict[str, int]:
         "open_groups": len(mirror.open_groups),
         "erred": len(mirror.erred),
         "folded": len(mirror.folded),
+        "ends": len(mirror.ends),
         "open_children": len(mirror.open_children),
         "bytes": sum(
             sys.getsizeof(x)
             for x in (mirror.open_spans, mirror.open_groups, mirror.erred, mirror.folded,
-                      mirror.open_children)
+                      mirror.ends, mirror.open_children)
         ),
     }
 

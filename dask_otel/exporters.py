@@ -139,7 +139,8 @@ def span_exporters(names: Sequence[str], meter_provider: Any = None) -> list:
 
 def metric_readers(names: Sequence[str], gated: list | None = None) -> list:
     """MetricReaders for ``otel.metrics.exporter`` names; each reads its own OTEL_*.
-    The batched exporters, wrapped with outage accounting, are appended to ``gated``.
+    The pushing exporters are wrapped with export accounting and appended to
+    ``gated``, for the self-metrics and for shutdown.
 
     ``prometheus`` registers with prometheus_client's default registry, which is
     what Dask's own ``/metrics`` endpoint serves on every scheduler and worker.

@@ -46,20 +46,27 @@ Observable counters for alerting on telemetry loss, on the scheduler only:
 =============================== ========= ======================================
 ``dask.otel.span.mirrored``     {span}    Dask spans and TaskGroups handed to the
                                           OpenTelemetry SDK
+``dask.otel.span.sampled_out``  {span}    Dask spans and TaskGroups the sampler
+                                          (``OTEL_TRACES_SAMPLER``) dropped
 ``dask.otel.span.exported``     {span}    spans the exporter delivered
 ``dask.otel.span.dropped``      {span}    spans lost: their export failed after
                                           the SDK's retries
-``dask.otel.export.failures``   {request} failed export requests
+``dask.otel.export.failures``   {request} failed export requests, of spans and
+                                          of metrics (``dask.otel.signal``)
 =============================== ========= ======================================
 
 The last three carry ``dask.otel.exporter``, the exporter's class name (e.g.
-``OTLPSpanExporter``). ``mirrored - exported - dropped`` is what is still queued
-in the SDK's batch processor, or was dropped because its queue was full. Spans
-go to the in-memory exporter (tests) without being counted.
+``OTLPSpanExporter``, ``OTLPMetricExporter``). ``mirrored + sampled_out`` is
+every Dask span and TaskGroup batch that finished; ``mirrored - exported -
+dropped`` is what is still queued in the SDK's batch processor, or was dropped
+because its queue was full. Spans go to the in-memory exporter (tests) without
+being counted. A failed metric export loses one collection's values, not the
+counts: counters are cumulative, and the next export that succeeds carries them.
 
 Prometheus names: ``dask_activity_time_seconds_total``,
 ``dask_activity_size_bytes_total``, ``dask_activity_count_total``,
-``dask_otel_span_mirrored_total``, ``dask_otel_span_exported_total``,
+``dask_otel_span_mirrored_total``, ``dask_otel_span_sampled_out_total``,
+``dask_otel_span_exported_total``,
 ``dask_otel_span_dropped_total``, ``dask_otel_export_failures_total``; attribute
 dots become underscores (``dask_task_prefix``, ``dask_activity_name``...).
 Time per task prefix and activity::
@@ -104,6 +111,7 @@ WHERE = "dask.activity.where"
 ACTIVITY = "dask.activity.name"
 SPAN_NAME = "dask.span.name"
 EXPORTER = "dask.otel.exporter"
+SIGNAL = "dask.otel.signal"
 
 try:
     from distributed.spans import CONTEXTS_WITH_SPAN_ID
@@ -211,6 +219,25 @@ def _spans_mirrored(observed: SchedulerMetrics) -> Reading:
     return [] if mirror is None else [(mirror.mirrored, {})]
 
 
+def _spans_sampled_out(observed: SchedulerMetrics) -> Reading:
+    mirror = observed.plugin.mirror
+    return [] if mirror is None else [(mirror.sampled_out, {})]
+
+
+def _export_failures(observed: SchedulerMetrics) -> Reading:
+    """Failed export requests of every gated exporter, spans' and metrics'"""
+    telemetry = observed.telemetry
+    out: list[tuple[float, Mapping[str, Any]]] = []
+    for signal, gated in (
+        ("spans", telemetry.export_stats),
+        ("metrics", telemetry.metric_export_stats),
+    ):
+        for stats in list(gated):
+            attributes = {EXPORTER: type(stats.exporter).__name__, SIGNAL: signal}
+            out.append((stats.outage.export_failures, attributes))
+    return out
+
+
 def _export_stat(field: str):
     def read(observed: SchedulerMetrics) -> Reading:
         return [
@@ -245,6 +272,11 @@ SCHEDULER_METRICS: tuple[MetricSpec, ...] = (
         _spans_mirrored,
     ),
     MetricSpec(
+        "dask.otel.span.sampled_out", COUNTER, "{span}",
+        "Dask spans and TaskGroups the sampler (OTEL_TRACES_SAMPLER) dropped",
+        _spans_sampled_out,
+    ),
+    MetricSpec(
         "dask.otel.span.exported", COUNTER, "{span}",
         "Spans the exporter delivered", _export_stat("spans_exported"),
         per_process=True,
@@ -256,8 +288,8 @@ SCHEDULER_METRICS: tuple[MetricSpec, ...] = (
     ),
     MetricSpec(
         "dask.otel.export.failures", COUNTER, "{request}",
-        "Span export requests that failed after the SDK's retries",
-        _export_stat("export_failures"), per_process=True,
+        "Export requests that failed after the SDK's retries, of spans and metrics",
+        _export_failures, per_process=True,
     ),
 )
 

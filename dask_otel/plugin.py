@@ -20,7 +20,7 @@ from tornado.ioloop import IOLoop, PeriodicCallback
 
 from dask_otel.config import ConfigError, read_config
 from dask_otel.telemetry import Telemetry
-from dask_otel.spans import SpanMirror
+from dask_otel.spans import SpanMirror, failure_time
 from dask_otel.worker_shim import dumps_by_value
 
 if TYPE_CHECKING:
@@ -206,7 +206,9 @@ class OtelSchedulerPlugin(SchedulerPlugin):
         # stimulus_id by name, as Dask passes it: no kwargs dict to build (~60 ns).
         if finish == "erred" and self.mirror is not None:
             try:
-                self.mirror.observe_erred(key)
+                # A task that ran and failed: the worker sent its startstops
+                started, failed = failure_time(kwargs.get("startstops"))
+                self.mirror.observe_erred(key, failed, started)
             except Exception:
                 logger.exception("dask_otel: could not count erred task")
 
@@ -250,6 +252,7 @@ class OtelSchedulerPlugin(SchedulerPlugin):
             "open_spans": len(mirror.open_spans) if mirror else 0,
             "open_groups": len(mirror.open_groups) if mirror else 0,
             "mirrored_spans": mirror.mirrored if mirror else 0,
+            "sampled_out_spans": mirror.sampled_out if mirror else 0,
             "spans_delivered": sum(e.spans_exported for e in self._export_stats),
             "spans_failed": sum(e.spans_failed for e in self._export_stats),
             "export_failures": sum(e.export_failures for e in self._export_stats),

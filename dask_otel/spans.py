@@ -2,8 +2,8 @@
 
 Every Dask span (``with distributed.span("Alice's workflow"):``) is mirrored on the
 scheduler as one OpenTelemetry span, and every TaskGroup attached directly to it as
-a child span, once the Dask span has finished. A root Dask span and everything
-below it form one OTel trace.
+a child span (one per batch of work, see below), once the Dask span has finished.
+A root Dask span and everything below it form one OTel trace.
 
 Ids
     ``trace_id`` is the 128-bit integer of the root Dask span's UUID, so
@@ -11,10 +11,33 @@ Ids
     ``span_id`` is the low 64 bits of the Dask span's UUID; parents mirror the Dask
     tree. TaskGroup spans get random span ids.
 
+Sampling
+    One decision per trace (:func:`dask_otel.sampling.trace_sampled`, asked with
+    the root span's first tag, ``Span.name[0]``): every span of a trace is kept or
+    dropped together, ratio samplers keep their ratio of Dask traces, and nothing
+    is kept about a span the sampler dropped.
+
 Timing
     A Dask span starts at ``Span.enqueued`` and ends at ``Span.stop``; the event
     ``dask.first_task_start`` marks ``Span.start``. A TaskGroup span runs from
-    ``TaskGroup.start`` to ``TaskGroup.stop``.
+    ``TaskGroup.start`` to ``TaskGroup.stop``. Dask records no run time for an
+    erred task (its group's ``stop`` stays 0, ``Span.stop`` falls back to
+    ``enqueued``): the mirror takes when it ran and failed from the
+    ``transition`` hook (the run in the worker's ``startstops``, else the time it
+    erred) for the start of its group and the ends of its group and span, and
+    for their export delay.
+
+    Every span lies within its parent: a span starts no earlier than any of its
+    ancestors (Dask clamps ``Span.start`` likewise), children are exported before
+    their parent and their exported ends fold into the parent's end
+    (:attr:`SpanMirror.ends`). Only work that runs after its parent's export
+    (below) can end after the parent.
+
+Limits
+    Attributes go through the SDK's ``BoundedAttributes`` with the provider's
+    ``SpanLimits`` (``OTEL_SPAN_ATTRIBUTE_COUNT_LIMIT``,
+    ``OTEL_SPAN_ATTRIBUTE_VALUE_LENGTH_LIMIT``), as the SDK's own spans do;
+    span names are cut to ``MAX_NAME_LENGTH``.
 
 Attributes (Dask spans)
     ``dask.span.id`` (str), ``dask.span.name`` (str[], all tags),
@@ -58,7 +81,16 @@ and no two OTel spans ever share an id. If more work later lands on an exported
 Dask span (a ``compute()`` after a long pause inside the same ``with span()``
 block), its new sub-spans and TaskGroups are still exported as its children, so
 the trace stays whole; the exported parent keeps the end time and totals it had.
-Recomputation after a worker death of a span already exported is not mirrored.
+
+Every batch of tasks that runs is mirrored once. A TaskGroup that gets new tasks
+after its export (``client.submit(f, x)`` without ``key=`` puts every call of
+``f`` in one TaskGroup, attached to the first call's span) opens again with a
+snapshot of its cumulative values (:class:`GroupBatch`, kept only while it is
+open) and is exported as a new child span covering only that batch: from when its
+graph reached the scheduler to when its last task finished or failed, with the
+tasks, bytes, duration and fine metrics added since (``dask.tasks.<state>``: how
+much each state count grew). A batch in which nothing ran exports nothing.
+Recomputation after a worker death, without a new graph, is not mirrored.
 """
 
 from __future__ import annotations
@@ -74,8 +106,11 @@ from typing import TYPE_CHECKING, Any
 
 from distributed.metrics import time
 from distributed.scheduler import ALL_TASK_STATES
+from opentelemetry.attributes import BoundedAttributes
 from opentelemetry.sdk.trace import Event, ReadableSpan
 from opentelemetry.trace import SpanContext, Status, StatusCode, TraceFlags
+
+from dask_otel.sampling import trace_sampled
 
 if TYPE_CHECKING:
     from distributed import Scheduler
@@ -170,14 +205,19 @@ def metrics_by_prefix(
     return out
 
 
-def _truncate(value: str, limit: int | None) -> str:
-    return value if limit is None or len(value) <= limit else value[: limit - 1] + "…"
+def _name(name: str) -> str:
+    """A span name cut to ``MAX_NAME_LENGTH``"""
+    return name[:MAX_NAME_LENGTH]
 
 
-def _truncate_all(values: Iterable[str], limit: int | None) -> tuple[str, ...]:
-    """A string array cut to the attribute length limit, as the SDK's Tracer would
-    (user data: span tags, code); the mirror's other values are numbers, UUIDs"""
-    return tuple(_truncate(v, limit) for v in values)
+def failure_time(startstops: Iterable[Mapping[str, Any]] | None) -> tuple[float, float]:
+    """When an erred task ran and failed: its ``compute`` in the ``startstops`` the
+    worker sent with the error (already in the scheduler's clock); else (0, now):
+    it erred because a dependency did, or an older worker sent no times."""
+    for startstop in startstops or ():
+        if startstop.get("action") == "compute" and startstop.get("stop"):
+            return startstop.get("start") or 0.0, startstop["stop"]
+    return 0.0, time()
 
 
 #: TaskGroup states in which a task has yet to finish: ``TaskGroup.done`` is "no
@@ -295,6 +335,112 @@ def group_attributes(tg: TaskGroup) -> dict[str, Any]:
     return totals.attributes()
 
 
+def prefix_metrics(span: Span, prefix: Hashable) -> dict[str, float]:
+    """``dask.metrics.*`` of one task prefix within one Dask span (its own, no
+    sub-spans')"""
+    return metrics_by_prefix(
+        {k: v for k, v in span._cumulative_worker_metrics.items() if len(k) >= 4 and k[1] == prefix}
+    ).get(prefix, {})
+
+
+class GroupBatch:
+    """A TaskGroup seen and not yet exported: the Dask span it belongs to, and what
+    its next export covers.
+
+    A group's first export covers all of it. Then the mirror forgets it; if new
+    tasks join it later (:meth:`SpanMirror.observe_graph`: ``client.submit(f, x)``
+    without ``key=`` puts every call of ``f`` in one TaskGroup), it opens again
+    with a snapshot of its cumulative values, so that its next export covers only
+    the tasks that ran since, as a new child span. The snapshot is kept only while
+    the group is open.
+    """
+
+    __slots__ = (
+        "duration", "erred", "failed", "metrics", "nbytes", "since", "span", "started",
+        "states", "total",
+    )
+
+    #: The Dask span the group belongs to (``TaskGroup.span_id``)
+    span: Span
+    #: When new work joined an exported group (0: the group's first batch, which
+    #: starts at ``TaskGroup.start``)
+    since: float
+    #: ``TaskGroup.states`` when the group opened again (None: first batch)
+    states: dict[str, int] | None
+    #: Tasks of the group then, less those the new graph (re)runs
+    total: int
+    #: ``TaskGroup.nbytes_total`` and ``TaskGroup.duration`` then
+    nbytes: int
+    duration: float
+    #: ``dask.metrics.*`` of the group's prefix within its span then
+    metrics: dict[str, float]
+    #: Tasks of this batch that erred (transitions seen), and when the last did (0:
+    #: none), and when the first of them started running (0: none did): Dask
+    #: records no run time for an erred task
+    erred: int
+    failed: float
+    started: float
+
+    def __init__(self, span: Span):
+        self.span = span
+        self.since = 0.0
+        self.states = None
+        self.total = self.nbytes = 0
+        self.duration = 0.0
+        self.metrics = {}
+        self.erred = 0
+        self.failed = self.started = 0.0
+
+    @classmethod
+    def reopened(cls, tg: TaskGroup, span: Span, rerun: int) -> GroupBatch:
+        """A batch of new work in a group that was exported: ``rerun`` tasks of
+        the new graph are to run"""
+        batch = cls(span)
+        batch.since = time()
+        batch.states = dict(tg.states)
+        batch.total = sum(batch.states.values()) - rerun
+        batch.nbytes = tg.nbytes_total
+        batch.duration = tg.duration
+        batch.metrics = prefix_metrics(span, tg.prefix.name)
+        return batch
+
+    def start(self, tg: TaskGroup) -> float:
+        """When the batch started: a later batch when its graph arrived, a first
+        one when its first task, finished or failed, started (0: none did)"""
+        if self.since:
+            return self.since
+        if tg.start and self.started:
+            return min(tg.start, self.started)
+        return tg.start or self.started
+
+    def end(self, tg: TaskGroup) -> float:
+        """When the group's last task finished or failed (0: none did yet; for a
+        later batch, a finish before the batch may show until its tasks end)"""
+        return max(tg.stop, self.failed)
+
+    def attributes(self, tg: TaskGroup, metrics: Mapping[str, float]) -> dict[str, Any] | None:
+        """Task counts, bytes, duration and fine metrics of the batch, given the
+        group's prefix metrics within its span now; None for a later batch in
+        which nothing ran (its tasks were merely requested again)"""
+        if self.states is None:
+            return {**group_attributes(tg), **metrics}
+        base = self.states
+        out: dict[str, Any] = {
+            f"dask.tasks.{state}": n - base.get(state, 0)
+            for state, n in tg.states.items()
+            if n > base.get(state, 0)
+        }
+        out["dask.tasks.total"] = total = sum(tg.states.values()) - self.total
+        out["dask.output.bytes"] = max(tg.nbytes_total - self.nbytes, 0)
+        out["dask.duration"] = duration = max(tg.duration - self.duration, 0.0)
+        if total <= 0 and duration <= 0 and not self.erred:
+            return None
+        for name, value in metrics.items():
+            if (delta := value - self.metrics.get(name, 0)) > 0:
+                out[name] = delta
+        return out
+
+
 def _root(span: Span) -> Span:
     while (parent := span.parent) is not None:
         span = parent
@@ -316,10 +462,11 @@ def _erred_status(attributes: dict[str, Any], erred: int) -> Status | None:
 
 class SpanMirror:
     """Watches the scheduler's SpansSchedulerExtension and exports each Dask span
-    and TaskGroup once it has finished.
+    and each batch of a TaskGroup once it has finished.
 
     Work per :meth:`poll` is proportional to the spans and groups not yet exported;
-    memory likewise: nothing is kept about what has been exported.
+    memory likewise: nothing is kept about what has been exported, or dropped by
+    the sampler.
     """
 
     scheduler: Scheduler
@@ -329,16 +476,20 @@ class SpanMirror:
     #: Dask spans seen and not yet exported, by id
     open_spans: dict[str, Span]
     #: TaskGroups seen and not yet exported, with the Dask span each belongs to
-    #: (``TaskGroup.span_id``)
-    open_groups: dict[TaskGroup, Span]
+    #: and what their next export covers
+    open_groups: dict[TaskGroup, GroupBatch]
     #: ``len(SpansSchedulerExtension.spans)`` when last looked at. Dask never deletes
     #: a span and dicts keep insertion order, so the spans created since are the
     #: ones past this count.
     spans_seen: int
 
-    #: Tasks that transitioned to erred, by open TaskGroup and by open Dask span id
-    #: (each span counts its subtree's, or its own with ``otel.spans.totals: own``)
-    erred: defaultdict[Any, int]
+    #: Tasks that transitioned to erred, by open Dask span id (each span counts its
+    #: subtree's, or its own with ``otel.spans.totals: own``)
+    erred: defaultdict[str, int]
+    #: By open Dask span id: the latest end of its exported children (sub-spans and
+    #: TaskGroup spans) and failure of its own tasks. Its own end is no earlier:
+    #: every child exported before its parent lies within it.
+    ends: dict[str, float]
 
     #: By open Dask span id: how many of its sub-spans are open. A span is done
     #: when none is and its own groups are: polls never walk a span's tree.
@@ -351,11 +502,10 @@ class SpanMirror:
     #: Fine metrics by task prefix of the Dask spans whose groups this poll exports
     _prefix_metrics: dict[str, dict[Hashable, dict[str, float]]]
 
-    #: Trace id (0: dropped by the sampler) by root span id, for the current poll
-    _sampled: dict[str, int]
-
-    #: Counters for the bridge's self-metrics
+    #: Counters for the bridge's self-metrics: spans and TaskGroup batches handed to
+    #: the SDK, dropped by the sampler, and groups that got work after their export
     mirrored: int
+    sampled_out: int
     reopened: int
 
     def __init__(self, scheduler: Scheduler, telemetry: Telemetry, config: OtelConfig):
@@ -365,12 +515,13 @@ class SpanMirror:
         self.open_spans = {}
         self.open_groups = {}
         self.erred = defaultdict(int)
+        self.ends = {}
         self.open_children = defaultdict(int)
         self.folded = {}
         self._prefix_metrics = {}
-        self._sampled = {}
         self._random = random.Random()
         self.mirrored = 0
+        self.sampled_out = 0
         self.reopened = 0
         ext = self.extension
         if ext is None:
@@ -381,12 +532,15 @@ class SpanMirror:
         for span in ext.spans.values():
             if not span.done:  # Dask's own walk, once
                 self._open(span)
-                self.open_groups.update((tg, span) for tg in span.groups if not group_done(tg))
+                self.open_groups.update(
+                    (tg, GroupBatch(span)) for tg in span.groups if not group_done(tg)
+                )
         # Steps that finished before: walked once, now
         for span in self.open_spans.values():
             for child in span.children:
                 if child.id not in self.open_spans:
                     self._fold(span.id, subtree_totals(child))
+                    self._end_no_earlier(span.id, child.stop)
 
     @property
     def sink(self) -> SpanSink:
@@ -425,61 +579,79 @@ class SpanMirror:
                 del self.open_children[parent.id]
 
     def finished_at(self, span: Span) -> float | None:
-        """``Span.stop`` of an open span if ``Span.done``, else None: reads its own
-        groups, and its sub-spans' stops as folded in when they were exported"""
+        """When an open span finished if ``Span.done``, else None: its own groups'
+        stop, its exported children's ends and its own tasks' failures (Dask's
+        ``Span.stop`` knows neither), never before ``Span.enqueued``"""
         if self.open_children.get(span.id):
             return None
         stop = groups_stop(span.groups)
         if stop is None:
             return None
-        folded = self.folded.get(span.id)
-        if folded is not None and folded.stop > stop:
-            stop = folded.stop
-        return max(stop, span.enqueued)
+        return max(stop, self.ends.get(span.id, 0.0), span.enqueued)
 
     def observe_graph(self, keys: Iterable[Hashable]) -> None:
         """Open the TaskGroups of a graph that just reached the scheduler.
 
         Called from ``SchedulerPlugin.update_graph``, after Dask attached the tasks
-        to their spans and before they run.
+        to their spans and before they run (new tasks are still ``released``). A
+        group that is not open and has tasks from before this graph was exported
+        (or ran before the bridge started): it opens again as a new batch, which is
+        exported only if some task runs or errs in it.
         """
         ext = self.extension
         if ext is None:
             return
         self.observe_new_spans()
         tasks = self.scheduler.tasks
-        groups = {ts.group for key in keys if (ts := tasks.get(key)) is not None}
-        for tg in groups:
-            # A group that already ran (stop != 0) was exported or is open; its
-            # tasks are merely requested again.
-            if tg in self.open_groups or tg.stop or tg.span_id is None:
+        # Tasks of each group this graph will run: new or released ones
+        rerun: dict[TaskGroup, int] = {}
+        for key in keys:
+            if (ts := tasks.get(key)) is not None:
+                tg = ts.group
+                rerun[tg] = rerun.get(tg, 0) + (ts.state == "released")
+        for tg, n in rerun.items():
+            if tg in self.open_groups or tg.span_id is None:
                 continue
             span = ext.spans.get(tg.span_id)
             if span is None:
                 continue
-            self.open_groups[tg] = span
+            if n == sum(tg.states.values()) and not tg.stop:
+                self.open_groups[tg] = GroupBatch(span)  # a new group
+                continue
+            self.open_groups[tg] = GroupBatch.reopened(tg, span, n)
             if span.id not in self.open_spans:
                 # New work on a span that was already exported: its groups are
                 # still exported as its children; the span itself is not again.
                 self.reopened += 1
 
-    def observe_erred(self, key: Hashable) -> None:
-        """A task erred: count it for its open group and open spans (Dask's own
-        state counts forget it once the client releases the future)"""
+    def observe_erred(self, key: Hashable, failed: float, started: float = 0.0) -> None:
+        """A task erred at ``failed`` (having started to run at ``started``, 0 if
+        it did not run): count it for its open group and open spans (Dask's own
+        state counts forget it once the client releases the future), and let its
+        group and span end no earlier"""
         ts = self.scheduler.tasks.get(key)
         ext = self.extension
         if ts is None or ext is None:
             return
         tg = ts.group
-        if tg in self.open_groups:
-            self.erred[tg] += 1
+        if (batch := self.open_groups.get(tg)) is not None:
+            batch.erred += 1
+            batch.failed = max(batch.failed, failed)
+            if started and (not batch.started or started < batch.started):
+                batch.started = started
         span = ext.spans.get(tg.span_id) if tg.span_id else None
+        if span is not None and span.id in self.open_spans:
+            self._end_no_earlier(span.id, failed)
         while span is not None:
             if span.id in self.open_spans:
                 self.erred[span.id] += 1
             if self.config.span_totals == "own":
                 break
             span = span.parent
+
+    def _end_no_earlier(self, span_id: str, end: float) -> None:
+        if end > self.ends.get(span_id, 0.0):
+            self.ends[span_id] = end
 
     # --- export ------------------------------------------------------------------
 
@@ -497,15 +669,16 @@ class SpanMirror:
             (ws.last_seen for ws in self.scheduler.workers.values()), default=now
         )
         try:
-            for tg, span in list(self.open_groups.items()):
+            for tg, batch in list(self.open_groups.items()):
                 # The cheap test first: a running group's last task finished lately
-                if self._ready(tg.stop or span.enqueued, now, heard) and group_done(tg):
+                end = batch.end(tg) or batch.since or batch.span.enqueued
+                if self._ready(end, now, heard) and group_done(tg):
                     del self.open_groups[tg]
-                    self._export(self.mirror_group, tg, span)
+                    self._export(self.mirror_group, tg, batch)
                     if perf_counter() > deadline:
                         return True
             # Newest first: sub-spans before their parent, whose subtree totals
-            # are then the sum of theirs
+            # and end then include theirs
             for span in reversed(list(self.open_spans.values())):
                 stop = self.finished_at(span)
                 if stop is not None and self._ready(stop, now, heard):
@@ -516,7 +689,6 @@ class SpanMirror:
             return False
         finally:
             self._prefix_metrics.clear()
-            self._sampled.clear()
 
     def _ready(self, stop: float, now: float, heard: float) -> bool:
         waited = now - stop
@@ -527,8 +699,9 @@ class SpanMirror:
     def flush(self) -> None:
         """Export everything still open, finished or not (the scheduler is closing)"""
         self.observe_new_spans()
-        for tg, span in list(self.open_groups.items()):
-            self._export(self.mirror_group, tg, span)
+        for tg, batch in list(self.open_groups.items()):
+            del self.open_groups[tg]
+            self._export(self.mirror_group, tg, batch)
         for span in reversed(list(self.open_spans.values())):
             stop = self.finished_at(span)
             self._close(span)
@@ -536,29 +709,50 @@ class SpanMirror:
         self.open_groups.clear()
         self.open_children.clear()
         self.folded.clear()
+        self.erred.clear()
+        self.ends.clear()
         self._prefix_metrics.clear()
-        self._sampled.clear()
 
     def _export(self, mirror: Any, *args: Any, **kwargs: Any) -> None:
         # Telemetry must never take the scheduler down: a span that cannot be
         # mirrored is logged and dropped.
         try:
-            mirror(*args, **kwargs)
-            self.mirrored += 1
+            emitted = mirror(*args, **kwargs)
         except Exception:
             logger.exception("dask_otel: could not mirror %r; dropped", args[0])
+            return
+        if emitted:
+            self.mirrored += 1
+        elif emitted is not None:
+            self.sampled_out += 1
 
     def _trace_id(self, span: Span) -> int | None:
-        """The trace id of a span's tree, or None if the sampler drops that trace
-        (decisions are kept for the current poll)"""
+        """The trace id of a span's tree, or None if the sampler drops that trace.
+
+        One decision per trace, the same for every span of it and in every
+        process (:func:`dask_otel.sampling.trace_sampled`, asked with the root
+        Dask span's first tag, which every task of the trace knows).
+        """
         root = _root(span)
-        trace_id = self._sampled.get(root.id)
-        if trace_id is None:
-            trace_id = dask_uuid(root.id)
-            if not self.sink.sampled(trace_id, root.name[-1]):
-                trace_id = 0
-            self._sampled[root.id] = trace_id
-        return trace_id or None
+        trace_id = dask_uuid(root.id)
+        if not trace_sampled(self.sink.sampler, trace_id, str(root.name[0])):
+            return None
+        return trace_id
+
+    def _own_start(self, span: Span) -> float:
+        """When a Dask span started, before clamping into its parent"""
+        return span.enqueued
+
+    def span_start(self, span: Span) -> float:
+        """Where the OTel span of a Dask span starts: its own start, no earlier than
+        any ancestor's (as Dask clamps ``Span.start``), so that a child starts
+        within its parent; it walks the span's ancestors, never its subtree"""
+        start = self._own_start(span)
+        parent = span.parent
+        while parent is not None:
+            start = max(start, self._own_start(parent))
+            parent = parent.parent
+        return start
 
     def _emit(
         self,
@@ -567,11 +761,13 @@ class SpanMirror:
         span_id: int,
         parent_id: int | None,
         start: float,
-        stop: float,
+        end: float,
         attributes: dict[str, Any],
         status: Status | None,
         events: tuple[Event, ...] = (),
     ) -> None:
+        """Hand one finished span to the SDK's processors, with the attribute
+        count and length limits the SDK's own spans get (``SpanLimits``)"""
         sink = self.sink
         context = SpanContext(trace_id, span_id, is_remote=False, trace_flags=_SAMPLED)
         parent = (
@@ -579,32 +775,35 @@ class SpanMirror:
             if parent_id is not None
             else None
         )
+        limits = sink.limits
         sink.emit(
             ReadableSpan(
-                _truncate(name, MAX_NAME_LENGTH),
+                _name(name),
                 context=context,
                 parent=parent,
                 resource=sink.resource,
-                attributes=attributes,
+                attributes=BoundedAttributes(
+                    limits.max_span_attributes,
+                    attributes,
+                    immutable=True,
+                    max_value_len=limits.max_span_attribute_length,
+                ),
                 events=events,
                 status=status or _UNSET,
                 start_time=_ns(start),
-                end_time=_ns(max(stop, start)),
+                end_time=_ns(max(end, start)),
                 instrumentation_scope=sink.scope,
             )
         )
 
-    def totals(self, span: Span) -> tuple[Totals, Totals]:
+    def totals(self, span: Span, folded: Totals | None) -> tuple[Totals, Totals]:
         """A span's own totals and its subtree's: its own plus its sub-spans',
-        folded in as each was exported (sub-spans are exported before their
-        parent). The subtree's are then folded into its parent's."""
+        ``folded`` in as each was exported (sub-spans are exported before their
+        parent)."""
         own = subtree = Totals.own(span)
-        if (folded := self.folded.pop(span.id, None)) is not None:
+        if folded is not None:
             folded.add(own)
             subtree = folded
-        parent = span.parent
-        if parent is not None and parent.id in self.open_spans:
-            self._fold(parent.id, subtree)
         return own, subtree
 
     def _fold(self, span_id: str, totals: Totals) -> None:
@@ -613,18 +812,37 @@ class SpanMirror:
             folded = self.folded[span_id] = Totals()
         folded.add(totals)
 
-    def mirror_span(self, span: Span, stop: float, unfinished: bool = False) -> None:
-        """Export one Dask span as an OTel span with the ids derived from its UUID"""
-        own, subtree = self.totals(span)  # also when sampled out: the parent needs them
-        totals = subtree if self.config.span_totals == "subtree" else own
+    def _fold_into_parent(self, span: Span, end: float, totals: Totals | None = None) -> None:
+        """An exported child's end (and a sub-span's subtree totals) into its
+        parent's, if the parent is still open: the parent then lies around it"""
+        if span.id in self.open_spans:
+            self._end_no_earlier(span.id, end)
+            if totals is not None:
+                self._fold(span.id, totals)
+
+    def mirror_span(self, span: Span, stop: float, unfinished: bool = False) -> bool:
+        """Export one Dask span as an OTel span with the ids derived from its UUID.
+
+        Returns False, keeping nothing, if the sampler drops its trace (and so
+        its parent's).
+        """
+        folded = self.folded.pop(span.id, None)
+        erred = self.erred.pop(span.id, 0)
+        end = max(stop, self.ends.pop(span.id, 0.0))
         trace_id = self._trace_id(span)
         if trace_id is None:
-            return
-        limit = self.sink.max_length
-        active = active_cpu_seconds(span, stop)
+            return False
+        own, subtree = self.totals(span, folded)
+        start = self.span_start(span)
+        end = max(end, start)
+        parent = span.parent
+        if parent is not None:
+            self._fold_into_parent(parent, end, subtree)
+        totals = subtree if self.config.span_totals == "subtree" else own
+        active = active_cpu_seconds(span, end)
         attributes = {
             "dask.span.id": span.id,
-            "dask.span.name": _truncate_all(span.name, limit),
+            "dask.span.name": tuple(span.name),
             **totals.attributes(),
             "dask.active_cpu_seconds": active,
             **totals.metrics,
@@ -633,61 +851,70 @@ class SpanMirror:
             # As Span.cumulative_worker_metrics: thread time no task accounts for
             if (idle := active - totals.execute_seconds) > 0:
                 attributes[_IDLE] = idle
-        first_task = subtree.start and max(subtree.start, span.enqueued)
+        first_task = subtree.start and min(max(subtree.start, start), end)
         if self.config.export_code:
-            attributes["dask.span.code"] = _truncate_all(
-                (sc.code for snippets in span.code for sc in snippets), limit
+            attributes["dask.span.code"] = tuple(
+                sc.code for snippets in span.code for sc in snippets
             )
         if unfinished:
             attributes["dask.span.unfinished"] = True
-        status = _erred_status(attributes, self.erred.pop(span.id, 0))
+        status = _erred_status(attributes, erred)
         events = (
             (Event("dask.first_task_start", timestamp=_ns(first_task)),)
             if first_task
             else ()
         )
-        parent = span.parent
         self._emit(
             span.name[-1],
             trace_id,
             dask_uuid(span.id) & _LOW_64,
             dask_uuid(parent.id) & _LOW_64 if parent is not None else None,
-            span.enqueued,
-            stop if not unfinished else time(),
+            start,
+            end,
             attributes,
             status,
             events,
         )
+        return True
 
-    def mirror_group(self, tg: TaskGroup, span: Span) -> None:
-        """Export one TaskGroup as a child of the OTel span of its Dask span"""
-        trace_id = self._trace_id(span)
-        if trace_id is None:
-            return
-        limit = self.sink.max_length
+    def mirror_group(self, tg: TaskGroup, batch: GroupBatch) -> bool | None:
+        """Export one batch of a TaskGroup as a child of the OTel span of its Dask
+        span, from its first task's start (a later batch: from when its graph
+        arrived) to when its last task finished or failed, clamped into the Dask
+        span's start. Returns False if the sampler drops the trace, None if
+        nothing ran in a later batch; keeps nothing about the group either way."""
+        span = batch.span
         prefix = tg.prefix.name
         by_prefix = self._prefix_metrics.get(span.id)
         if by_prefix is None:
             by_prefix = self._prefix_metrics[span.id] = metrics_by_prefix(
                 span._cumulative_worker_metrics  # the span's own, no children
             )
+        counts = batch.attributes(tg, by_prefix.get(prefix, {}))
+        if counts is None:
+            return None
+        trace_id = self._trace_id(span)
+        if trace_id is None:
+            return False
         attributes = {
             "dask.span.id": span.id,
-            "dask.span.name": _truncate_all(span.name, limit),
-            "dask.taskgroup.name": _truncate(str(tg.name), limit),
-            "dask.taskgroup.prefix": _truncate(str(prefix), limit),
-            **group_attributes(tg),
-            **by_prefix.get(prefix, {}),
+            "dask.span.name": tuple(span.name),
+            "dask.taskgroup.name": str(tg.name),
+            "dask.taskgroup.prefix": str(prefix),
+            **counts,
         }
-        status = _erred_status(attributes, self.erred.pop(tg, 0))
-        start = tg.start or span.enqueued
+        status = _erred_status(attributes, batch.erred)
+        start = max(batch.start(tg) or span.enqueued, self.span_start(span))
+        end = max(batch.end(tg) if group_done(tg) else time(), start)
+        self._fold_into_parent(span, end)
         self._emit(
             str(prefix),
             trace_id,
             self._random.getrandbits(64) or 1,
             dask_uuid(span.id) & _LOW_64,
             start,
-            tg.stop if group_done(tg) else time(),
+            end,
             attributes,
             status,
         )
+        return True

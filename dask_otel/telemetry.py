@@ -57,9 +57,10 @@ def build_resource(**attributes: Any):
 class SpanSink:
     """Where the mirror hands the spans it builds: already finished, so they go
     straight to the SDK's span processors as ``ReadableSpan``s, with what a Tracer
-    would add (resource, instrumentation scope, the sampler's decision, attribute
-    length limits) and without what only live spans need (locks, contexts, ids from
-    an IdGenerator: the mirror's ids come from Dask).
+    would add (resource, instrumentation scope; the mirror asks :attr:`sampler`
+    and applies :attr:`limits` with the SDK's ``BoundedAttributes``, as the SDK's
+    spans do) and without what only live spans need (locks, contexts, ids from an
+    IdGenerator: the mirror's ids come from Dask).
     """
 
     def __init__(self, provider: TracerProvider, processors: list, limits: Any):
@@ -71,17 +72,15 @@ class SpanSink:
         self.processors = processors
         self.resource = provider.resource
         self.scope = InstrumentationScope("dask_otel", __version__)
-        #: OTEL_SPAN_ATTRIBUTE_VALUE_LENGTH_LIMIT, or ours; None: no limit
-        self.max_length: int | None = limits.max_span_attribute_length
+        #: The SDK's SpanLimits: attribute count (OTEL_SPAN_ATTRIBUTE_COUNT_LIMIT)
+        #: and value length (OTEL_SPAN_ATTRIBUTE_VALUE_LENGTH_LIMIT, or ours)
+        self.limits = limits
 
-    def sampled(self, trace_id: int, root_name: str) -> bool:
-        """The sampler's decision for a whole trace (OTEL_TRACES_SAMPLER).
-
-        Asked as for the root, whichever span of the trace is exported first, so
-        that a trace-id ratio sampler keeps or drops whole traces.
-        """
-        result = self.provider.sampler.should_sample(None, trace_id, root_name)
-        return result.decision.is_sampled()
+    @property
+    def sampler(self):
+        """The provider's sampler (OTEL_TRACES_SAMPLER); ask it through
+        :func:`dask_otel.sampling.trace_sampled`, one decision per trace"""
+        return self.provider.sampler
 
     def emit(self, span: Any) -> None:
         for processor in self.processors:
@@ -210,9 +209,12 @@ class Telemetry:
         self.export_stats: list[GatedSpanExporter] = []
         self.tracer_provider: TracerProvider | None = None
         self._spans: SpanSink | None = None
-        #: batched metric exporters, wrapped with outage accounting
-        self.metric_exporters: list = []
-        self.metric_readers = metric_readers(config.metrics_exporters, self.metric_exporters)
+        #: one per pushing metric exporter, wrapped with outage accounting: for the
+        #: self-metrics and for shutdown
+        self.metric_export_stats: list = []
+        self.metric_readers = metric_readers(
+            config.metrics_exporters, self.metric_export_stats
+        )
         self._shut_down = False
         #: :class:`dask_otel.logs.LogExport`, only when logs are exported
         self.logs: Any = None
@@ -308,7 +310,7 @@ class Telemetry:
         """The batched exporters (OTLP and others): the ones that can wait on a
         collector, with their :class:`~dask_otel.outage.ExportOutage`"""
         logs = self.logs.export_stats if self.logs else []
-        return [*self.export_stats, *self.metric_exporters, *logs]
+        return [*self.export_stats, *self.metric_export_stats, *logs]
 
     @property
     def outage(self) -> bool:

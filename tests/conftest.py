@@ -41,6 +41,14 @@ class Mirrored:
         self.cluster = cluster
         self.plugin = cluster.scheduler.plugins["dask-otel"]
 
+    @property
+    def in_memory(self) -> bool:
+        """Whether spans went to the in-memory exporter (and so can be read)"""
+        telemetry = self.plugin.telemetry
+        return telemetry is not None and [
+            type(e).__name__ for e in telemetry.span_exporters
+        ] == ["InMemorySpanExporter"]
+
     def spans(self) -> list:
         (exporter,) = self.plugin.telemetry.span_exporters
         return list(exporter.get_finished_spans())
@@ -61,6 +69,44 @@ class Mirrored:
         )
 
 
+def _tree_view(s: Any) -> tuple[int, int, int | None, int, int, str]:
+    """(trace id, span id, parent id, start ns, end ns, name) of an SDK
+    ``ReadableSpan`` or of a span the OTLP receiver decoded"""
+    if hasattr(s, "context"):
+        # A remote parent (the caller's span a trace joined) is not the bridge's
+        parent = s.parent.span_id if s.parent is not None and not s.parent.is_remote else None
+        return s.context.trace_id, s.context.span_id, parent, s.start_time, s.end_time, s.name
+    parent = int(s.parent_span_id, 16) if s.parent_span_id else None
+    return (
+        int(s.trace_id, 16), int(s.span_id, 16), parent,
+        round(s.start * 1e9), round(s.end * 1e9), s.name,
+    )
+
+
+def assert_well_formed(spans: list) -> None:
+    """What holds for every span the bridge exports, in export order: unique span
+    ids; start <= end; a parent present in the same trace (unless remote); a span exported before
+    its parent lies within it (start and end); one exported after it (work that ran
+    after the parent's export) starts no earlier than it."""
+    views = [_tree_view(s) for s in spans]
+    by_id: dict[int, tuple[int, tuple]] = {}
+    for i, v in enumerate(views):
+        assert v[1] not in by_id, f"two spans share the id of {v[5]!r}"
+        by_id[v[1]] = (i, v)
+    for i, (trace_id, _, parent_id, start, end, name) in enumerate(views):
+        assert start <= end, name
+        if parent_id is None:
+            continue
+        assert parent_id in by_id, f"the parent of {name!r} was not exported"
+        j, parent = by_id[parent_id]
+        assert parent[0] == trace_id, name
+        assert start >= parent[3], f"{name!r} starts before {parent[5]!r}"
+        if i < j:
+            assert end <= parent[4], (
+                f"{name!r} ends {(end - parent[4]) / 1e6:.1f} ms after its parent {parent[5]!r}"
+            )
+
+
 @contextlib.contextmanager
 def otel_cluster(config: dict | None = None, **cluster_kwargs: Any) -> Iterator[tuple[Client, Mirrored]]:
     """A LocalCluster with the bridge on; yields a client and what was mirrored"""
@@ -75,7 +121,11 @@ def otel_cluster(config: dict | None = None, **cluster_kwargs: Any) -> Iterator[
         kwargs.setdefault("host", "127.0.0.1")
     with dask.config.set({**MEMORY_CONFIG, **(config or {})}):
         with LocalCluster(**kwargs) as cluster, Client(cluster) as client:
-            yield client, Mirrored(cluster)
+            mirrored = Mirrored(cluster)
+            yield client, mirrored
+    # Everything is exported now, the open spans by the scheduler's close
+    if mirrored.in_memory:
+        assert_well_formed(mirrored.spans())
 
 
 @pytest.fixture(autouse=True)

@@ -240,6 +240,48 @@ def test_self_metrics_count_spans_exported_and_lost(monkeypatch):
             assert value(points, "dask.otel.span.exported") == delivered
 
 
+def test_self_metrics_add_up_under_a_sampler(monkeypatch):
+    """mirrored + sampled_out is every span and TaskGroup that finished"""
+    monkeypatch.setenv("OTEL_TRACES_SAMPLER", "always_off")
+    config = {"otel.traces.exporter": "memory", "otel.spans.export-delay": "100ms"}
+    with metrics_cluster(config, n_workers=1) as (cluster, client):
+        reader = metric_reader(cluster)
+        with span("dropped"):
+            with span("child"):
+                client.submit(otel_inc, 1, key="dropped-1").result()
+        points = wait_until(
+            lambda: (p := collect(reader)) and value(p, "dask.otel.span.sampled_out") == 3 and p,
+            what="root, child and its group counted as sampled out",
+        )
+        assert value(points, "dask.otel.span.mirrored") == 0
+
+
+def test_metric_export_failures_are_counted(monkeypatch):
+    with OTLPReceiver("grpc") as receiver:
+        for k, v in receiver.env().items():
+            monkeypatch.setenv(k, v)
+        monkeypatch.setenv("OTEL_METRIC_EXPORT_INTERVAL", "200")
+        receiver.mode = "reject"  # not retried: each export fails at once
+        config = {"otel.metrics.exporter": ["memory", "otlp"]}
+        with metrics_cluster(config, n_workers=1) as (cluster, client):
+            reader = metric_reader(cluster)
+            client.submit(otel_inc, 1).result()
+            points = wait_until(
+                lambda: (p := collect(reader))
+                and any(
+                    pt.value and pt.attributes.get("dask.otel.signal") == "metrics"
+                    for pt in p.get("dask.otel.export.failures", ())
+                )
+                and p,
+                what="a failed metric export to be counted",
+            )
+            (failed,) = [
+                pt for pt in points["dask.otel.export.failures"]
+                if pt.attributes["dask.otel.signal"] == "metrics"
+            ]
+            assert failed.attributes["dask.otel.exporter"] == "OTLPMetricExporter"
+
+
 # --- the documented table ------------------------------------------------------------
 
 

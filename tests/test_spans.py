@@ -14,7 +14,7 @@ from distributed import Client, LocalCluster, span, wait
 from opentelemetry.trace import StatusCode
 
 import dask_otel
-from conftest import MEMORY_CONFIG, otel_cluster, wait_until
+from conftest import MEMORY_CONFIG, assert_well_formed, otel_cluster, wait_until
 
 LOW_64 = (1 << 64) - 1
 
@@ -32,6 +32,11 @@ def total(xs):
 
 
 def fail(x):
+    raise ValueError(f"bad {x}")
+
+
+def fail_slowly(x, delay=0.3):
+    time.sleep(delay)
     raise ValueError(f"bad {x}")
 
 
@@ -317,6 +322,7 @@ def test_scheduler_close_exports_unfinished_spans():
     (s,) = [s for s in exporter.get_finished_spans() if s.context.span_id == ids_of(sid)[1]]
     assert s.attributes["dask.span.unfinished"] is True
     assert s.end_time >= s.start_time
+    assert_well_formed(list(exporter.get_finished_spans()))
 
 
 def test_instrument_a_running_cluster():
@@ -403,5 +409,206 @@ def test_otel_traces_sampler_is_honoured_per_trace(sampler, kept, monkeypatch):
             with span("child"):
                 client.submit(inc, 1, key="sampledinc-1").result()
             client.submit(double, 1, key="sampleddouble-1").result()
-        wait_until(lambda: mirrored.plugin.mirror.mirrored >= 4)
-        assert len(mirrored.spans()) == kept
+        mirror = mirrored.plugin.mirror
+        wait_until(lambda: mirror.mirrored + mirror.sampled_out >= 4)
+        assert len(mirrored.spans()) == kept == mirror.mirrored
+        assert mirror.sampled_out == 4 - kept
+        # Nothing is kept about a span once exported or sampled out
+        assert not (mirror.erred or mirror.ends or mirror.folded or mirror.open_children)
+
+
+# --- fidelity: failed tasks' times, every batch of a TaskGroup (issue 9) -----------
+
+
+def _duration(s) -> float:
+    return (s.end_time - s.start_time) / 1e9
+
+
+@pytest.mark.parametrize("processes", [False, True])
+def test_erred_only_span_ends_when_its_task_failed_within_its_parent(processes):
+    with otel_cluster(processes=processes) as (client, mirrored):
+        with span("root") as root_id:
+            with span("load"):
+                client.gather(client.map(inc, range(2)))
+            with span("fail") as fail_id:
+                wait(client.submit(fail_slowly, 1, key="failslowly-1"))
+        root = mirrored.by_dask_id(root_id)
+        failed = mirrored.by_dask_id(fail_id)
+        (group,) = wait_until(lambda: mirrored.children(failed))
+        # The task ran 0.3 s before it failed: Dask records no run time for it
+        assert 0.25 <= _duration(group) < 1
+        assert _duration(failed) >= 0.25
+        assert group.end_time <= failed.end_time <= root.end_time
+        assert failed.status.status_code is StatusCode.ERROR
+        # (and every span lies within its parent: checked as the cluster closes)
+
+
+def test_export_delay_runs_from_when_the_last_task_failed():
+    """The span's last task erred: the next compute, submitted within the export
+    delay of that failure, still joins the same span"""
+    with otel_cluster({"otel.spans.export-delay": "1s"}) as (client, mirrored):
+        with span("fails last") as sid:
+            client.submit(inc, 1, key="quick-1").result()
+            wait(client.submit(fail_slowly, 1, delay=1.2, key="failslowly-2"))
+            time.sleep(0.4)  # less than the delay since the failure
+            client.submit(inc, 2, key="next-1").result()
+        s = mirrored.by_dask_id(sid)
+        assert s.attributes["dask.tasks.total"] == 3
+        assert _duration(s) >= 1.5
+
+
+def test_nested_erred_only_spans_nest_in_time(cluster):
+    client, mirrored = cluster
+    with span("outer") as outer_id:
+        with span("middle") as middle_id:
+            with span("inner") as inner_id:
+                wait(client.map(fail_slowly, range(2), delay=0.2))
+    outer, middle, inner = (mirrored.by_dask_id(i) for i in (outer_id, middle_id, inner_id))
+    assert outer.start_time <= middle.start_time <= inner.start_time
+    assert inner.end_time <= middle.end_time <= outer.end_time
+    assert _duration(inner) >= 0.15
+    assert outer.attributes["dask.tasks.erred"] == 2
+    assert_well_formed(mirrored.spans())
+
+
+def test_erred_only_default_span_ends_when_its_tasks_failed(cluster):
+    client, mirrored = cluster
+    wait(client.submit(fail_slowly, 1, key="defaultfail-1"))
+    default = wait_until(lambda: [s for s in mirrored.spans() if s.name == "default"])[0]
+    assert _duration(default) >= 0.25
+    assert_well_formed(mirrored.spans())
+
+
+def test_taskgroup_work_after_its_export_is_one_new_child(cluster):
+    """``client.submit(f, x)`` without key= puts every call of f in TaskGroup f,
+    attached to the first span (Dask's TaskGroup collision): the second call,
+    after the first was exported, is a new child covering only itself"""
+    client, mirrored = cluster
+    with span("A") as a_id:
+        first = client.submit(inc, 1)
+        first.result()
+    a = mirrored.by_dask_id(a_id)
+    wait_until(lambda: mirrored.children(a))
+    time.sleep(0.3)  # the group was exported, and forgotten
+    with span("B"):
+        second = client.submit(inc, 2)
+        second.result()
+    groups = wait_until(lambda: len(c := mirrored.children(a)) == 2 and c)
+    assert [g.name for g in groups] == ["inc", "inc"]
+    assert [g.attributes["dask.tasks.total"] for g in groups] == [1, 1]
+    assert [g.attributes["dask.tasks.memory"] for g in groups] == [1, 1]
+    assert groups[1].start_time >= groups[0].end_time
+    assert all(g.attributes["dask.duration"] > 0 for g in groups)
+    del first, second
+    time.sleep(0.5)  # more polls: nothing is exported twice
+    assert len(mirrored.children(a)) == 2
+    assert_well_formed(mirrored.spans())
+
+
+def test_all_erred_group_given_new_work_is_exported_once_per_batch(cluster):
+    client, mirrored = cluster
+    with span("A") as a_id:
+        bad = client.map(fail, range(2))
+        wait(bad)
+    a = mirrored.by_dask_id(a_id)
+    wait_until(lambda: mirrored.children(a))
+    time.sleep(0.3)
+    with span("B"):
+        worse = client.submit(fail, 5)
+        wait(worse)
+    groups = wait_until(lambda: len(c := mirrored.children(a)) == 2 and c)
+    assert [g.attributes["dask.tasks.total"] for g in groups] == [2, 1]
+    assert [g.attributes["dask.tasks.erred"] for g in groups] == [2, 1]
+    assert all(g.status.status_code is StatusCode.ERROR for g in groups)
+    time.sleep(0.5)
+    assert len(mirrored.children(a)) == 2
+    assert_well_formed(mirrored.spans())
+
+
+def test_requesting_finished_tasks_again_exports_nothing(cluster):
+    client, mirrored = cluster
+    with span("once") as sid:
+        x = client.submit(inc, 1, key="again-1")
+        x.result()
+    s = mirrored.by_dask_id(sid)
+    wait_until(lambda: mirrored.children(s))
+    before = len(mirrored.spans())
+    client.submit(double, x, key="again2-1").result()  # x is requested as a dependency
+    wait_until(lambda: len(mirrored.spans()) >= before + 2)  # the new default span
+    time.sleep(0.5)
+    assert len(mirrored.children(s)) == 1
+
+
+# --- sampling (issue 9) ---------------------------------------------------------------
+
+
+def test_ratio_sampler_keeps_the_ratio_of_dask_trace_ids(monkeypatch):
+    """Dask trace ids are uuid4s, whose low 64 bits (what TraceIdRatioBased reads)
+    always start with binary 10; sampled as they are, 10 % would keep none"""
+    import uuid
+
+    from opentelemetry.sdk.trace import TracerProvider
+
+    from dask_otel.sampling import trace_sampled
+
+    monkeypatch.setenv("OTEL_TRACES_SAMPLER", "traceidratio")
+    for ratio in (0.1, 0.5, 0.9):
+        monkeypatch.setenv("OTEL_TRACES_SAMPLER_ARG", str(ratio))
+        sampler = TracerProvider().sampler  # as the scheduler's reads them
+        kept = sum(trace_sampled(sampler, uuid.uuid4().int, "root") for _ in range(10_000))
+        assert abs(kept / 10_000 - ratio) <= 0.02, (ratio, kept)
+
+
+def test_ratio_sampler_keeps_or_drops_whole_traces_and_the_mirror_keeps_nothing(monkeypatch):
+    monkeypatch.setenv("OTEL_TRACES_SAMPLER", "traceidratio")
+    monkeypatch.setenv("OTEL_TRACES_SAMPLER_ARG", "0.5")
+    n = 200
+    with otel_cluster() as (client, mirrored):
+        futures, roots = [], []
+        for i in range(n):
+            with span(f"root {i}") as root_id:
+                with span("step"):
+                    # every fourth trace has a task that errs
+                    futures.append(client.submit(fail if i % 4 == 0 else inc, i, key=f"sampled{i}"))
+            roots.append(root_id)
+        wait(futures)
+        mirror = mirrored.plugin.mirror
+        wait_until(
+            lambda: mirror.mirrored + mirror.sampled_out == 3 * n
+            and not (mirror.open_spans or mirror.open_groups),
+            what="every span and group exported or sampled out",
+        )
+        spans = mirrored.spans()
+        by_trace: dict[int, list] = {}
+        for s in spans:
+            by_trace.setdefault(s.context.trace_id, []).append(s)
+        for root_id in roots:
+            kept = by_trace.get(ids_of(root_id)[0], [])
+            assert len(kept) in (0, 3), [s.name for s in kept]  # root, step, its group
+        assert 0.35 <= len(by_trace) / n <= 0.65, len(by_trace)
+        assert len(spans) == mirror.mirrored and mirror.sampled_out == 3 * n - len(spans)
+        assert not (mirror.erred or mirror.ends or mirror.folded or mirror.open_children)
+
+
+# --- limits (issue 9) ---------------------------------------------------------------
+
+
+def test_attribute_length_limit_zero_is_the_sdks(monkeypatch):
+    monkeypatch.setenv("OTEL_SPAN_ATTRIBUTE_VALUE_LENGTH_LIMIT", "0")
+    with otel_cluster() as (client, mirrored):
+        with span("limited") as sid:
+            client.submit(inc, 1, key="limited-1").result()
+        s = mirrored.by_dask_id(sid)
+        assert s.attributes["dask.span.id"] == ""
+        assert s.attributes["dask.span.name"] == ("",)
+        assert s.attributes["dask.tasks.total"] == 1  # numbers are not cut
+
+
+def test_attribute_count_limit_is_the_sdks(monkeypatch):
+    monkeypatch.setenv("OTEL_SPAN_ATTRIBUTE_COUNT_LIMIT", "3")
+    with otel_cluster() as (client, mirrored):
+        with span("counted") as sid:
+            client.submit(inc, 1, key="counted-1").result()
+        s = mirrored.by_dask_id(sid)
+        assert len(s.attributes) == 3
+        assert s.dropped_attributes > 0

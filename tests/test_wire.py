@@ -10,6 +10,7 @@ import time
 import pytest
 from distributed import span, wait
 
+from conftest import assert_well_formed
 from otlp_receiver import OTLPReceiver
 from processes import dask_processes
 
@@ -83,11 +84,7 @@ def test_workflow_arrives_as_one_trace_over_otlp(protocol):
 
     # Times: within the client's view of the run, children within their parents
     assert started - 0.5 <= root.start <= root.end <= finished + 0.5
-    parents = {s.span_id: s for s in spans}
-    for s in spans:
-        if s.parent_span_id:
-            parent = parents[s.parent_span_id]
-            assert parent.start - 0.01 <= s.start <= s.end <= parent.end + 0.01, s.name
+    assert_well_formed(spans)
 
     # Attributes and status
     assert by_name["load"].attributes["dask.tasks.total"] == 4
@@ -104,6 +101,34 @@ def test_workflow_arrives_as_one_trace_over_otlp(protocol):
     assert root.resource["service.name"] == "dask"
     assert root.resource["dask.scheduler.address"] == scheduler_address
     assert root.scope == "dask_otel"
+
+
+def fail_late(x):
+    time.sleep(0.3)
+    raise RuntimeError("failed after 0.3 s")
+
+
+def test_failed_tasks_end_their_spans_within_the_parent_over_otlp():
+    """Dask records no run time for an erred task: its group and span end when the
+    worker says it failed, and the root still ends after them"""
+    with OTLPReceiver("grpc") as receiver:
+        env = {**receiver.env(), "OTEL_METRICS_EXPORTER": "none"}
+        with dask_processes(env) as cluster, cluster.client() as client:
+            with span("root") as root_id:
+                with span("load"):
+                    client.gather(client.map(load, range(2)))
+                with span("fail"):
+                    wait(client.submit(fail_late, 1))
+            trace_id = root_id.replace("-", "")
+            spans = receiver.wait_for(
+                lambda r: len(t := [s for s in r.spans() if s.trace_id == trace_id]) >= 5 and t,
+                timeout=30,
+            )
+    by_name = {s.name: s for s in spans}
+    assert by_name["fail_late"].duration >= 0.25  # the run, not a point at enqueue
+    assert by_name["fail"].duration >= 0.25
+    assert by_name["fail_late"].end <= by_name["fail"].end <= by_name["root"].end
+    assert_well_formed(spans)
 
 
 def test_service_name_and_resource_attributes_come_from_otel_variables():
