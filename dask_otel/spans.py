@@ -106,7 +106,6 @@ from typing import TYPE_CHECKING, Any
 
 from distributed.metrics import time
 from distributed.scheduler import ALL_TASK_STATES
-from opentelemetry.attributes import BoundedAttributes
 from opentelemetry.sdk.trace import Event, ReadableSpan
 from opentelemetry.trace import SpanContext, Status, StatusCode, TraceFlags
 
@@ -775,19 +774,13 @@ class SpanMirror:
             if parent_id is not None
             else None
         )
-        limits = sink.limits
         sink.emit(
             ReadableSpan(
                 _name(name),
                 context=context,
                 parent=parent,
                 resource=sink.resource,
-                attributes=BoundedAttributes(
-                    limits.max_span_attributes,
-                    attributes,
-                    immutable=True,
-                    max_value_len=limits.max_span_attribute_length,
-                ),
+                attributes=sink.bounded(attributes),
                 events=events,
                 status=status or _UNSET,
                 start_time=_ns(start),

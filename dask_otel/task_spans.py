@@ -54,7 +54,7 @@ from opentelemetry.trace import (
     TraceFlags,
 )
 
-from dask_otel.spans import MAX_NAME_LENGTH, _truncate
+from dask_otel.spans import _name
 from dask_otel.task_context import TaskRun
 
 if TYPE_CHECKING:
@@ -156,7 +156,7 @@ class TaskSpans:
         sink = self.sink
         parent = run.dask_span.span_context
         attributes: dict[str, Any] = {
-            "dask.task.key": _truncate(str(run.key), sink.max_length),
+            "dask.task.key": str(run.key),
             "dask.span.id": run.dask_span.dask_id,
             "dask.worker.address": self.worker.address,
             "dask.duration": duration,
@@ -168,24 +168,25 @@ class TaskSpans:
         status = _UNSET
         if erred:
             exc_type, message = _exception_type_and_message(event)
-            status = Status(StatusCode.ERROR, _truncate(f"{exc_type}: {message}", sink.max_length))
+            status = Status(StatusCode.ERROR, _name(f"{exc_type}: {message}"))
             events = (
                 Event(
                     "exception",
-                    {
-                        "exception.type": exc_type,
-                        "exception.message": _truncate(message, sink.max_length),
-                        "exception.stacktrace": _truncate(
-                            event.traceback_text or "", sink.max_length
-                        ),
-                    },
+                    sink.bounded(
+                        {
+                            "exception.type": exc_type,
+                            "exception.message": message,
+                            "exception.stacktrace": event.traceback_text or "",
+                        },
+                        count=sink.limits.max_event_attributes,
+                    ),
                     _ns(stop),
                 ),
             )
         else:
             attributes["dask.output.bytes"] = event.nbytes
         return ReadableSpan(
-            _truncate(key_split(run.key), MAX_NAME_LENGTH),
+            _name(key_split(run.key)),
             context=SpanContext(
                 parent.trace_id, run.span_id, is_remote=False,
                 trace_flags=_SAMPLED, trace_state=parent.trace_state,
@@ -195,7 +196,7 @@ class TaskSpans:
                 trace_flags=_SAMPLED, trace_state=parent.trace_state,
             ),
             resource=sink.resource,
-            attributes=attributes,
+            attributes=sink.bounded(attributes),
             events=events,
             status=status,
             start_time=_ns(start),

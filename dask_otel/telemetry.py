@@ -23,6 +23,8 @@ from typing import TYPE_CHECKING, Any
 
 from opentelemetry import trace
 
+from opentelemetry.attributes import BoundedAttributes
+
 from dask_otel.config import ConfigError, OtelConfig
 from dask_otel.exporters import metric_readers, span_exporters
 from dask_otel.outage import HELD_EXPORTER_LOGS, GatedSpanExporter
@@ -81,6 +83,17 @@ class SpanSink:
         """The provider's sampler (OTEL_TRACES_SAMPLER); ask it through
         :func:`dask_otel.sampling.trace_sampled`, one decision per trace"""
         return self.provider.sampler
+
+    def bounded(self, attributes: dict[str, Any], count: int | None = None) -> Any:
+        """``attributes`` within the SDK's limits, as its own spans apply them: at
+        most ``count`` (default: the span attribute count limit) attributes, each
+        value cut to the attribute value length limit"""
+        return BoundedAttributes(
+            self.limits.max_span_attributes if count is None else count,
+            attributes,
+            immutable=True,
+            max_value_len=self.limits.max_span_attribute_length,
+        )
 
     def emit(self, span: Any) -> None:
         for processor in self.processors:
