@@ -65,7 +65,6 @@ from __future__ import annotations
 
 import logging
 import random
-import uuid
 from collections import defaultdict
 from collections.abc import Hashable, Iterable, Mapping
 from itertools import islice
@@ -77,9 +76,13 @@ from distributed.scheduler import ALL_TASK_STATES
 from opentelemetry.sdk.trace import Event, ReadableSpan
 from opentelemetry.trace import SpanContext, Status, StatusCode, TraceFlags
 
+from dask_otel.client import ANNOTATION, remote_parent
+from dask_otel.ids import dask_uuid
+from dask_otel.sampling import trace_sampled
+
 if TYPE_CHECKING:
     from distributed import Scheduler
-    from distributed.scheduler import TaskGroup
+    from distributed.scheduler import TaskGroup, TaskState
     from distributed.spans import Span, SpansSchedulerExtension
 
     from dask_otel.config import OtelConfig
@@ -93,23 +96,12 @@ _UNSET = Status(StatusCode.UNSET)
 POLL_BUDGET = 0.002
 _LOW_64 = (1 << 64) - 1
 _IDLE = "dask.metrics.execute.idle_or_other_spans.seconds"
+#: Roots remembered with their caller's span after their export, for work that
+#: comes under them later (each a few hundred bytes)
+MAX_REOPENED_ROOTS = 1024
 #: Longest span name exported; the rest of a huge tag is cut (span names are not
 #: attributes, so the SDK's attribute length limit does not apply to them)
 MAX_NAME_LENGTH = 1024
-
-
-def dask_uuid(span_id: str) -> int:
-    """The 128-bit integer of a Dask span id (a UUID string).
-
-    Ids that are not UUIDs (hand-made annotations) are hashed into one.
-    """
-    hex_ = span_id.replace("-", "")
-    if len(hex_) == 32:
-        try:
-            return int(hex_, 16)
-        except ValueError:
-            pass
-    return uuid.uuid5(uuid.NAMESPACE_OID, span_id).int
 
 
 def _ns(seconds: float) -> int:
@@ -354,6 +346,17 @@ class SpanMirror:
     #: Trace id (0: dropped by the sampler) by root span id, for the current poll
     _sampled: dict[str, int]
 
+    #: By open root Dask span id: the caller's span it continues (from the ``otel``
+    #: annotation's carrier, extracted once), None if there is none. Dropped when
+    #: the root is exported.
+    remote_parents: dict[str, SpanContext | None]
+    #: The same for roots already exported when more work came under them: at
+    #: most ``MAX_REOPENED_ROOTS``, oldest forgotten first
+    reopened_parents: dict[str, SpanContext | None]
+    #: By open Dask span id: the earliest client time a ``dask_otel.span`` block of
+    #: it or of one of its sub-spans was entered. Dropped when it is exported.
+    entered: dict[str, float]
+
     #: Counters for the bridge's self-metrics
     mirrored: int
     reopened: int
@@ -369,6 +372,9 @@ class SpanMirror:
         self.folded = {}
         self._prefix_metrics = {}
         self._sampled = {}
+        self.remote_parents = {}
+        self.reopened_parents = {}
+        self.entered = {}
         self._random = random.Random()
         self.mirrored = 0
         self.reopened = 0
@@ -448,8 +454,9 @@ class SpanMirror:
             return
         self.observe_new_spans()
         tasks = self.scheduler.tasks
-        groups = {ts.group for key in keys if (ts := tasks.get(key)) is not None}
-        for tg in groups:
+        # One task per group: what is read from annotations is the same for all
+        groups = {ts.group: ts for key in keys if (ts := tasks.get(key)) is not None}
+        for tg, ts in groups.items():
             # A group that already ran (stop != 0) was exported or is open; its
             # tasks are merely requested again.
             if tg in self.open_groups or tg.stop or tg.span_id is None:
@@ -458,10 +465,72 @@ class SpanMirror:
             if span is None:
                 continue
             self.open_groups[tg] = span
+            self.observe_otel_annotation(ts)
             if span.id not in self.open_spans:
                 # New work on a span that was already exported: its groups are
                 # still exported as its children; the span itself is not again.
                 self.reopened += 1
+
+    def observe_otel_annotation(self, ts: TaskState) -> None:
+        """Read the ``otel`` annotation that ``dask_otel.span`` put on a task: when
+        its blocks were entered, and the caller's span its root continues.
+
+        Only spans still open are remembered. ``ts.annotations["span"]`` is the
+        span of the task's group (Dask moves a task onto the span of the first
+        TaskGroup of its key prefix); a carrier is taken for that root only if the
+        annotation's own blocks include it, so a colliding task cannot bring
+        another workflow's caller.
+        """
+        annotations = ts.annotations
+        otel = annotations.get(ANNOTATION) if annotations else None
+        if not otel or not isinstance(otel, dict):
+            return
+        span_annotation = annotations.get("span")
+        if not span_annotation:
+            return
+        ids = span_annotation["ids"]
+        entered = otel.get("entered") or {}
+        self._observe_entered(ids, entered)
+        root_id = ids[0]
+        if root_id not in entered:
+            return  # the root is a distributed.span: its own trace
+        if root_id in self.open_spans:
+            if root_id not in self.remote_parents:
+                self.remote_parents[root_id] = remote_parent(otel.get("carrier"))
+        elif root_id not in self.reopened_parents:
+            if len(self.reopened_parents) >= MAX_REOPENED_ROOTS:
+                del self.reopened_parents[next(iter(self.reopened_parents))]
+            self.reopened_parents[root_id] = remote_parent(otel.get("carrier"))
+
+    def _observe_entered(self, ids: tuple[str, ...], entered: Mapping[str, float]) -> None:
+        """Keep, for each open span of ``ids`` (root first), the earliest time a
+        block of it or of a span below it was entered: a parent then never starts
+        after its children"""
+        earliest = float("inf")
+        for span_id in reversed(ids):  # innermost first: ancestors take the minimum
+            t = entered.get(span_id)
+            if isinstance(t, (int, float)):
+                earliest = min(earliest, t)
+            if span_id in self.open_spans and earliest < self.entered.get(span_id, earliest + 1):
+                self.entered[span_id] = earliest
+
+    def remote_parent(self, root_id: str) -> SpanContext | None:
+        """The caller's span a root Dask span continues, if it was opened with
+        ``dask_otel.span`` under a valid current span"""
+        if root_id in self.remote_parents:
+            return self.remote_parents[root_id]
+        return self.reopened_parents.get(root_id)
+
+    def started_at(self, span: Span) -> float:
+        """When a Dask span starts: ``Span.enqueued``, or earlier if a client entered
+        a ``dask_otel.span`` block of it, or of a span below it, before that"""
+        entered = self.entered.get(span.id)
+        return span.enqueued if entered is None else min(span.enqueued, entered)
+
+    def _forget_exported(self, span: Span) -> None:
+        """Drop what was kept about a span until its export"""
+        self.entered.pop(span.id, None)
+        self.remote_parents.pop(span.id, None)
 
     def observe_erred(self, key: Hashable) -> None:
         """A task erred: count it for its open group and open spans (Dask's own
@@ -538,6 +607,9 @@ class SpanMirror:
         self.folded.clear()
         self._prefix_metrics.clear()
         self._sampled.clear()
+        self.remote_parents.clear()
+        self.reopened_parents.clear()
+        self.entered.clear()
 
     def _export(self, mirror: Any, *args: Any, **kwargs: Any) -> None:
         # Telemetry must never take the scheduler down: a span that cannot be
@@ -554,8 +626,11 @@ class SpanMirror:
         root = _root(span)
         trace_id = self._sampled.get(root.id)
         if trace_id is None:
-            trace_id = dask_uuid(root.id)
-            if not self.sink.sampled(trace_id, root.name[-1]):
+            # The caller's trace if the root continues one, else the root's UUID
+            parent = self.remote_parent(root.id)
+            trace_id = parent.trace_id if parent is not None else dask_uuid(root.id)
+            sampler = self.sink.provider.sampler
+            if not trace_sampled(sampler, trace_id, root.name[0], parent):
                 trace_id = 0
             self._sampled[root.id] = trace_id
         return trace_id or None
@@ -571,13 +646,14 @@ class SpanMirror:
         attributes: dict[str, Any],
         status: Status | None,
         events: tuple[Event, ...] = (),
+        remote_parent: SpanContext | None = None,
     ) -> None:
         sink = self.sink
         context = SpanContext(trace_id, span_id, is_remote=False, trace_flags=_SAMPLED)
         parent = (
             SpanContext(trace_id, parent_id, is_remote=False, trace_flags=_SAMPLED)
             if parent_id is not None
-            else None
+            else remote_parent
         )
         sink.emit(
             ReadableSpan(
@@ -617,7 +693,10 @@ class SpanMirror:
         """Export one Dask span as an OTel span with the ids derived from its UUID"""
         own, subtree = self.totals(span)  # also when sampled out: the parent needs them
         totals = subtree if self.config.span_totals == "subtree" else own
+        start = self.started_at(span)
         trace_id = self._trace_id(span)
+        remote = self.remote_parent(span.id) if span.parent is None else None
+        self._forget_exported(span)  # also when sampled out
         if trace_id is None:
             return
         limit = self.sink.max_length
@@ -652,11 +731,12 @@ class SpanMirror:
             trace_id,
             dask_uuid(span.id) & _LOW_64,
             dask_uuid(parent.id) & _LOW_64 if parent is not None else None,
-            span.enqueued,
+            start,
             stop if not unfinished else time(),
             attributes,
             status,
             events,
+            remote_parent=remote,
         )
 
     def mirror_group(self, tg: TaskGroup, span: Span) -> None:
