@@ -9,10 +9,15 @@ Ids
     ``trace_id`` is the 128-bit integer of the root Dask span's UUID, so
     ``with span("x") as sid:`` is trace ``sid.replace("-", "")`` with no lookup.
     ``span_id`` is the low 64 bits of the Dask span's UUID; parents mirror the Dask
-    tree. TaskGroup spans get random span ids.
+    tree. TaskGroup spans get random span ids. A root opened with
+    ``dask_otel.span`` under a valid current span (the ``otel`` task annotation
+    carries it, see :mod:`dask_otel.client`) joins that caller's trace instead: its
+    trace id is the caller's and its parent the caller's span.
 
 Timing
-    A Dask span starts at ``Span.enqueued`` and ends at ``Span.stop``; the event
+    A Dask span starts at ``Span.enqueued``, or earlier when a client entered a
+    ``dask_otel.span`` block of it or of a span below it before that, and ends
+    at ``Span.stop``; the event
     ``dask.first_task_start`` marks ``Span.start``. A TaskGroup span runs from
     ``TaskGroup.start`` to ``TaskGroup.stop``.
 
