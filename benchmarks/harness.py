@@ -15,6 +15,13 @@ It covers the scheduler's event loop (where the bridge's hooks and polls run),
 the bridge's export threads (batch span processor, gRPC, metric reader), Dask's
 offload thread, and the nannies (a few heartbeats). The client's share is
 measured with ``time.thread_time()`` on its own threads and subtracted.
+
+Each run also records the CPU of every thread of this process by name
+(:func:`thread_cpu`, from ``/proc/self/task``), so that a B/A gap can be traced to
+the thread that spent it: the event loop, the SDK's export threads, gRPC's, Dask's
+offload thread. Threads Python does not know (gRPC's C core) are
+listed by their OS name; CPU of threads that started and ended within the run
+shows as ``(exited threads)``: the process total minus the live threads' sum.
 """
 
 from __future__ import annotations
@@ -24,11 +31,14 @@ import gc
 import json
 import os
 import platform
+import re
 import socket
 import statistics
 import subprocess
 import sys
+import threading
 import time
+from collections import defaultdict
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from importlib.metadata import version
@@ -271,6 +281,44 @@ class Workload:
 # --- one measured run --------------------------------------------------------------------
 
 
+_CLK_TCK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+#: Name of the row for CPU of threads that ended within a run
+EXITED = "(exited threads)"
+
+
+def thread_cpu() -> dict[str, float]:
+    """CPU seconds of each live thread of this process, from ``/proc/self/task``
+    (Linux; {} elsewhere), summed by name with digits folded
+    (``ThreadPoolExecutor-3_0`` -> ``ThreadPoolExecutor-N_N``). Python threads go by
+    their Python name; threads Python does not know (gRPC's C core) by their OS
+    name, as ``native:<comm>``. Resolution: one clock tick (10 ms)."""
+    python_names = {t.native_id: t.name for t in threading.enumerate()}
+    out: dict[str, float] = defaultdict(float)
+    with contextlib.suppress(OSError):
+        for tid in os.listdir("/proc/self/task"):
+            try:
+                with open(f"/proc/self/task/{tid}/stat") as f:
+                    comm, _, rest = f.read().partition("(")[2].rpartition(")")
+            except OSError:  # ended meanwhile
+                continue
+            fields = rest.split()
+            utime, stime = int(fields[11]), int(fields[12])
+            name = python_names.get(int(tid)) or f"native:{comm}"
+            out[re.sub(r"\d+", "N", name)] += (utime + stime) / _CLK_TCK
+    return dict(out)
+
+
+def thread_cpu_delta(
+    before: dict[str, float], after: dict[str, float], process_cpu: float
+) -> dict[str, float]:
+    """CPU per thread name between two :func:`thread_cpu` readings; what the
+    process spent beyond the live threads goes to :data:`EXITED`"""
+    delta = {name: cpu - before.get(name, 0.0) for name, cpu in after.items()}
+    delta = {name: cpu for name, cpu in delta.items() if cpu > 0}
+    delta[EXITED] = max(process_cpu - sum(delta.values()), 0.0)
+    return delta
+
+
 async def _thread_time() -> float:
     return time.thread_time()
 
@@ -300,6 +348,9 @@ class Run:
     #: OTel spans the bridge handed to the SDK; spans the receiver got
     mirrored: int = 0
     received: int | None = None
+    #: CPU seconds by thread name over workload + drain, client threads included
+    #: (see :func:`thread_cpu_delta`)
+    threads: dict[str, float] = field(default_factory=dict)
     #: what a probe measured
     probe: dict = field(default_factory=dict)
 
@@ -348,11 +399,13 @@ def run_workload(
                     time.perf_counter(),
                 )
 
+            threads0 = thread_cpu()
             cpu0, client0, loop0, t0 = clocks()
             workload.run(client)
             cpu1, client1, _, t1 = clocks()
             time.sleep(drain)
             cpu2, client2, loop2, _ = clocks()
+            result.threads = thread_cpu_delta(threads0, thread_cpu(), cpu2 - cpu0)
 
             result.wall = t1 - t0
             result.scheduler_cpu_workload = (cpu1 - cpu0) - (client1 - client0)

@@ -33,6 +33,7 @@ import sys
 import time
 
 from harness import (
+    EXITED,
     ReceiverProcess,
     Run,
     Workload,
@@ -70,6 +71,22 @@ def describe(run: Run) -> str:
     return out
 
 
+def thread_rows(pairs: list[tuple[Run, Run]]) -> list[list[str]]:
+    """CPU seconds by thread name: A and B medians, and the median of B - A over
+    pairs, largest difference first. Threads the client runs are included (the
+    main thread and the client's loop are subtracted from scheduler CPU)."""
+    names = sorted({name for a, b in pairs for name in (*a.threads, *b.threads)})
+    rows = []
+    for name in names:
+        a = [run.threads.get(name, 0.0) for run, _ in pairs]
+        b = [run.threads.get(name, 0.0) for _, run in pairs]
+        diff = [y - x for x, y in zip(a, b)]
+        rows.append((median(diff), [name, f"{median(a):.2f}", f"{median(b):.2f}",
+                                    f"{median(diff):+.2f}", f"{min(diff):+.2f}..{max(diff):+.2f}"]))
+    rows.sort(key=lambda r: -abs(r[0]) if r[1][0] != EXITED else 0)
+    return [row for _, row in rows]
+
+
 def measure(args: argparse.Namespace, collector: str) -> dict[str, float]:
     workload = Workload(spans=args.spans, outer=args.outer, prefixes=args.prefixes,
                         tasks=args.tasks)
@@ -98,6 +115,9 @@ def measure(args: argparse.Namespace, collector: str) -> dict[str, float]:
     rows, medians = ratio_rows(pairs, MEASURES)
     print_table(["measure", "A median", "B median", "B/A median", "B/A min-max",
                  "target", ""], rows)
+    print("\n  CPU by thread of the scheduler's process (s), largest B-A first")
+    print_table(["thread", "A median", "B median", "B-A median", "B-A min..max"],
+                thread_rows(pairs))
     ticks_a = median([a.max_tick * 1000 for a, _ in pairs])
     ticks_b = median([b.max_tick * 1000 for _, b in pairs])
     print(f"  longest event-loop tick (20 ms = no block), median over runs: "

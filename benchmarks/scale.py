@@ -15,6 +15,10 @@ and its TaskGroup), in two shapes:
     kept last, so that Dask's ``Span.done`` of the root has to look at every
     finished step before it finds the unfinished one, as it does for a real
     pipeline whose current step is its newest.
+``tenants``
+    What a cluster shared by many users looks like: ``--open`` (1,000) root spans
+    stay open throughout (long-running workflows, each waiting on a task that
+    cannot run), while the 10,000 one-task root spans come and go.
 
 For each shape it reports:
 
@@ -34,11 +38,15 @@ For each shape it reports:
   allocated. Also the sizes of the mirror's own structures (``open_spans``,
   ``open_groups``, ``erred``).
 - ``children`` only: how long the poll that finally exports the root (with its
-  10,000 sub-spans) blocks the event loop.
+  10,000 sub-spans) blocks the event loop;
+- ``tenants`` only: the longest poll while 1,000 more short spans come and go
+  (after the memory checkpoints, without tracemalloc), with the 1,000 long ones
+  open: each poll looks at every open span.
 
 Usage::
 
-    python benchmarks/scale.py                    # 10 and 10,000 spans, both shapes
+    python benchmarks/scale.py                    # 10 and 10,000 spans, roots and children
+    python benchmarks/scale.py --shape tenants    # the same with 1,000 spans open throughout
     python benchmarks/scale.py --spans 2000 --shape roots
 """
 
@@ -236,6 +244,7 @@ def run_shape(args: argparse.Namespace, receiver: ReceiverProcess, shape: str) -
             ext = cluster.scheduler.extensions["spans"]
             receiver.clear()
             pipeline = Pipeline(client, mirror, receiver, shape)
+            tenants = open_tenants(client, args.open) if shape == "tenants" else []
             root = span("pipeline") if shape == "children" else contextlib.nullcontext()
             with root:
                 pipeline.add(small)
@@ -266,6 +275,17 @@ def run_shape(args: argparse.Namespace, receiver: ReceiverProcess, shape: str) -
                       f"(p90 {p_large[1] * 1e6:.1f}); {s_large}; Dask holds "
                       f"{len(ext.spans)} spans", flush=True)
 
+                if tenants:
+                    # Polls while short spans come and go, timed without tracemalloc
+                    polls: list[float] = []
+                    with timing_polls(mirror, polls):
+                        pipeline.add(min(1000, large))
+                        pipeline.wait_exported()
+                    longest = max(polls)
+                    print(f"  {len(tenants)} spans open throughout; {len(polls)} polls while "
+                          f"{min(1000, large)} more came and went: median "
+                          f"{median(polls) * 1e3:.2f} ms, longest {longest * 1e3:.1f} ms",
+                          flush=True)
                 if shape == "children":
                     # The last step finishes: the root is done, and exported in one poll
                     longest = _time_polls_until_root_exported(mirror, pipeline)
@@ -292,31 +312,50 @@ def run_shape(args: argparse.Namespace, receiver: ReceiverProcess, shape: str) -
                  f"{s_small['open_spans']}/{s_small['open_groups']}/{s_small['erred']} / "
                  f"{s_large['open_spans']}/{s_large['open_groups']}/{s_large['erred']}",
                  "", ""])
+    if shape == "tenants":
+        rows.append([shape, f"longest poll, {args.open} open throughout (ms)",
+                     f"{longest * 1e3:.1f}", "< 5 (event loop)", verdict(longest < 0.005)])
     if shape == "children":
         rows.append([shape, f"poll exporting the root of {large} (ms)",
                      f"{longest * 1e3:.1f}", "< 5 (event loop)", verdict(longest < 0.005)])
     return rows
 
 
-def _time_polls_until_root_exported(mirror: Any, pipeline: Pipeline) -> float:
-    """Cancel the running step and wrap ``mirror.poll`` to time every poll until
-    the root is exported; the longest"""
-    durations: list[float] = []
+def open_tenants(client: Client, n: int) -> list[Any]:
+    """``n`` root spans that stay open: each waits on a task no worker can run"""
+    futures = []
+    for j in range(n):
+        with span(f"tenant-{j}"):
+            futures.append(client.submit(_inc, j, key=f"tenant{j}-0", resources={"never": 1}))
+    return futures
+
+
+@contextlib.contextmanager
+def timing_polls(mirror: Any, durations: list[float]):
+    """Wrap ``mirror.poll`` (as the plugin calls it) to append each poll's duration"""
     poll = mirror.poll
 
-    def timed() -> None:
+    def timed() -> Any:
         t0 = time.perf_counter()
         try:
-            poll()
+            return poll()
         finally:
             durations.append(time.perf_counter() - t0)
 
     mirror.poll = timed
     try:
-        pipeline.finish()
-        pipeline.wait_exported(timeout=120)
+        yield
     finally:
         mirror.poll = poll
+
+
+def _time_polls_until_root_exported(mirror: Any, pipeline: Pipeline) -> float:
+    """Cancel the running step and time every poll until the root is exported;
+    the longest"""
+    durations: list[float] = []
+    with timing_polls(mirror, durations):
+        pipeline.finish()
+        pipeline.wait_exported(timeout=120)
     return max(durations)
 
 
@@ -325,7 +364,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--spans", type=int, default=10_000)
     parser.add_argument("--small", type=int, default=10)
     parser.add_argument("--polls", type=int, default=500, help="polls timed per measure")
-    parser.add_argument("--shape", choices=["roots", "children", "both"], default="both")
+    parser.add_argument("--shape", choices=["roots", "children", "tenants", "both"],
+                        default="both", help="both: roots and children")
+    parser.add_argument("--open", type=int, default=1000,
+                        help="tenants: root spans open throughout")
     args = parser.parse_args(argv)
 
     print("dask_otel scale benchmark")

@@ -27,10 +27,14 @@ logger = logging.getLogger("dask_otel")
 
 with open(Path(__file__).with_name("otel.yaml")) as f:
     DEFAULTS: dict = yaml.safe_load(f)
+# For `dask config list` and friends. The bridge itself never relies on these being
+# in dask config: applications and test fixtures (distributed's gen_cluster) restore
+# dask config to snapshots taken before this import; see get().
 dask.config.update_defaults(DEFAULTS)
 
 TRACES_EXPORTERS = ("otlp", "console", "memory", "none")
 METRICS_EXPORTERS = ("otlp", "prometheus", "console", "memory", "none")
+LOGS_EXPORTERS = ("otlp", "console", "memory", "none")
 #: Protocols of ``OTEL_EXPORTER_OTLP_PROTOCOL`` that the Python SDK implements
 OTLP_PROTOCOLS = {"grpc": "otlp_proto_grpc", "http/protobuf": "otlp_proto_http"}
 
@@ -71,6 +75,18 @@ class OtelConfig:
     metrics_exporters: tuple[str, ...]
     #: otel.metrics.span-label
     span_label: bool
+    #: otel.tasks.spans
+    task_spans: bool = False
+    #: otel.tasks.sample-ratio, in [0, 1]
+    task_sample_ratio: float = 1.0
+    #: otel.tasks.slower-than, seconds; None: no such rule
+    task_slower_than: float | None = None
+    #: otel.tasks.erred
+    task_erred: bool = True
+    #: otel.logs.exporter, resolved against OTEL_LOGS_EXPORTER (default none)
+    logs_exporters: tuple[str, ...] = ()
+    #: otel.logs.level, a logging level number
+    logs_level: int = logging.INFO
 
 
 def read_config() -> OtelConfig:
@@ -93,7 +109,27 @@ def read_config() -> OtelConfig:
         export_code=_bool("otel.spans.code"),
         metrics_exporters=_exporters("otel.metrics.exporter", "METRICS", METRICS_EXPORTERS),
         span_label=_bool("otel.metrics.span-label"),
+        task_spans=_bool("otel.tasks.spans"),
+        task_sample_ratio=_ratio("otel.tasks.sample-ratio"),
+        task_slower_than=_optional_seconds("otel.tasks.slower-than"),
+        task_erred=_bool("otel.tasks.erred"),
+        logs_exporters=_exporters("otel.logs.exporter", "LOGS", LOGS_EXPORTERS, "none"),
+        logs_level=_level("otel.logs.level"),
     )
+
+
+def get(key: str) -> Any:
+    """``dask.config.get(key)``, or the shipped default (otel.yaml) when the key is
+    absent: the application may have reset dask config since this module was
+    imported, which must not switch the bridge off."""
+    return dask.config.get(key, default=_default(key))
+
+
+def _default(key: str) -> Any:
+    value: Any = DEFAULTS
+    for part in key.split("."):
+        value = value[part]
+    return value
 
 
 def _warn_unknown_keys(given: Any, defaults: dict, prefix: str) -> None:
@@ -108,21 +144,21 @@ def _warn_unknown_keys(given: Any, defaults: dict, prefix: str) -> None:
 
 
 def _bool(key: str) -> bool:
-    value = dask.config.get(key)
+    value = get(key)
     if not isinstance(value, bool):
         raise ConfigError(key, value, "true or false")
     return value
 
 
 def _choice(key: str, choices: Sequence[str]) -> str:
-    value = dask.config.get(key)
+    value = get(key)
     if value not in choices:
         raise ConfigError(key, value, " or ".join(map(repr, choices)))
     return value
 
 
 def _seconds(key: str, positive: bool = False) -> float:
-    value = dask.config.get(key)
+    value = get(key)
     try:
         out = parse_timedelta(value)
     except Exception:
@@ -132,14 +168,39 @@ def _seconds(key: str, positive: bool = False) -> float:
     return out
 
 
-def _exporters(key: str, signal: str, known: Sequence[str]) -> tuple[str, ...]:
+def _ratio(key: str) -> float:
+    value = get(key)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= 1:
+        raise ConfigError(key, value, "a number from 0 to 1")
+    return float(value)
+
+
+def _optional_seconds(key: str) -> float | None:
+    return None if get(key) is None else _seconds(key)
+
+
+def _level(key: str) -> int:
+    """A logging level by name (``INFO``, any case) or number"""
+    value = get(key)
+    if isinstance(value, str):
+        level = logging.getLevelName(value.strip().upper())
+        if isinstance(level, int):
+            return level
+    elif isinstance(value, int) and not isinstance(value, bool) and value >= 0:
+        return value
+    raise ConfigError(key, value, "a logging level like INFO or WARNING")
+
+
+def _exporters(
+    key: str, signal: str, known: Sequence[str], env_default: str = "otlp"
+) -> tuple[str, ...]:
     """Exporter names from dask config, falling back to OTEL_<signal>_EXPORTER"""
     env = f"OTEL_{signal}_EXPORTER"
     group = f"opentelemetry_{signal.lower()}_exporter"
-    value = dask.config.get(key)
+    value = get(key)
     source = key
     if value is None:
-        value, source = os.environ.get(env, "otlp"), env
+        value, source = os.environ.get(env, env_default), env
     if isinstance(value, str):
         value = [v for v in (v.strip() for v in value.split(",")) if v]
     if not isinstance(value, (list, tuple)) or not all(isinstance(v, str) for v in value):

@@ -7,13 +7,17 @@ compression); the only choice made here is which exporter, and gRPC or HTTP for
 
 from __future__ import annotations
 
+import logging
 import os
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from importlib.metadata import entry_points
 from typing import Any
 
 from dask_otel.config import ConfigError, otlp_entry_point
 from dask_otel.outage import HELD_EXPORTER_LOGS, gated_metric_exporter
+
+logger = logging.getLogger("dask_otel")
 
 
 def _build_exporter(group: str, name: str, **kwargs: Any) -> Any:
@@ -21,26 +25,92 @@ def _build_exporter(group: str, name: str, **kwargs: Any) -> Any:
 
     The SDK's errors for a malformed variable do not always name it ("could not
     convert string to float: 'forever'"): name the variable holding that value.
+    Header variables hold credentials: their values are never shown, and the
+    SDK's own warning about a malformed one (which quotes it) is replaced by one
+    that names the variable.
     """
     (ep,) = (ep for ep in entry_points(group=group) if ep.name == name)
     try:
         cls = ep.load()
-        try:
-            return cls(**kwargs)
-        except TypeError:
-            if not kwargs:
-                raise
-            return cls()  # an exporter without SDK metrics (older, third-party)
+        with _header_warnings_named():
+            try:
+                return cls(**kwargs)
+            except TypeError:
+                if not kwargs:
+                    raise
+                return cls()  # an exporter without SDK metrics (older, third-party)
     except Exception as e:
+        text = _redacted(f"{type(e).__name__}: {e}")
         culprits = [
             k for k, v in os.environ.items()
             if k.startswith("OTEL_") and v.strip() and v.strip() in str(e)
         ]
+        value = os.environ[culprits[0]] if culprits else text
+        if culprits and _is_secret(culprits[0]):
+            value = SECRET_NOT_SHOWN
         raise ConfigError(
             ", ".join(culprits) or f"the {name} exporter's OTEL_* settings",
-            os.environ[culprits[0]] if culprits else str(e),
-            f"a value the OpenTelemetry SDK accepts ({type(e).__name__}: {e})",
+            value,
+            f"a value the OpenTelemetry SDK accepts ({text})",
         ) from e
+
+
+#: What is shown instead of the value of a variable that may hold credentials
+SECRET_NOT_SHOWN = "(value not shown: it may hold credentials)"
+
+
+def _is_secret(variable: str) -> bool:
+    return "HEADERS" in variable
+
+
+def _secret_variables() -> list[str]:
+    return sorted(k for k in os.environ if k.startswith("OTEL_") and _is_secret(k))
+
+
+def _redacted(text: str) -> str:
+    """``text`` with every header variable's value, and each of its parts, cut out"""
+    for variable in _secret_variables():
+        value = os.environ[variable]
+        for part in sorted({value, *value.split(","), *value.split("=")}, key=len, reverse=True):
+            if part.strip():
+                text = text.replace(part.strip(), "***")
+    return text
+
+
+class _HeaderWarningNamed(logging.Filter):
+    """Replaces the SDK's "Header format invalid! ...: <the header>" warning, which
+    quotes a credential, with one that names the variables instead (once per
+    exporter built, however many parts are malformed)"""
+
+    warned = False
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if "Header format invalid" not in str(record.msg):
+            return True
+        if self.warned:
+            return False
+        self.warned = True
+        logger.warning(
+            "dask_otel: %s is malformed (expected comma-separated name=value pairs, "
+            "URL-encoded); the OpenTelemetry SDK ignores the malformed part. %s",
+            " or ".join(_secret_variables()) or "an OTEL_EXPORTER_OTLP_*HEADERS variable",
+            SECRET_NOT_SHOWN,
+        )
+        return False
+
+
+_HEADER_WARNING = _HeaderWarningNamed()
+
+
+@contextmanager
+def _header_warnings_named() -> Iterator[None]:
+    sdk_logger = logging.getLogger("opentelemetry.util.re")
+    _HEADER_WARNING.warned = False
+    sdk_logger.addFilter(_HEADER_WARNING)
+    try:
+        yield
+    finally:
+        sdk_logger.removeFilter(_HEADER_WARNING)
 
 
 def span_exporters(names: Sequence[str], meter_provider: Any = None) -> list:

@@ -28,11 +28,13 @@ with the attributes:
   ``deserialize``, ``compress``, ``decompress``, ``network``...;
 - ``dask.span.name`` (string array, the Dask span's tags) only with
   ``otel.metrics.span-label: true``. Span names are user data, so this is off by
-  default: every distinct span name is a new series, and the SDK folds series past
-  its cardinality limit (2000 per instrument) into one with
-  ``otel.metric.overflow=true``. With it on, ``execute`` and ``p2p`` are broken
-  down by span (each span counts its own tasks, not its sub-spans'), and the
-  other contexts, which have no span, carry no span attribute.
+  default: every distinct span name is a new series. With it on, ``execute`` and
+  ``p2p`` are broken down by span (each span counts its own tasks, not its
+  sub-spans'), and the other contexts, which have no span, carry no span attribute.
+
+Past 2000 series per instrument (the SDK's default cardinality limit), the rest is
+summed into one series with ``otel.metric.overflow=true`` before it reaches the
+SDK, which would fold it the same way only after paying for each observation.
 
 The values reach the scheduler with heartbeats (every 0.5 s up to 10 workers,
 slower on larger clusters), so they lag the workers by up to a heartbeat.
@@ -127,6 +129,31 @@ def fine_metric_attributes(key: Hashable) -> tuple[str, dict[str, Any]] | None:
     return str(unit), attributes
 
 
+#: Series per fine-metrics instrument and collection: the SDK's default cardinality
+#: limit. Past it the SDK folds every further attribute set into one overflow
+#: series anyway, after paying ~20 us for each: at 10,000 task prefixes a
+#: collection took seconds of GIL. Folding them here gives the same points.
+MAX_SERIES = 2000
+#: The series the rest is summed into, as the SDK names its own overflow
+OVERFLOW = {"otel.metric.overflow": True}
+
+#: ``fine_metric_attributes`` by key, parsed once: keys only accumulate in Dask
+#: (about ten per task prefix), and each collection reads every one three times
+_PARSED: dict[Hashable, tuple[str, dict[str, Any]] | None] = {}
+#: Keys parsed once and kept; past that (keys Dask did not make), parsed each time
+_MAX_PARSED = 1_000_000
+
+
+def _parsed(key: Hashable) -> tuple[str, dict[str, Any]] | None:
+    try:
+        return _PARSED[key]
+    except KeyError:
+        parsed = fine_metric_attributes(key)
+        if len(_PARSED) < _MAX_PARSED:
+            _PARSED[key] = parsed
+        return parsed
+
+
 def _fine_metrics(dask_unit: str):
     def read(observed: SchedulerMetrics) -> Reading:
         scheduler = observed.scheduler
@@ -139,9 +166,19 @@ def _fine_metrics(dask_unit: str):
                 own = getattr(span, "_cumulative_worker_metrics", None)
                 if own:
                     out += _readings(own, dask_unit, {SPAN_NAME: tuple(span.name)})
-        return out
+        return _bounded(out)
 
     return read
+
+
+def _bounded(readings: list[tuple[float, Mapping[str, Any]]]) -> Reading:
+    """At most :data:`MAX_SERIES` readings, the rest summed into one overflow
+    reading. Dask's mappings only grow and keep insertion order, so a series never
+    moves between kept and overflow from one collection to the next."""
+    if len(readings) <= MAX_SERIES:
+        return readings
+    rest = sum(value for value, _ in readings[MAX_SERIES:])
+    return [*readings[:MAX_SERIES], (rest, OVERFLOW)]
 
 
 def _readings(
@@ -151,16 +188,15 @@ def _readings(
     skip: tuple[str, ...] = (),
 ) -> list[tuple[float, Mapping[str, Any]]]:
     out: list[tuple[float, Mapping[str, Any]]] = []
+    parsed_of = _PARSED.get
     for key, value in copy_mapping(metrics).items():
-        parsed = fine_metric_attributes(key)
+        parsed = parsed_of(key) or _parsed(key)
         if parsed is None or parsed[0] != dask_unit:
             continue
         attributes = parsed[1]
         if attributes[CONTEXT] in skip:
             continue
-        if extra:
-            attributes.update(extra)
-        out.append((value, attributes))
+        out.append((value, {**attributes, **extra} if extra else attributes))
     return out
 
 

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any
 from distributed.diagnostics.plugin import SchedulerPlugin, WorkerPlugin
 from tornado.ioloop import IOLoop, PeriodicCallback
 
-from dask_otel.config import read_config
+from dask_otel.config import ConfigError, read_config
 from dask_otel.telemetry import Telemetry
 from dask_otel.spans import SpanMirror
 from dask_otel.worker_shim import dumps_by_value
@@ -70,9 +70,13 @@ def _start_telemetry(server: str, **resource: Any) -> tuple[Telemetry | None, st
             logger.info("dask_otel: otel.enabled is false on %s; not exporting", server)
             return None, None
         return Telemetry.acquire(config, **resource), None
-    except Exception as e:
+    except ConfigError as e:  # names the key and the value
         logger.error("dask_otel is off on %s: %s", server, e)
-        return None, f"{type(e).__name__}: {e}"
+        return None, f"ConfigError: {e}"
+    except Exception as e:
+        # Never a bare exception text ("'otel'" for a KeyError): say what failed
+        logger.exception("dask_otel is off on %s: could not start telemetry", server)
+        return None, f"could not start telemetry: {type(e).__name__}: {e}"
 
 
 class OtelSchedulerPlugin(SchedulerPlugin):
@@ -119,14 +123,23 @@ class OtelSchedulerPlugin(SchedulerPlugin):
                 from dask_otel.metrics import SchedulerMetrics
 
                 self.metrics = SchedulerMetrics(scheduler, self.telemetry, self)
+        except ConfigError as e:  # an OTEL_* variable the SDK refused, named
+            logger.error("dask_otel is off on scheduler %s: %s", scheduler.address, e)
+            self.error = f"ConfigError: {e}"
         except Exception as e:
             logger.exception("dask_otel: could not start on scheduler")
             self.error = f"{type(e).__name__}: {e}"
-        await scheduler.register_worker_plugin(
-            None, dumps_by_value(), name=PLUGIN_NAME, idempotent=True
-        )
+        try:
+            await scheduler.register_worker_plugin(
+                None, dumps_by_value(), name=PLUGIN_NAME, idempotent=True
+            )
+        except Exception:
+            # The workers then export no spill metrics; the scheduler goes on
+            logger.exception("dask_otel: could not register the worker plugin")
 
     def _poll(self) -> None:
+        if self._closed:  # a poll queued with add_callback before close()
+            return
         try:
             more = self.mirror.poll()  # type: ignore[union-attr]
         except Exception:
@@ -159,14 +172,30 @@ class OtelSchedulerPlugin(SchedulerPlugin):
         if self._closed:
             return
         self._closed = True
+        # Each step on its own: Dask's plugin.close re-raises, and one failing step
+        # must not keep the others (above all the release) from running
+        for step in (self._stop_polling, self._flush_spans, self._close_metrics):
+            try:
+                step()
+            except Exception:
+                logger.exception("dask_otel: %s failed while closing", step.__name__)
+        if self.telemetry is not None:
+            try:
+                await _release_telemetry(self.telemetry)
+            except Exception:
+                logger.exception("dask_otel: could not release telemetry")
+
+    def _stop_polling(self) -> None:
         if self._poller is not None:
             self._poller.stop()
+
+    def _flush_spans(self) -> None:
         if self.mirror is not None:
             self.mirror.flush()
+
+    def _close_metrics(self) -> None:
         if self.metrics is not None:
             self.metrics.close()
-        if self.telemetry is not None:
-            await _release_telemetry(self.telemetry)
 
     def status(self) -> dict[str, Any]:
         """What :func:`dask_otel.status` reports for the scheduler"""
@@ -189,7 +218,8 @@ class OtelSchedulerPlugin(SchedulerPlugin):
 
 
 class OtelWorkerPlugin(WorkerPlugin):
-    """Exports the worker's SpillBuffer state as OpenTelemetry metrics"""
+    """On each worker: the OTel context tasks run in, and the SpillBuffer state as
+    OpenTelemetry metrics"""
 
     name = PLUGIN_NAME
     idempotent = True
@@ -198,23 +228,40 @@ class OtelWorkerPlugin(WorkerPlugin):
         self.error: str | None = None
         self.telemetry: Telemetry | None = None
         self.spill: Any = None
+        #: :class:`dask_otel.task_context.TaskContextHook`; None where it could
+        #: not be installed
+        self.task_context: Any = None
 
     def setup(self, worker: Worker) -> None:
         self.telemetry, self.error = _start_telemetry(
             f"worker {worker.address}",
             **{"dask.scheduler.address": worker.scheduler.address},
         )
-        if self.telemetry is None or self.telemetry.meter_provider is None:
+        if self.telemetry is None:
             return
-        try:
-            from dask_otel.spill import SpillInstruments
+        for step in (self._start_task_context, self._start_spill):
+            try:
+                step(worker, self.telemetry)
+            except Exception as e:
+                logger.exception("dask_otel: could not start on worker %s", worker.address)
+                self.error = f"{type(e).__name__}: {e}"
 
-            self.spill = SpillInstruments.observe(worker, self.telemetry)
-        except Exception as e:
-            logger.exception("dask_otel: could not start on worker %s", worker.address)
-            self.error = f"{type(e).__name__}: {e}"
+    def _start_task_context(self, worker: Worker, telemetry: Telemetry) -> None:
+        from dask_otel.task_context import start_task_context
+
+        self.task_context = start_task_context(worker, telemetry)
+
+    def _start_spill(self, worker: Worker, telemetry: Telemetry) -> None:
+        if telemetry.meter_provider is None:
+            return
+        from dask_otel.spill import SpillInstruments
+
+        self.spill = SpillInstruments.observe(worker, telemetry)
 
     async def teardown(self, worker: Worker) -> None:
+        if self.task_context is not None:
+            self.task_context.uninstall()
+            self.task_context = None
         if self.spill is not None:
             self.spill.close()
             self.spill = None
@@ -223,4 +270,8 @@ class OtelWorkerPlugin(WorkerPlugin):
             await _release_telemetry(telemetry)
 
     def status(self) -> dict[str, Any]:
-        return {"error": self.error, "metrics": self.spill is not None}
+        return {
+            "error": self.error,
+            "metrics": self.spill is not None,
+            "task_context": self.task_context is not None,
+        }

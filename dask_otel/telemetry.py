@@ -5,9 +5,12 @@ One Telemetry exists per process at a time: a LocalCluster with
 ``processes=False`` runs a scheduler and several workers in one process, and they
 share one TracerProvider and one MeterProvider (a Prometheus registry can hold the
 bridge's collector only once). It is created by the first Dask server that attaches
-and shut down, flushing, when the last one detaches. The bridge never touches the
-global OpenTelemetry providers, so it does not interfere with the application's own
-instrumentation.
+and shut down, flushing, when the last one detaches.
+
+The bridge never replaces an application's global OpenTelemetry providers. Only
+on a worker process that has no global TracerProvider (``dask worker`` usually
+has none) does :func:`adopt_global_tracer_provider` make the bridge's the global
+one, so that spans made with the OTel API inside tasks are exported.
 """
 
 from __future__ import annotations
@@ -17,7 +20,9 @@ import socket
 import threading
 from typing import TYPE_CHECKING, Any
 
-from dask_otel.config import OtelConfig
+from opentelemetry import trace
+
+from dask_otel.config import ConfigError, OtelConfig
 from dask_otel.exporters import metric_readers, span_exporters
 from dask_otel.outage import HELD_EXPORTER_LOGS, GatedSpanExporter
 
@@ -80,6 +85,82 @@ class SpanSink:
             processor.on_end(span)
 
 
+class TelemetryTracerProvider(trace.TracerProvider):
+    """The process's global TracerProvider once the bridge has adopted that role:
+    its tracers start spans on the TracerProvider of whichever :class:`Telemetry`
+    is current, and do nothing while there is none.
+
+    The OTel API lets a process set its global provider once, while Telemetry
+    objects come and go (a LocalCluster with ``processes=False`` closed and
+    started again): this level of indirection makes "set once" hold. Tracers
+    that code got before (``trace.get_tracer`` at import) resolve through it too.
+    """
+
+    def get_tracer(
+        self,
+        instrumenting_module_name: str,
+        instrumenting_library_version: str | None = None,
+        schema_url: str | None = None,
+        attributes: Any = None,
+    ) -> trace.Tracer:
+        return TelemetryTracer(
+            instrumenting_module_name, instrumenting_library_version, schema_url, attributes
+        )
+
+
+class TelemetryTracer(trace.ProxyTracer):
+    """A ProxyTracer that follows the current Telemetry's TracerProvider"""
+
+    #: the provider ``_real_tracer`` came from
+    _provider: Any = None
+
+    @property
+    def _tracer(self) -> trace.Tracer:
+        telemetry = Telemetry._current
+        provider = telemetry.tracer_provider if telemetry is not None else None
+        if provider is None:
+            return self._noop_tracer
+        if provider is not self._provider:
+            self._real_tracer = provider.get_tracer(
+                self._instrumenting_module_name,
+                self._instrumenting_library_version,
+                self._schema_url,
+                self._attributes,
+            )
+            self._provider = provider
+        return self._real_tracer  # type: ignore[return-value]
+
+
+def adopt_global_tracer_provider() -> bool:
+    """Make the bridge's TracerProvider the process's global one, if the process
+    has none; True if the bridge's is the global one (now or since before).
+
+    "None" means ``trace.get_tracer_provider()`` is still the API's proxy: no
+    ``trace.set_tracer_provider`` call and no OTEL_PYTHON_TRACER_PROVIDER. An
+    application's provider, even a NoOpTracerProvider, is never replaced; and an
+    application that sets its own *after* the bridge did is refused by the OTel
+    API ("Overriding of current TracerProvider is not allowed"): set it before
+    the worker starts (a worker preload, or at import).
+    """
+    global _ADOPTED
+    with Telemetry._lock:
+        current = trace.get_tracer_provider()
+        if _ADOPTED is not None and current is _ADOPTED:
+            return True
+        if not isinstance(current, trace.ProxyTracerProvider):
+            return False
+        provider = TelemetryTracerProvider()
+        trace.set_tracer_provider(provider)
+        if trace.get_tracer_provider() is provider:  # another thread may have won
+            _ADOPTED = provider
+            return True
+        return False
+
+
+#: The global TracerProvider this process got from the bridge, if it did
+_ADOPTED: Any = None
+
+
 def _span_limits():
     from opentelemetry.sdk.trace import SpanLimits
 
@@ -90,9 +171,15 @@ def _span_limits():
             "OTEL_ATTRIBUTE_VALUE_LENGTH_LIMIT",
         )
     )
-    return SpanLimits(
-        max_span_attribute_length=None if set_by_env else DEFAULT_ATTRIBUTE_LENGTH
-    )
+    try:
+        return SpanLimits(
+            max_span_attribute_length=None if set_by_env else DEFAULT_ATTRIBUTE_LENGTH
+        )
+    except ValueError as e:  # "OTEL_..._LIMIT must be a non-negative integer but got -5"
+        variable = next((v for v in os.environ if v.startswith("OTEL_") and v in str(e)), None)
+        if variable is None:
+            raise
+        raise ConfigError(variable, os.environ[variable], "a non-negative integer") from e
 
 
 # --- the per-process telemetry ----------------------------------------------------

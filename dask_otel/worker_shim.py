@@ -45,7 +45,7 @@ class OtelWorkerShim(WorkerPlugin):
     def status(self) -> dict[str, Any]:
         if self.plugin is not None:
             return self.plugin.status()
-        return {"error": self.error, "metrics": False}
+        return {"error": self.error, "metrics": False, "task_context": False}
 
 
 def dumps_by_value() -> bytes:

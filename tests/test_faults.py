@@ -264,29 +264,89 @@ def test_client_disconnect_mid_workflow():
         assert client.submit(inc, 1).result() == 2
 
 
-@pytest.mark.parametrize(
-    "variable, value",
-    [
-        ("OTEL_TRACES_EXPORTER", "zipkin-thrift"),
-        ("OTEL_EXPORTER_OTLP_PROTOCOL", "carrier-pigeon"),
-        ("OTEL_BSP_SCHEDULE_DELAY", "soon"),
-        ("OTEL_EXPORTER_OTLP_TIMEOUT", "forever"),
-        ("OTEL_EXPORTER_OTLP_HEADERS", "not a header"),
-        ("OTEL_EXPORTER_OTLP_ENDPOINT", "::not a url::"),
-        ("OTEL_RESOURCE_ATTRIBUTES", "=,=,novalue"),
-        ("OTEL_ATTRIBUTE_VALUE_LENGTH_LIMIT", "-5"),
-    ],
-)
-def test_malformed_otel_variable(variable, value, monkeypatch):
-    """Either a clear error naming the variable (the bridge is off) or the SDK's own
-    fallback; never a crash, and the cluster computes"""
-    set_env(monkeypatch, {variable: value})
-    with otel_cluster({**OTLP_CONFIG, "otel.traces.exporter": None}) as (client, mirrored):
-        with span("computes"):
-            assert client.gather(client.map(inc, range(3))) == [1, 2, 3]
-        error = dask_otel.status(client)["scheduler"]["error"]
-    if error is not None:
-        assert variable in error and value in error
+#: What the user sees for each malformed variable: "error" (the bridge is off on
+#: the scheduler; the error and the ERROR log name the variable and its value),
+#: "sdk-fallback" (the SDK logs the complaint given and falls back to its default;
+#: spans are delivered), "export-fails" (accepted at start; the export outage is
+#: logged once), "named-not-shown" (a dask_otel WARNING names the variable; its
+#: value, which may hold credentials, appears in no log and no status; spans are
+#: delivered without the malformed part)
+MALFORMED = [
+    ("OTEL_TRACES_EXPORTER", "zipkin-thrift", "error", ""),
+    ("OTEL_EXPORTER_OTLP_PROTOCOL", "carrier-pigeon", "error", ""),
+    ("OTEL_EXPORTER_OTLP_TIMEOUT", "forever", "error", ""),
+    ("OTEL_ATTRIBUTE_VALUE_LENGTH_LIMIT", "-5", "error", ""),
+    ("OTEL_BSP_SCHEDULE_DELAY", "soon", "sdk-fallback",
+     "Unable to parse value for OTEL_BSP_SCHEDULE_DELAY"),
+    ("OTEL_RESOURCE_ATTRIBUTES", "=,=,novalue", "sdk-fallback",
+     "Invalid key value resource attribute pair novalue"),
+    ("OTEL_EXPORTER_OTLP_ENDPOINT", "::not a url::", "export-fails", ""),
+    ("OTEL_EXPORTER_OTLP_HEADERS", "s3cret-token-in-a-bad-header", "named-not-shown", ""),
+    ("OTEL_EXPORTER_OTLP_HEADERS", "=x,s3cret-token-in-a-bad-header", "named-not-shown", ""),
+    ("OTEL_EXPORTER_OTLP_TRACES_HEADERS",
+     "authorization=Bearer%20s3cret-token-in-a-bad-header,broken", "named-not-shown", ""),
+]
+
+
+@pytest.mark.parametrize("variable, value, outcome, complaint", MALFORMED)
+def test_malformed_otel_variable(variable, value, outcome, complaint, monkeypatch, caplog):
+    """A clear error naming the variable, or the SDK's own fallback with its
+    complaint logged; never a crash, never a credential shown, and the cluster
+    computes"""
+    name = f"computes with {variable}"
+    with OTLPReceiver("grpc") as receiver:
+        set_env(monkeypatch, {**receiver.env(), variable: value})
+        with caplog.at_level(logging.INFO), otel_cluster(
+            {**OTLP_CONFIG, "otel.traces.exporter": None}
+        ) as (client, mirrored):
+            with span(name):
+                assert client.gather(client.map(inc, range(3))) == [1, 2, 3]
+            status = dask_otel.status(client)
+            if outcome in ("sdk-fallback", "named-not-shown"):
+                receiver.wait_for(lambda r: r.spans(name), timeout=30)
+            if outcome == "export-fails":
+                wait_until(lambda: outage_warnings(caplog), timeout=30, what="the outage warning")
+    error = status["scheduler"]["error"]
+    logs = "\n".join(r.getMessage() for r in caplog.records)
+    if outcome == "error":
+        assert error is not None and variable in error and value in error
+        assert "dask_otel is off on scheduler" in logs
+        return
+    assert error is None
+    if outcome == "sdk-fallback":
+        assert complaint in logs
+    if outcome == "named-not-shown":
+        warnings = [r for r in caplog.records if r.name == "dask_otel"
+                    and r.levelno == logging.WARNING and variable in r.getMessage()]
+        assert warnings and "value not shown" in warnings[0].getMessage()
+        assert "s3cret-token" not in logs
+        assert "s3cret-token" not in repr(status)
+
+
+def test_a_failing_close_step_never_raises_into_dask_and_the_rest_still_runs(
+    monkeypatch, caplog
+):
+    """Dask's plugin.close re-raises: a span flush or metrics close that fails must
+    be logged, and the telemetry still released (the autouse fixture checks it)"""
+    from dask_otel.metrics import SchedulerMetrics
+    from dask_otel.spans import SpanMirror
+
+    def broken(self, *args):
+        raise RuntimeError("broken on purpose")
+
+    monkeypatch.setattr(SpanMirror, "flush", broken)
+    monkeypatch.setattr(SchedulerMetrics, "close", broken)
+    with caplog.at_level(logging.ERROR, logger="dask_otel"):
+        with otel_cluster({"otel.metrics.exporter": "memory"}) as (client, mirrored):
+            assert client.submit(inc, 1).result() == 2
+            plugin = mirrored.plugin
+        # the cluster closed without an exception; a poll queued before close is a no-op
+        polled = []
+        monkeypatch.setattr(plugin.mirror, "poll", lambda: polled.append(1))
+        plugin._poll()
+    failed = [r.getMessage() for r in caplog.records if "failed while closing" in r.getMessage()]
+    assert any("_flush_spans" in m for m in failed) and any("_close_metrics" in m for m in failed)
+    assert polled == []
 
 
 #: Distinct span names in the test below, as the issue asks

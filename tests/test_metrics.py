@@ -132,6 +132,28 @@ def test_fine_metrics_equal_the_schedulers_totals():
                  dask_activity_name="memory-read") >= 1
 
 
+def test_past_the_cardinality_limit_the_rest_is_one_overflow_series():
+    """2,500 task prefixes make ~10,000 time series: the first 1,999 are exported
+    as they are, the rest summed into one ``otel.metric.overflow`` series, so that
+    nothing is lost from the total and a collection stays bounded."""
+    with metrics_cluster(n_workers=1) as (cluster, client):
+        futures = [client.submit(otel_inc, i, key=f"p{i}-0") for i in range(2500)]
+        wait(futures)
+        heartbeats_carried(cluster, ("execute", "p2499", "thread-cpu", "seconds"))
+        expected = fine_metrics_by_unit(dict(cluster.scheduler.cumulative_worker_metrics))
+        points = collect(metric_reader(cluster))
+
+    seconds = expected["seconds"]
+    assert len(seconds) > 2 * dask_otel.metrics.MAX_SERIES
+    exported = points["dask.activity.time"]
+    assert len(exported) == dask_otel.metrics.MAX_SERIES + 1
+    overflow = [p for p in exported if p.attributes == {"otel.metric.overflow": True}]
+    assert len(overflow) == 1
+    kept = {tuple(sorted(p.attributes.items())): p.value for p in exported if p not in overflow}
+    assert all(seconds[attributes] == v for attributes, v in kept.items())
+    assert sum(p.value for p in exported) == pytest.approx(sum(seconds.values()))
+
+
 def test_no_span_attribute_by_default():
     with metrics_cluster() as (cluster, client):
         with span("etl"):

@@ -2,11 +2,14 @@
 
 Spans come from different places (the SDK's in-memory exporter, the OTLP test
 receiver, Phoenix); :func:`as_node` turns each into one shape first.
+:func:`check_span_tree` checks SDK spans of any number of traces;
+:func:`assert_one_whole_trace` one whole trace from any source.
 """
 
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -72,3 +75,21 @@ def assert_one_whole_trace(
         slack = DASK_CLOCK_SLACK_NS if n.name in dask_roots else SLACK_NS
         assert n.end_ns <= parent.end_ns + slack, f"{n.name} ends after its parent {parent.name}"
     return by_id
+
+
+def check_span_tree(spans: Iterable[Any], *, inside: bool = True) -> None:
+    """Every span of SDK ``ReadableSpan``s has a unique id, its parent (if any)
+    among them, in the same trace, and (``inside``) lies within its parent's time"""
+    spans = list(spans)
+    by_id = {(s.context.trace_id, s.context.span_id): s for s in spans}
+    assert len(by_id) == len(spans), "two spans share an id"
+    for s in spans:
+        if s.parent is None:
+            continue
+        parent = by_id.get((s.context.trace_id, s.parent.span_id))
+        assert parent is not None, f"{s.name!r}: parent {s.parent.span_id:016x} not exported"
+        if inside:
+            assert parent.start_time <= s.start_time <= s.end_time <= parent.end_time, (
+                f"{s.name!r} [{s.start_time}, {s.end_time}] is not inside {parent.name!r} "
+                f"[{parent.start_time}, {parent.end_time}]"
+            )

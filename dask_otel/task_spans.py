@@ -1,0 +1,215 @@
+"""Task spans: each executed task as an OpenTelemetry span, from the worker that
+ran it. Opt-in (``otel.tasks.spans: true``); the scheduler does no work for them.
+
+What is exported
+    One span per task run that is *chosen*, named after the task prefix
+    (``key_split``), a child of the task's Dask span (TaskGroup spans get random
+    ids on the scheduler, which a worker cannot know), in the Dask span's trace.
+    It runs from when the task's function started to when it returned, the
+    times Dask itself records (``ExecuteSuccessEvent``/``ExecuteFailureEvent``,
+    already on the scheduler's clock). Attributes: ``dask.task.key``,
+    ``dask.span.id`` (the Dask span's UUID), ``dask.worker.address``,
+    ``thread.id``, ``dask.duration`` (s), ``dask.output.bytes`` (succeeded tasks).
+    An erred task has status ERROR and an ``exception`` event with
+    ``exception.type``, ``exception.message`` and ``exception.stacktrace`` (the
+    OTel semantic conventions for exceptions).
+
+Which tasks
+    Only in traces the sampler keeps (:func:`dask_otel.sampling.trace_sampled`,
+    the decision the scheduler's mirror gets). Then a task is exported if its key
+    is chosen by ``otel.tasks.sample-ratio`` (a hash of the key: the same key is
+    chosen on every worker and every retry), or it ran at least
+    ``otel.tasks.slower-than``, or it erred and ``otel.tasks.erred`` is true.
+
+    A chosen task's span is also the current span while it runs, so spans made
+    inside the task are its children. The threshold and erred rules can only
+    decide after the run: such a task's span is exported, but its code ran in
+    its Dask span's context, so spans made inside it are its *siblings*.
+
+Edge cases
+    A task whose worker dies mid-run has no span from that worker; the run that
+    finishes it elsewhere exports one. A task that is rescheduled (``Reschedule``,
+    worker closing) exports none. A task that failed before its function ran
+    (a dependency that could not be deserialized) has no start and stop from
+    Dask: its span is a zero-length span at the time of the failure. Erred tasks
+    can end after their Dask span (Dask's ``Span.stop`` ignores erred tasks).
+"""
+
+from __future__ import annotations
+
+import random
+from hashlib import blake2b
+from typing import TYPE_CHECKING, Any
+
+from dask.utils import key_split
+from distributed.metrics import time
+from distributed.worker_state_machine import ExecuteFailureEvent, ExecuteSuccessEvent
+from opentelemetry import trace
+from opentelemetry.sdk.trace import Event, ReadableSpan
+from opentelemetry.trace import NonRecordingSpan, SpanContext, Status, StatusCode, TraceFlags
+
+from dask_otel.spans import MAX_NAME_LENGTH, _truncate
+from dask_otel.task_context import TaskRun
+
+if TYPE_CHECKING:
+    from distributed import Worker
+
+    from dask_otel.config import OtelConfig
+    from dask_otel.task_context import DaskSpanContext
+    from dask_otel.telemetry import SpanSink
+
+_SAMPLED = TraceFlags(TraceFlags.SAMPLED)
+_UNSET = Status(StatusCode.UNSET)
+_HASH_SPACE = 1 << 64
+
+
+def key_chosen(key: Any, ratio: float) -> bool:
+    """Whether ``otel.tasks.sample-ratio`` chooses this key: a hash of ``str(key)``
+    compared with ``ratio * 2**64``, so the same in every process and every run"""
+    if ratio >= 1:
+        return True
+    if ratio <= 0:
+        return False
+    digest = blake2b(str(key).encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "big") < ratio * _HASH_SPACE
+
+
+def _ns(seconds: float) -> int:
+    return int(seconds * 1e9)
+
+
+class TaskSpans:
+    """Starts and exports the task spans of one worker"""
+
+    #: the worker whose tasks these are
+    worker: Worker
+    #: the worker process's span processors
+    sink: SpanSink
+    #: otel.tasks.sample-ratio
+    ratio: float
+    #: otel.tasks.slower-than, seconds, or None
+    slower_than: float | None
+    #: otel.tasks.erred
+    erred: bool
+    #: task spans handed to the span processors
+    exported: int
+
+    def __init__(self, worker: Worker, sink: SpanSink, config: OtelConfig):
+        self.worker = worker
+        self.sink = sink
+        self.ratio = config.task_sample_ratio
+        self.slower_than = config.task_slower_than
+        self.erred = config.task_erred
+        self.exported = 0
+        # A rule that may export a task after its run needs an id ready for it
+        self._after_run_rules = self.slower_than is not None or self.erred
+        self._random = random.Random()
+
+    def start(self, key: Any, ts: Any, dask_span: DaskSpanContext) -> TaskRun:
+        """The run of a task in a sampled trace: in its task span's context if its
+        key is chosen, else in its Dask span's (with a span id kept for the
+        threshold and erred rules, or none)"""
+        otel = ts.annotations.get("otel")
+        span_id = self._random.getrandbits(64) or 1
+        if key_chosen(key, self.ratio):
+            parent = dask_span.span_context
+            own = SpanContext(
+                parent.trace_id, span_id, is_remote=False,
+                trace_flags=_SAMPLED, trace_state=parent.trace_state,
+            )
+            context = trace.set_span_in_context(NonRecordingSpan(own), dask_span.context)
+            run = TaskRun(key, dask_span, context, span_id, otel)
+            run.chosen = True
+            return run
+        return TaskRun(key, dask_span, dask_span.context, span_id if self._after_run_rules else 0, otel)
+
+    def finish(self, run: TaskRun, event: Any) -> None:
+        """Export the run's span if a rule says so, from the event ``execute``
+        returned (a RescheduleEvent exports nothing)"""
+        erred = isinstance(event, ExecuteFailureEvent)
+        if not erred and not isinstance(event, ExecuteSuccessEvent):
+            return
+        start, stop = event.start, event.stop
+        if start is None or stop is None:  # failed before the function ran
+            start = stop = time()
+        duration = max(stop - start, 0.0)
+        if not (
+            run.chosen
+            or (erred and self.erred)
+            or (self.slower_than is not None and duration >= self.slower_than)
+        ):
+            return
+        self.sink.emit(self._span(run, event, start, stop, duration, erred))
+        self.exported += 1
+
+    def _span(
+        self, run: TaskRun, event: Any, start: float, stop: float, duration: float, erred: bool
+    ) -> ReadableSpan:
+        sink = self.sink
+        parent = run.dask_span.span_context
+        attributes: dict[str, Any] = {
+            "dask.task.key": _truncate(str(run.key), sink.max_length),
+            "dask.span.id": run.dask_span.dask_id,
+            "dask.worker.address": self.worker.address,
+            "dask.duration": duration,
+        }
+        thread = self.worker.threads.get(run.key)
+        if thread is not None:
+            attributes["thread.id"] = thread
+        events: tuple[Event, ...] = ()
+        status = _UNSET
+        if erred:
+            exc_type, message = _exception_type_and_message(event)
+            status = Status(StatusCode.ERROR, _truncate(f"{exc_type}: {message}", sink.max_length))
+            events = (
+                Event(
+                    "exception",
+                    {
+                        "exception.type": exc_type,
+                        "exception.message": _truncate(message, sink.max_length),
+                        "exception.stacktrace": _truncate(
+                            event.traceback_text or "", sink.max_length
+                        ),
+                    },
+                    _ns(stop),
+                ),
+            )
+        else:
+            attributes["dask.output.bytes"] = event.nbytes
+        return ReadableSpan(
+            _truncate(key_split(run.key), MAX_NAME_LENGTH),
+            context=SpanContext(
+                parent.trace_id, run.span_id, is_remote=False,
+                trace_flags=_SAMPLED, trace_state=parent.trace_state,
+            ),
+            parent=SpanContext(
+                parent.trace_id, parent.span_id, is_remote=False,
+                trace_flags=_SAMPLED, trace_state=parent.trace_state,
+            ),
+            resource=sink.resource,
+            attributes=attributes,
+            events=events,
+            status=status,
+            start_time=_ns(start),
+            end_time=_ns(stop),
+            instrumentation_scope=sink.scope,
+        )
+
+
+def _exception_type_and_message(event: ExecuteFailureEvent) -> tuple[str, str]:
+    """The exception's type name (as the SDK's ``record_exception`` writes it) and
+    message. The event holds the exception pickled (Dask truncates huge ones
+    first); if it does not unpickle here, its ``repr`` is parsed instead."""
+    try:
+        from distributed.protocol import pickle
+
+        exc = pickle.loads(event.exception.data)
+        if isinstance(exc, BaseException):
+            return type(exc).__qualname__, str(exc)
+    except Exception:
+        pass
+    text = event.exception_text or ""
+    name, paren, rest = text.partition("(")
+    if paren and name.isidentifier():
+        return name, rest.removesuffix(")")
+    return "Exception", text

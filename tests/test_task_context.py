@@ -1,0 +1,250 @@
+"""The OTel context code inside a task runs in (dask_otel.task_context): the task's
+Dask span, with the ids the scheduler's mirror exports, on real LocalClusters."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import pytest
+from distributed import Worker, span, worker_client
+from opentelemetry import trace
+
+from conftest import otel_cluster
+
+LOW_64 = (1 << 64) - 1
+
+
+def current_ids(*_):
+    """(trace id, span id, sampled) of the current OTel span where this runs"""
+    context = trace.get_current_span().get_span_context()
+    return context.trace_id, context.span_id, context.trace_flags.sampled
+
+
+def root_ids(*_):
+    """current_ids under another key prefix: Dask attaches a task prefix to the span
+    it was first submitted under (ARCHITECTURE: TaskGroup collision)"""
+    return current_ids()
+
+
+async def current_ids_async(*_):
+    await asyncio.sleep(0)
+    return current_ids()
+
+
+def fail_with_ids(*_):
+    trace_id, span_id, _ = current_ids()
+    raise ValueError(f"{trace_id:032x} {span_id:016x}")
+
+
+def submit_subtask(*_):
+    with worker_client() as client:
+        return client.submit(current_ids, "sub", pure=False).result()
+
+
+def ids_and_baggage(*_):
+    from opentelemetry import baggage
+
+    return current_ids(), baggage.get_baggage("tenant")
+
+
+def subtask_ids_and_baggage(*_):
+    with worker_client() as client:
+        return client.submit(ids_and_baggage, "sub", pure=False).result()
+
+
+def caller_carrier(trace_id: int, span_id: int, sampled: bool) -> dict[str, str]:
+    """What dask_otel.span puts in the ``otel`` annotation for a caller's span"""
+    from opentelemetry import baggage, propagate
+    from opentelemetry.trace import NonRecordingSpan, SpanContext, TraceFlags
+
+    caller = SpanContext(trace_id, span_id, is_remote=False, trace_flags=TraceFlags(int(sampled)))
+    context = trace.set_span_in_context(NonRecordingSpan(caller))
+    context = baggage.set_baggage("tenant", "acme", context)
+    carrier: dict[str, str] = {}
+    propagate.inject(carrier, context=context)
+    return carrier
+
+
+def expected(root_id: str, own_id: str) -> tuple[int, int, bool]:
+    return int(root_id.replace("-", ""), 16), int(own_id.replace("-", ""), 16) & LOW_64, True
+
+
+def mirrored_ids(mirrored, dask_id: str) -> tuple[int, int, bool]:
+    context = mirrored.by_dask_id(dask_id).context
+    return context.trace_id, context.span_id, context.trace_flags.sampled
+
+
+@pytest.mark.parametrize("processes", [False, True])
+def test_task_current_span_is_its_dask_span(processes):
+    with otel_cluster(processes=processes) as (client, mirrored):
+        with span("workflow") as root_id:
+            with span("stage") as stage_id:
+                in_stage = client.gather(client.map(current_ids, range(4)))
+            in_root = client.submit(root_ids, "root").result()
+        assert in_stage == [expected(root_id, stage_id)] * 4
+        assert in_root == expected(root_id, root_id)
+        # exactly what the scheduler's mirror exports
+        assert in_stage[0] == mirrored_ids(mirrored, stage_id)
+        assert in_root == mirrored_ids(mirrored, root_id)
+
+
+@pytest.mark.parametrize("processes", [False, True])
+def test_coroutine_task_current_span_is_its_dask_span(processes):
+    with otel_cluster(processes=processes) as (client, _):
+        with span("async work") as root_id:
+            result = client.submit(current_ids_async, 1).result()
+        assert result == expected(root_id, root_id)
+
+
+def test_threads_each_see_their_own_task_span():
+    with otel_cluster(n_workers=1, threads_per_worker=4) as (client, _):
+        with span("a") as a_id:
+            a = client.map(current_ids, range(20), key=[f"a-{i}" for i in range(20)])
+        with span("b") as b_id:
+            b = client.map(current_ids, range(20), key=[f"b-{i}" for i in range(20)])
+        assert client.gather(a) == [expected(a_id, a_id)] * 20
+        assert client.gather(b) == [expected(b_id, b_id)] * 20
+
+
+@pytest.mark.parametrize("processes", [False, True])
+def test_worker_client_subtask_runs_in_the_same_dask_span(processes):
+    with otel_cluster(processes=processes) as (client, _):
+        with span("fan out") as root_id:
+            result = client.submit(submit_subtask, 1).result()
+        assert result == expected(root_id, root_id)
+
+
+@pytest.mark.parametrize("sampled", [True, False])
+def test_carrier_puts_tasks_in_the_callers_trace_with_its_baggage(sampled):
+    import dask
+
+    caller_trace, caller_span = 0x0AF7651916CD43DD8448EB211C80319C, 0xB7AD6B7169203331
+    annotation = {"carrier": caller_carrier(caller_trace, caller_span, sampled), "entered": {}}
+    with otel_cluster(processes=True) as (client, _):
+        with span("joined") as root_id, dask.annotate(otel=annotation):
+            direct = client.submit(ids_and_baggage, 1).result()
+            sub = client.submit(subtask_ids_and_baggage, 1).result()
+        own = int(root_id.replace("-", ""), 16) & LOW_64
+        # parent-based sampling (the SDK default) follows the caller's decision
+        assert direct == ((caller_trace, own, sampled), "acme")
+        assert sub == direct
+
+
+def test_erred_task_ran_in_its_span_and_nothing_leaks():
+    with otel_cluster(n_workers=1) as (client, _):
+        with span("doomed") as doomed_id:
+            future = client.submit(fail_with_ids, 1)
+            with pytest.raises(ValueError) as info:
+                future.result()
+        trace_id, span_id, _ = expected(doomed_id, doomed_id)
+        assert str(info.value) == f"{trace_id:032x} {span_id:016x}"
+        # the same (only) thread, next task: its own span, not the erred one's
+        with span("next") as next_id:
+            assert client.submit(current_ids, 2).result() == expected(next_id, next_id)
+        # and outside tasks, no context at all
+        outside = client.run(lambda: trace.get_current_span().get_span_context().is_valid)
+        assert not any(outside.values())
+
+
+def test_status_reports_the_hook():
+    import dask_otel
+
+    with otel_cluster() as (client, _):
+        workers = dask_otel.status(client)["workers"]
+        assert workers and all(w["task_context"] for w in workers.values())
+
+
+class SyncExecuteWorker(Worker):
+    """A Worker whose execute is not a coroutine function, as a future distributed
+    might have it: the hook's feature detection must refuse it"""
+
+    def execute(self, key, *, stimulus_id):
+        return super().execute(key, stimulus_id=stimulus_id)
+
+
+class Records(logging.Handler):
+    """Records logged on one logger (caplog misses records of the worker threads'
+    loggers with distributed 2024.1, whose logging setup replaces root handlers)"""
+
+    def __init__(self) -> None:
+        super().__init__(logging.DEBUG)
+        self.records: list[logging.LogRecord] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.records.append(record)
+
+
+def test_unhookable_worker_runs_tasks_without_context_and_says_so_once(monkeypatch):
+    import dask_otel
+    from dask_otel import task_context
+
+    monkeypatch.setattr(task_context, "_told_unhookable", False)
+    handler = Records()
+    logger = logging.getLogger("dask_otel")
+    monkeypatch.setattr(logger, "level", logging.INFO)
+    logger.addHandler(handler)
+    try:
+        with otel_cluster(worker_class=SyncExecuteWorker) as (client, _):
+            with span("plain"):
+                results = client.gather(client.map(current_ids, range(4)))
+            assert results == [(0, 0, False)] * 4
+            workers = dask_otel.status(client)["workers"]
+            assert len(workers) == 2
+            assert not any(w["task_context"] for w in workers.values())
+            assert all(w["error"] is None for w in workers.values())
+    finally:
+        logger.removeHandler(handler)
+    told = [r for r in handler.records if "without an OpenTelemetry context" in r.getMessage()]
+    assert len(told) == 1 and told[0].levelno == logging.INFO
+    assert "Worker.execute is not a coroutine function" in told[0].getMessage()
+
+
+# --- user spans inside tasks: the bridge's TracerProvider as the global one -----
+
+#: Spans over OTLP from the scheduler (the mirror) and the workers, batched fast
+OTLP_CONFIG = {"otel.traces.exporter": "otlp", "otel.flush-timeout": "2s"}
+FAST_EXPORT_ENV = {"OTEL_BSP_SCHEDULE_DELAY": "100", "OTEL_EXPORTER_OTLP_TIMEOUT": "2"}
+
+
+def user_work(*_):
+    with trace.get_tracer("x").start_as_current_span("user work"):
+        return current_ids()
+
+
+def global_provider_type(*_):
+    provider = trace.get_tracer_provider()
+    return f"{type(provider).__module__}.{type(provider).__name__}"
+
+
+def test_user_span_in_task_is_exported_as_child_of_dask_span(monkeypatch):
+    from otlp_receiver import OTLPReceiver
+
+    with OTLPReceiver("grpc") as receiver:
+        for name, value in {**receiver.env(), **FAST_EXPORT_ENV}.items():
+            monkeypatch.setenv(name, value)
+        with otel_cluster(OTLP_CONFIG, processes=True) as (client, _):
+            with span("report") as root_id:
+                in_user_span = client.submit(user_work, 1).result()
+            providers = set(client.run(global_provider_type).values())
+            trace_id, dask_span_id, _ = expected(root_id, root_id)
+            (user,) = receiver.wait_for(lambda r: r.spans("user work"))
+            (dask_span,) = receiver.wait_for(lambda r: r.spans("report"))
+    assert providers == {"dask_otel.telemetry.TelemetryTracerProvider"}
+    assert user.trace_id == dask_span.trace_id == f"{trace_id:032x}"
+    assert user.parent_span_id == dask_span.span_id == f"{dask_span_id:016x}"
+    assert in_user_span[0] == trace_id and f"{in_user_span[1]:016x}" == user.span_id
+    assert user.resource["service.name"] == "dask"
+    assert dask_span.start <= user.start <= user.end <= dask_span.end
+
+
+def test_application_tracer_provider_is_never_replaced(monkeypatch):
+    # the workers' "application" configures its own provider through the OTel API's
+    # environment variable, before the bridge looks
+    monkeypatch.setenv("OTEL_PYTHON_TRACER_PROVIDER", "sdk_tracer_provider")
+    with otel_cluster(OTLP_CONFIG | {"otel.traces.exporter": "memory"}, processes=True) as (client, _):
+        with span("app owned") as root_id:
+            # the app's provider made the user span, in the task's trace
+            assert client.submit(user_work, 1).result()[0] == expected(root_id, root_id)[0]
+        providers = set(client.run(global_provider_type).values())
+    assert providers == {"opentelemetry.sdk.trace.TracerProvider"}

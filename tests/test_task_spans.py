@@ -1,0 +1,207 @@
+"""Task spans (otel.tasks.*): each executed task as a span from the worker that ran
+it, on real LocalClusters, read back from the in-memory exporter (processes=False:
+the workers share the scheduler's) or a real OTLP receiver (processes=True)."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+from distributed import span, wait
+from opentelemetry import trace
+from opentelemetry.trace import StatusCode
+
+from conftest import otel_cluster, wait_until
+from trace_checks import check_span_tree
+
+TASK_SPANS = {"otel.tasks.spans": True}
+
+
+def current_span_id(x):
+    return trace.get_current_span().get_span_context().span_id
+
+
+def total(xs):
+    return sum(xs)
+
+
+def nap(seconds):
+    time.sleep(seconds)
+    return seconds
+
+
+def fail(x):
+    raise ValueError(f"bad {x}")
+
+
+def task_spans(mirrored) -> list:
+    return [s for s in mirrored.spans() if "dask.task.key" in s.attributes]
+
+
+def test_ratio_zero_exports_no_task_span():
+    config = {**TASK_SPANS, "otel.tasks.sample-ratio": 0, "otel.tasks.erred": False}
+    with otel_cluster(config) as (client, mirrored):
+        with span("quiet") as sid:
+            in_task = client.gather(client.map(current_span_id, range(10)))
+        dask_span = mirrored.by_dask_id(sid)
+        assert task_spans(mirrored) == []
+        # the tasks ran in their Dask span's context
+        assert set(in_task) == {dask_span.context.span_id}
+
+
+def test_ratio_one_exports_every_task_once_as_child_of_its_dask_span():
+    with otel_cluster(TASK_SPANS) as (client, mirrored):
+        with span("all") as sid:
+            parts = client.map(current_span_id, range(10))
+            in_task = client.gather(parts)
+            summed = client.submit(total, parts)
+            summed.result()
+        dask_span = mirrored.by_dask_id(sid)
+        spans = wait_until(lambda: len(task_spans(mirrored)) >= 11 and task_spans(mirrored))
+        time.sleep(0.3)  # nothing more arrives
+        spans = task_spans(mirrored)
+        assert len(spans) == 11
+        keys = [s.attributes["dask.task.key"] for s in spans]
+        assert sorted(keys) == sorted([str(p.key) for p in parts] + [str(summed.key)])
+        assert {s.name for s in spans} == {"current_span_id", "total"}
+        for s in spans:
+            assert s.parent.span_id == dask_span.context.span_id
+            assert s.context.trace_id == dask_span.context.trace_id
+            assert s.attributes["dask.span.id"] == sid
+            assert s.attributes["dask.worker.address"] in client.scheduler_info()["workers"]
+            assert isinstance(s.attributes["thread.id"], int)
+            assert s.attributes["dask.duration"] >= 0
+            assert s.attributes["dask.output.bytes"] > 0
+            assert s.status.status_code is StatusCode.UNSET
+        # chosen tasks ran in their task span's context
+        assert sorted(in_task) == sorted(s.context.span_id for s in spans if s.name == "current_span_id")
+        check_span_tree(mirrored.spans())
+
+
+def test_slower_than_exports_only_slow_tasks():
+    config = {**TASK_SPANS, "otel.tasks.sample-ratio": 0, "otel.tasks.slower-than": "300ms"}
+    with otel_cluster(config) as (client, mirrored):
+        with span("naps") as sid:
+            fast = client.submit(nap, 0.01)
+            slow = client.submit(nap, 0.5)
+            wait([fast, slow])
+        dask_span = mirrored.by_dask_id(sid)
+        (exported,) = wait_until(lambda: task_spans(mirrored))
+        time.sleep(0.3)
+        assert [s.attributes["dask.task.key"] for s in task_spans(mirrored)] == [str(slow.key)]
+        assert exported.attributes["dask.duration"] >= 0.5
+        assert exported.parent.span_id == dask_span.context.span_id
+        check_span_tree(mirrored.spans())
+
+
+def test_erred_tasks_are_exported_with_the_exception():
+    config = {**TASK_SPANS, "otel.tasks.sample-ratio": 0}
+    with otel_cluster(config) as (client, mirrored):
+        with span("doomed") as sid:
+            ok = client.submit(nap, 0)
+            bad = client.submit(fail, 7)
+            wait([ok, bad])
+        dask_span = mirrored.by_dask_id(sid)
+        (exported,) = wait_until(lambda: task_spans(mirrored))
+        time.sleep(0.3)
+        assert [s.attributes["dask.task.key"] for s in task_spans(mirrored)] == [str(bad.key)]
+        assert exported.name == "fail"
+        assert exported.status.status_code is StatusCode.ERROR
+        assert exported.status.description == "ValueError: bad 7"
+        (event,) = exported.events
+        assert event.name == "exception"
+        assert event.attributes["exception.type"] == "ValueError"
+        assert event.attributes["exception.message"] == "bad 7"
+        assert "raise ValueError" in event.attributes["exception.stacktrace"]
+        assert "dask.output.bytes" not in exported.attributes
+        assert exported.parent.span_id == dask_span.context.span_id
+        # Dask's Span.stop ignores erred tasks: only ids and parents are checked
+        check_span_tree(mirrored.spans(), inside=False)
+
+
+def test_erred_rule_off_exports_no_erred_task():
+    config = {**TASK_SPANS, "otel.tasks.sample-ratio": 0, "otel.tasks.erred": False}
+    with otel_cluster(config) as (client, mirrored):
+        with span("doomed quietly") as sid:
+            wait(client.submit(fail, 8))
+        mirrored.by_dask_id(sid)
+        time.sleep(0.3)
+        assert task_spans(mirrored) == []
+
+
+def test_unsampled_trace_exports_no_task_span(monkeypatch):
+    monkeypatch.setenv("OTEL_TRACES_SAMPLER", "always_off")
+    with otel_cluster(TASK_SPANS) as (client, mirrored):
+        with span("dropped"):
+            assert client.gather(client.map(current_span_id, range(5)))
+        time.sleep(1)
+        assert mirrored.spans() == []
+
+
+def die_once(marker: str) -> str:
+    """Kill this worker process mid-task the first time; finish the second time"""
+    from distributed import get_worker
+
+    if not os.path.exists(marker):
+        with open(marker, "w") as f:
+            f.write(get_worker().address)
+        os.kill(os.getpid(), signal.SIGKILL)
+    return get_worker().address
+
+
+def test_task_of_a_killed_worker_is_exported_once_by_the_worker_that_finished_it(
+    monkeypatch, tmp_path
+):
+    from otlp_receiver import OTLPReceiver
+
+    marker = str(tmp_path / "killed")
+    config = {**TASK_SPANS, "otel.traces.exporter": "otlp", "otel.flush-timeout": "2s"}
+    with OTLPReceiver("grpc") as receiver:
+        env = {**receiver.env(), "OTEL_BSP_SCHEDULE_DELAY": "100", "OTEL_EXPORTER_OTLP_TIMEOUT": "2"}
+        for name, value in env.items():
+            monkeypatch.setenv(name, value)
+        with otel_cluster(config, processes=True) as (client, _):
+            with span("survivor") as sid:
+                future = client.submit(die_once, marker)
+                finished_on = future.result(timeout=60)
+                others = client.gather(client.map(current_span_id, range(5)))
+            (dask_span,) = receiver.wait_for(lambda r: r.spans("survivor"))
+
+            def tasks(r, name):  # not the scheduler's TaskGroup span of the same name
+                return [s for s in r.spans(name) if "dask.task.key" in s.attributes]
+
+            receiver.wait_for(lambda r: len(tasks(r, "current_span_id")) >= 5)
+            (exported,) = receiver.wait_for(lambda r: tasks(r, "die_once"))
+            time.sleep(1)  # nothing more arrives
+            killed = open(marker).read()
+            assert killed != finished_on
+            assert [s.attributes["dask.task.key"] for s in tasks(receiver, "die_once")] == [str(future.key)]
+            assert exported.attributes["dask.worker.address"] == finished_on
+            assert len(tasks(receiver, "current_span_id")) == 5
+            assert sorted(int(s.span_id, 16) for s in tasks(receiver, "current_span_id")) == sorted(others)
+            for s in tasks(receiver, "die_once") + tasks(receiver, "current_span_id"):
+                assert s.parent_span_id == dask_span.span_id and s.trace_id == dask_span.trace_id
+                assert dask_span.start <= s.start <= s.end <= dask_span.end
+
+
+@pytest.mark.parametrize(
+    "key, value",
+    [
+        ("otel.tasks.sample-ratio", 1.5),
+        ("otel.tasks.sample-ratio", "half"),
+        ("otel.tasks.slower-than", "soon"),
+        ("otel.tasks.erred", "yes"),
+        ("otel.logs.level", "LOUD"),
+        ("otel.logs.exporter", "carrier-pigeon"),
+    ],
+)
+def test_bad_tasks_or_logs_config_names_the_key(key, value):
+    import dask
+
+    from dask_otel.config import ConfigError, read_config
+
+    with dask.config.set({key: value}):
+        with pytest.raises(ConfigError, match=key):
+            read_config()
