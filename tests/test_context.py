@@ -176,9 +176,12 @@ def test_a_trace_the_sampler_drops_drops_its_dask_spans(cluster, caller):
         client.gather(client.map(double, range(3)))
     mirrored.by_dask_id(kept_id)
     time.sleep(0.5)
-    assert [s for s in mirrored.spans() if s.context.trace_id == dropped_trace] == []
+    exported = mirrored.spans()
+    assert [s for s in exported if s.context.trace_id == dropped_trace] == []
+    # Not exported in a trace of their own either
+    assert [s for s in exported if s.attributes["dask.span.name"][0] == "dropped"] == []
+    assert [s for s in exported if s.attributes["dask.span.id"] == dropped_id] == []
     assert mirrored.plugin.mirror.entered == {} and mirrored.plugin.mirror.remote_parents == {}
-    assert dropped_id
 
 
 def test_memory_of_the_mirror_is_bounded_by_open_spans(cluster):
