@@ -49,7 +49,7 @@ Needs only ``opentelemetry-api``: nothing here imports the SDK or the scheduler.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any
 
@@ -122,11 +122,12 @@ def otel_annotation(
     return annotation
 
 
-def remote_parent(carrier: dict[str, str] | None) -> SpanContext | None:
+def remote_parent(carrier: Mapping[str, Any] | None) -> SpanContext | None:
     """The caller's span context as the scheduler reads it back from a carrier,
-    or None if the carrier holds none"""
+    or None if the carrier holds none (or only values that are not strings)"""
     if not carrier:
         return None
+    carrier = {k: v for k, v in carrier.items() if isinstance(k, str) and isinstance(v, str)}
     parent = trace.get_current_span(propagate.extract(carrier)).get_span_context()
     return parent if parent.is_valid else None
 

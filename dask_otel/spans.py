@@ -488,24 +488,27 @@ class SpanMirror:
         """
         annotations = ts.annotations
         otel = annotations.get(ANNOTATION) if annotations else None
-        if not otel or not isinstance(otel, dict):
+        span_annotation = annotations.get("span") if otel else None
+        if not isinstance(otel, Mapping) or not isinstance(span_annotation, Mapping):
+            return  # none, or an "otel" annotation someone else made: not ours
+        ids = span_annotation.get("ids")
+        entered = otel.get("entered")
+        if not ids or not isinstance(entered, Mapping):
             return
-        span_annotation = annotations.get("span")
-        if not span_annotation:
-            return
-        ids = span_annotation["ids"]
-        entered = otel.get("entered") or {}
         self._observe_entered(ids, entered)
         root_id = ids[0]
         if root_id not in entered:
             return  # the root is a distributed.span: its own trace
+        carrier = otel.get("carrier")
+        if not isinstance(carrier, Mapping):
+            carrier = None
         if root_id in self.open_spans:
             if root_id not in self.remote_parents:
-                self.remote_parents[root_id] = remote_parent(otel.get("carrier"))
+                self.remote_parents[root_id] = remote_parent(carrier)
         elif root_id not in self.reopened_parents:
             if len(self.reopened_parents) >= MAX_REOPENED_ROOTS:
                 del self.reopened_parents[next(iter(self.reopened_parents))]
-            self.reopened_parents[root_id] = remote_parent(otel.get("carrier"))
+            self.reopened_parents[root_id] = remote_parent(carrier)
 
     def _observe_entered(self, ids: tuple[str, ...], entered: Mapping[str, float]) -> None:
         """Keep, for each open span of ``ids`` (root first), the earliest time a
