@@ -6,6 +6,9 @@ Turn it on with one dask config key, before the scheduler starts::
     # or: export DASK_DISTRIBUTED__SCHEDULER__PRELOAD=dask_otel
 
 or, for a cluster that is already running, ``dask_otel.instrument(client)``.
+On the client, ``dask_otel.span`` (a drop-in for ``distributed.span``) joins a
+Dask workflow to the caller's OpenTelemetry trace; it needs only
+``opentelemetry-api``.
 Where the telemetry goes is set by the standard ``OTEL_*`` environment variables;
 the ``otel:`` dask config namespace holds the rest (see ``otel.yaml``).
 """
@@ -15,8 +18,11 @@ from __future__ import annotations
 from importlib.metadata import PackageNotFoundError, version
 from typing import TYPE_CHECKING, Any
 
+from dask_otel.client import span
 from dask_otel.config import ConfigError  # also loads the otel: config defaults
-from dask_otel.plugin import PLUGIN_NAME, OtelSchedulerPlugin
+
+# The plugins, and through them the OTel SDK, are imported where they are used:
+# a client that only calls dask_otel.span needs opentelemetry-api alone.
 
 if TYPE_CHECKING:
     from distributed import Client, Scheduler
@@ -26,7 +32,7 @@ try:
 except PackageNotFoundError:  # a source checkout that is not installed
     __version__ = "0+unknown"
 
-__all__ = ["ConfigError", "dask_setup", "dask_teardown", "instrument", "status"]
+__all__ = ["ConfigError", "dask_setup", "dask_teardown", "instrument", "span", "status"]
 
 
 async def dask_setup(scheduler: Scheduler) -> None:
@@ -35,12 +41,16 @@ async def dask_setup(scheduler: Scheduler) -> None:
     Adds the scheduler plugin, which registers the worker plugin with the
     scheduler, so that every current and future worker exports too.
     """
+    from dask_otel.plugin import OtelSchedulerPlugin
+
     await scheduler.register_scheduler_plugin(OtelSchedulerPlugin(), idempotent=True)
 
 
 async def dask_teardown(scheduler: Scheduler) -> None:
     """Preload exit point: export and flush what is pending, within
     ``otel.flush-timeout``."""
+    from dask_otel.plugin import PLUGIN_NAME, OtelSchedulerPlugin
+
     plugin = scheduler.plugins.get(PLUGIN_NAME)
     if isinstance(plugin, OtelSchedulerPlugin):
         await plugin.close()
@@ -53,6 +63,8 @@ def instrument(client: Client) -> None:
     if the cluster already has it. ``dask_otel`` must be installed on the scheduler
     and the workers. Dask spans that finished before this call are not exported.
     """
+    from dask_otel.plugin import OtelSchedulerPlugin
+
     client.register_plugin(OtelSchedulerPlugin())
 
 
@@ -64,6 +76,7 @@ def status(client: Client) -> dict[str, Any]:
     "task_context_errors": 0, "task_spans": None}}}``; ``None`` where the
     plugin is not installed. ``error`` names the config key or exporter at fault.
     """
+    from dask_otel.plugin import PLUGIN_NAME
 
     def _status(dask_server: Any) -> dict[str, Any] | None:
         plugins = getattr(dask_server, "plugins", {})

@@ -9,7 +9,10 @@ Ids
     ``trace_id`` is the 128-bit integer of the root Dask span's UUID, so
     ``with span("x") as sid:`` is trace ``sid.replace("-", "")`` with no lookup.
     ``span_id`` is the low 64 bits of the Dask span's UUID; parents mirror the Dask
-    tree. TaskGroup spans get random span ids.
+    tree. TaskGroup spans get random span ids. A root opened with
+    ``dask_otel.span`` under a valid current span (the ``otel`` task annotation
+    carries it, see :mod:`dask_otel.client`) joins that caller's trace instead: its
+    trace id is the caller's and its parent the caller's span.
 
 Sampling
     One decision per trace (:func:`dask_otel.sampling.trace_sampled`, asked with
@@ -18,7 +21,9 @@ Sampling
     is kept about a span the sampler dropped.
 
 Timing
-    A Dask span starts at ``Span.enqueued`` and ends at ``Span.stop``; the event
+    A Dask span starts at ``Span.enqueued``, or earlier when a client entered a
+    ``dask_otel.span`` block of it or of a span below it before that, and ends
+    at ``Span.stop``; the event
     ``dask.first_task_start`` marks ``Span.start``. A TaskGroup span runs from
     ``TaskGroup.start`` to ``TaskGroup.stop``. Dask records no run time for an
     erred task (its group's ``stop`` stays 0, ``Span.stop`` falls back to
@@ -97,7 +102,6 @@ from __future__ import annotations
 
 import logging
 import random
-import uuid
 from collections import defaultdict
 from collections.abc import Hashable, Iterable, Mapping
 from itertools import islice
@@ -109,11 +113,13 @@ from distributed.scheduler import ALL_TASK_STATES
 from opentelemetry.sdk.trace import Event, ReadableSpan
 from opentelemetry.trace import SpanContext, Status, StatusCode, TraceFlags
 
+from dask_otel.client import ANNOTATION, remote_parent
+from dask_otel.ids import dask_uuid
 from dask_otel.sampling import trace_sampled
 
 if TYPE_CHECKING:
     from distributed import Scheduler
-    from distributed.scheduler import TaskGroup
+    from distributed.scheduler import TaskGroup, TaskState
     from distributed.spans import Span, SpansSchedulerExtension
 
     from dask_otel.config import OtelConfig
@@ -127,23 +133,12 @@ _UNSET = Status(StatusCode.UNSET)
 POLL_BUDGET = 0.002
 _LOW_64 = (1 << 64) - 1
 _IDLE = "dask.metrics.execute.idle_or_other_spans.seconds"
+#: Roots remembered with their caller's span after their export, for work that
+#: comes under them later (each a few hundred bytes)
+MAX_REOPENED_ROOTS = 1024
 #: Longest span name exported; the rest of a huge tag is cut (span names are not
 #: attributes, so the SDK's attribute length limit does not apply to them)
 MAX_NAME_LENGTH = 1024
-
-
-def dask_uuid(span_id: str) -> int:
-    """The 128-bit integer of a Dask span id (a UUID string).
-
-    Ids that are not UUIDs (hand-made annotations) are hashed into one.
-    """
-    hex_ = span_id.replace("-", "")
-    if len(hex_) == 32:
-        try:
-            return int(hex_, 16)
-        except ValueError:
-            pass
-    return uuid.uuid5(uuid.NAMESPACE_OID, span_id).int
 
 
 def _ns(seconds: float) -> int:
@@ -501,6 +496,17 @@ class SpanMirror:
     #: Fine metrics by task prefix of the Dask spans whose groups this poll exports
     _prefix_metrics: dict[str, dict[Hashable, dict[str, float]]]
 
+    #: By open root Dask span id: the caller's span it continues (from the ``otel``
+    #: annotation's carrier, extracted once), None if there is none. Dropped when
+    #: the root is exported.
+    remote_parents: dict[str, SpanContext | None]
+    #: The same for roots already exported when more work came under them: at
+    #: most ``MAX_REOPENED_ROOTS``, oldest forgotten first
+    reopened_parents: dict[str, SpanContext | None]
+    #: By open Dask span id: the earliest client time a ``dask_otel.span`` block of
+    #: it or of one of its sub-spans was entered. Dropped when it is exported.
+    entered: dict[str, float]
+
     #: Counters for the bridge's self-metrics: spans and TaskGroup batches handed to
     #: the SDK, dropped by the sampler, and groups that got work after their export
     mirrored: int
@@ -518,6 +524,9 @@ class SpanMirror:
         self.open_children = defaultdict(int)
         self.folded = {}
         self._prefix_metrics = {}
+        self.remote_parents = {}
+        self.reopened_parents = {}
+        self.entered = {}
         self._random = random.Random()
         self.mirrored = 0
         self.sampled_out = 0
@@ -602,12 +611,15 @@ class SpanMirror:
             return
         self.observe_new_spans()
         tasks = self.scheduler.tasks
-        # Tasks of each group this graph will run: new or released ones
+        # Tasks of each group this graph will run: new or released ones; and one
+        # task per group, whose annotations are those of all
         rerun: dict[TaskGroup, int] = {}
+        first: dict[TaskGroup, TaskState] = {}
         for key in keys:
             if (ts := tasks.get(key)) is not None:
                 tg = ts.group
                 rerun[tg] = rerun.get(tg, 0) + (ts.state == "released")
+                first.setdefault(tg, ts)
         for tg, n in rerun.items():
             if tg in self.open_groups or tg.span_id is None:
                 continue
@@ -616,12 +628,77 @@ class SpanMirror:
                 continue
             if n == sum(tg.states.values()) and not tg.stop:
                 self.open_groups[tg] = GroupBatch(span)  # a new group
-                continue
-            self.open_groups[tg] = GroupBatch.reopened(tg, span, n)
+            else:
+                self.open_groups[tg] = GroupBatch.reopened(tg, span, n)
+            self.observe_otel_annotation(first[tg])
             if span.id not in self.open_spans:
                 # New work on a span that was already exported: its groups are
                 # still exported as its children; the span itself is not again.
                 self.reopened += 1
+
+    def observe_otel_annotation(self, ts: TaskState) -> None:
+        """Read the ``otel`` annotation that ``dask_otel.span`` put on a task: when
+        its blocks were entered, and the caller's span its root continues.
+
+        Only spans still open are remembered. ``ts.annotations["span"]`` is the
+        span of the task's group (Dask moves a task onto the span of the first
+        TaskGroup of its key prefix); a carrier is taken for that root only if the
+        annotation's own blocks include it, so a colliding task cannot bring
+        another workflow's caller.
+        """
+        annotations = ts.annotations
+        otel = annotations.get(ANNOTATION) if annotations else None
+        span_annotation = annotations.get("span") if otel else None
+        if not isinstance(otel, Mapping) or not isinstance(span_annotation, Mapping):
+            return  # none, or an "otel" annotation someone else made: not ours
+        ids = span_annotation.get("ids")
+        entered = otel.get("entered")
+        if not ids or not isinstance(entered, Mapping):
+            return
+        self._observe_entered(ids, entered)
+        root_id = ids[0]
+        if root_id not in entered:
+            return  # the root is a distributed.span: its own trace
+        carrier = otel.get("carrier")
+        if not isinstance(carrier, Mapping):
+            carrier = None
+        if root_id in self.open_spans:
+            if root_id not in self.remote_parents:
+                self.remote_parents[root_id] = remote_parent(carrier)
+        elif root_id not in self.reopened_parents:
+            if len(self.reopened_parents) >= MAX_REOPENED_ROOTS:
+                del self.reopened_parents[next(iter(self.reopened_parents))]
+            self.reopened_parents[root_id] = remote_parent(carrier)
+
+    def _observe_entered(self, ids: tuple[str, ...], entered: Mapping[str, float]) -> None:
+        """Keep, for each open span of ``ids`` (root first), the earliest time a
+        block of it or of a span below it was entered: a parent then never starts
+        after its children"""
+        earliest = float("inf")
+        for span_id in reversed(ids):  # innermost first: ancestors take the minimum
+            t = entered.get(span_id)
+            if isinstance(t, (int, float)):
+                earliest = min(earliest, t)
+            if span_id in self.open_spans and earliest < self.entered.get(span_id, earliest + 1):
+                self.entered[span_id] = earliest
+
+    def remote_parent(self, root_id: str) -> SpanContext | None:
+        """The caller's span a root Dask span continues, if it was opened with
+        ``dask_otel.span`` under a valid current span"""
+        if root_id in self.remote_parents:
+            return self.remote_parents[root_id]
+        return self.reopened_parents.get(root_id)
+
+    def started_at(self, span: Span) -> float:
+        """When a Dask span starts: ``Span.enqueued``, or earlier if a client entered
+        a ``dask_otel.span`` block of it, or of a span below it, before that"""
+        entered = self.entered.get(span.id)
+        return span.enqueued if entered is None else min(span.enqueued, entered)
+
+    def _forget_exported(self, span: Span) -> None:
+        """Drop what was kept about a span until its export"""
+        self.entered.pop(span.id, None)
+        self.remote_parents.pop(span.id, None)
 
     def observe_erred(self, key: Hashable, failed: float, started: float = 0.0) -> None:
         """A task erred at ``failed`` (having started to run at ``started``, 0 if
@@ -711,6 +788,9 @@ class SpanMirror:
         self.erred.clear()
         self.ends.clear()
         self._prefix_metrics.clear()
+        self.remote_parents.clear()
+        self.reopened_parents.clear()
+        self.entered.clear()
 
     def _export(self, mirror: Any, *args: Any, **kwargs: Any) -> None:
         # Telemetry must never take the scheduler down: a span that cannot be
@@ -733,14 +813,17 @@ class SpanMirror:
         Dask span's first tag, which every task of the trace knows).
         """
         root = _root(span)
-        trace_id = dask_uuid(root.id)
-        if not trace_sampled(self.sink.sampler, trace_id, str(root.name[0])):
+        # The caller's trace if the root continues one, else the root's UUID
+        parent = self.remote_parent(root.id)
+        trace_id = parent.trace_id if parent is not None else dask_uuid(root.id)
+        if not trace_sampled(self.sink.sampler, trace_id, str(root.name[0]), parent):
             return None
         return trace_id
 
     def _own_start(self, span: Span) -> float:
-        """When a Dask span started, before clamping into its parent"""
-        return span.enqueued
+        """When a Dask span started, before clamping into its parent: see
+        :meth:`started_at`"""
+        return self.started_at(span)
 
     def span_start(self, span: Span) -> float:
         """Where the OTel span of a Dask span starts: its own start, no earlier than
@@ -764,6 +847,7 @@ class SpanMirror:
         attributes: dict[str, Any],
         status: Status | None,
         events: tuple[Event, ...] = (),
+        remote_parent: SpanContext | None = None,
     ) -> None:
         """Hand one finished span to the SDK's processors, with the attribute
         count and length limits the SDK's own spans get (``SpanLimits``)"""
@@ -772,7 +856,7 @@ class SpanMirror:
         parent = (
             SpanContext(trace_id, parent_id, is_remote=False, trace_flags=_SAMPLED)
             if parent_id is not None
-            else None
+            else remote_parent
         )
         sink.emit(
             ReadableSpan(
@@ -823,10 +907,12 @@ class SpanMirror:
         erred = self.erred.pop(span.id, 0)
         end = max(stop, self.ends.pop(span.id, 0.0))
         trace_id = self._trace_id(span)
+        remote = self.remote_parent(span.id) if span.parent is None else None
+        start = self.span_start(span)
+        self._forget_exported(span)  # also when sampled out
         if trace_id is None:
             return False
         own, subtree = self.totals(span, folded)
-        start = self.span_start(span)
         end = max(end, start)
         parent = span.parent
         if parent is not None:
@@ -867,6 +953,7 @@ class SpanMirror:
             attributes,
             status,
             events,
+            remote_parent=remote,
         )
         return True
 
