@@ -122,6 +122,22 @@ def otel_annotation(
     return annotation
 
 
+def root_carrier(otel: Any, root_id: str) -> Mapping[str, str] | None:
+    """The carrier of a task's ``otel`` annotation if it is the one of root Dask
+    span ``root_id``: written by the ``dask_otel.span`` block that opened that root
+    (the root is among the annotation's ``entered``). Anything else (no
+    annotation, one of another shape, or one that came with a task Dask moved onto
+    another workflow's span) is None. The scheduler and the workers apply this
+    same rule, so they agree on every task's trace."""
+    if not isinstance(otel, Mapping):
+        return None
+    entered = otel.get("entered")
+    carrier = otel.get("carrier")
+    if not isinstance(entered, Mapping) or root_id not in entered:
+        return None
+    return carrier if isinstance(carrier, Mapping) else None
+
+
 def remote_parent(carrier: Mapping[str, Any] | None) -> SpanContext | None:
     """The caller's span context as the scheduler reads it back from a carrier,
     or None if the carrier holds none (or only values that are not strings)"""

@@ -113,7 +113,7 @@ from distributed.scheduler import ALL_TASK_STATES
 from opentelemetry.sdk.trace import Event, ReadableSpan
 from opentelemetry.trace import SpanContext, Status, StatusCode, TraceFlags
 
-from dask_otel.client import ANNOTATION, remote_parent
+from dask_otel.client import ANNOTATION, remote_parent, root_carrier
 from dask_otel.ids import dask_uuid
 from dask_otel.sampling import trace_sampled
 
@@ -659,9 +659,7 @@ class SpanMirror:
         root_id = ids[0]
         if root_id not in entered:
             return  # the root is a distributed.span: its own trace
-        carrier = otel.get("carrier")
-        if not isinstance(carrier, Mapping):
-            carrier = None
+        carrier = root_carrier(otel, root_id)
         if root_id in self.open_spans:
             if root_id not in self.remote_parents:
                 self.remote_parents[root_id] = remote_parent(carrier)

@@ -54,6 +54,7 @@ from opentelemetry import context as otel_context
 from opentelemetry import propagate, trace
 from opentelemetry.trace import NonRecordingSpan, SpanContext, TraceFlags
 
+from dask_otel.client import root_carrier
 from dask_otel.sampling import trace_sampled
 from dask_otel.spans import dask_uuid
 from dask_otel.telemetry import adopt_global_tracer_provider
@@ -137,7 +138,7 @@ class TaskContexts:
             return None
         ids = span["ids"]
         otel = annotations.get("otel")
-        carrier = otel.get("carrier") if otel else None
+        carrier = root_carrier(otel, ids[0])  # as the scheduler reads it
         key = (ids[-1], ids[0], _carrier_key(carrier) if carrier else None)
         cached = self._cache.get(key)
         if cached is None:

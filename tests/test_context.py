@@ -294,12 +294,6 @@ def test_import_dask_otel_needs_no_sdk():
     assert out.stdout.strip() == "[]"
 
 
-@pytest.mark.xfail(
-    run=False,
-    reason="hangs: the task never finishes once the worker-side in-task context "
-    "(dask_otel/task_context.py, merged from issue-8-worker) meets an otel annotation "
-    "it did not make; found at 20:05, not diagnosed",
-)
 @pytest.mark.parametrize(
     "otel", ["not a dict", {"entered": [1, 2]}, {"entered": {}, "carrier": 5},
              {"entered": "x", "carrier": {"traceparent": 7}}],

@@ -151,9 +151,12 @@ def test_task_spans_follow_the_callers_sampling_decision(sampled):
     from test_task_context import caller_carrier
 
     caller_trace, caller_span = 0x5B8AA5A2D2C872E8321CF37308D69DF2, 0x051581BF3CB55C13
-    annotation = {"carrier": caller_carrier(caller_trace, caller_span, sampled), "entered": {}}
+    carrier = caller_carrier(caller_trace, caller_span, sampled)
     with otel_cluster(TASK_SPANS) as (client, mirrored):
-        with span("joined"), dask.annotate(otel=annotation):
+        # as dask_otel.span writes it: the root's block among "entered"
+        with span("joined") as root_id, dask.annotate(
+            otel={"carrier": carrier, "entered": {root_id: time.time()}}
+        ):
             in_task = client.gather(client.map(current_span_id, range(3)))
         if sampled:
             spans = wait_until(lambda: len(task_spans(mirrored)) >= 3 and task_spans(mirrored))
