@@ -111,10 +111,11 @@ from typing import TYPE_CHECKING, Any
 from distributed.metrics import time
 from distributed.scheduler import ALL_TASK_STATES
 from opentelemetry.sdk.trace import Event, ReadableSpan
-from opentelemetry.trace import SpanContext, Status, StatusCode, TraceFlags
+from opentelemetry.trace import Link, SpanContext, Status, StatusCode, TraceFlags
 
 from dask_otel.client import ANNOTATION, remote_parent, root_carrier
 from dask_otel.ids import dask_uuid
+from dask_otel.links import producer_links
 from dask_otel.sampling import trace_sampled
 
 if TYPE_CHECKING:
@@ -506,6 +507,10 @@ class SpanMirror:
     #: By open Dask span id: the earliest client time a ``dask_otel.span`` block of
     #: it or of one of its sub-spans was entered. Dropped when it is exported.
     entered: dict[str, float]
+    #: By open Dask span id: links to the Dask spans of other traces whose data its
+    #: tasks consume (:mod:`dask_otel.links`), by producer span id. Dropped when it
+    #: is exported.
+    links: dict[str, dict[str, Link]]
 
     #: Counters for the bridge's self-metrics: spans and TaskGroup batches handed to
     #: the SDK, dropped by the sampler, and groups that got work after their export
@@ -527,6 +532,7 @@ class SpanMirror:
         self.remote_parents = {}
         self.reopened_parents = {}
         self.entered = {}
+        self.links = {}
         self._random = random.Random()
         self.mirrored = 0
         self.sampled_out = 0
@@ -631,10 +637,24 @@ class SpanMirror:
             else:
                 self.open_groups[tg] = GroupBatch.reopened(tg, span, n)
             self.observe_otel_annotation(first[tg])
+            self._observe_links(first[tg], span)
             if span.id not in self.open_spans:
                 # New work on a span that was already exported: its groups are
                 # still exported as its children; the span itself is not again.
                 self.reopened += 1
+
+    def _observe_links(self, ts: TaskState, span: Span) -> None:
+        """Links from an open Dask span to the spans of other traces that produced
+        the inputs of ``ts``, one task of a TaskGroup it just got"""
+        if not ts.dependencies or span.id not in self.open_spans:
+            return
+        links = self.links.setdefault(span.id, {})
+        producer_links(ts, _root(span), self.extension, links, self._sampled)
+        if not links:
+            del self.links[span.id]
+
+    def _sampled(self, trace_id: int, root_tag: str, parent: SpanContext | None) -> bool:
+        return trace_sampled(self.sink.sampler, trace_id, root_tag, parent)
 
     def observe_otel_annotation(self, ts: TaskState) -> None:
         """Read the ``otel`` annotation that ``dask_otel.span`` put on a task: when
@@ -697,6 +717,7 @@ class SpanMirror:
         """Drop what was kept about a span until its export"""
         self.entered.pop(span.id, None)
         self.remote_parents.pop(span.id, None)
+        self.links.pop(span.id, None)
 
     def observe_erred(self, key: Hashable, failed: float, started: float = 0.0) -> None:
         """A task erred at ``failed`` (having started to run at ``started``, 0 if
@@ -789,6 +810,7 @@ class SpanMirror:
         self.remote_parents.clear()
         self.reopened_parents.clear()
         self.entered.clear()
+        self.links.clear()
 
     def _export(self, mirror: Any, *args: Any, **kwargs: Any) -> None:
         # Telemetry must never take the scheduler down: a span that cannot be
@@ -846,6 +868,7 @@ class SpanMirror:
         status: Status | None,
         events: tuple[Event, ...] = (),
         remote_parent: SpanContext | None = None,
+        links: tuple[Link, ...] = (),
     ) -> None:
         """Hand one finished span to the SDK's processors, with the attribute
         count and length limits the SDK's own spans get (``SpanLimits``)"""
@@ -863,6 +886,7 @@ class SpanMirror:
                 parent=parent,
                 resource=sink.resource,
                 attributes=sink.bounded(attributes),
+                links=links,
                 events=events,
                 status=status or _UNSET,
                 start_time=_ns(start),
@@ -907,6 +931,7 @@ class SpanMirror:
         trace_id = self._trace_id(span)
         remote = self.remote_parent(span.id) if span.parent is None else None
         start = self.span_start(span)
+        links = tuple(self.links.get(span.id, {}).values())
         self._forget_exported(span)  # also when sampled out
         if trace_id is None:
             return False
@@ -952,6 +977,7 @@ class SpanMirror:
             status,
             events,
             remote_parent=remote,
+            links=links,
         )
         return True
 

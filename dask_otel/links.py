@@ -1,0 +1,84 @@
+"""Span links across workflows: where a Dask span's inputs came from.
+
+When the tasks of a Dask span consume data that another workflow produced (a
+collection persisted under another root span and reused, a future from another
+``with span()`` block), the OTel span of the consuming Dask span carries a
+`span link <https://opentelemetry.io/docs/concepts/signals/traces/#span-links>`_
+to the OTel span of each producing Dask span, so that a trace view can jump from
+a workflow to the one that made its inputs. Producers in the same trace are not
+linked: the trace already shows them.
+
+Found on the scheduler in ``update_graph``, from the dependencies of one task of
+each TaskGroup the graph adds (the tasks of a group usually share their upstream
+groups; inputs that only other tasks of the group read are not seen), and kept
+for the consuming span until it is exported: at most :data:`MAX_LINKS` per Dask
+span, the first found. Each link's context is the producer's span context as the
+mirror exports it (its trace: its root's UUID, or the caller's trace its root
+continued), with the attributes ``dask.span.id`` and ``dask.span.name`` of the
+producing Dask span.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from opentelemetry.trace import Link, SpanContext, TraceFlags
+
+from dask_otel.client import ANNOTATION, remote_parent, root_carrier
+from dask_otel.ids import dask_uuid, otel_span_id
+
+if TYPE_CHECKING:
+    from distributed.scheduler import TaskState
+    from distributed.spans import Span, SpansSchedulerExtension
+
+#: Links kept per Dask span, at most
+MAX_LINKS = 16
+
+#: ``sampled(trace_id, root_tag, remote_parent)``: the trace's sampling decision
+Sampled = Callable[[int, str, "SpanContext | None"], bool]
+
+
+def _root(span: Span) -> Span:
+    while span.parent is not None:
+        span = span.parent
+    return span
+
+
+def producer_links(
+    ts: TaskState,
+    root: Span,
+    ext: SpansSchedulerExtension,
+    links: dict[str, Link],
+    sampled: Sampled,
+) -> None:
+    """Add to ``links`` (by producer Dask span id) a link to each Dask span, in
+    another trace than ``root``'s, that produced an input of task ``ts``"""
+    for dep in ts.dependencies:
+        if len(links) >= MAX_LINKS:
+            return
+        span_id = dep.group.span_id
+        if span_id is None or span_id in links:
+            continue
+        producer = ext.spans.get(span_id)
+        if producer is None:
+            continue
+        producer_root = _root(producer)
+        if producer_root is root:
+            continue
+        links[span_id] = Link(
+            producer_context(producer, producer_root, dep.annotations, sampled),
+            {"dask.span.id": producer.id, "dask.span.name": tuple(producer.name)},
+        )
+
+
+def producer_context(
+    producer: Span, root: Span, annotations: dict[str, Any] | None, sampled: Sampled
+) -> SpanContext:
+    """The OTel span context of Dask span ``producer`` as the mirror exports it"""
+    otel = (annotations or {}).get(ANNOTATION)
+    parent = remote_parent(root_carrier(otel, root.id))  # the rule of spans.py
+    trace_id = parent.trace_id if parent is not None else dask_uuid(root.id)
+    flags = TraceFlags.SAMPLED if sampled(trace_id, root.name[0], parent) else TraceFlags.DEFAULT
+    return SpanContext(trace_id, otel_span_id(producer.id), is_remote=False,
+                       trace_flags=TraceFlags(flags))
