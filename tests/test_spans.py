@@ -1,5 +1,5 @@
 """Dask spans -> OTel spans, read back from the SDK's in-memory exporter on the
-scheduler of a real LocalCluster (the mapping contract of ARCHITECTURE.md)."""
+scheduler of a real LocalCluster (the mapping contract: README, "Traces: the mapping")."""
 
 from __future__ import annotations
 
