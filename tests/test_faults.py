@@ -248,7 +248,15 @@ def test_client_restart_mid_span():
             client.restart()
             assert client.submit(inc, 1, key="after-restart").result() == 2
         s = mirrored.by_dask_id(sid, timeout=30)
-        assert s.end_time >= s.start_time
+        dask_span = mirrored.cluster.scheduler.extensions["spans"].spans[sid]
+        # exported once, from when its first graph arrived, with the work after
+        # the restart as a child
+        assert [x for x in mirrored.spans() if x.context.span_id == s.context.span_id] == [s]
+        assert s.start_time == int(dask_span.enqueued * 1e9)
+        # the cancelled work, and the work after the restart (a child exported
+        # after the span itself when the restart outlasted the export delay)
+        wait_until(lambda: {c.name for c in mirrored.children(s)} == {"r", "after-restart"},
+                   what="both TaskGroups of the span")
 
 
 def test_client_disconnect_mid_workflow():
@@ -260,7 +268,11 @@ def test_client_disconnect_mid_workflow():
             time.sleep(0.3)
         other.close()  # the tasks are released: the span ends
         s = mirrored.by_dask_id(sid, timeout=30)
-        assert s.end_time >= s.start_time
+        dask_span = mirrored.cluster.scheduler.extensions["spans"].spans[sid]
+        assert s.start_time == int(dask_span.enqueued * 1e9)
+        assert s.attributes["dask.tasks.total"] == 4
+        (group,) = mirrored.children(s)
+        assert group.name == "a" and group.attributes["dask.tasks.total"] == 4
         assert client.submit(inc, 1).result() == 2
 
 
