@@ -176,11 +176,15 @@ def test_default_span_each_idle_period_its_own_trace(cluster):
     assert all(s.parent is None for s in defaults)
 
 
-def test_span_code_is_not_exported_by_default(cluster):
-    client, mirrored = cluster
-    with span("secret") as sid:
-        client.submit(inc, 1).result()
-    assert not any("code" in k for k in mirrored.by_dask_id(sid).attributes)
+def test_span_code_is_not_exported_by_default():
+    # Dask records code (nframes > 0): there is something to withhold
+    with otel_cluster({"distributed.diagnostics.computations.nframes": 1}) as (client, mirrored):
+        with span("secret") as sid:
+            dask.delayed(inc)(1).compute()
+        s = mirrored.by_dask_id(sid)
+        dask_span = mirrored.cluster.scheduler.extensions["spans"].spans[sid]
+        assert any(dask_span.code)
+    assert not any("code" in k for k in s.attributes)
 
 
 def test_span_code_is_exported_when_asked():
@@ -331,8 +335,10 @@ def test_instrument_a_running_cluster():
             client.submit(inc, 1).result()
         assert "dask-otel" not in cluster.scheduler.plugins
         dask_otel.instrument(client)
-        dask_otel.instrument(client)  # twice is harmless
         plugin = cluster.scheduler.plugins["dask-otel"]
+        dask_otel.instrument(client)  # twice is harmless: the same plugin, one mirror
+        assert cluster.scheduler.plugins["dask-otel"] is plugin
+        assert sum(isinstance(p, type(plugin)) for p in cluster.scheduler.plugins.values()) == 1
         with span("after") as after_id:
             client.submit(inc, 2).result()
         wait_until(lambda: plugin.mirror.mirrored >= 2)
