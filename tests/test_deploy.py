@@ -686,7 +686,9 @@ def resolve_variables(run: ScrapedRun, board: dict[str, Any]) -> dict[str, list[
 
 #: Metrics that stay at 0 in a healthy run: panels with them need data, not a
 #: non-zero value
-ZERO_WHEN_HEALTHY = {"dask_otel_span_dropped_total", "dask_otel_export_failures_total"}
+ZERO_WHEN_HEALTHY = {"dask_otel_span_dropped_total", "dask_otel_export_failures_total",
+                     # zero unless OTEL_TRACES_SAMPLER drops traces; the run keeps all
+                     "dask_otel_span_sampled_out_total"}
 
 
 def _finite_values(result: list[dict[str, Any]]) -> list[float]:

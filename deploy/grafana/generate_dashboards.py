@@ -333,13 +333,14 @@ def spans_dashboard() -> dict[str, Any]:
                     "reduceOptions": {"calcs": ["lastNotNull"], "fields": "", "values": False}},
     }
     export_rates = timeseries(
-        "Spans mirrored, exported, dropped",
+        "Spans mirrored, sampled out, exported, dropped",
         "Per second: Dask spans and TaskGroups the bridge handed to the OpenTelemetry "
-        "SDK, spans each exporter delivered, spans lost after the SDK's retries, and "
-        "failed export requests.",
+        "SDK, those the sampler dropped (OTEL_TRACES_SAMPLER), spans each exporter "
+        "delivered, spans lost after the SDK's retries, and failed export requests.",
         "ops",
         [
             target(f"sum({rate('dask_otel_span_mirrored_total', CLUSTER)})", "mirrored"),
+            target(f"sum({rate('dask_otel_span_sampled_out_total', CLUSTER)})", "sampled out"),
             target(f"sum by (dask_otel_exporter) ({rate('dask_otel_span_exported_total', CLUSTER)})",
                    "exported by {{dask_otel_exporter}}"),
             target(f"sum by (dask_otel_exporter) ({rate('dask_otel_span_dropped_total', CLUSTER)})",
