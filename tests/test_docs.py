@@ -61,6 +61,29 @@ def attribute_patterns() -> list[tuple[str, re.Pattern]]:
     return patterns
 
 
+#: The table's "type" column, as the SDK stores attribute values
+TYPES = {
+    "string": lambda v: isinstance(v, str),
+    "string[]": lambda v: isinstance(v, tuple) and all(isinstance(x, str) for x in v),
+    "int": lambda v: isinstance(v, int) and not isinstance(v, bool),
+    "double": lambda v: isinstance(v, float),
+    "bool": lambda v: isinstance(v, bool),
+}
+
+
+def documented_row(attribute: str, table: list[tuple[re.Pattern, list[str]]]) -> list[str] | None:
+    """The first row of the attribute table whose name pattern matches"""
+    return next((row for pattern, row in table if pattern.match(attribute)), None)
+
+
+def row_fits(row: list[str], span, value) -> bool:
+    """The value has the row's type, and the span is of the row's "on" kind"""
+    _, type_, on, *_ = row
+    taskgroup = "dask.taskgroup.name" in span.attributes
+    kind_ok = {"all": True, "Dask spans": not taskgroup, "TaskGroup spans": taskgroup}[on]
+    return TYPES[type_](value) and kind_ok
+
+
 def inc(x):
     return x + 1
 
@@ -87,7 +110,17 @@ def test_span_attribute_table_matches_what_is_emitted():
                 lambda dask_scheduler: dask_scheduler.plugins["dask-otel"].mirror.flush()
             )
             del running
-        emitted = {k for s in mirrored.spans() for k in s.attributes}
+        spans = mirrored.spans()
+        emitted = {k for s in spans for k in s.attributes}
+
+    table = [(pattern, row) for (_, pattern), row in zip(
+        attribute_patterns(), markdown_table(README.read_text(), "span-attributes-table"))]
+    wrong = [
+        f"{s.name}: {name} = {value!r}"
+        for s in spans for name, value in s.attributes.items()
+        if (row := documented_row(name, table)) is not None and not row_fits(row, s, value)
+    ]
+    assert not wrong, f"emitted with another type, or on other spans, than the table says: {wrong}"
 
     patterns = attribute_patterns()
     undocumented = {a for a in emitted if not any(p.match(a) for _, p in patterns)}
