@@ -618,3 +618,28 @@ def test_attribute_count_limit_is_the_sdks(monkeypatch):
         s = mirrored.by_dask_id(sid)
         assert len(s.attributes) == 3
         assert s.dropped_attributes > 0
+
+
+def exported_after(config: dict, stop_heartbeats: bool) -> tuple[float, object]:
+    """Seconds from a one-task span's result to its export, and the span"""
+    with otel_cluster(config, n_workers=1) as (client, mirrored):
+        client.run(lambda: None)  # the worker is heard of first
+        if stop_heartbeats:
+            (worker,) = mirrored.cluster.workers.values()
+            worker.periodic_callbacks["heartbeat"].stop()
+        with span("timed") as sid:
+            client.submit(inc, 1, key="timed-0").result()
+        finished = time.monotonic()
+        s = mirrored.by_dask_id(sid, timeout=20)
+        return time.monotonic() - finished, s
+
+
+def test_a_span_waits_for_the_workers_heartbeats_until_metrics_timeout():
+    """Fine metrics travel with heartbeats: a finished span waits for every worker
+    to have sent one since it finished, and no longer than otel.spans.metrics-timeout"""
+    config = {"otel.spans.metrics-timeout": "3s"}
+    heard, _ = exported_after(config, stop_heartbeats=False)
+    unheard, s = exported_after(config, stop_heartbeats=True)
+    assert heard < 2.5, heard  # a heartbeat came (every 0.5 s), after the export delay
+    assert unheard >= 3 - 0.3, unheard  # none came: the timeout, not the export delay
+    assert s.name == "timed"
