@@ -643,3 +643,22 @@ def test_a_span_waits_for_the_workers_heartbeats_until_metrics_timeout():
     assert heard < 2.5, heard  # a heartbeat came (every 0.5 s), after the export delay
     assert unheard >= 3 - 0.3, unheard  # none came: the timeout, not the export delay
     assert s.name == "timed"
+
+
+def test_children_are_exported_before_their_parents():
+    """So that a parent's end and subtree totals include its children's: in the
+    order the SDK receives them, every span comes after all of its children"""
+    with otel_cluster() as (client, mirrored):
+        with span("root") as root_id:
+            for i in range(2):
+                with span(f"stage {i}"):
+                    client.submit(inc, i, key=f"stage{i}-0").result()
+                    with span(f"step {i}"):
+                        client.submit(inc, i, key=f"step{i}-0").result()
+        mirrored.by_dask_id(root_id)
+        order = [s.context.span_id for s in mirrored.spans()]
+        spans = mirrored.spans()
+    assert len(spans) == 1 + 4 + 4  # Dask spans and their TaskGroups
+    for s in spans:
+        if s.parent is not None:
+            assert order.index(s.context.span_id) < order.index(s.parent.span_id), s.name
