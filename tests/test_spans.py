@@ -662,3 +662,19 @@ def test_children_are_exported_before_their_parents():
     for s in spans:
         if s.parent is not None:
             assert order.index(s.context.span_id) < order.index(s.parent.span_id), s.name
+
+
+def test_times_equal_what_dask_records():
+    """The mapping rows as equalities: a Dask span from Span.enqueued to Span.stop,
+    its TaskGroup from TaskGroup.start to TaskGroup.stop"""
+    with otel_cluster() as (client, mirrored):
+        with span("timed") as sid:
+            client.gather(client.map(inc, range(4), key=[f"timed-{i}" for i in range(4)]))
+        s = mirrored.by_dask_id(sid)
+        dask_span = mirrored.cluster.scheduler.extensions["spans"].spans[sid]
+        (tg,) = dask_span.groups
+        (group,) = mirrored.children(s)
+        enqueued, stop, tg_start, tg_stop = dask_span.enqueued, dask_span.stop, tg.start, tg.stop
+    ns = lambda t: int(t * 1e9)  # noqa: E731
+    assert (s.start_time, s.end_time) == (ns(enqueued), ns(stop))
+    assert (group.start_time, group.end_time) == (ns(max(tg_start, enqueued)), ns(tg_stop))
