@@ -121,3 +121,30 @@ def test_no_bridge_thread_outlives_the_cluster(state, protocol, monkeypatch):
         wait_until(lambda: not bridge_threads(), timeout=bound,
                    what=f"the bridge's threads to end: {bridge_threads()}")
     assert time.monotonic() - closed <= bound
+
+
+@pytest.mark.parametrize("protocol", ["grpc", "http/protobuf"])
+def test_ctrl_c_on_dask_scheduler_and_dask_worker_within_flush_timeout(protocol):
+    """SIGINT to `dask worker` and `dask scheduler` processes, as a user's Ctrl-C,
+    with a hung collector: they exit at most otel.flush-timeout later than the same
+    processes without the bridge"""
+    from processes import dask_processes
+
+    def stop_time(bridge: bool, env: dict[str, str]) -> float:
+        env = {**env, "DASK_OTEL__FLUSH_TIMEOUT": f"{FLUSH_TIMEOUT}s",
+               "OTEL_EXPORTER_OTLP_TIMEOUT": EXPORTER_TIMEOUT}
+        if not bridge:
+            env["DASK_DISTRIBUTED__SCHEDULER__PRELOAD"] = "[]"
+        with dask_processes(env, n_workers=2) as cluster:
+            with cluster.client() as client:
+                with span("interrupted"):
+                    assert client.gather(client.map(inc, range(4))) == [1, 2, 3, 4]
+                time.sleep(0.7)  # exports under way
+            start = time.monotonic()
+            cluster.stop()
+            return time.monotonic() - start
+
+    with Collector("hung", protocol) as env:
+        without = stop_time(False, env)
+        with_bridge = stop_time(True, env)
+    assert with_bridge - without <= FLUSH_TIMEOUT + 1.0, (with_bridge, without)
