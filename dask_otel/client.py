@@ -59,7 +59,7 @@ from opentelemetry import context as otel_context
 from opentelemetry import propagate, trace
 from opentelemetry.trace import NonRecordingSpan, SpanContext, TraceFlags
 
-from dask_otel.ids import dask_uuid, otel_span_id
+from dask_otel.ids import otel_span_id, trace_id_of
 from dask_otel.sampling import trace_sampled
 
 __all__ = ["span"]
@@ -155,7 +155,7 @@ def _dask_span_context(
     the scheduler exports it (``is_remote``: the span lives in another process)"""
     ids = span_annotation["ids"]
     parent = remote_parent(carrier)
-    trace_id = parent.trace_id if parent is not None else dask_uuid(ids[0])
+    trace_id = trace_id_of(ids[0], parent)
     sampler = getattr(trace.get_tracer_provider(), "sampler", None)  # the SDK's, if any
     if sampler is not None:
         sampled = trace_sampled(sampler, trace_id, span_annotation["name"][0], parent)

@@ -7,6 +7,7 @@ Needs nothing but the standard library, so that the client side
 from __future__ import annotations
 
 import uuid
+from typing import Any
 
 #: The low 64 bits of a 128-bit id: a Dask span's OTel span id
 LOW_64 = (1 << 64) - 1
@@ -29,3 +30,16 @@ def dask_uuid(span_id: str) -> int:
 def otel_span_id(span_id: str) -> int:
     """The OTel span id of a Dask span: the low 64 bits of its UUID"""
     return dask_uuid(span_id) & LOW_64
+
+
+def trace_id_of(root_id: str, remote_parent: Any = None) -> int:
+    """The trace id of a Dask span tree: the caller's trace (``remote_parent``, the
+    SpanContext its root continues) if any, else its root span's UUID"""
+    return remote_parent.trace_id if remote_parent is not None else dask_uuid(root_id)
+
+
+def root_span(span: Any) -> Any:
+    """The root of a Dask span's tree (``Span.parent`` up): its trace"""
+    while (parent := span.parent) is not None:
+        span = parent
+    return span

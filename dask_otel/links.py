@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 from opentelemetry.trace import Link, SpanContext, TraceFlags
 
 from dask_otel.client import ANNOTATION, remote_parent, root_carrier
-from dask_otel.ids import dask_uuid, otel_span_id
+from dask_otel.ids import otel_span_id, root_span, trace_id_of
 
 if TYPE_CHECKING:
     from distributed.scheduler import TaskState
@@ -37,12 +37,6 @@ MAX_LINKS = 16
 
 #: ``sampled(trace_id, root_tag, remote_parent)``: the trace's sampling decision
 Sampled = Callable[[int, str, "SpanContext | None"], bool]
-
-
-def _root(span: Span) -> Span:
-    while span.parent is not None:
-        span = span.parent
-    return span
 
 
 def producer_links(
@@ -63,7 +57,7 @@ def producer_links(
         producer = ext.spans.get(span_id)
         if producer is None:
             continue
-        producer_root = _root(producer)
+        producer_root = root_span(producer)
         if producer_root is root:
             continue
         links[span_id] = Link(
@@ -78,7 +72,7 @@ def producer_context(
     """The OTel span context of Dask span ``producer`` as the mirror exports it"""
     otel = (annotations or {}).get(ANNOTATION)
     parent = remote_parent(root_carrier(otel, root.id))  # the rule of spans.py
-    trace_id = parent.trace_id if parent is not None else dask_uuid(root.id)
+    trace_id = trace_id_of(root.id, parent)
     flags = TraceFlags.SAMPLED if sampled(trace_id, root.name[0], parent) else TraceFlags.DEFAULT
     return SpanContext(trace_id, otel_span_id(producer.id), is_remote=False,
                        trace_flags=TraceFlags(flags))

@@ -114,7 +114,7 @@ from opentelemetry.sdk.trace import Event, ReadableSpan
 from opentelemetry.trace import Link, SpanContext, Status, StatusCode, TraceFlags
 
 from dask_otel.client import ANNOTATION, remote_parent, root_carrier
-from dask_otel.ids import dask_uuid
+from dask_otel.ids import otel_span_id, root_span, trace_id_of
 from dask_otel.links import producer_links
 from dask_otel.sampling import trace_sampled
 
@@ -132,7 +132,6 @@ _SAMPLED = TraceFlags(TraceFlags.SAMPLED)
 _UNSET = Status(StatusCode.UNSET)
 #: Longest a poll may hold the scheduler's event loop before yielding, seconds
 POLL_BUDGET = 0.002
-_LOW_64 = (1 << 64) - 1
 _IDLE = "dask.metrics.execute.idle_or_other_spans.seconds"
 #: Roots remembered with their caller's span after their export, for work that
 #: comes under them later (each a few hundred bytes)
@@ -436,11 +435,6 @@ class GroupBatch:
         return out
 
 
-def _root(span: Span) -> Span:
-    while (parent := span.parent) is not None:
-        span = parent
-    return span
-
 
 def _erred_status(attributes: dict[str, Any], erred: int) -> Status | None:
     """Record the erred count and return the ERROR status, if any task erred.
@@ -649,7 +643,7 @@ class SpanMirror:
         if not ts.dependencies or span.id not in self.open_spans:
             return
         links = self.links.setdefault(span.id, {})
-        producer_links(ts, _root(span), self.extension, links, self._sampled)
+        producer_links(ts, root_span(span), self.extension, links, self._sampled)
         if not links:
             del self.links[span.id]
 
@@ -832,10 +826,10 @@ class SpanMirror:
         process (:func:`dask_otel.sampling.trace_sampled`, asked with the root
         Dask span's first tag, which every task of the trace knows).
         """
-        root = _root(span)
+        root = root_span(span)
         # The caller's trace if the root continues one, else the root's UUID
         parent = self.remote_parent(root.id)
-        trace_id = parent.trace_id if parent is not None else dask_uuid(root.id)
+        trace_id = trace_id_of(root.id, parent)
         if not trace_sampled(self.sink.sampler, trace_id, str(root.name[0]), parent):
             return None
         return trace_id
@@ -969,8 +963,8 @@ class SpanMirror:
         self._emit(
             span.name[-1],
             trace_id,
-            dask_uuid(span.id) & _LOW_64,
-            dask_uuid(parent.id) & _LOW_64 if parent is not None else None,
+            otel_span_id(span.id),
+            otel_span_id(parent.id) if parent is not None else None,
             start,
             end,
             attributes,
@@ -1015,7 +1009,7 @@ class SpanMirror:
             str(prefix),
             trace_id,
             self._random.getrandbits(64) or 1,
-            dask_uuid(span.id) & _LOW_64,
+            otel_span_id(span.id),
             start,
             end,
             attributes,

@@ -56,7 +56,7 @@ from opentelemetry.trace import NonRecordingSpan, SpanContext, TraceFlags
 
 from dask_otel.client import root_carrier
 from dask_otel.sampling import trace_sampled
-from dask_otel.spans import dask_uuid
+from dask_otel.ids import otel_span_id, trace_id_of
 from dask_otel.telemetry import adopt_global_tracer_provider
 
 if TYPE_CHECKING:
@@ -68,7 +68,6 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("dask_otel")
 
-_LOW_64 = (1 << 64) - 1
 _SAMPLED = TraceFlags(TraceFlags.SAMPLED)
 _NOT_SAMPLED = TraceFlags(TraceFlags.DEFAULT)
 #: Most Dask spans whose context a worker keeps; past it the cache starts over
@@ -162,11 +161,11 @@ class TaskContexts:
             remote = trace.get_current_span(base).get_span_context()
             if not remote.is_valid:
                 remote = None
-        trace_id = remote.trace_id if remote else dask_uuid(ids[0])
+        trace_id = trace_id_of(ids[0], remote)
         sampled = trace_sampled(self.sampler, trace_id, root_tag, remote)
         span_context = SpanContext(
             trace_id,
-            dask_uuid(ids[-1]) & _LOW_64,
+            otel_span_id(ids[-1]),
             is_remote=True,  # made by the scheduler, in another process
             trace_flags=_SAMPLED if sampled else _NOT_SAMPLED,
             trace_state=remote.trace_state if remote else None,
