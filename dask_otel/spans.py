@@ -102,9 +102,10 @@ from __future__ import annotations
 
 import logging
 import random
-from collections import defaultdict
+from collections import Counter, defaultdict
 from collections.abc import Hashable, Iterable, Mapping
 from itertools import islice
+from operator import attrgetter
 from time import perf_counter
 from typing import TYPE_CHECKING, Any
 
@@ -145,19 +146,68 @@ def _ns(seconds: float) -> int:
     return int(seconds * 1e9)
 
 
-#: Attribute name by (context, activity, unit): a few dozen in practice
-_METRIC_NAMES: dict[tuple[Hashable, Hashable, Hashable], str] = {}
+#: What a fine-metric key ``(context, [prefix,] ..., activity, unit)`` of a Dask
+#: span means to the mirror: its attribute name, its task prefix (None unless it
+#: is an ``execute`` metric of one prefix) and whether it is seconds of the
+#: ``execute`` context. Keys come from Dask and repeat across spans; the cache is
+#: bounded.
+_KEYS: dict[tuple[Hashable, ...], tuple[str, Hashable, bool]] = {}
+_MAX_KEYS = 1 << 16
+_NO_PREFIX = object()
 
 
-def _metric_name(key: tuple[Hashable, ...]) -> str:
-    short = (key[0], key[-2], key[-1])
-    name = _METRIC_NAMES.get(short)
-    if name is None:
-        if len(_METRIC_NAMES) > 4096:  # labels Dask did not make: stay bounded
-            _METRIC_NAMES.clear()
-        parts = (str(k).replace(" ", "_") for k in short)
-        name = _METRIC_NAMES[short] = "dask.metrics.{}.{}.{}".format(*parts)
-    return name
+def _key_info(key: tuple[Hashable, ...]) -> tuple[str, Hashable, bool] | None:
+    info = _KEYS.get(key)
+    if info is None:
+        if len(key) < 3:
+            return None
+        if len(_KEYS) >= _MAX_KEYS:  # unbounded task prefixes: stay bounded
+            _KEYS.clear()
+        execute = key[0] == "execute"
+        parts = (str(k).replace(" ", "_") for k in (key[0], key[-2], key[-1]))
+        info = _KEYS[key] = (
+            "dask.metrics.{}.{}.{}".format(*parts),
+            key[1] if execute and len(key) >= 4 else _NO_PREFIX,
+            execute and key[-1] == "seconds",
+        )
+    return info
+
+
+class SpanMetrics:
+    """The fine performance metrics of one Dask span (its own, not its
+    sub-spans'), as attributes, in one pass over Dask's
+    ``Span._cumulative_worker_metrics``: summed over task prefixes for the span,
+    and by task prefix for its TaskGroups."""
+
+    __slots__ = ("by_prefix", "execute_seconds", "total")
+
+    def __init__(self, metrics: Mapping[tuple[Hashable, ...], float]):
+        #: ``dask.metrics.<context>.<activity>.<unit>``, summed over prefixes
+        self.total: dict[str, float] = {}
+        #: the same by task prefix, ``execute`` context only
+        self.by_prefix: dict[Hashable, dict[str, float]] = {}
+        #: seconds of the execute context, for "idle or other spans"
+        self.execute_seconds = 0.0
+        total, by_prefix = self.total, self.by_prefix
+        for key, value in metrics.items():
+            if not value:
+                continue
+            info = _KEYS.get(key) or _key_info(key)
+            if info is None:
+                continue
+            name, prefix, execute_seconds = info
+            total[name] = total.get(name, 0) + value
+            if prefix is not _NO_PREFIX:
+                attrs = by_prefix.get(prefix)
+                if attrs is None:
+                    attrs = by_prefix[prefix] = {}
+                attrs[name] = attrs.get(name, 0) + value
+            if execute_seconds:
+                self.execute_seconds += value
+
+    @classmethod
+    def of(cls, span: Span) -> SpanMetrics:
+        return cls(span._cumulative_worker_metrics)
 
 
 def active_cpu_seconds(span: Span, stop: float) -> float:
@@ -184,21 +234,6 @@ def active_cpu_seconds(span: Span, stop: float) -> float:
     return total + max(stop - since, 0.0) * nthreads
 
 
-def metrics_by_prefix(
-    metrics: Mapping[tuple[Hashable, ...], float],
-) -> dict[Hashable, dict[str, float]]:
-    """``dask.metrics.<context>.<activity>.<unit>`` of each task prefix, from Dask's
-    fine performance metrics ``{(context, prefix, activity, unit): value}`` of one
-    span, in one pass: a span's TaskGroups are usually exported together."""
-    out: dict[Hashable, dict[str, float]] = {}
-    for key, value in metrics.items():
-        if len(key) >= 4 and value and key[0] == "execute":
-            attrs = out.setdefault(key[1], {})
-            name = _metric_name(key)
-            attrs[name] = attrs.get(name, 0) + value
-    return out
-
-
 def _name(name: str) -> str:
     """A span name cut to ``MAX_NAME_LENGTH``"""
     return name[:MAX_NAME_LENGTH]
@@ -214,9 +249,20 @@ def failure_time(startstops: Iterable[Mapping[str, Any]] | None) -> tuple[float,
     return 0.0, time()
 
 
+_GROUP = attrgetter("group")
+
 #: TaskGroup states in which a task has yet to finish: ``TaskGroup.done`` is "no
 #: task in any of these"
 _PENDING = tuple(sorted(ALL_TASK_STATES - {"memory", "erred", "released", "forgotten"}))
+
+
+#: ``dask.tasks.<state>`` by state: built once, not per span
+_STATE_NAMES = {state: f"dask.tasks.{state}" for state in ALL_TASK_STATES}
+
+
+def _state_name(state: str) -> str:
+    name = _STATE_NAMES.get(state)
+    return f"dask.tasks.{state}" if name is None else name
 
 
 def group_done(tg: TaskGroup) -> bool:
@@ -265,16 +311,15 @@ class Totals:
         self.execute_seconds = 0.0
 
     @classmethod
-    def own(cls, span: Span) -> Totals:
+    def own(cls, span: Span, metrics: SpanMetrics | None = None) -> Totals:
+        """Of a span's own groups and fine metrics (``metrics``, if already
+        read)"""
         totals = cls()
         totals.add_groups(span.groups)
-        metrics = totals.metrics
-        for key, value in span._cumulative_worker_metrics.items():
-            if len(key) >= 3 and value:
-                name = _metric_name(key)
-                metrics[name] = metrics.get(name, 0) + value
-                if key[0] == "execute" and key[-1] == "seconds":
-                    totals.execute_seconds += value
+        if metrics is None:
+            metrics = SpanMetrics.of(span)
+        totals.metrics = dict(metrics.total)
+        totals.execute_seconds = metrics.execute_seconds
         return totals
 
     def add_groups(self, groups: Iterable[TaskGroup]) -> None:
@@ -307,7 +352,7 @@ class Totals:
 
     def attributes(self) -> dict[str, Any]:
         """Task counts by state, output bytes, duration; fine metrics apart"""
-        out: dict[str, Any] = {f"dask.tasks.{s}": n for s, n in self.states.items()}
+        out: dict[str, Any] = {_state_name(s): n for s, n in self.states.items()}
         out["dask.tasks.total"] = sum(self.states.values())
         out["dask.output.bytes"] = self.nbytes
         out["dask.duration"] = self.duration
@@ -324,17 +369,22 @@ def subtree_totals(span: Span) -> Totals:
 
 def group_attributes(tg: TaskGroup) -> dict[str, Any]:
     """Task counts by state, output bytes and duration of one TaskGroup"""
-    totals = Totals()
-    totals.add_groups((tg,))
-    return totals.attributes()
+    out: dict[str, Any] = {}
+    total = 0
+    for state, n in tg.states.items():
+        if n:
+            out[_state_name(state)] = n
+            total += n
+    out["dask.tasks.total"] = total
+    out["dask.output.bytes"] = tg.nbytes_total
+    out["dask.duration"] = tg.duration
+    return out
 
 
 def prefix_metrics(span: Span, prefix: Hashable) -> dict[str, float]:
     """``dask.metrics.*`` of one task prefix within one Dask span (its own, no
     sub-spans')"""
-    return metrics_by_prefix(
-        {k: v for k, v in span._cumulative_worker_metrics.items() if len(k) >= 4 and k[1] == prefix}
-    ).get(prefix, {})
+    return SpanMetrics.of(span).by_prefix.get(prefix, {})
 
 
 class GroupBatch:
@@ -417,10 +467,12 @@ class GroupBatch:
         group's prefix metrics within its span now; None for a later batch in
         which nothing ran (its tasks were merely requested again)"""
         if self.states is None:
-            return {**group_attributes(tg), **metrics}
+            out = group_attributes(tg)
+            out.update(metrics)
+            return out
         base = self.states
         out: dict[str, Any] = {
-            f"dask.tasks.{state}": n - base.get(state, 0)
+            _state_name(state): n - base.get(state, 0)
             for state, n in tg.states.items()
             if n > base.get(state, 0)
         }
@@ -434,6 +486,26 @@ class GroupBatch:
                 out[name] = delta
         return out
 
+
+
+class SpanHead:
+    """What the OTel spans of one Dask span and of its TaskGroups share: worked
+    out once per poll, which usually exports a span's groups together"""
+
+    __slots__ = ("context", "start", "tags")
+
+    #: The Dask span's OTel SpanContext (the parent of its TaskGroups' spans);
+    #: None if the sampler drops its trace
+    context: SpanContext | None
+    #: Where its OTel span starts (:meth:`SpanMirror.span_start`)
+    start: float
+    #: ``Span.name`` as an attribute value
+    tags: tuple[str, ...]
+
+    def __init__(self, context: SpanContext | None, start: float, tags: tuple[str, ...]):
+        self.context = context
+        self.start = start
+        self.tags = tags
 
 
 def _erred_status(attributes: dict[str, Any], erred: int) -> Status | None:
@@ -483,13 +555,23 @@ class SpanMirror:
     #: By open Dask span id: how many of its sub-spans are open. A span is done
     #: when none is and its own groups are: polls never walk a span's tree.
     open_children: dict[str, int]
+    #: By open Dask span id: how many of its TaskGroups are open
+    open_groups_of: dict[str, int]
+    #: The open Dask spans with no open sub-span and no open TaskGroup: the only
+    #: ones that can be ready (a span finishes no earlier than its groups, which
+    #: are exported first), so the only ones a poll looks at. 1,000 long-running
+    #: workflows cost a poll nothing while their groups run.
+    idle: dict[str, Span]
     #: By open Dask span id: the subtree totals of its sub-spans exported so far,
     #: summed. One per open span with finished steps, however many steps: a
     #: pipeline of 10,000 steps is summed as it goes, not walked when it ends.
     folded: dict[str, Totals]
 
-    #: Fine metrics by task prefix of the Dask spans whose groups this poll exports
-    _prefix_metrics: dict[str, dict[Hashable, dict[str, float]]]
+    #: Fine metrics of the Dask spans this poll exports something of
+    _metrics: dict[str, SpanMetrics]
+    #: What the OTel spans of a Dask span and its TaskGroups share, by Dask span id,
+    #: for the Dask spans this poll exports something of (:meth:`_head`)
+    _heads: dict[str, SpanHead]
 
     #: By open root Dask span id: the caller's span it continues (from the ``otel``
     #: annotation's carrier, extracted once), None if there is none. Dropped when
@@ -521,8 +603,12 @@ class SpanMirror:
         self.erred = defaultdict(int)
         self.ends = {}
         self.open_children = defaultdict(int)
+        self.open_groups_of = defaultdict(int)
+        self.idle = {}
         self.folded = {}
-        self._prefix_metrics = {}
+        self._metrics = {}
+        self._heads = {}
+        self._sink: SpanSink | None = None
         self.remote_parents = {}
         self.reopened_parents = {}
         self.entered = {}
@@ -540,9 +626,9 @@ class SpanMirror:
         for span in ext.spans.values():
             if not span.done:  # Dask's own walk, once
                 self._open(span)
-                self.open_groups.update(
-                    (tg, GroupBatch(span)) for tg in span.groups if not group_done(tg)
-                )
+                for tg in span.groups:
+                    if not group_done(tg):
+                        self._open_group(tg, GroupBatch(span))
         # Steps that finished before: walked once, now
         for span in self.open_spans.values():
             for child in span.children:
@@ -552,7 +638,11 @@ class SpanMirror:
 
     @property
     def sink(self) -> SpanSink:
-        return self.telemetry.spans  # type: ignore[return-value]
+        # Telemetry.spans takes a lock: look it up once
+        sink = self._sink
+        if sink is None:
+            sink = self._sink = self.telemetry.spans
+        return sink  # type: ignore[return-value]
 
     @property
     def extension(self) -> SpansSchedulerExtension | None:
@@ -573,18 +663,49 @@ class SpanMirror:
 
     def _open(self, span: Span) -> None:
         self.open_spans[span.id] = span
+        self.idle[span.id] = span
         parent = span.parent
         if parent is not None and parent.id in self.open_spans:
             self.open_children[parent.id] += 1
+            self.idle.pop(parent.id, None)
 
     def _close(self, span: Span) -> None:
         del self.open_spans[span.id]
+        self.idle.pop(span.id, None)
         self.open_children.pop(span.id, None)
+        self.open_groups_of.pop(span.id, None)
         parent = span.parent
         if parent is not None and parent.id in self.open_children:
             left = self.open_children[parent.id] = self.open_children[parent.id] - 1
             if left <= 0:
                 del self.open_children[parent.id]
+                self._maybe_idle(parent)
+
+    def _open_group(self, tg: TaskGroup, batch: GroupBatch) -> None:
+        self.open_groups[tg] = batch
+        span_id = batch.span.id
+        if span_id in self.open_spans:
+            self.open_groups_of[span_id] += 1
+            self.idle.pop(span_id, None)
+
+    def _close_group(self, tg: TaskGroup) -> GroupBatch:
+        batch = self.open_groups.pop(tg)
+        span_id = batch.span.id
+        if span_id in self.open_groups_of:
+            left = self.open_groups_of[span_id] = self.open_groups_of[span_id] - 1
+            if left <= 0:
+                del self.open_groups_of[span_id]
+                self._maybe_idle(batch.span)
+        return batch
+
+    def _maybe_idle(self, span: Span) -> None:
+        span_id = span.id
+        if (
+            span_id in self.open_spans
+            and not self.open_children.get(span_id)
+            and not self.open_groups_of.get(span_id)
+        ):
+            self.idle[span_id] = span
 
     def finished_at(self, span: Span) -> float | None:
         """When an open span finished if ``Span.done``, else None: its own groups'
@@ -610,28 +731,33 @@ class SpanMirror:
         if ext is None:
             return
         self.observe_new_spans()
-        tasks = self.scheduler.tasks
-        # Tasks of each group this graph will run: new or released ones; and one
-        # task per group, whose annotations are those of all
-        rerun: dict[TaskGroup, int] = {}
-        first: dict[TaskGroup, TaskState] = {}
-        for key in keys:
-            if (ts := tasks.get(key)) is not None:
-                tg = ts.group
-                rerun[tg] = rerun.get(tg, 0) + (ts.state == "released")
-                first.setdefault(tg, ts)
-        for tg, n in rerun.items():
+        # One task per group of the graph (the first), whose annotations are
+        # those of all, and how many of the graph's tasks each group has. In C
+        # (map, zip, Counter): this runs for every key of every graph.
+        tss = [ts for ts in map(self.scheduler.tasks.get, keys) if ts is not None]
+        groups = list(map(_GROUP, tss))
+        first = dict(zip(reversed(groups), reversed(tss)))
+        in_graph: Counter[TaskGroup] | None = None
+        rerun: dict[TaskGroup, int] | None = None
+        for tg, ts in first.items():
             if tg in self.open_groups or tg.span_id is None:
                 continue
             span = ext.spans.get(tg.span_id)
             if span is None:
                 continue
-            if n == sum(tg.states.values()) and not tg.stop:
-                self.open_groups[tg] = GroupBatch(span)  # a new group
+            states = tg.states
+            total = sum(states.values())
+            if in_graph is None:
+                in_graph = Counter(groups)
+            if not tg.stop and states.get("released", 0) == total == in_graph[tg]:
+                # A new group: every task released, and in this graph
+                self._open_group(tg, GroupBatch(span))
             else:
-                self.open_groups[tg] = GroupBatch.reopened(tg, span, n)
-            self.observe_otel_annotation(first[tg])
-            self._observe_links(first[tg], span)
+                if rerun is None:  # tasks of each group this graph (re)runs
+                    rerun = Counter(g for g, t in zip(groups, tss) if t.state == "released")
+                self._open_group(tg, GroupBatch.reopened(tg, span, rerun[tg]))
+            self.observe_otel_annotation(ts)
+            self._observe_links(ts, span)
             if span.id not in self.open_spans:
                 # New work on a span that was already exported: its groups are
                 # still exported as its children; the span itself is not again.
@@ -757,27 +883,41 @@ class SpanMirror:
         heard = min(
             (ws.last_seen for ws in self.scheduler.workers.values()), default=now
         )
+        delay, timeout = self.config.export_delay, self.config.metrics_timeout
         try:
             for tg, batch in list(self.open_groups.items()):
-                # The cheap test first: a running group's last task finished lately
+                # The cheap test first (as _ready): a running group's last task
+                # finished lately
                 end = batch.end(tg) or batch.since or batch.span.enqueued
-                if self._ready(end, now, heard) and group_done(tg):
-                    del self.open_groups[tg]
+                waited = now - end
+                if (
+                    waited >= delay
+                    and (heard > end or waited >= timeout)
+                    and group_done(tg)
+                ):
+                    self._close_group(tg)
                     self._export(self.mirror_group, tg, batch)
                     if perf_counter() > deadline:
                         return True
-            # Newest first: sub-spans before their parent, whose subtree totals
-            # and end then include theirs
-            for span in reversed(list(self.open_spans.values())):
+            # Spans: only those with nothing open below them. A parent becomes
+            # idle when its last sub-span is exported, and is looked at next, so
+            # that its subtree totals and end include the sub-span's.
+            pending = list(self.idle.values())
+            while pending:
+                span = pending.pop()
                 stop = self.finished_at(span)
                 if stop is not None and self._ready(stop, now, heard):
                     self._close(span)
                     self._export(self.mirror_span, span, stop)
+                    parent = span.parent
+                    if parent is not None and parent.id in self.idle:
+                        pending.append(parent)
                     if perf_counter() > deadline:
                         return True
             return False
         finally:
-            self._prefix_metrics.clear()
+            self._metrics.clear()
+            self._heads.clear()
 
     def _ready(self, stop: float, now: float, heard: float) -> bool:
         waited = now - stop
@@ -789,7 +929,7 @@ class SpanMirror:
         """Export everything still open, finished or not (the scheduler is closing)"""
         self.observe_new_spans()
         for tg, batch in list(self.open_groups.items()):
-            del self.open_groups[tg]
+            self._close_group(tg)
             self._export(self.mirror_group, tg, batch)
         for span in reversed(list(self.open_spans.values())):
             stop = self.finished_at(span)
@@ -797,10 +937,13 @@ class SpanMirror:
             self._export(self.mirror_span, span, stop or time(), unfinished=stop is None)
         self.open_groups.clear()
         self.open_children.clear()
+        self.open_groups_of.clear()
+        self.idle.clear()
         self.folded.clear()
         self.erred.clear()
         self.ends.clear()
-        self._prefix_metrics.clear()
+        self._metrics.clear()
+        self._heads.clear()
         self.remote_parents.clear()
         self.reopened_parents.clear()
         self.entered.clear()
@@ -834,6 +977,28 @@ class SpanMirror:
             return None
         return trace_id
 
+    def _span_metrics(self, span: Span) -> SpanMetrics:
+        """:class:`SpanMetrics` of a Dask span, read once per poll"""
+        metrics = self._metrics.get(span.id)
+        if metrics is None:
+            metrics = self._metrics[span.id] = SpanMetrics.of(span)
+        return metrics
+
+    def _head(self, span: Span) -> SpanHead:
+        """The :class:`SpanHead` of a Dask span, once per poll"""
+        head = self._heads.get(span.id)
+        if head is None:
+            trace_id = self._trace_id(span)
+            context = (
+                SpanContext(trace_id, otel_span_id(span.id), False, _SAMPLED)
+                if trace_id is not None
+                else None
+            )
+            head = self._heads[span.id] = SpanHead(
+                context, self.span_start(span), tuple(span.name)
+            )
+        return head
+
     def _own_start(self, span: Span) -> float:
         """When a Dask span started, before clamping into its parent: see
         :meth:`started_at`"""
@@ -853,26 +1018,18 @@ class SpanMirror:
     def _emit(
         self,
         name: str,
-        trace_id: int,
-        span_id: int,
-        parent_id: int | None,
+        context: SpanContext,
+        parent: SpanContext | None,
         start: float,
         end: float,
         attributes: dict[str, Any],
         status: Status | None,
         events: tuple[Event, ...] = (),
-        remote_parent: SpanContext | None = None,
         links: tuple[Link, ...] = (),
     ) -> None:
         """Hand one finished span to the SDK's processors, with the attribute
         count and length limits the SDK's own spans get (``SpanLimits``)"""
         sink = self.sink
-        context = SpanContext(trace_id, span_id, is_remote=False, trace_flags=_SAMPLED)
-        parent = (
-            SpanContext(trace_id, parent_id, is_remote=False, trace_flags=_SAMPLED)
-            if parent_id is not None
-            else remote_parent
-        )
         sink.emit(
             ReadableSpan(
                 _name(name),
@@ -893,7 +1050,7 @@ class SpanMirror:
         """A span's own totals and its subtree's: its own plus its sub-spans',
         ``folded`` in as each was exported (sub-spans are exported before their
         parent)."""
-        own = subtree = Totals.own(span)
+        own = subtree = Totals.own(span, self._span_metrics(span))
         if folded is not None:
             folded.add(own)
             subtree = folded
@@ -922,27 +1079,24 @@ class SpanMirror:
         folded = self.folded.pop(span.id, None)
         erred = self.erred.pop(span.id, 0)
         end = max(stop, self.ends.pop(span.id, 0.0))
-        trace_id = self._trace_id(span)
-        remote = self.remote_parent(span.id) if span.parent is None else None
-        start = self.span_start(span)
+        head = self._head(span)
+        parent = span.parent
+        remote = self.remote_parent(span.id) if parent is None else None
         links = tuple(self.links.get(span.id, {}).values())
         self._forget_exported(span)  # also when sampled out
-        if trace_id is None:
+        if head.context is None:
             return False
+        start = head.start
         own, subtree = self.totals(span, folded)
         end = max(end, start)
-        parent = span.parent
         if parent is not None:
             self._fold_into_parent(parent, end, subtree)
         totals = subtree if self.config.span_totals == "subtree" else own
         active = active_cpu_seconds(span, end)
-        attributes = {
-            "dask.span.id": span.id,
-            "dask.span.name": tuple(span.name),
-            **totals.attributes(),
-            "dask.active_cpu_seconds": active,
-            **totals.metrics,
-        }
+        attributes = {"dask.span.id": span.id, "dask.span.name": head.tags}
+        attributes.update(totals.attributes())
+        attributes["dask.active_cpu_seconds"] = active
+        attributes.update(totals.metrics)
         if self.config.span_totals == "subtree":
             # As Span.cumulative_worker_metrics: thread time no task accounts for
             if (idle := active - totals.execute_seconds) > 0:
@@ -962,16 +1116,14 @@ class SpanMirror:
         )
         self._emit(
             span.name[-1],
-            trace_id,
-            otel_span_id(span.id),
-            otel_span_id(parent.id) if parent is not None else None,
+            head.context,
+            self._head(parent).context if parent is not None else remote,
             start,
             end,
             attributes,
             status,
             events,
-            remote_parent=remote,
-            links=links,
+            links,
         )
         return True
 
@@ -983,33 +1135,28 @@ class SpanMirror:
         nothing ran in a later batch; keeps nothing about the group either way."""
         span = batch.span
         prefix = tg.prefix.name
-        by_prefix = self._prefix_metrics.get(span.id)
-        if by_prefix is None:
-            by_prefix = self._prefix_metrics[span.id] = metrics_by_prefix(
-                span._cumulative_worker_metrics  # the span's own, no children
-            )
-        counts = batch.attributes(tg, by_prefix.get(prefix, {}))
+        counts = batch.attributes(tg, self._span_metrics(span).by_prefix.get(prefix, {}))
         if counts is None:
             return None
-        trace_id = self._trace_id(span)
-        if trace_id is None:
+        head = self._head(span)
+        parent = head.context
+        if parent is None:
             return False
         attributes = {
             "dask.span.id": span.id,
-            "dask.span.name": tuple(span.name),
+            "dask.span.name": head.tags,
             "dask.taskgroup.name": str(tg.name),
             "dask.taskgroup.prefix": str(prefix),
-            **counts,
         }
+        attributes.update(counts)
         status = _erred_status(attributes, batch.erred)
-        start = max(batch.start(tg) or span.enqueued, self.span_start(span))
+        start = max(batch.start(tg) or span.enqueued, head.start)
         end = max(batch.end(tg) if group_done(tg) else time(), start)
         self._fold_into_parent(span, end)
         self._emit(
             str(prefix),
-            trace_id,
-            self._random.getrandbits(64) or 1,
-            otel_span_id(span.id),
+            SpanContext(parent.trace_id, self._random.getrandbits(64) or 1, False, _SAMPLED),
+            parent,
             start,
             end,
             attributes,

@@ -56,6 +56,30 @@ def build_resource(**attributes: Any):
     return Resource.create(ours).merge(OTELResourceDetector().detect())
 
 
+#: Attribute value types that need no cleaning: OTel's primitive types, exactly
+#: (a subclass of str or int might be anything)
+_PRIMITIVES = frozenset((str, bool, int, float))
+
+
+def within_limits(values: Any, max_len: int | None) -> bool:
+    """Whether attribute values are of OTel attribute types, exactly (primitives,
+    tuples of one primitive type), with no string longer than ``max_len``"""
+    for value in values:
+        kind = type(value)
+        if kind is tuple and value:
+            kind = type(value[0])
+            if kind not in _PRIMITIVES or any(type(v) is not kind for v in value):
+                return False
+            if kind is str and max_len is not None and max(map(len, value)) > max_len:
+                return False
+        elif kind is str:
+            if max_len is not None and len(value) > max_len:
+                return False
+        elif kind not in _PRIMITIVES and kind is not tuple:
+            return False
+    return True
+
+
 class SpanSink:
     """Where the mirror hands the spans it builds: already finished, so they go
     straight to the SDK's span processors as ``ReadableSpan``s, with what a Tracer
@@ -87,13 +111,22 @@ class SpanSink:
     def bounded(self, attributes: dict[str, Any], count: int | None = None) -> Any:
         """``attributes`` within the SDK's limits, as its own spans apply them: at
         most ``count`` (default: the span attribute count limit) attributes, each
-        value cut to the attribute value length limit"""
-        return BoundedAttributes(
-            self.limits.max_span_attributes if count is None else count,
-            attributes,
-            immutable=True,
-            max_value_len=self.limits.max_span_attribute_length,
-        )
+        value cut to the attribute value length limit.
+
+        ``attributes`` is a new dict the caller hands over. When every value is
+        already of an OTel attribute type and within the limits (the mirror's
+        usually are) it is returned as it is: ``BoundedAttributes`` would copy
+        and re-check each value, which costs more than building the span (~2 us
+        per attribute). Otherwise ``BoundedAttributes`` applies the limits, and
+        counts what it drops, exactly as for the SDK's own spans.
+        """
+        limit = self.limits.max_span_attributes if count is None else count
+        max_len = self.limits.max_span_attribute_length
+        if (limit is None or len(attributes) <= limit) and within_limits(
+            attributes.values(), max_len
+        ):
+            return attributes
+        return BoundedAttributes(limit, attributes, immutable=True, max_value_len=max_len)
 
     def emit(self, span: Any) -> None:
         for processor in self.processors:

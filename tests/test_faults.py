@@ -392,7 +392,7 @@ def test_huge_empty_and_many_span_names_are_bounded():
         # Nothing is kept per span or per name once exported
         mirror = mirrored.plugin.mirror
         assert not (mirror.open_spans or mirror.open_groups or mirror.erred or mirror.folded
-                    or mirror.open_children)
+                    or mirror.open_children or mirror.open_groups_of or mirror.idle)
 
 
 def test_auth_headers_never_reach_logs_or_attributes():

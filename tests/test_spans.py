@@ -420,7 +420,8 @@ def test_otel_traces_sampler_is_honoured_per_trace(sampler, kept, monkeypatch):
         assert len(mirrored.spans()) == kept == mirror.mirrored
         assert mirror.sampled_out == 4 - kept
         # Nothing is kept about a span once exported or sampled out
-        assert not (mirror.erred or mirror.ends or mirror.folded or mirror.open_children)
+        assert not (mirror.erred or mirror.ends or mirror.folded or mirror.open_children
+                    or mirror.open_groups_of or mirror.idle)
 
 
 # --- fidelity: failed tasks' times, every batch of a TaskGroup (issue 9) -----------
@@ -593,7 +594,8 @@ def test_ratio_sampler_keeps_or_drops_whole_traces_and_the_mirror_keeps_nothing(
             assert len(kept) in (0, 3), [s.name for s in kept]  # root, step, its group
         assert 0.35 <= len(by_trace) / n <= 0.65, len(by_trace)
         assert len(spans) == mirror.mirrored and mirror.sampled_out == 3 * n - len(spans)
-        assert not (mirror.erred or mirror.ends or mirror.folded or mirror.open_children)
+        assert not (mirror.erred or mirror.ends or mirror.folded or mirror.open_children
+                    or mirror.open_groups_of or mirror.idle)
 
 
 # --- limits (issue 9) ---------------------------------------------------------------
