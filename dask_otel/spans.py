@@ -400,8 +400,8 @@ class GroupBatch:
     """
 
     __slots__ = (
-        "duration", "erred", "failed", "metrics", "nbytes", "since", "span", "started",
-        "states", "total",
+        "busy", "duration", "erred", "failed", "metrics", "nbytes", "since", "span",
+        "started", "states", "total",
     )
 
     #: The Dask span the group belongs to (``TaskGroup.span_id``)
@@ -424,9 +424,14 @@ class GroupBatch:
     erred: int
     failed: float
     started: float
+    #: When a poll last found the group still running (0: never). Its last task
+    #: finishes later, so it cannot be ready until ``otel.spans.export-delay``
+    #: after that: polls skip it until then without asking Dask
+    busy: float
 
     def __init__(self, span: Span):
         self.span = span
+        self.busy = 0.0
         self.since = 0.0
         self.states = None
         self.total = self.nbytes = 0
@@ -886,19 +891,19 @@ class SpanMirror:
         delay, timeout = self.config.export_delay, self.config.metrics_timeout
         try:
             for tg, batch in list(self.open_groups.items()):
-                # The cheap test first (as _ready): a running group's last task
-                # finished lately
-                end = batch.end(tg) or batch.since or batch.span.enqueued
+                # The cheap tests first (as _ready): its last task finished, or
+                # it was still running, lately; then Dask's states
+                end = max(batch.end(tg) or batch.since or batch.span.enqueued, batch.busy)
                 waited = now - end
-                if (
-                    waited >= delay
-                    and (heard > end or waited >= timeout)
-                    and group_done(tg)
-                ):
-                    self._close_group(tg)
-                    self._export(self.mirror_group, tg, batch)
-                    if perf_counter() > deadline:
-                        return True
+                if waited < delay or (heard <= end and waited < timeout):
+                    continue
+                if not group_done(tg):
+                    batch.busy = now
+                    continue
+                self._close_group(tg)
+                self._export(self.mirror_group, tg, batch)
+                if perf_counter() > deadline:
+                    return True
             # Spans: only those with nothing open below them. A parent becomes
             # idle when its last sub-span is exported, and is looked at next, so
             # that its subtree totals and end include the sub-span's.

@@ -137,8 +137,12 @@ class TaskContexts:
             return None
         ids = span["ids"]
         otel = annotations.get("otel")
-        carrier = root_carrier(otel, ids[0])  # as the scheduler reads it
-        key = (ids[-1], ids[0], _carrier_key(carrier) if carrier else None)
+        if otel is None:  # most tasks: a distributed.span, no caller (per task: no ABC check)
+            carrier = None
+            key = (ids[-1], ids[0], None)
+        else:
+            carrier = root_carrier(otel, ids[0])  # as the scheduler reads it
+            key = (ids[-1], ids[0], _carrier_key(carrier) if carrier else None)
         cached = self._cache.get(key)
         if cached is None:
             if len(self._cache) >= MAX_CACHED_SPANS:
