@@ -25,6 +25,8 @@ from distributed import Client, LocalCluster
 
 from harness import (
     ReceiverProcess,
+    thread_cpu,
+    thread_cpu_delta,
     Workload,
     median,
     print_machine,
@@ -35,12 +37,15 @@ from harness import (
 )
 
 
-def _cpu() -> float:
-    return time.process_time()
+def _cpu() -> tuple[float, dict[str, float]]:
+    return time.process_time(), thread_cpu()
 
 
-def one_run(workload: Workload, bridge: bool, workers: int) -> tuple[float, float]:
-    """(workload wall seconds, worker CPU seconds per task)"""
+def one_run(
+    workload: Workload, bridge: bool, workers: int
+) -> tuple[float, float, dict[str, float]]:
+    """(workload wall seconds, worker CPU seconds per task, worker CPU seconds by
+    thread name, summed over the workers)"""
     config = {"distributed.scheduler.preload": ["dask_otel"] if bridge else []}
     with dask.config.set(config):
         cluster = LocalCluster(n_workers=workers, threads_per_worker=1, processes=True,
@@ -56,7 +61,13 @@ def one_run(workload: Workload, bridge: bool, workers: int) -> tuple[float, floa
             after = client.run(_cpu)
     finally:
         cluster.close()
-    return wall, sum(after[w] - before[w] for w in before) / workload.n_tasks
+    threads: dict[str, float] = {}
+    for w, (cpu0, threads0) in before.items():
+        cpu1, threads1 = after[w]
+        for name, cpu in thread_cpu_delta(threads0, threads1, cpu1 - cpu0).items():
+            threads[name] = threads.get(name, 0.0) + cpu
+    cpu = sum(after[w][0] - before[w][0] for w in before)
+    return wall, cpu / workload.n_tasks, threads
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -71,12 +82,14 @@ def main(argv: list[str] | None = None) -> int:
     print_machine()
     workload = Workload(spans=args.spans, outer=20, prefixes=5, tasks=args.tasks)
     rows: list[tuple[float, float, float, float]] = []
+    threads: list[tuple[dict[str, float], dict[str, float]]] = []
     with quiet_logs(), ReceiverProcess() as receiver:
         use_otel_env(receiver.env)
         for n in range(args.pairs):
-            wa, ca = one_run(workload, False, args.workers)
-            wb, cb = one_run(workload, True, args.workers)
+            wa, ca, ta = one_run(workload, False, args.workers)
+            wb, cb, tb = one_run(workload, True, args.workers)
             rows.append((wa, wb, ca, cb))
+            threads.append((ta, tb))
             print(f"  pair {n + 1}: wall A {wa:.2f}s B {wb:.2f}s; worker CPU per task "
                   f"A {ca * 1e6:.0f} us B {cb * 1e6:.0f} us", flush=True)
     wall = [b / a for a, b, _, _ in rows]
@@ -89,6 +102,17 @@ def main(argv: list[str] | None = None) -> int:
         ["worker CPU per task, B - A (us)", f"{median(added):.0f}", spread(added, "{:.0f}")],
         ["worker CPU per task, A (us)", f"{median([r[2] * 1e6 for r in rows]):.0f}", ""],
     ])
+    names = sorted({name for a, b in threads for name in (*a, *b)})
+    by_thread = []
+    for name in names:
+        diff = [b.get(name, 0.0) - a.get(name, 0.0) for a, b in threads]
+        by_thread.append((-abs(median(diff)), [
+            name, f"{median([a.get(name, 0.0) for a, _ in threads]):.2f}",
+            f"{median([b.get(name, 0.0) for _, b in threads]):.2f}",
+            f"{median(diff):+.2f}", f"{min(diff):+.2f}..{max(diff):+.2f}"]))
+    print("\n  CPU by thread of the worker processes, summed over workers (s), largest B-A first")
+    print_table(["thread", "A median", "B median", "B-A median", "B-A min..max"],
+                [row for _, row in sorted(by_thread, key=lambda r: r[0])])
     return 0
 
 
