@@ -22,17 +22,16 @@ import time
 
 import dask
 from distributed import Client, LocalCluster
-
 from harness import (
     ReceiverProcess,
-    thread_cpu,
-    thread_cpu_delta,
     Workload,
     median,
     print_machine,
     print_table,
     quiet_logs,
     spread,
+    thread_cpu,
+    thread_cpu_delta,
     use_otel_env,
 )
 
