@@ -401,7 +401,7 @@ class GroupBatch:
 
     __slots__ = (
         "busy", "duration", "erred", "failed", "metrics", "nbytes", "since", "span",
-        "started", "states", "total",
+        "started", "states", "total", "wake",
     )
 
     #: The Dask span the group belongs to (``TaskGroup.span_id``)
@@ -426,12 +426,21 @@ class GroupBatch:
     started: float
     #: When a poll last found the group still running (0: never). Its last task
     #: finishes later, so it cannot be ready until ``otel.spans.export-delay``
-    #: after that: polls skip it until then without asking Dask
+    #: after that
     busy: float
+    #: The earliest time the group can be ready, as the last poll that looked at
+    #: it found: ``otel.spans.export-delay`` after its end or after ``busy``.
+    #: Polls pass it over until then, at the cost of one comparison, so that a
+    #: cluster with many long-running workflows open pays per group that may be
+    #: ready, not per open group. A group's end only moves later (but for a
+    #: worker's clock running behind the scheduler's, which delays a look by at
+    #: most the difference), so no group is looked at later than it would be
+    #: without this.
+    wake: float
 
     def __init__(self, span: Span):
         self.span = span
-        self.busy = 0.0
+        self.busy = self.wake = 0.0
         self.since = 0.0
         self.states = None
         self.total = self.nbytes = 0
@@ -890,14 +899,19 @@ class SpanMirror:
         )
         delay, timeout = self.config.export_delay, self.config.metrics_timeout
         try:
-            for tg, batch in list(self.open_groups.items()):
+            due = [item for item in self.open_groups.items() if item[1].wake <= now]
+            for tg, batch in due:
                 # The cheap tests first (as _ready): its last task finished, or
                 # it was still running, lately; then Dask's states
                 end = max(batch.end(tg) or batch.since or batch.span.enqueued, batch.busy)
                 waited = now - end
-                if waited < delay or (heard <= end and waited < timeout):
+                if waited < delay:
+                    batch.wake = end + delay
                     continue
+                if heard <= end and waited < timeout:
+                    continue  # a worker may still report its metrics: next poll
                 if not group_done(tg):
+                    batch.wake = now + delay
                     batch.busy = now
                     continue
                 self._close_group(tg)

@@ -311,6 +311,44 @@ def test_span_not_done_waits_for_export_delay():
         assert s.attributes["dask.tasks.total"] == 2
 
 
+def wait_for_event(name):
+    from distributed import Event
+
+    Event(name).wait()
+    return name
+
+
+def test_a_running_group_is_looked_at_once_per_export_delay_and_exported_when_done():
+    """Polls pass over a TaskGroup found running until otel.spans.export-delay has
+    passed (one comparison, not Dask's states), and still export it once, whole,
+    one delay after its last task"""
+    from distributed import Event
+
+    with otel_cluster({"otel.spans.export-delay": "500ms"}) as (client, mirrored):
+        mirror = mirrored.plugin.mirror
+        with span("long") as sid:
+            future = client.submit(wait_for_event, "go", key="waiting-0")
+            batch = wait_until(lambda: next(iter(mirror.open_groups.values()), None))
+            wait_until(lambda: batch.busy, what="a poll finding the group running")
+            for _ in range(3):  # several polls (every 100 ms) while it runs
+                found = batch.busy
+                assert batch.wake == found + 0.5
+                wait_until(lambda found=found: batch.busy > found, what="the next look")
+                assert batch.busy >= found + 0.5  # not looked at in between
+            Event("go").set()
+            future.result()
+        finished = time.monotonic()
+        s = mirrored.by_dask_id(sid)
+        latency = time.monotonic() - finished
+        (group,) = mirrored.children(s)
+        tg = mirrored.cluster.scheduler.task_groups[group.attributes["dask.taskgroup.name"]]
+        assert not mirror.open_groups
+    assert group.end_time == int(tg.stop * 1e9)
+    assert group.name == "waiting"
+    assert [x.name for x in mirrored.spans()] == ["waiting", "long"]  # each once
+    assert 0.4 <= latency < 2.5  # the delay after its end, not a delay after a late look
+
+
 def test_scheduler_close_exports_unfinished_spans():
     with dask.config.set({**MEMORY_CONFIG, "otel.spans.export-delay": "1h"}):
         cluster = LocalCluster(
