@@ -40,7 +40,6 @@ Usage::
 from __future__ import annotations
 
 import argparse
-import gc
 import sys
 import time
 from collections.abc import Callable
@@ -50,6 +49,7 @@ from distributed import LocalCluster
 from distributed.diagnostics.plugin import SchedulerPlugin
 
 from harness import (
+    GCClock,
     PLUGIN_NAME,
     ReceiverProcess,
     Run,
@@ -66,27 +66,6 @@ from harness import (
 
 BLOCK_TARGET = 0.005
 PER_SPAN_TARGET = 25e-6
-
-
-class GCClock:
-    """Seconds the garbage collector has run so far (``gc.callbacks``). A
-    collection runs in whatever code allocates when a threshold is crossed, so
-    its pause lands in a random callback; what it costs is proportional to the
-    whole heap, which is Dask's."""
-
-    def __init__(self) -> None:
-        self.total = 0.0
-        self._started = 0.0
-        gc.callbacks.append(self._callback)
-
-    def _callback(self, phase: str, info: dict) -> None:
-        if phase == "start":
-            self._started = time.perf_counter()
-        else:
-            self.total += time.perf_counter() - self._started
-
-    def close(self) -> None:
-        gc.callbacks.remove(self._callback)
 
 
 class Call(NamedTuple):

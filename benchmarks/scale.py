@@ -36,18 +36,21 @@ For each shape it reports:
   than any per-span record would take (one dict entry alone is ~100 bytes), and
   above the noise of CPython's free lists, which keep a few recently freed dicts
   allocated. Also the sizes of the mirror's own structures (``open_spans``,
-  ``open_groups``, ``erred``).
+  ``open_groups``, ``erred``). With ``--no-tracemalloc``, the cost of a poll at
+  those points instead.
 - ``children`` only: how long the poll that finally exports the root (with its
   10,000 sub-spans) blocks the event loop;
-- ``tenants`` only: the longest poll while 1,000 more short spans come and go
-  (after the memory checkpoints, without tracemalloc), with the 1,000 long ones
-  open: each poll looks at every open span.
+- ``tenants`` only: the longest poll (CPU less garbage collection, and wall)
+  while 1,000 more short spans come and go (after the memory checkpoints,
+  without tracemalloc), with the 1,000 long ones open: a poll looks at an open
+  TaskGroup only once its export delay has passed.
 
 Usage::
 
     python benchmarks/scale.py                    # 10 and 10,000 spans, roots and children
     python benchmarks/scale.py --shape tenants    # the same with 1,000 spans open throughout
     python benchmarks/scale.py --spans 2000 --shape roots
+    python benchmarks/scale.py --shape tenants --no-tracemalloc   # polls, not memory: minutes
 """
 
 from __future__ import annotations
@@ -66,6 +69,7 @@ import dask
 from distributed import Client, LocalCluster, span, wait
 
 from harness import (
+    GCClock,
     PLUGIN_NAME,
     ReceiverProcess,
     median,
@@ -235,7 +239,8 @@ def run_shape(args: argparse.Namespace, receiver: ReceiverProcess, shape: str) -
         )
     rows: list[list[str]] = []
     memory: list[tuple[int, dict[str, int]]] = []
-    longest = 0.0
+    polls: list[tuple[int, float]] = []  # without tracemalloc: (spans, poll seconds)
+    longest = longest_wall = 0.0
     try:
         with Client(cluster) as client:
             plugin = cluster.scheduler.plugins[PLUGIN_NAME]
@@ -255,11 +260,18 @@ def run_shape(args: argparse.Namespace, receiver: ReceiverProcess, shape: str) -
                 print(f"  {pipeline.created:>6} spans: poll {p_small[0] * 1e6:.1f} us "
                       f"(p90 {p_small[1] * 1e6:.1f}); {s_small}", flush=True)
 
-                tracemalloc.start(25)
+                if args.tracemalloc:
+                    tracemalloc.start(25)
                 top: list[str] = []
                 for point in checkpoints(small, large):
                     pipeline.add(point - pipeline.created)
                     pipeline.wait_exported()
+                    if not args.tracemalloc:
+                        # Poll cost along the way instead (tracemalloc would inflate it)
+                        polls.append((point, poll_cost(cluster, mirror, args.polls)[0]))
+                        print(f"  {point:>6} spans: poll {polls[-1][1] * 1e6:.1f} us; "
+                              f"{mirror_structures(mirror)}", flush=True)
+                        continue
                     parts, top = bridge_allocations()
                     memory.append((point, parts))
                     print(f"  {point:>6} spans: still allocated by the bridge: span mirror "
@@ -278,15 +290,17 @@ def run_shape(args: argparse.Namespace, receiver: ReceiverProcess, shape: str) -
 
                 if tenants:
                     # Polls while short spans come and go, timed without tracemalloc
-                    polls: list[float] = []
-                    with timing_polls(mirror, polls):
+                    live: list[float] = []
+                    live_cpu: list[float] = []
+                    with timing_polls(mirror, live, live_cpu):
                         pipeline.add(min(1000, large))
                         pipeline.wait_exported()
-                    longest = max(polls)
-                    print(f"  {len(tenants)} spans open throughout; {len(polls)} polls while "
-                          f"{min(1000, large)} more came and went: median "
-                          f"{median(polls) * 1e3:.2f} ms, longest {longest * 1e3:.1f} ms",
-                          flush=True)
+                    longest, longest_wall = max(live_cpu), max(live)
+                    print(f"  {len(tenants)} spans open throughout; {len(live)} polls while "
+                          f"{min(1000, large)} more came and went: wall median "
+                          f"{median(live) * 1e3:.2f} ms, longest {longest_wall * 1e3:.1f} ms; "
+                          f"CPU without GC median {median(live_cpu) * 1e3:.2f} ms, longest "
+                          f"{longest * 1e3:.1f} ms", flush=True)
                 if shape == "children":
                     # The last step finishes: the root is done, and exported in one poll
                     longest = _time_polls_until_root_exported(mirror, pipeline)
@@ -297,25 +311,30 @@ def run_shape(args: argparse.Namespace, receiver: ReceiverProcess, shape: str) -
 
     ratio = p_large[0] / p_small[0]
     flat_poll = p_large[0] <= max(1.10 * p_small[0], p_small[0] + 1e-6)
-    (first, m_first), (last, m_last) = memory[0], memory[-1]
-    growth = m_last["spans"] - m_first["spans"]
     rows.append([shape, f"poll after {small} spans (us)", f"{p_small[0] * 1e6:.1f}", "", ""])
+    if polls:
+        rows.append([shape, "poll after " + " / ".join(str(n) for n, _ in polls) + " spans (us)",
+                     " / ".join(f"{t * 1e6:.1f}" for _, t in polls), "", ""])
     rows.append([shape, f"poll after {large} spans (us)", f"{p_large[0] * 1e6:.1f}",
                  f"x{ratio:.2f} (<= x1.10 or +1 us)", verdict(flat_poll)])
-    rows.append([shape, "span mirror allocations held at " + " / ".join(
-                     str(n) for n, _ in memory) + " spans (KiB)",
-                 " / ".join(f"{m['spans'] / 1024:.0f}" for _, m in memory),
-                 f"{growth / 1024:+.1f} KiB {first}->{last} (< 64)",
-                 verdict(growth < 64 * 1024)])
-    rows.append([shape, "metrics allocations held, same points (KiB)",
-                 " / ".join(f"{m['metrics'] / 1024:.0f}" for _, m in memory), "", ""])
+    if memory:
+        (first, m_first), (last, m_last) = memory[0], memory[-1]
+        growth = m_last["spans"] - m_first["spans"]
+        rows.append([shape, "span mirror allocations held at " + " / ".join(
+                         str(n) for n, _ in memory) + " spans (KiB)",
+                     " / ".join(f"{m['spans'] / 1024:.0f}" for _, m in memory),
+                     f"{growth / 1024:+.1f} KiB {first}->{last} (< 64)",
+                     verdict(growth < 64 * 1024)])
+        rows.append([shape, "metrics allocations held, same points (KiB)",
+                     " / ".join(f"{m['metrics'] / 1024:.0f}" for _, m in memory), "", ""])
     rows.append([shape, f"open spans/groups/erred after {small} / {large}",
                  f"{s_small['open_spans']}/{s_small['open_groups']}/{s_small['erred']} / "
                  f"{s_large['open_spans']}/{s_large['open_groups']}/{s_large['erred']}",
                  "", ""])
     if shape == "tenants":
-        rows.append([shape, f"longest poll, {args.open} open throughout (ms)",
-                     f"{longest * 1e3:.1f}", "< 5 (event loop)", verdict(longest < 0.005)])
+        rows.append([shape, f"longest poll, {args.open} open throughout: CPU without GC (wall) (ms)",
+                     f"{longest * 1e3:.1f} ({longest_wall * 1e3:.1f})",
+                     "< 5 CPU (event loop)", verdict(longest < 0.005)])
     if shape == "children":
         rows.append([shape, f"poll exporting the root of {large} (ms)",
                      f"{longest * 1e3:.1f}", "< 5 (event loop)", verdict(longest < 0.005)])
@@ -332,22 +351,31 @@ def open_tenants(client: Client, n: int) -> list[Any]:
 
 
 @contextlib.contextmanager
-def timing_polls(mirror: Any, durations: list[float]):
-    """Wrap ``mirror.poll`` (as the plugin calls it) to append each poll's duration"""
+def timing_polls(mirror: Any, durations: list[float], cpu: list[float] | None = None):
+    """Wrap ``mirror.poll`` (as the plugin calls it) to append each poll's wall
+    time to ``durations`` and its CPU less garbage collection to ``cpu``: a full
+    collection of Dask's heap runs in whichever call crosses the threshold, and a
+    wall time includes waiting for a core the workers use"""
     poll = mirror.poll
+    gc_clock = GCClock()
+    perf_counter, thread_time = time.perf_counter, time.thread_time
 
     def timed() -> Any:
-        t0 = time.perf_counter()
+        g0 = gc_clock.total
+        t0, c0 = perf_counter(), thread_time()
         try:
             return poll()
         finally:
-            durations.append(time.perf_counter() - t0)
+            durations.append(perf_counter() - t0)
+            if cpu is not None:
+                cpu.append(thread_time() - c0 - (gc_clock.total - g0))
 
     mirror.poll = timed
     try:
         yield
     finally:
         mirror.poll = poll
+        gc_clock.close()
 
 
 def _time_polls_until_root_exported(mirror: Any, pipeline: Pipeline) -> float:
@@ -369,6 +397,9 @@ def main(argv: list[str] | None = None) -> int:
                         default="both", help="both: roots and children")
     parser.add_argument("--open", type=int, default=1000,
                         help="tenants: root spans open throughout")
+    parser.add_argument("--no-tracemalloc", dest="tracemalloc", action="store_false",
+                        help="time polls at the checkpoints instead of reading the bridge's "
+                             "allocations: tracemalloc slows a run ~40 x (tenants: ~2 spans/s)")
     args = parser.parse_args(argv)
 
     print("dask_otel scale benchmark")
