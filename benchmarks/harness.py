@@ -92,8 +92,11 @@ def machine() -> dict[str, str]:
 
 def dask_otel_commit() -> str:
     """The commit of the dask_otel being measured, "+ changes" if its files differ
-    from it (the package is installed editable: what is on disk is what runs)"""
-    root = HERE.parent
+    from it (the package is installed editable: what is on disk is what runs; a
+    checkout on PYTHONPATH, as for a before/after run, is the one imported)"""
+    import dask_otel
+
+    root = Path(dask_otel.__file__).resolve().parent.parent
 
     def git(*args: str) -> str:
         return subprocess.run(["git", "-C", str(root), *args], capture_output=True,
