@@ -110,6 +110,7 @@ from time import perf_counter
 from typing import TYPE_CHECKING, Any
 
 from distributed.metrics import time
+from distributed.protocol.serialize import ToPickle
 from distributed.scheduler import ALL_TASK_STATES
 from opentelemetry.sdk.trace import Event, ReadableSpan
 from opentelemetry.trace import Link, SpanContext, Status, StatusCode, TraceFlags
@@ -118,6 +119,7 @@ from dask_otel.client import ANNOTATION, remote_parent, root_carrier
 from dask_otel.ids import otel_span_id, root_span, trace_id_of
 from dask_otel.links import producer_links
 from dask_otel.sampling import trace_sampled
+from dask_otel.telemetry import NO_ATTRIBUTES
 
 if TYPE_CHECKING:
     from distributed import Scheduler
@@ -265,6 +267,16 @@ def _state_name(state: str) -> str:
     return f"dask.tasks.{state}" if name is None else name
 
 
+def code_snippets(span: Span) -> tuple[str, ...]:
+    """The source of ``Span.code``'s snippets. distributed 2024.1 keeps
+    each block of them still wrapped in the ``ToPickle`` the client sent."""
+    return tuple(
+        sc.code
+        for block in span.code
+        for sc in (block.data if isinstance(block, ToPickle) else block)
+    )
+
+
 def group_done(tg: TaskGroup) -> bool:
     """``TaskGroup.done``, in a quarter of the time: polls ask it of every open group"""
     states = tg.states
@@ -377,7 +389,7 @@ def group_attributes(tg: TaskGroup) -> dict[str, Any]:
             total += n
     out["dask.tasks.total"] = total
     out["dask.output.bytes"] = tg.nbytes_total
-    out["dask.duration"] = tg.duration
+    out["dask.duration"] = float(tg.duration)  # an int 0 in distributed 2024.1
     return out
 
 
@@ -492,7 +504,7 @@ class GroupBatch:
         }
         out["dask.tasks.total"] = total = sum(tg.states.values()) - self.total
         out["dask.output.bytes"] = max(tg.nbytes_total - self.nbytes, 0)
-        out["dask.duration"] = duration = max(tg.duration - self.duration, 0.0)
+        out["dask.duration"] = duration = max(float(tg.duration) - self.duration, 0.0)
         if total <= 0 and duration <= 0 and not self.erred:
             return None
         for name, value in metrics.items():
@@ -1034,6 +1046,16 @@ class SpanMirror:
             parent = parent.parent
         return start
 
+    def _bounded_links(self, links: dict[str, Link] | None) -> tuple[Link, ...]:
+        if not links:
+            return ()
+        sink = self.sink
+        count = sink.limits.max_link_attributes
+        return tuple(
+            Link(link.context, sink.event_attributes(dict(link.attributes), count))
+            for link in links.values()
+        )
+
     def _emit(
         self,
         name: str,
@@ -1101,7 +1123,7 @@ class SpanMirror:
         head = self._head(span)
         parent = span.parent
         remote = self.remote_parent(span.id) if parent is None else None
-        links = tuple(self.links.get(span.id, {}).values())
+        links = self._bounded_links(self.links.get(span.id))
         self._forget_exported(span)  # also when sampled out
         if head.context is None:
             return False
@@ -1122,14 +1144,12 @@ class SpanMirror:
                 attributes[_IDLE] = idle
         first_task = subtree.start and min(max(subtree.start, start), end)
         if self.config.export_code:
-            attributes["dask.span.code"] = tuple(
-                sc.code for snippets in span.code for sc in snippets
-            )
+            attributes["dask.span.code"] = code_snippets(span)
         if unfinished:
             attributes["dask.span.unfinished"] = True
         status = _erred_status(attributes, erred)
         events = (
-            (Event("dask.first_task_start", timestamp=_ns(first_task)),)
+            (Event("dask.first_task_start", NO_ATTRIBUTES, _ns(first_task)),)
             if first_task
             else ()
         )

@@ -172,7 +172,7 @@ class TaskSpans:
             events = (
                 Event(
                     "exception",
-                    sink.bounded(
+                    sink.event_attributes(
                         {
                             "exception.type": exc_type,
                             "exception.message": message,

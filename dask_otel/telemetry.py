@@ -56,6 +56,12 @@ def build_resource(**attributes: Any):
     return Resource.create(ours).merge(OTELResourceDetector().detect())
 
 
+#: The attributes of an event or link that has none. Events and links always get
+#: a ``BoundedAttributes``, as the SDK's own spans give them: an exporter may read
+#: ``.attributes.dropped`` off each (the OTLP encoder did, up to at least
+#: opentelemetry-sdk 1.25).
+NO_ATTRIBUTES = BoundedAttributes(immutable=True)
+
 #: Attribute value types that need no cleaning: OTel's primitive types, exactly
 #: (a subclass of str or int might be anything)
 _PRIMITIVES = frozenset((str, bool, int, float))
@@ -127,6 +133,13 @@ class SpanSink:
         ):
             return attributes
         return BoundedAttributes(limit, attributes, immutable=True, max_value_len=max_len)
+
+    def event_attributes(self, attributes: dict[str, Any], count: int | None) -> BoundedAttributes:
+        """The attributes of an event or a link, within the SDK's limits (``count``:
+        the event or link attribute count limit), always as ``BoundedAttributes``
+        (see :data:`NO_ATTRIBUTES`). Events and links are few: no fast path."""
+        max_len = self.limits.max_span_attribute_length
+        return BoundedAttributes(count, attributes, immutable=True, max_value_len=max_len)
 
     def emit(self, span: Any) -> None:
         for processor in self.processors:
@@ -225,6 +238,11 @@ def _span_limits():
         )
     except ValueError as e:  # "OTEL_..._LIMIT must be a non-negative integer but got -5"
         variable = next((v for v in os.environ if v.startswith("OTEL_") and v in str(e)), None)
+        if variable is None:  # a message that names none (opentelemetry-sdk 1.25's)
+            variable = next((
+                v for v, value in os.environ.items()
+                if v.startswith("OTEL_") and v.endswith("_LIMIT") and not value.strip().isdigit()
+            ), None)
         if variable is None:
             raise
         raise ConfigError(variable, os.environ[variable], "a non-negative integer") from e
@@ -325,8 +343,9 @@ class Telemetry:
     @property
     def _sdk_metrics(self) -> dict[str, Any]:
         """The SDK's own metrics (queue size, spans dropped by a full queue, export
-        duration), opt-in with OTEL_PYTHON_SDK_INTERNAL_METRICS_ENABLED=true, go to
-        this MeterProvider rather than the application's global one."""
+        duration), opt-in with OTEL_PYTHON_SDK_INTERNAL_METRICS_ENABLED=true (always
+        on in opentelemetry-sdk 1.41), go to this MeterProvider rather than the
+        application's global one."""
         return {"meter_provider": self.meter_provider} if self.meter_provider else {}
 
     @classmethod

@@ -10,6 +10,7 @@ from typing import Any
 import dask
 import pytest
 from distributed import Client, LocalCluster
+from opentelemetry.attributes import BoundedAttributes
 
 #: Dask config that switches the bridge on with spans kept in memory on the scheduler
 #: and a short export delay, so that tests do not wait seconds per span
@@ -85,10 +86,15 @@ def _tree_view(s: Any) -> tuple[int, int, int | None, int, int, str]:
 
 def assert_well_formed(spans: list) -> None:
     """What holds for every span the bridge exports, in export order: unique span
-    ids; start <= end; a parent present in the same trace (unless remote); a span exported before
+    ids; events and links with ``BoundedAttributes``; start <= end; a parent present in the same trace (unless remote); a span exported before
     its parent lies within it (start and end); one exported after it (work that ran
     after the parent's export) starts no earlier than it."""
     views = [_tree_view(s) for s in spans]
+    for s in (s for s in spans if hasattr(s, "context")):  # the SDK's spans
+        # As the SDK's own spans have them: an exporter may read
+        # .attributes.dropped off each (the OTLP encoder of opentelemetry-sdk 1.25 did)
+        for item in (*getattr(s, "events", ()), *getattr(s, "links", ())):
+            assert isinstance(item.attributes, BoundedAttributes), (s.name, item)
     by_id: dict[int, tuple[int, tuple]] = {}
     for i, v in enumerate(views):
         assert v[1] not in by_id, f"two spans share the id of {v[5]!r}"
