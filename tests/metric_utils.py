@@ -61,6 +61,8 @@ def collect(reader: InMemoryMetricReader) -> dict[str, list[Point]]:
         return out
     for rm in data.resource_metrics:
         for sm in rm.scope_metrics:
+            if sm.scope.name != "dask_otel":
+                continue  # the SDK's own metrics (opentelemetry-sdk 1.41 reports them unasked)
             for metric in sm.metrics:
                 out.setdefault(metric.name, []).extend(
                     Point(
