@@ -149,27 +149,6 @@ def print_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> None:
 # --- where the telemetry goes --------------------------------------------------------
 
 
-class GCClock:
-    """Seconds the garbage collector has run so far (``gc.callbacks``). A
-    collection runs in whatever code allocates when a threshold is crossed, so
-    its pause lands in a random callback; what it costs is proportional to the
-    whole heap, which is Dask's."""
-
-    def __init__(self) -> None:
-        self.total = 0.0
-        self._started = 0.0
-        gc.callbacks.append(self._callback)
-
-    def _callback(self, phase: str, info: dict) -> None:
-        if phase == "start":
-            self._started = time.perf_counter()
-        else:
-            self.total += time.perf_counter() - self._started
-
-    def close(self) -> None:
-        gc.callbacks.remove(self._callback)
-
-
 class ReceiverProcess:
     """``benchmarks/receiver.py`` (tests/otlp_receiver.py's OTLPReceiver, gRPC) in
     a subprocess, so that its CPU is not the scheduler's"""
@@ -303,6 +282,27 @@ class Workload:
 
 
 # --- one measured run --------------------------------------------------------------------
+
+
+class GCClock:
+    """Seconds the garbage collector has run so far (``gc.callbacks``). A
+    collection runs in whatever code allocates when a threshold is crossed, so
+    its pause lands in a random callback; what it costs is proportional to the
+    whole heap, which is Dask's."""
+
+    def __init__(self) -> None:
+        self.total = 0.0
+        self._started = 0.0
+        gc.callbacks.append(self._callback)
+
+    def _callback(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._started = time.perf_counter()
+        else:
+            self.total += time.perf_counter() - self._started
+
+    def close(self) -> None:
+        gc.callbacks.remove(self._callback)
 
 
 _CLK_TCK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100

@@ -86,14 +86,15 @@ def _tree_view(s: Any) -> tuple[int, int, int | None, int, int, str]:
 
 def assert_well_formed(spans: list) -> None:
     """What holds for every span the bridge exports, in export order: unique span
-    ids; events and links with ``BoundedAttributes``; start <= end; a parent present in the same trace (unless remote); a span exported before
-    its parent lies within it (start and end); one exported after it (work that ran
-    after the parent's export) starts no earlier than it."""
+    ids; events and links with ``BoundedAttributes``; start <= end; a parent
+    present in the same trace (unless remote); a span exported before its parent
+    lies within it (start and end); one exported after it (work that ran after the
+    parent's export) starts no earlier than it."""
     views = [_tree_view(s) for s in spans]
     for s in (s for s in spans if hasattr(s, "context")):  # the SDK's spans
         # As the SDK's own spans have them: an exporter may read
         # .attributes.dropped off each (the OTLP encoder of opentelemetry-sdk 1.25 did)
-        for item in (*getattr(s, "events", ()), *getattr(s, "links", ())):
+        for item in (*s.events, *s.links):
             assert isinstance(item.attributes, BoundedAttributes), (s.name, item)
     by_id: dict[int, tuple[int, tuple]] = {}
     for i, v in enumerate(views):
