@@ -35,8 +35,8 @@ For each shape it reports:
   less than 64 KiB from 1,000 to 10,000 spans, i.e. under 7 bytes per span: less
   than any per-span record would take (one dict entry alone is ~100 bytes), and
   above the noise of CPython's free lists, which keep a few recently freed dicts
-  allocated. Also the sizes of the mirror's own structures (``open_spans``,
-  ``open_groups``, ``erred``). With ``--no-tracemalloc``, the cost of a poll at
+  allocated. Also the sizes of the mirror's own structures (its ``Ledger``:
+  open span records, open TaskGroup batches, leaves). With ``--no-tracemalloc``, the cost of a poll at
   those points instead.
 - ``children`` only: how long the poll that finally exports the root (with its
   10,000 sub-spans) blocks the event loop;
@@ -148,7 +148,7 @@ class Pipeline:
                 raise RuntimeError(
                     f"{self.mirror.mirrored} spans mirrored and {self.receiver.count()} "
                     f"received of {self.expected} after {timeout}s; open spans "
-                    f"{len(self.mirror.open_spans)}, open groups {len(self.mirror.open_groups)}"
+                    f"{len(self.mirror.ledger.records)}, open groups {len(self.mirror.ledger.groups)}"
                 )
             time.sleep(0.2)
 
@@ -207,18 +207,17 @@ def bridge_allocations() -> tuple[dict[str, int], list[str]]:
 
 
 def mirror_structures(mirror: Any) -> dict[str, int]:
+    """Sizes of the mirror's Ledger: open span records, open TaskGroup batches,
+    leaves, and exported roots remembered with their caller"""
+    ledger = mirror.ledger
+    parts = (ledger.records, ledger.groups, ledger.leaves, ledger.reopened_parents)
     return {
-        "open_spans": len(mirror.open_spans),
-        "open_groups": len(mirror.open_groups),
-        "erred": len(mirror.erred),
-        "folded": len(mirror.folded),
-        "ends": len(mirror.ends),
-        "open_children": len(mirror.open_children),
-        "bytes": sum(
-            sys.getsizeof(x)
-            for x in (mirror.open_spans, mirror.open_groups, mirror.erred, mirror.folded,
-                      mirror.ends, mirror.open_children)
-        ),
+        "open_spans": len(ledger.records),
+        "open_groups": len(ledger.groups),
+        "leaves": len(ledger.leaves),
+        "reopened_roots": len(ledger.reopened_parents),
+        "bytes": sum(map(sys.getsizeof, parts))
+        + sum(map(sys.getsizeof, ledger.records.values())),
     }
 
 
@@ -327,9 +326,9 @@ def run_shape(args: argparse.Namespace, receiver: ReceiverProcess, shape: str) -
                      verdict(growth < 64 * 1024)])
         rows.append([shape, "metrics allocations held, same points (KiB)",
                      " / ".join(f"{m['metrics'] / 1024:.0f}" for _, m in memory), "", ""])
-    rows.append([shape, f"open spans/groups/erred after {small} / {large}",
-                 f"{s_small['open_spans']}/{s_small['open_groups']}/{s_small['erred']} / "
-                 f"{s_large['open_spans']}/{s_large['open_groups']}/{s_large['erred']}",
+    rows.append([shape, f"open spans/groups/leaves after {small} / {large}",
+                 f"{s_small['open_spans']}/{s_small['open_groups']}/{s_small['leaves']} / "
+                 f"{s_large['open_spans']}/{s_large['open_groups']}/{s_large['leaves']}",
                  "", ""])
     if shape == "tenants":
         rows.append([shape, f"longest poll, {args.open} open throughout: CPU without GC (wall) (ms)",

@@ -1,5 +1,5 @@
 """What the bridge costs each task on a worker: the in-task OTel context
-(dask_otel.task_context) and task spans (dask_otel.task_spans) at sample ratios
+(dask_otel.worker.execute_hook) and task spans (dask_otel.worker.task_spans) at sample ratios
 0, 0.01 and 1, against the same call without the bridge, in the same process.
 
 A micro-benchmark of the ``execute`` wrapper on a real Worker: a real scheduler
@@ -55,9 +55,9 @@ def span_sink():
     from opentelemetry.sdk.trace import TracerProvider
     from opentelemetry.sdk.trace.export import BatchSpanProcessor
 
-    from dask_otel.telemetry import SpanSink, _span_limits
+    from dask_otel.export.sink import SpanSink, span_limits
 
-    limits = _span_limits()
+    limits = span_limits()
     provider = TracerProvider(span_limits=limits, shutdown_on_exit=False)
     processor = BatchSpanProcessor(DroppingExporter())
     provider.add_span_processor(processor)
@@ -67,8 +67,9 @@ def span_sink():
 def variants(worker: Worker, sink, sampler):
     """name -> an ``execute`` to time: the stand-in, bare or wrapped"""
     from dask_otel.config import read_config
-    from dask_otel.task_context import TaskContextHook, TaskContexts
-    from dask_otel.task_spans import TaskSpans
+    from dask_otel.worker.execute_hook import TaskContextHook
+    from dask_otel.worker.task_context import TaskContexts
+    from dask_otel.worker.task_spans import TaskSpans
 
     events = {}
 
@@ -110,7 +111,7 @@ async def time_per_task(execute, keys) -> float:
 
 
 async def main(n_tasks: int, rounds: int) -> None:
-    from dask_otel.task_context import default_sampler
+    from dask_otel.worker.task_context import default_sampler
 
     async with Scheduler(dashboard_address=":0", host="127.0.0.1") as scheduler:
         async with Worker(scheduler.address, nthreads=1) as worker:

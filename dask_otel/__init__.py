@@ -15,9 +15,9 @@ the ``otel:`` dask config namespace holds the rest (see ``otel.yaml``).
 
 from __future__ import annotations
 
-from importlib.metadata import PackageNotFoundError, version
 from typing import TYPE_CHECKING, Any
 
+from dask_otel._version import __version__
 from dask_otel.client import span
 from dask_otel.config import ConfigError  # also loads the otel: config defaults
 
@@ -27,12 +27,7 @@ from dask_otel.config import ConfigError  # also loads the otel: config defaults
 if TYPE_CHECKING:
     from distributed import Client, Scheduler
 
-try:
-    __version__ = version("dask-otel")
-except PackageNotFoundError:  # a source checkout that is not installed
-    __version__ = "0+unknown"
-
-__all__ = ["ConfigError", "dask_setup", "dask_teardown", "instrument", "span", "status"]
+__all__ = ["ConfigError", "__version__", "dask_setup", "dask_teardown", "instrument", "span", "status"]
 
 
 async def dask_setup(scheduler: Scheduler) -> None:
@@ -41,7 +36,7 @@ async def dask_setup(scheduler: Scheduler) -> None:
     Adds the scheduler plugin, which registers the worker plugin with the
     scheduler, so that every current and future worker exports too.
     """
-    from dask_otel.plugin import OtelSchedulerPlugin
+    from dask_otel.scheduler.plugin import OtelSchedulerPlugin
 
     await scheduler.register_scheduler_plugin(OtelSchedulerPlugin(), idempotent=True)
 
@@ -49,7 +44,8 @@ async def dask_setup(scheduler: Scheduler) -> None:
 async def dask_teardown(scheduler: Scheduler) -> None:
     """Preload exit point: export and flush what is pending, within
     ``otel.flush-timeout``."""
-    from dask_otel.plugin import PLUGIN_NAME, OtelSchedulerPlugin
+    from dask_otel.scheduler.plugin import OtelSchedulerPlugin
+    from dask_otel.worker.plugin import PLUGIN_NAME
 
     plugin = scheduler.plugins.get(PLUGIN_NAME)
     if isinstance(plugin, OtelSchedulerPlugin):
@@ -63,7 +59,7 @@ def instrument(client: Client) -> None:
     if the cluster already has it. ``dask_otel`` must be installed on the scheduler
     and the workers. Dask spans that finished before this call are not exported.
     """
-    from dask_otel.plugin import OtelSchedulerPlugin
+    from dask_otel.scheduler.plugin import OtelSchedulerPlugin
 
     client.register_plugin(OtelSchedulerPlugin())
 
@@ -76,7 +72,7 @@ def status(client: Client) -> dict[str, Any]:
     "task_context_errors": 0, "task_spans": None}}}``; ``None`` where the
     plugin is not installed. ``error`` names the config key or exporter at fault.
     """
-    from dask_otel.plugin import PLUGIN_NAME
+    from dask_otel.worker.plugin import PLUGIN_NAME
 
     def _status(dask_server: Any) -> dict[str, Any] | None:
         plugins = getattr(dask_server, "plugins", {})

@@ -6,7 +6,7 @@ timeouts, batching, resource attributes, service name) is read by the OpenTeleme
 SDK itself from the standard ``OTEL_*`` environment variables. This module only
 validates the Dask-specific knobs under ``otel:`` and the exporter names, the way
 ``OTEL_TRACES_EXPORTER`` / ``OTEL_METRICS_EXPORTER`` name them. The SDK objects are
-built in :mod:`dask_otel.exporters` and :mod:`dask_otel.telemetry`.
+built in :mod:`dask_otel.export.exporters` and :mod:`dask_otel.export.telemetry`.
 """
 
 from __future__ import annotations

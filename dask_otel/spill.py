@@ -115,7 +115,7 @@ from typing import TYPE_CHECKING, Any
 
 import dask.config
 
-from dask_otel.instruments import (
+from dask_otel.export.instruments import (
     COUNTER,
     GAUGE,
     Attached,
@@ -128,7 +128,7 @@ from dask_otel.instruments import (
 if TYPE_CHECKING:
     from distributed import Worker
 
-    from dask_otel.telemetry import Telemetry
+    from dask_otel.export.telemetry import Telemetry
 
 #: Attributes
 WORKER_ADDRESS = "dask.worker.address"

@@ -139,7 +139,7 @@ def otel_cluster(config: dict | None = None, **cluster_kwargs: Any) -> Iterator[
 def telemetry_released():
     """Every test leaves no Telemetry behind: the last Dask server of a process that
     closes must flush and shut the SDK providers down."""
-    from dask_otel.telemetry import Telemetry
+    from dask_otel.export.telemetry import Telemetry
 
     yield
     leaked = Telemetry._current

@@ -11,6 +11,7 @@ import pytest
 from distributed import span
 
 import dask_otel
+import dask_otel.export.lifecycle
 from conftest import MEMORY_CONFIG, otel_cluster
 from dask_otel.config import DEFAULTS, read_config
 
@@ -75,7 +76,7 @@ def test_an_unexpected_startup_failure_is_described_not_a_bare_exception_text(
     def broken() -> None:
         raise KeyError("otel")
 
-    monkeypatch.setattr(dask_otel.plugin, "read_config", broken)
+    monkeypatch.setattr(dask_otel.export.lifecycle, "read_config", broken)
     with caplog.at_level(logging.ERROR, logger="dask_otel"), otel_cluster() as (client, _):
         error = dask_otel.status(client)["scheduler"]["error"]
         assert client.submit(sum, [1, 2]).result() == 3  # the cluster computes on

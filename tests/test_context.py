@@ -181,7 +181,7 @@ def test_a_trace_the_sampler_drops_drops_its_dask_spans(cluster, caller):
     # Not exported in a trace of their own either
     assert [s for s in exported if s.attributes["dask.span.name"][0] == "dropped"] == []
     assert [s for s in exported if s.attributes["dask.span.id"] == dropped_id] == []
-    assert mirrored.plugin.mirror.entered == {} and mirrored.plugin.mirror.remote_parents == {}
+    assert not mirrored.plugin.mirror.ledger.records  # nor their entries and callers
 
 
 def test_memory_of_the_mirror_is_bounded_by_open_spans(cluster):
@@ -193,9 +193,9 @@ def test_memory_of_the_mirror_is_bounded_by_open_spans(cluster):
                 # A key prefix per workflow: Dask puts a prefix's tasks on one span
                 client.submit(inc, i, key=f"wf{i}-inc").result()
     mirrored.by_dask_id(sid)
-    wait_until(lambda: not mirrored.plugin.mirror.open_spans, what="every span exported")
+    wait_until(lambda: not mirrored.plugin.mirror.ledger.records, what="every span exported")
     mirror = mirrored.plugin.mirror
-    assert (mirror.entered, mirror.remote_parents) == ({}, {})
+    assert (mirror.ledger.records, mirror.ledger.leaves) == ({}, {})
 
 
 # --- dask scheduler + dask worker processes, switched on by the preload variable --

@@ -187,7 +187,7 @@ def test_bounded_memory_when_the_collector_is_gone(monkeypatch):
             wait_until(lambda: mirrored.plugin.mirror.mirrored >= 60)
             status = dask_otel.status(client)["scheduler"]
             assert status["open_spans"] == status["open_groups"] == 0
-            assert not mirrored.plugin.mirror.erred
+            assert not mirrored.plugin.mirror.ledger.records
             # The SDK's own metric, reported to the bridge's MeterProvider
             (reader,) = mirrored.plugin.telemetry.metric_readers
             dropped = [
@@ -340,7 +340,7 @@ def test_a_failing_close_step_never_raises_into_dask_and_the_rest_still_runs(
 ):
     """Dask's plugin.close re-raises: a span flush or metrics close that fails must
     be logged, and the telemetry still released (the autouse fixture checks it)"""
-    from dask_otel.metrics import SchedulerMetrics
+    from dask_otel.scheduler.metrics import SchedulerMetrics
     from dask_otel.spans import SpanMirror
 
     def broken(self, *args):
@@ -391,8 +391,7 @@ def test_huge_empty_and_many_span_names_are_bounded():
         assert {f"name {i} ✓" for i in range(MANY_NAMES)} <= names
         # Nothing is kept per span or per name once exported
         mirror = mirrored.plugin.mirror
-        assert not (mirror.open_spans or mirror.open_groups or mirror.erred or mirror.folded
-                    or mirror.open_children or mirror.open_groups_of or mirror.idle)
+        assert not (mirror.ledger.records or mirror.ledger.groups or mirror.ledger.leaves)
 
 
 def test_auth_headers_never_reach_logs_or_attributes():

@@ -6,7 +6,7 @@ from __future__ import annotations
 from distributed import span, wait
 
 from conftest import otel_cluster
-from dask_otel.links import MAX_LINKS
+from dask_otel.scheduler.links import MAX_LINKS
 
 
 def inc(x: int) -> int:

@@ -19,11 +19,11 @@ import prometheus_client
 import pytest
 from distributed import Client, LocalCluster, span, wait
 
-import dask_otel.metrics
+import dask_otel.scheduler.metrics
 import dask_otel.spill
 from conftest import wait_until
-from dask_otel.instruments import COUNTER, GAUGE
-from dask_otel.metrics import SCHEDULER_METRICS, fine_metric_attributes
+from dask_otel.export.instruments import COUNTER, GAUGE
+from dask_otel.scheduler.metrics import SCHEDULER_METRICS, fine_metric_attributes
 from dask_otel.spill import SPILL_METRICS
 from metric_utils import (
     MEMORY_LIMIT,
@@ -145,9 +145,9 @@ def test_past_the_cardinality_limit_the_rest_is_one_overflow_series():
         points = collect(metric_reader(cluster))
 
     seconds = expected["seconds"]
-    assert len(seconds) > dask_otel.metrics.MAX_SERIES + 100
+    assert len(seconds) > dask_otel.scheduler.metrics.MAX_SERIES + 100
     exported = points["dask.activity.time"]
-    assert len(exported) == dask_otel.metrics.MAX_SERIES + 1
+    assert len(exported) == dask_otel.scheduler.metrics.MAX_SERIES + 1
     overflow = [p for p in exported if p.attributes == {"otel.metric.overflow": True}]
     assert len(overflow) == 1
     kept = {tuple(sorted(p.attributes.items())): p.value for p in exported if p not in overflow}
@@ -360,7 +360,7 @@ def test_every_emitted_metric_is_documented_and_every_documented_one_emitted(mon
                 assert any(attribute in p.attributes for p in points[name]), (name, attribute)
 
     # The module docstrings, the user manual, name every metric too
-    manual = dask_otel.spill.__doc__ + dask_otel.metrics.__doc__
+    manual = dask_otel.spill.__doc__ + dask_otel.scheduler.metrics.__doc__
     for spec in SPILL_METRICS + SCHEDULER_METRICS:
         assert f"``{spec.name}``" in manual, spec.name
         assert documented[spec.name]["prometheus name"] in manual, spec.name

@@ -242,7 +242,7 @@ def test_subtree_totals_are_dasks_own_span_properties(cluster):
     (event,) = [e for e in mirrored.by_dask_id(root_id).events]
     assert event.timestamp == int(dask_span.start * 1e9)
     # Nothing is kept once the tree is exported
-    assert not (mirrored.plugin.mirror.folded or mirrored.plugin.mirror.open_children)
+    assert not (mirrored.plugin.mirror.ledger.records or mirrored.plugin.mirror.ledger.leaves)
 
 
 @contextlib.contextmanager
@@ -266,11 +266,11 @@ def test_instrumented_mid_span_counts_the_steps_before_it():
             dask_otel.instrument(client)  # "outer" and "running" are open
             running.result()
         plugin = cluster.scheduler.plugins["dask-otel"]
-        wait_until(lambda: not plugin.mirror.open_spans)
+        wait_until(lambda: not plugin.mirror.ledger.records)
         spans = plugin.telemetry.span_exporters[0].get_finished_spans()
         (outer,) = [s for s in spans if s.attributes["dask.span.id"] == outer_id]
         assert outer.attributes["dask.tasks.total"] == 4
-        assert not (plugin.mirror.folded or plugin.mirror.open_children)
+        assert not (plugin.mirror.ledger.records or plugin.mirror.ledger.leaves)
 
 
 def test_each_span_is_exported_once_and_forgotten(cluster):
@@ -328,7 +328,7 @@ def test_a_running_group_is_looked_at_once_per_export_delay_and_exported_when_do
         mirror = mirrored.plugin.mirror
         with span("long") as sid:
             future = client.submit(wait_for_event, "go", key="waiting-0")
-            batch = wait_until(lambda: next(iter(mirror.open_groups.values()), None))
+            batch = wait_until(lambda: next(iter(mirror.ledger.groups.values()), None))
             wait_until(lambda: batch.busy, what="a poll finding the group running")
             for _ in range(3):  # several polls (every 100 ms) while it runs
                 found = batch.busy
@@ -342,7 +342,7 @@ def test_a_running_group_is_looked_at_once_per_export_delay_and_exported_when_do
         latency = time.monotonic() - finished
         (group,) = mirrored.children(s)
         tg = mirrored.cluster.scheduler.task_groups[group.attributes["dask.taskgroup.name"]]
-        assert not mirror.open_groups
+        assert not mirror.ledger.groups
     assert group.end_time == int(tg.stop * 1e9)
     assert group.name == "waiting"
     assert [x.name for x in mirrored.spans()] == ["waiting", "long"]  # each once
@@ -432,7 +432,7 @@ def test_default_settings_export_within_5_seconds_of_completion():
 
 
 def test_active_cpu_seconds_is_dasks(cluster):
-    from dask_otel.spans import active_cpu_seconds
+    from dask_otel.scheduler.totals import active_cpu_seconds
 
     client, mirrored = cluster
     with span("measured") as sid:
@@ -458,8 +458,7 @@ def test_otel_traces_sampler_is_honoured_per_trace(sampler, kept, monkeypatch):
         assert len(mirrored.spans()) == kept == mirror.mirrored
         assert mirror.sampled_out == 4 - kept
         # Nothing is kept about a span once exported or sampled out
-        assert not (mirror.erred or mirror.ends or mirror.folded or mirror.open_children
-                    or mirror.open_groups_of or mirror.idle)
+        assert not (mirror.ledger.records or mirror.ledger.groups or mirror.ledger.leaves)
 
 
 # --- fidelity: failed tasks' times, every batch of a TaskGroup (issue 9) -----------
@@ -594,7 +593,7 @@ def test_ratio_sampler_keeps_the_ratio_of_dask_trace_ids(monkeypatch):
 
     from opentelemetry.sdk.trace import TracerProvider
 
-    from dask_otel.sampling import trace_sampled
+    from dask_otel.span_context import trace_sampled
 
     monkeypatch.setenv("OTEL_TRACES_SAMPLER", "traceidratio")
     for ratio in (0.1, 0.5, 0.9):
@@ -620,7 +619,7 @@ def test_ratio_sampler_keeps_or_drops_whole_traces_and_the_mirror_keeps_nothing(
         mirror = mirrored.plugin.mirror
         wait_until(
             lambda: mirror.mirrored + mirror.sampled_out == 3 * n
-            and not (mirror.open_spans or mirror.open_groups),
+            and not (mirror.ledger.records or mirror.ledger.groups),
             what="every span and group exported or sampled out",
         )
         spans = mirrored.spans()
@@ -632,8 +631,7 @@ def test_ratio_sampler_keeps_or_drops_whole_traces_and_the_mirror_keeps_nothing(
             assert len(kept) in (0, 3), [s.name for s in kept]  # root, step, its group
         assert 0.35 <= len(by_trace) / n <= 0.65, len(by_trace)
         assert len(spans) == mirror.mirrored and mirror.sampled_out == 3 * n - len(spans)
-        assert not (mirror.erred or mirror.ends or mirror.folded or mirror.open_children
-                    or mirror.open_groups_of or mirror.idle)
+        assert not (mirror.ledger.records or mirror.ledger.groups or mirror.ledger.leaves)
 
 
 # --- limits (issue 9) ---------------------------------------------------------------
@@ -670,7 +668,7 @@ def test_attributes_skip_the_sdks_checks_only_when_they_would_change_nothing(val
     BoundedAttributes would keep every value unchanged (limit 8 characters)"""
     from opentelemetry.attributes import BoundedAttributes
 
-    from dask_otel.telemetry import within_limits
+    from dask_otel.export.sink import within_limits
 
     if within_limits([value], 8):
         checked = BoundedAttributes(16, {"a": value}, immutable=True, max_value_len=8)

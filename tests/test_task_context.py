@@ -235,7 +235,7 @@ def test_user_span_in_task_is_exported_as_child_of_dask_span(monkeypatch):
             trace_id, dask_span_id, _ = expected(root_id, root_id)
             (user,) = receiver.wait_for(lambda r: r.spans("user work"))
             (dask_span,) = receiver.wait_for(lambda r: r.spans("report"))
-    assert providers == {"dask_otel.telemetry.TelemetryTracerProvider"}
+    assert providers == {"dask_otel.export.global_provider.TelemetryTracerProvider"}
     assert user.trace_id == dask_span.trace_id == f"{trace_id:032x}"
     assert user.parent_span_id == dask_span.span_id == f"{dask_span_id:016x}"
     assert in_user_span[0] == trace_id and f"{in_user_span[1]:016x}" == user.span_id
@@ -300,7 +300,7 @@ def test_a_failure_to_build_a_context_runs_the_task_without_one_logged_once(monk
     """Whatever goes wrong in the bridge, the task runs (without context), and the
     worker says so once, then counts"""
     import dask_otel
-    from dask_otel.task_context import TaskContexts
+    from dask_otel.worker.task_context import TaskContexts
 
     def broken(*args, **kwargs):
         raise RuntimeError("broken on purpose")

@@ -15,7 +15,7 @@ What is exported
     OTel semantic conventions for exceptions).
 
 Which tasks
-    Only in traces the sampler keeps (:func:`dask_otel.sampling.trace_sampled`,
+    Only in traces the sampler keeps (:func:`dask_otel.span_context.trace_sampled`,
     the decision the scheduler's mirror gets). Then a task is exported if its key
     is chosen by ``otel.tasks.sample-ratio`` (a hash of the key: the same key is
     chosen on every worker and every retry), or it ran at least
@@ -51,20 +51,21 @@ from opentelemetry.trace import (
     SpanContext,
     Status,
     StatusCode,
-    TraceFlags,
 )
 
-from dask_otel.spans import _name
-from dask_otel.task_context import TaskRun
+from dask_otel.export.sink import span_name
+from dask_otel.span_context import SAMPLED
 
 if TYPE_CHECKING:
+    from collections.abc import Mapping
+
     from distributed import Worker
+    from opentelemetry.context import Context
 
     from dask_otel.config import OtelConfig
-    from dask_otel.task_context import DaskSpanContext
-    from dask_otel.telemetry import SpanSink
+    from dask_otel.export.sink import SpanSink
+    from dask_otel.worker.task_context import DaskSpanContext
 
-_SAMPLED = TraceFlags(TraceFlags.SAMPLED)
 _UNSET = Status(StatusCode.UNSET)
 _HASH_SPACE = 1 << 64
 
@@ -82,6 +83,34 @@ def key_chosen(key: Any, ratio: float) -> bool:
 
 def _ns(seconds: float) -> int:
     return int(seconds * 1e9)
+
+
+class TaskRun:
+    """One run of a task in a sampled trace, which may get a task span: built by
+    :meth:`TaskSpans.start`, handed back to :meth:`TaskSpans.finish` by the hook"""
+
+    __slots__ = ("chosen", "context", "dask_span", "key", "otel", "span_id")
+
+    def __init__(
+        self,
+        key: Any,
+        dask_span: DaskSpanContext,
+        context: Context,
+        span_id: int,
+        otel: Mapping[str, Any] | None,
+    ):
+        self.key = key
+        #: the task's ``otel`` annotation, passed on to its sub-tasks
+        self.otel = otel
+        #: the task's Dask span context
+        self.dask_span = dask_span
+        #: the context the task runs in: its Dask span's, or its task span's
+        self.context = context
+        #: the task span's id, kept for the rules that decide after the run
+        self.span_id = span_id
+        #: True when the task span is ``context``'s current span (chosen by ratio)
+        self.chosen = False
+
 
 
 class TaskSpans:
@@ -111,7 +140,7 @@ class TaskSpans:
         self._after_run_rules = self.slower_than is not None or self.erred
         self._random = random.Random()
 
-    def start(self, key: Any, ts: Any, dask_span: DaskSpanContext) -> TaskRun | DaskSpanContext:
+    def start(self, key: Any, dask_span: DaskSpanContext) -> TaskRun | DaskSpanContext:
         """The run of a task in a sampled trace: in its task span's context if its
         key is chosen, else in its Dask span's (with a span id kept for the
         threshold and erred rules, or none)"""
@@ -121,7 +150,7 @@ class TaskSpans:
             parent = dask_span.span_context
             own = SpanContext(
                 parent.trace_id, span_id, is_remote=False,
-                trace_flags=_SAMPLED, trace_state=parent.trace_state,
+                trace_flags=SAMPLED, trace_state=parent.trace_state,
             )
             context = trace.set_span_in_context(NonRecordingSpan(own), dask_span.context)
             run = TaskRun(key, dask_span, context, span_id, otel)
@@ -168,7 +197,7 @@ class TaskSpans:
         status = _UNSET
         if erred:
             exc_type, message = _exception_type_and_message(event)
-            status = Status(StatusCode.ERROR, _name(f"{exc_type}: {message}"))
+            status = Status(StatusCode.ERROR, span_name(f"{exc_type}: {message}"))
             events = (
                 Event(
                     "exception",
@@ -186,14 +215,14 @@ class TaskSpans:
         else:
             attributes["dask.output.bytes"] = event.nbytes
         return ReadableSpan(
-            _name(key_split(run.key)),
+            span_name(key_split(run.key)),
             context=SpanContext(
                 parent.trace_id, run.span_id, is_remote=False,
-                trace_flags=_SAMPLED, trace_state=parent.trace_state,
+                trace_flags=SAMPLED, trace_state=parent.trace_state,
             ),
             parent=SpanContext(
                 parent.trace_id, parent.span_id, is_remote=False,
-                trace_flags=_SAMPLED, trace_state=parent.trace_state,
+                trace_flags=SAMPLED, trace_state=parent.trace_state,
             ),
             resource=sink.resource,
             attributes=sink.bounded(attributes),

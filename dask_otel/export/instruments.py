@@ -1,10 +1,10 @@
 """Observable instruments shared by every Dask server of a process.
 
-A process holds one MeterProvider (see :class:`dask_otel.telemetry.Telemetry`), and a
+A process holds one MeterProvider (see :class:`dask_otel.export.telemetry.Telemetry`), and a
 LocalCluster with ``processes=False`` runs a scheduler and several workers in it.
 An instrument name may be registered only once per MeterProvider, so each kind of
 instrument set (:class:`~dask_otel.spill.SpillInstruments`,
-:class:`~dask_otel.metrics.SchedulerInstruments`) is created once per provider, and
+:class:`~dask_otel.scheduler.metrics.SchedulerInstruments`) is created once per provider, and
 its callbacks report on every Dask server currently attached to it, each with the
 attributes that name it.
 
@@ -24,6 +24,8 @@ from typing import TYPE_CHECKING, Any, ClassVar
 from weakref import WeakKeyDictionary
 
 from opentelemetry.metrics import CallbackOptions, Observation
+
+from dask_otel._version import __version__
 
 if TYPE_CHECKING:
     from opentelemetry.metrics import Meter, MeterProvider
@@ -136,8 +138,6 @@ class ProcessInstruments:
             per_class = _by_provider.setdefault(meter_provider, {})
             instruments = per_class.get(cls)
             if instruments is None:
-                from dask_otel import __version__
-
                 meter = meter_provider.get_meter("dask_otel", __version__)
                 instruments = per_class[cls] = cls(meter)
             return instruments

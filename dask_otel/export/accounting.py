@@ -119,7 +119,7 @@ class ExportOutage:
         return False
 
 
-class GatedSpanExporter(SpanExporter):
+class AccountedSpanExporter(SpanExporter):
     """A SpanExporter with :class:`ExportOutage` accounting"""
 
     shut_down = False
@@ -150,11 +150,11 @@ class GatedSpanExporter(SpanExporter):
     export_failures = property(lambda self: self.outage.export_failures)
 
 
-def gated_metric_exporter(exporter: Any) -> Any:
+def accounted_metric_exporter(exporter: Any) -> Any:
     """The metric exporter wrapped with :class:`ExportOutage` accounting"""
     from opentelemetry.sdk.metrics.export import MetricExporter, MetricExportResult
 
-    class GatedMetricExporter(MetricExporter):
+    class AccountedMetricExporter(MetricExporter):
         def __init__(self) -> None:
             super().__init__(
                 preferred_temporality=exporter._preferred_temporality,
@@ -181,10 +181,10 @@ def gated_metric_exporter(exporter: Any) -> Any:
                 self.shut_down = True
                 self.exporter.shutdown(timeout_millis=timeout_millis)
 
-    return GatedMetricExporter()
+    return AccountedMetricExporter()
 
 
-def gated_log_exporter(exporter: Any) -> Any:
+def accounted_log_exporter(exporter: Any) -> Any:
     """The log record exporter wrapped with :class:`ExportOutage` accounting"""
     from opentelemetry.sdk._logs import export as sdk
 
@@ -192,7 +192,7 @@ def gated_log_exporter(exporter: Any) -> Any:
     base = getattr(sdk, "LogRecordExporter", None) or sdk.LogExporter
     Result = getattr(sdk, "LogRecordExportResult", None) or sdk.LogExportResult
 
-    class GatedLogExporter(base):  # type: ignore[valid-type,misc]
+    class AccountedLogExporter(base):  # type: ignore[valid-type,misc]
         def __init__(self) -> None:
             self.exporter = exporter
             self.outage = ExportOutage("logs")
@@ -213,4 +213,4 @@ def gated_log_exporter(exporter: Any) -> Any:
                 self.shut_down = True
                 self.exporter.shutdown()
 
-    return GatedLogExporter()
+    return AccountedLogExporter()

@@ -90,7 +90,7 @@ from __future__ import annotations
 from collections.abc import Hashable, Mapping
 from typing import TYPE_CHECKING, Any
 
-from dask_otel.instruments import (
+from dask_otel.export.instruments import (
     COUNTER,
     Attached,
     MetricSpec,
@@ -102,7 +102,7 @@ from dask_otel.instruments import (
 if TYPE_CHECKING:
     from distributed import Scheduler
 
-    from dask_otel.telemetry import Telemetry
+    from dask_otel.export.telemetry import Telemetry
 
 #: Attributes
 CONTEXT = "dask.activity.context"
@@ -225,12 +225,12 @@ def _spans_sampled_out(observed: SchedulerMetrics) -> Reading:
 
 
 def _export_failures(observed: SchedulerMetrics) -> Reading:
-    """Failed export requests of every gated exporter, spans' and metrics'"""
+    """Failed export requests of every accounted exporter, spans' and metrics'"""
     telemetry = observed.telemetry
     out: list[tuple[float, Mapping[str, Any]]] = []
     for signal, gated in (
-        ("spans", telemetry.export_stats),
-        ("metrics", telemetry.metric_export_stats),
+        ("spans", telemetry.accounted_span_exporters),
+        ("metrics", telemetry.accounted_metric_exporters),
     ):
         for stats in list(gated):
             attributes = {EXPORTER: type(stats.exporter).__name__, SIGNAL: signal}
@@ -242,7 +242,7 @@ def _export_stat(field: str):
     def read(observed: SchedulerMetrics) -> Reading:
         return [
             (getattr(stats, field), {EXPORTER: type(stats.exporter).__name__})
-            for stats in list(observed.telemetry.export_stats)
+            for stats in list(observed.telemetry.accounted_span_exporters)
         ]
 
     return read

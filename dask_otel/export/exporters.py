@@ -2,7 +2,7 @@
 
 Each reads its own ``OTEL_*`` variables (endpoint, headers, certificate, timeout,
 compression); the only choice made here is which exporter, and gRPC or HTTP for
-``otlp``. Batched exporters are wrapped with :mod:`dask_otel.outage` accounting.
+``otlp``. Batched exporters are wrapped with :mod:`dask_otel.export.accounting`.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from importlib.metadata import entry_points
 from typing import Any
 
 from dask_otel.config import ConfigError, otlp_entry_point
-from dask_otel.outage import HELD_EXPORTER_LOGS, gated_metric_exporter
+from dask_otel.export.accounting import HELD_EXPORTER_LOGS, accounted_metric_exporter
 
 logger = logging.getLogger("dask_otel")
 
@@ -137,10 +137,10 @@ def span_exporters(names: Sequence[str], meter_provider: Any = None) -> list:
     return out
 
 
-def metric_readers(names: Sequence[str], gated: list | None = None) -> list:
+def metric_readers(names: Sequence[str], accounted: list | None = None) -> list:
     """MetricReaders for ``otel.metrics.exporter`` names; each reads its own OTEL_*.
     The pushing exporters are wrapped with export accounting and appended to
-    ``gated``, for the self-metrics and for shutdown.
+    ``accounted``, for the self-metrics and for shutdown.
 
     ``prometheus`` registers with prometheus_client's default registry, which is
     what Dask's own ``/metrics`` endpoint serves on every scheduler and worker.
@@ -171,11 +171,11 @@ def metric_readers(names: Sequence[str], gated: list | None = None) -> list:
         else:
             if name == "otlp":
                 name = otlp_entry_point("METRICS")
-            exporter = gated_metric_exporter(
+            exporter = accounted_metric_exporter(
                 _build_exporter("opentelemetry_metrics_exporter", name)
             )
-            if gated is not None:
-                gated.append(exporter)
+            if accounted is not None:
+                accounted.append(exporter)
             out.append(PeriodicExportingMetricReader(exporter))
             HELD_EXPORTER_LOGS.attach()
     return out

@@ -11,7 +11,7 @@ once, not once per batch.
 Correlation
     The handler takes the trace and span id of each record from the current
     OpenTelemetry context. Inside a task that is the task's Dask span (or task
-    span, see :mod:`dask_otel.task_context`), so a log line written by task code
+    span, see :mod:`dask_otel.worker.execute_hook`), so a log line written by task code
     carries the ids of the span it belongs to.
 
 Level
@@ -19,8 +19,7 @@ Level
     own logger levels still apply first: the root logger's default is WARNING,
     so an application's ``logger.info`` reaches the exporter only if that logger
     (or an ancestor) is set to INFO or lower. The bridge never changes logger
-    levels. distributed's own loggers are at INFO by default, so the workers'
-    and scheduler's own lines are exported too.
+    levels.
 
 Not exported
     Records of the OpenTelemetry SDK and exporters themselves (``opentelemetry.*``
@@ -34,7 +33,7 @@ import warnings
 from typing import Any
 
 from dask_otel.config import OtelConfig
-from dask_otel.exporters import log_exporters
+from dask_otel.export.exporters import log_exporters
 
 
 class _NotFromOpenTelemetry(logging.Filter):
@@ -46,7 +45,7 @@ class LogExport:
     """The LoggerProvider and root-logger handler of one process.
 
     ``exporters`` are kept so that tests can read an in-memory exporter;
-    ``export_stats`` hold the accounting of batched exporters.
+    ``accounted_exporters`` hold the accounting of batched exporters.
     """
 
     #: the SDK's LoggerProvider that the handler feeds
@@ -54,7 +53,7 @@ class LogExport:
     #: the SDK's LoggingHandler on the root logger
     handler: logging.Handler
     exporters: list
-    export_stats: list
+    accounted_exporters: list
 
     def __init__(self, config: OtelConfig, resource: Any):
         from opentelemetry.sdk._logs import LoggerProvider, LoggingHandler
@@ -63,10 +62,10 @@ class LogExport:
             SimpleLogRecordProcessor,
         )
 
-        from dask_otel.outage import gated_log_exporter
+        from dask_otel.export.accounting import accounted_log_exporter
 
         self.exporters = log_exporters(config.logs_exporters)
-        self.export_stats = []
+        self.accounted_exporters = []
         # We own the lifecycle (flush bounded by otel.flush-timeout), as for spans
         self.provider = LoggerProvider(resource=resource, shutdown_on_exit=False)
         for exporter in self.exporters:
@@ -74,9 +73,9 @@ class LogExport:
             if type(exporter).__name__.startswith("InMemoryLog"):
                 self.provider.add_log_record_processor(SimpleLogRecordProcessor(exporter))
             else:
-                gated = gated_log_exporter(exporter)
-                self.export_stats.append(gated)
-                self.provider.add_log_record_processor(BatchLogRecordProcessor(gated))
+                accounted = accounted_log_exporter(exporter)
+                self.accounted_exporters.append(accounted)
+                self.provider.add_log_record_processor(BatchLogRecordProcessor(accounted))
         with warnings.catch_warnings():
             # 1.39+ deprecates it for opentelemetry-instrumentation-logging's, which
             # is not a dependency; it is the same handler

@@ -20,23 +20,20 @@ producing Dask span.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from opentelemetry.trace import Link, SpanContext, TraceFlags
+from opentelemetry.trace import Link, SpanContext
 
-from dask_otel.client import ANNOTATION, remote_parent, root_carrier
-from dask_otel.ids import otel_span_id, root_span, trace_id_of
+import dask_otel.annotation as annotation
+from dask_otel.span_context import dask_span_context, root_span
 
 if TYPE_CHECKING:
     from distributed.scheduler import TaskState
     from distributed.spans import Span, SpansSchedulerExtension
+    from opentelemetry.sdk.trace.sampling import Sampler
 
 #: Links kept per Dask span, at most
 MAX_LINKS = 16
-
-#: ``sampled(trace_id, root_tag, remote_parent)``: the trace's sampling decision
-Sampled = Callable[[int, str, "SpanContext | None"], bool]
 
 
 def producer_links(
@@ -44,7 +41,7 @@ def producer_links(
     root: Span,
     ext: SpansSchedulerExtension,
     links: dict[str, Link],
-    sampled: Sampled,
+    sampler: Sampler,
 ) -> None:
     """Add to ``links`` (by producer Dask span id) a link to each Dask span, in
     another trace than ``root``'s, that produced an input of task ``ts``"""
@@ -61,18 +58,17 @@ def producer_links(
         if producer_root is root:
             continue
         links[span_id] = Link(
-            producer_context(producer, producer_root, dep.annotations, sampled),
+            producer_context(producer, producer_root, dep.annotations, sampler),
             {"dask.span.id": producer.id, "dask.span.name": tuple(producer.name)},
         )
 
 
 def producer_context(
-    producer: Span, root: Span, annotations: dict[str, Any] | None, sampled: Sampled
+    producer: Span, root: Span, annotations: dict[str, Any] | None, sampler: Sampler
 ) -> SpanContext:
     """The OTel span context of Dask span ``producer`` as the mirror exports it"""
-    otel = (annotations or {}).get(ANNOTATION)
-    parent = remote_parent(root_carrier(otel, root.id))  # the rule of spans.py
-    trace_id = trace_id_of(root.id, parent)
-    flags = TraceFlags.SAMPLED if sampled(trace_id, root.name[0], parent) else TraceFlags.DEFAULT
-    return SpanContext(trace_id, otel_span_id(producer.id), is_remote=False,
-                       trace_flags=TraceFlags(flags))
+    otel = (annotations or {}).get(annotation.ANNOTATION)
+    parent = annotation.remote_parent(annotation.root_carrier(otel, root.id))
+    return dask_span_context(
+        root.id, producer.id, str(root.name[0]), parent, sampler, is_remote=False
+    )

@@ -1,0 +1,100 @@
+"""The ``otel`` task annotation: the wire contract between client, scheduler and
+workers, written here and read here.
+
+``dask_otel.span`` puts it on every task of its block, beside Dask's own ``span``
+annotation::
+
+    {"carrier": {"traceparent": "00-...", "baggage": "..."},  # root blocks only
+     "entered": {dask_span_uuid: client_time_entered, ...}}
+
+- ``carrier``: the caller's OTel context as the globally configured propagators
+  write it (``OTEL_PROPAGATORS``; W3C trace context and baggage by default). Only
+  a root block (no enclosing Dask span) under a valid current span writes one;
+  nested blocks inherit their root's.
+- ``entered``: when the client entered the block of each Dask span it opened, and
+  of the enclosing blocks (``time.time()`` on the client), so that a Dask span
+  starts no later than its block.
+
+Readers never trust it: an annotation of another shape (someone else's ``otel``
+key), or one that came with a task Dask moved onto another workflow's span (the
+TaskGroup collision), reads as none.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from opentelemetry import context as otel_context
+from opentelemetry import propagate, trace
+from opentelemetry.trace import SpanContext
+
+#: Name of the task annotation
+ANNOTATION = "otel"
+
+
+def write(
+    outer: Mapping[str, Any],
+    new_ids: Sequence[str],
+    entered_at: float,
+    caller: otel_context.Context,
+) -> dict[str, Any]:
+    """The ``otel`` annotation of a block that opened Dask spans ``new_ids`` at
+    ``entered_at``: the enclosing block's (from ``outer``, the annotations around
+    the block), with ``entered`` extended, and a carrier if it is a root block
+    under a valid current span in ``caller``."""
+    inherited = outer.get(ANNOTATION) or {}
+    entered = {**inherited.get("entered", {}), **dict.fromkeys(new_ids, entered_at)}
+    annotation: dict[str, Any] = {"entered": entered}
+    if "span" in outer:
+        if "carrier" in inherited:
+            annotation["carrier"] = inherited["carrier"]
+    elif trace.get_current_span(caller).get_span_context().is_valid:
+        carrier: dict[str, str] = {}
+        propagate.inject(carrier, context=caller)
+        if carrier:
+            annotation["carrier"] = carrier
+    return annotation
+
+
+def root_carrier(otel: Any, root_id: str) -> Mapping[str, str] | None:
+    """The carrier of a task's ``otel`` annotation if it is the one of root Dask
+    span ``root_id``: written by the block that opened that root (the root is among
+    the annotation's ``entered``). Anything else (no annotation, one of another
+    shape, or one that came with a task Dask moved onto another workflow's span)
+    is None. The scheduler and the workers apply this same rule, so they agree on
+    every task's trace."""
+    if not isinstance(otel, Mapping):
+        return None
+    entered = otel.get("entered")
+    carrier = otel.get("carrier")
+    if not isinstance(entered, Mapping) or root_id not in entered:
+        return None
+    return carrier if isinstance(carrier, Mapping) else None
+
+
+def entered(otel: Any) -> Mapping[str, Any] | None:
+    """When the client entered the blocks of the annotation, by Dask span id; None
+    for an annotation that is not of dask_otel's shape (values may still be of any
+    type: the caller takes the numbers)"""
+    if not isinstance(otel, Mapping):
+        return None
+    times = otel.get("entered")
+    return times if isinstance(times, Mapping) else None
+
+
+def extract(carrier: Mapping[str, Any] | None) -> tuple[otel_context.Context | None, SpanContext | None]:
+    """The caller's context (with its baggage) and span context from a carrier, as
+    the globally configured propagators read it; ``(None, None)`` for no carrier,
+    and a None span context if it holds none (or only values that are not strings)"""
+    if not carrier:
+        return None, None
+    carrier = {k: v for k, v in carrier.items() if isinstance(k, str) and isinstance(v, str)}
+    context = propagate.extract(carrier)
+    parent = trace.get_current_span(context).get_span_context()
+    return context, parent if parent.is_valid else None
+
+
+def remote_parent(carrier: Mapping[str, Any] | None) -> SpanContext | None:
+    """The caller's span context in a carrier, or None"""
+    return extract(carrier)[1]

@@ -1,0 +1,185 @@
+"""The :class:`SpanSink`: the one place where the bridge's spans (the scheduler's
+mirrored Dask spans and TaskGroups, the workers' task spans) go to the SDK.
+
+They are built already finished, as ``ReadableSpan``s, so they skip the SDK's
+Tracer: the sink adds what a Tracer would (resource, instrumentation scope, the
+``SpanLimits`` the SDK's own spans get) and hands them to the span processors.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import TYPE_CHECKING, Any
+
+from opentelemetry.attributes import BoundedAttributes
+from opentelemetry.sdk.trace import ReadableSpan
+from opentelemetry.trace import Status, StatusCode
+
+from dask_otel._version import __version__
+from dask_otel.config import ConfigError
+
+if TYPE_CHECKING:
+    from opentelemetry.sdk.trace import Event, TracerProvider
+    from opentelemetry.trace import Link, SpanContext
+
+#: Span attribute value length when no OTEL_*ATTRIBUTE_VALUE_LENGTH_LIMIT is set:
+#: span tags are user data, and a 1 MB tag must not become a 1 MB attribute.
+DEFAULT_ATTRIBUTE_LENGTH = 4096
+#: Longest span name exported; the rest of a huge tag is cut (span names are not
+#: attributes, so the SDK's attribute length limit does not apply to them)
+MAX_NAME_LENGTH = 1024
+
+
+_UNSET = Status(StatusCode.UNSET)
+
+
+def span_name(name: str) -> str:
+    """A span name cut to :data:`MAX_NAME_LENGTH`"""
+    return name[:MAX_NAME_LENGTH]
+
+
+#: The attributes of an event or link that has none. Events and links always get
+#: a ``BoundedAttributes``, as the SDK's own spans give them: an exporter may read
+#: ``.attributes.dropped`` off each (the OTLP encoder did, up to at least
+#: opentelemetry-sdk 1.25).
+NO_ATTRIBUTES = BoundedAttributes(immutable=True)
+
+#: Attribute value types that need no cleaning: OTel's primitive types, exactly
+#: (a subclass of str or int might be anything)
+_PRIMITIVES = frozenset((str, bool, int, float))
+
+
+def within_limits(values: Any, max_len: int | None) -> bool:
+    """Whether attribute values are of OTel attribute types, exactly (primitives,
+    tuples of one primitive type), with no string longer than ``max_len``"""
+    for value in values:
+        kind = type(value)
+        if kind is tuple and value:
+            kind = type(value[0])
+            if kind not in _PRIMITIVES or any(type(v) is not kind for v in value):
+                return False
+            if kind is str and max_len is not None and max(map(len, value)) > max_len:
+                return False
+        elif kind is str:
+            if max_len is not None and len(value) > max_len:
+                return False
+        elif kind not in _PRIMITIVES and kind is not tuple:
+            return False
+    return True
+
+
+class SpanSink:
+    """Where the mirror hands the spans it builds: already finished, so they go
+    straight to the SDK's span processors as ``ReadableSpan``s, with what a Tracer
+    would add (resource, instrumentation scope; the mirror asks :attr:`sampler`
+    and applies :attr:`limits` with the SDK's ``BoundedAttributes``, as the SDK's
+    spans do) and without what only live spans need (locks, contexts, ids from an
+    IdGenerator: the mirror's ids come from Dask).
+    """
+
+    def __init__(self, provider: TracerProvider, processors: list, limits: Any):
+        from opentelemetry.sdk.util.instrumentation import InstrumentationScope
+
+        self.provider = provider
+        self.processors = processors
+        self.resource = provider.resource
+        self.scope = InstrumentationScope("dask_otel", __version__)
+        #: The SDK's SpanLimits: attribute count (OTEL_SPAN_ATTRIBUTE_COUNT_LIMIT)
+        #: and value length (OTEL_SPAN_ATTRIBUTE_VALUE_LENGTH_LIMIT, or ours)
+        self.limits = limits
+
+    @property
+    def sampler(self):
+        """The provider's sampler (OTEL_TRACES_SAMPLER); ask it through
+        :func:`dask_otel.span_context.trace_sampled`, one decision per trace"""
+        return self.provider.sampler
+
+    def bounded(self, attributes: dict[str, Any], count: int | None = None) -> Any:
+        """``attributes`` within the SDK's limits, as its own spans apply them: at
+        most ``count`` (default: the span attribute count limit) attributes, each
+        value cut to the attribute value length limit.
+
+        ``attributes`` is a new dict the caller hands over. When every value is
+        already of an OTel attribute type and within the limits (the mirror's
+        usually are) it is returned as it is: ``BoundedAttributes`` would copy
+        and re-check each value, which costs more than building the span (~2 us
+        per attribute). Otherwise ``BoundedAttributes`` applies the limits, and
+        counts what it drops, exactly as for the SDK's own spans.
+        """
+        limit = self.limits.max_span_attributes if count is None else count
+        max_len = self.limits.max_span_attribute_length
+        if (limit is None or len(attributes) <= limit) and within_limits(
+            attributes.values(), max_len
+        ):
+            return attributes
+        return BoundedAttributes(limit, attributes, immutable=True, max_value_len=max_len)
+
+    def event_attributes(self, attributes: dict[str, Any], count: int | None) -> BoundedAttributes:
+        """The attributes of an event or a link, within the SDK's limits (``count``:
+        the event or link attribute count limit), always as ``BoundedAttributes``
+        (see :data:`NO_ATTRIBUTES`). Events and links are few: no fast path."""
+        max_len = self.limits.max_span_attribute_length
+        return BoundedAttributes(count, attributes, immutable=True, max_value_len=max_len)
+
+    def span(
+        self,
+        name: str,
+        context: SpanContext,
+        parent: SpanContext | None,
+        start: float,
+        end: float,
+        attributes: dict[str, Any],
+        status: Status | None = None,
+        events: tuple[Event, ...] = (),
+        links: tuple[Link, ...] = (),
+    ) -> ReadableSpan:
+        """A finished span (times in seconds since the epoch, ``end`` no earlier
+        than ``start``), with what the SDK's Tracer would give it: resource,
+        instrumentation scope, attributes within the limits, a bounded name"""
+        return ReadableSpan(
+            span_name(name),
+            context=context,
+            parent=parent,
+            resource=self.resource,
+            attributes=self.bounded(attributes),
+            links=links,
+            events=events,
+            status=status or _UNSET,
+            start_time=int(start * 1e9),
+            end_time=int(max(end, start) * 1e9),
+            instrumentation_scope=self.scope,
+        )
+
+    def emit(self, span: ReadableSpan) -> None:
+        """Hand one finished span to the SDK's span processors"""
+        for processor in self.processors:
+            processor.on_end(span)
+
+
+
+def span_limits():
+    """The SDK's SpanLimits from OTEL_*_LIMIT, with our default value length; a
+    malformed variable is a ConfigError that names it"""
+    from opentelemetry.sdk.trace import SpanLimits
+
+    set_by_env = any(
+        v in os.environ
+        for v in (
+            "OTEL_SPAN_ATTRIBUTE_VALUE_LENGTH_LIMIT",
+            "OTEL_ATTRIBUTE_VALUE_LENGTH_LIMIT",
+        )
+    )
+    try:
+        return SpanLimits(
+            max_span_attribute_length=None if set_by_env else DEFAULT_ATTRIBUTE_LENGTH
+        )
+    except ValueError as e:  # "OTEL_..._LIMIT must be a non-negative integer but got -5"
+        variable = next((v for v in os.environ if v.startswith("OTEL_") and v in str(e)), None)
+        if variable is None:  # a message that names none (opentelemetry-sdk 1.25's)
+            variable = next((
+                v for v, value in os.environ.items()
+                if v.startswith("OTEL_") and v.endswith("_LIMIT") and not value.strip().isdigit()
+            ), None)
+        if variable is None:
+            raise
+        raise ConfigError(variable, os.environ[variable], "a non-negative integer") from e

@@ -1,0 +1,149 @@
+"""Dask objects and what the mirror recorded -> finished OpenTelemetry spans.
+
+Pure functions: they read a Dask ``Span`` or ``TaskGroup``, the numbers the
+mirror worked out (:class:`SpanHead`, totals, the end), and return a
+``ReadableSpan`` built by the :class:`~dask_otel.export.sink.SpanSink`. They keep
+nothing and decide nothing about *when*: that is the mirror's
+(:mod:`dask_otel.spans`). What each attribute means: docs/traces.md.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+from opentelemetry.sdk.trace import Event
+from opentelemetry.trace import Link, SpanContext, Status, StatusCode
+
+from dask_otel.export.sink import NO_ATTRIBUTES
+from dask_otel.scheduler.totals import active_cpu_seconds, code_snippets
+from dask_otel.span_context import SAMPLED
+
+if TYPE_CHECKING:
+    from distributed.scheduler import TaskGroup
+    from distributed.spans import Span
+    from opentelemetry.sdk.trace import ReadableSpan
+
+    from dask_otel.config import OtelConfig
+    from dask_otel.export.sink import SpanSink
+    from dask_otel.scheduler.record import GroupBatch
+    from dask_otel.scheduler.totals import Totals
+
+#: Thread time of a span that no task accounts for, as Dask's
+#: ``Span.cumulative_worker_metrics`` has it
+IDLE = "dask.metrics.execute.idle_or_other_spans.seconds"
+
+
+class SpanHead:
+    """What the OTel spans of one Dask span and of its TaskGroups share: worked
+    out once per poll, which usually exports a span's groups together"""
+
+    __slots__ = ("context", "start", "tags")
+
+    #: The Dask span's OTel SpanContext (the parent of its TaskGroups' spans);
+    #: None if the sampler drops its trace
+    context: SpanContext | None
+    #: Where its OTel span starts (``Ledger.span_start``)
+    start: float
+    #: ``Span.name`` as an attribute value
+    tags: tuple[str, ...]
+
+    def __init__(self, context: SpanContext | None, start: float, tags: tuple[str, ...]):
+        self.context = context
+        self.start = start
+        self.tags = tags
+
+
+def erred_status(attributes: dict[str, Any], erred: int) -> Status | None:
+    """Record the erred count in ``attributes`` and return the ERROR status, if
+    any task erred.
+
+    ``erred`` counts the erred transitions the mirror saw; the state count alone
+    would miss tasks whose futures the client released before the export.
+    """
+    erred = max(erred, attributes.get("dask.tasks.erred", 0))
+    if not erred:
+        return None
+    attributes["dask.tasks.erred"] = erred
+    return Status(StatusCode.ERROR, f"{erred} tasks erred")
+
+
+def dask_span(
+    sink: SpanSink,
+    config: OtelConfig,
+    span: Span,
+    head: SpanHead,
+    parent: SpanContext | None,
+    end: float,
+    own: Totals,
+    subtree: Totals,
+    erred: int,
+    links: Mapping[str, Link] | None,
+    unfinished: bool = False,
+) -> ReadableSpan:
+    """The OTel span of a Dask span (``head.context`` must be sampled), from
+    ``head.start`` to ``end``, with its ``own`` or ``subtree`` totals as
+    ``otel.spans.totals`` says"""
+    start = head.start
+    subtree_totals = config.span_totals == "subtree"
+    totals = subtree if subtree_totals else own
+    active = active_cpu_seconds(span, end)
+    attributes = {"dask.span.id": span.id, "dask.span.name": head.tags}
+    attributes.update(totals.attributes())
+    attributes["dask.active_cpu_seconds"] = active
+    attributes.update(totals.metrics)
+    if subtree_totals and (idle := active - totals.execute_seconds) > 0:
+        attributes[IDLE] = idle
+    if config.export_code:
+        attributes["dask.span.code"] = code_snippets(span)
+    if unfinished:
+        attributes["dask.span.unfinished"] = True
+    status = erred_status(attributes, erred)
+    first_task = subtree.start and min(max(subtree.start, start), end)
+    events = (
+        (Event("dask.first_task_start", NO_ATTRIBUTES, int(first_task * 1e9)),)
+        if first_task
+        else ()
+    )
+    return sink.span(
+        span.name[-1], head.context, parent, start, end, attributes, status, events,
+        bounded_links(sink, links),
+    )
+
+
+def taskgroup_span(
+    sink: SpanSink,
+    tg: TaskGroup,
+    batch: GroupBatch,
+    head: SpanHead,
+    counts: dict[str, Any],
+    start: float,
+    end: float,
+    span_id: int,
+) -> ReadableSpan:
+    """The OTel span of one batch of a TaskGroup, a child of its Dask span's
+    (``head.context``, sampled), with id ``span_id``: ``counts`` are the batch's
+    task counts, bytes, duration and fine metrics (``GroupBatch.attributes``)"""
+    parent = head.context
+    assert parent is not None
+    attributes = {
+        "dask.span.id": batch.span.id,
+        "dask.span.name": head.tags,
+        "dask.taskgroup.name": str(tg.name),
+        "dask.taskgroup.prefix": str(tg.prefix.name),
+    }
+    attributes.update(counts)
+    status = erred_status(attributes, batch.erred)
+    context = SpanContext(parent.trace_id, span_id, False, SAMPLED, parent.trace_state)
+    return sink.span(str(tg.prefix.name), context, parent, start, end, attributes, status)
+
+
+def bounded_links(sink: SpanSink, links: Mapping[str, Link] | None) -> tuple[Link, ...]:
+    """Links with their attributes within the SDK's link attribute limits"""
+    if not links:
+        return ()
+    count = sink.limits.max_link_attributes
+    return tuple(
+        Link(link.context, sink.event_attributes(dict(link.attributes), count))
+        for link in links.values()
+    )

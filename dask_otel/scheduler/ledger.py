@@ -1,0 +1,181 @@
+"""The ledger of what is open: which Dask spans and TaskGroup batches the mirror has
+seen and not yet exported, and which of them may be ready.
+
+Memory is proportional to what is open: a record is created when a span is first
+seen and deleted when it is taken for export; nothing is kept about what was
+exported, but for a bounded number of roots' callers (:data:`MAX_REOPENED_ROOTS`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from itertools import islice
+from typing import TYPE_CHECKING, Any
+
+import dask_otel.annotation as annotation
+
+from dask_otel.scheduler.record import GroupBatch, SpanRecord
+
+if TYPE_CHECKING:
+    from distributed.scheduler import TaskGroup
+    from distributed.spans import Span, SpansSchedulerExtension
+    from opentelemetry.trace import SpanContext
+
+#: Roots remembered with their caller's span after their export, for work that
+#: comes under them later (each a few hundred bytes)
+MAX_REOPENED_ROOTS = 1024
+
+
+class Ledger:
+    """Open Dask spans (a :class:`SpanRecord` each), open TaskGroup batches (a
+    :class:`GroupBatch` each), and the open spans with nothing open below them"""
+
+    #: Open Dask spans, by id, in the order they were seen (parents first)
+    records: dict[str, SpanRecord]
+    #: Open TaskGroup batches
+    groups: dict[TaskGroup, GroupBatch]
+    #: The open spans with no open sub-span and no open TaskGroup batch: the only
+    #: ones that can be ready, so the only ones a poll looks at. 1,000
+    #: long-running workflows cost a poll nothing while their groups run.
+    leaves: dict[str, SpanRecord]
+    #: ``len(SpansSchedulerExtension.spans)`` when last looked at. Dask never
+    #: deletes a span and dicts keep insertion order, so the spans created since
+    #: are the ones past this count.
+    spans_seen: int
+    #: By exported root Dask span id: the caller's span it continues (None: none),
+    #: for work that comes under it later; at most :data:`MAX_REOPENED_ROOTS`,
+    #: oldest forgotten first
+    reopened_parents: dict[str, SpanContext | None]
+
+    def __init__(self) -> None:
+        self.records = {}
+        self.groups = {}
+        self.leaves = {}
+        self.spans_seen = 0
+        self.reopened_parents = {}
+
+    def new_spans(self, ext: SpansSchedulerExtension) -> list[Span]:
+        """The Dask spans created since the last call, in creation order (a parent
+        before its sub-spans)"""
+        new = len(ext.spans) - self.spans_seen
+        if not new:
+            return []
+        self.spans_seen = len(ext.spans)
+        return list(islice(reversed(ext.spans.values()), new))[::-1]
+
+    # --- spans ---------------------------------------------------------------------
+
+    def open_span(self, span: Span) -> SpanRecord:
+        record = self.records[span.id] = self.leaves[span.id] = SpanRecord(span)
+        parent = span.parent
+        if parent is not None and (parent_record := self.records.get(parent.id)):
+            parent_record.open_children += 1
+            self.leaves.pop(parent.id, None)
+        return record
+
+    def take_span(self, record: SpanRecord) -> None:
+        """Forget an open span (it is being exported)"""
+        span = record.span
+        del self.records[span.id]
+        self.leaves.pop(span.id, None)
+        parent = span.parent
+        if parent is not None and (parent_record := self.records.get(parent.id)):
+            if parent_record.open_children > 0:
+                parent_record.open_children -= 1
+                self._maybe_leaf(parent_record)
+
+    def _maybe_leaf(self, record: SpanRecord) -> None:
+        if record.leaf:
+            self.leaves[record.span.id] = record
+
+    # --- TaskGroup batches ---------------------------------------------------------
+
+    def open_group(self, tg: TaskGroup, batch: GroupBatch) -> None:
+        self.groups[tg] = batch
+        span_id = batch.span.id
+        if (record := self.records.get(span_id)) is not None:
+            record.open_groups += 1
+            self.leaves.pop(span_id, None)
+
+    def take_group(self, tg: TaskGroup) -> GroupBatch:
+        """Forget an open batch (it is being exported)"""
+        batch = self.groups.pop(tg)
+        record = self.records.get(batch.span.id)
+        if record is not None and record.open_groups > 0:
+            record.open_groups -= 1
+            self._maybe_leaf(record)
+        return batch
+
+    def clear(self) -> None:
+        """Forget everything (the scheduler is closing)"""
+        self.groups.clear()
+        self.records.clear()
+        self.leaves.clear()
+        self.reopened_parents.clear()
+
+    # --- what the client's annotation says ---------------------------------------
+
+    def observe_entered(self, ids: Sequence[str], entered: Mapping[str, Any]) -> None:
+        """Keep, for each open span of ``ids`` (root first), the earliest time a
+        block of it or of a span below it was entered (the ``otel`` annotation's
+        ``entered``): a parent then never starts after its children"""
+        records = self.records
+        earliest = float("inf")
+        for span_id in reversed(ids):  # innermost first: ancestors take the minimum
+            t = entered.get(span_id)
+            if isinstance(t, (int, float)):
+                earliest = min(earliest, t)
+            record = records.get(span_id)
+            if record is not None and earliest != float("inf") and (
+                record.entered is None or earliest < record.entered
+            ):
+                record.entered = earliest
+
+    def observe_caller(self, root_id: str, otel: Any) -> None:
+        """Keep the caller's span that root ``root_id`` continues, from the first
+        ``otel`` annotation of it seen (open root) or seen since its export"""
+        record = self.records.get(root_id)
+        if record is None:
+            if root_id not in self.reopened_parents:
+                carrier = annotation.root_carrier(otel, root_id)
+                self.remember_exported_root(root_id, annotation.remote_parent(carrier))
+        elif not record.carrier_read:
+            carrier = annotation.root_carrier(otel, root_id)
+            record.remote_parent = annotation.remote_parent(carrier)
+            record.carrier_read = True
+
+    def started_at(self, span: Span) -> float:
+        """When a Dask span starts: ``Span.enqueued``, or earlier if a client entered
+        a ``dask_otel.span`` block of it, or of a span below it, before that (an
+        exported span's own entry is forgotten: ``Span.enqueued``)"""
+        record = self.records.get(span.id)
+        if record is None or record.entered is None:
+            return span.enqueued
+        return min(span.enqueued, record.entered)
+
+    def span_start(self, span: Span) -> float:
+        """Where the OTel span of a Dask span starts: its own start, no earlier than
+        any ancestor's (as Dask clamps ``Span.start``), so that a child starts
+        within its parent; it walks the span's ancestors, never its subtree"""
+        start = self.started_at(span)
+        parent = span.parent
+        while parent is not None:
+            start = max(start, self.started_at(parent))
+            parent = parent.parent
+        return start
+
+    # --- callers of roots ----------------------------------------------------------
+
+    def remote_parent(self, root_id: str) -> SpanContext | None:
+        """The caller's span a root Dask span continues, open or exported"""
+        record = self.records.get(root_id)
+        if record is not None:
+            return record.remote_parent
+        return self.reopened_parents.get(root_id)
+
+    def remember_exported_root(self, root_id: str, parent: SpanContext | None) -> None:
+        if root_id in self.reopened_parents:
+            return
+        if len(self.reopened_parents) >= MAX_REOPENED_ROOTS:
+            del self.reopened_parents[next(iter(self.reopened_parents))]
+        self.reopened_parents[root_id] = parent

@@ -1,0 +1,170 @@
+"""The scheduler plugin: Dask's hooks in, the span mirror and metrics out.
+
+Added by the preload (``dask_setup``) or by ``dask_otel.instrument(client)``. It
+owns the span mirror (:mod:`dask_otel.spans`) and the scheduler's metrics
+(:mod:`dask_otel.scheduler.metrics`); on start it registers the worker plugin
+(:mod:`dask_otel.worker.plugin`) with the scheduler, which hands it to every
+current and future worker. It never raises into Dask: a bad configuration or a
+broken exporter is logged at ERROR, kept in ``.error`` for inspection
+(:func:`dask_otel.status`), and the cluster runs on without telemetry.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any
+
+from distributed.diagnostics.plugin import SchedulerPlugin
+from tornado.ioloop import IOLoop, PeriodicCallback
+
+from dask_otel.config import ConfigError
+from dask_otel.export.lifecycle import release_telemetry, start_telemetry
+from dask_otel.scheduler.totals import failure_time
+from dask_otel.spans import SpanMirror
+from dask_otel.worker.plugin import PLUGIN_NAME, dumps_by_value
+
+if TYPE_CHECKING:
+    from distributed import Scheduler
+
+    from dask_otel.export.telemetry import Telemetry
+
+logger = logging.getLogger("dask_otel")
+
+
+class OtelSchedulerPlugin(SchedulerPlugin):
+    """Mirrors the scheduler's Dask spans and metrics into OpenTelemetry"""
+
+    name = PLUGIN_NAME
+    #: ``Client.register_plugin`` does nothing if the preload already added one
+    idempotent = True
+
+    #: Why the bridge is off on this scheduler, if it is; None when all is well
+    error: str | None
+    telemetry: Telemetry | None
+    mirror: SpanMirror | None
+
+    def __init__(self) -> None:
+        self.error = None
+        self.telemetry = None
+        self.mirror = None
+        self.metrics: Any = None
+        self._poller: PeriodicCallback | None = None
+        self._started = False
+        self._closed = False
+
+    async def start(self, scheduler: Scheduler) -> None:
+        # Idempotent: the preload registers the plugin while the scheduler is
+        # starting, and the scheduler then starts every plugin it holds.
+        if self._started:
+            return
+        self._started = True
+        self.scheduler = scheduler
+        self.telemetry, self.error = start_telemetry(
+            f"scheduler {scheduler.address}",
+            **{"dask.scheduler.address": scheduler.address},
+        )
+        if self.telemetry is None:
+            return
+        config = self.telemetry.config
+        try:
+            if self.telemetry.span_sink is not None:
+                self.mirror = SpanMirror(scheduler, self.telemetry.span_sink, config)
+                self._poller = PeriodicCallback(self._poll, config.poll_interval * 1000)
+                self._poller.start()
+            if self.telemetry.meter_provider is not None:
+                from dask_otel.scheduler.metrics import SchedulerMetrics
+
+                self.metrics = SchedulerMetrics(scheduler, self.telemetry, self)
+        except ConfigError as e:  # an OTEL_* variable the SDK refused, named
+            logger.error("dask_otel is off on scheduler %s: %s", scheduler.address, e)
+            self.error = f"ConfigError: {e}"
+        except Exception as e:
+            logger.exception("dask_otel: could not start on scheduler")
+            self.error = f"{type(e).__name__}: {e}"
+        try:
+            await scheduler.register_worker_plugin(
+                None, dumps_by_value(), name=PLUGIN_NAME, idempotent=True
+            )
+        except Exception:
+            # The workers then export no spill metrics; the scheduler goes on
+            logger.exception("dask_otel: could not register the worker plugin")
+
+    def _poll(self) -> None:
+        if self._closed:  # a poll queued with add_callback before close()
+            return
+        try:
+            more = self.mirror.poll()  # type: ignore[union-attr]
+        except Exception:
+            logger.exception("dask_otel: span poll failed")
+            return
+        if more and not self._closed:
+            # Many spans finished at once: go on after the loop has run other work
+            IOLoop.current().add_callback(self._poll)
+
+    def update_graph(self, scheduler: Scheduler, *, tasks: Any = (), **kwargs: Any) -> None:
+        if self.mirror is not None:
+            try:
+                self.mirror.observe_graph(tasks)
+            except Exception:
+                logger.exception("dask_otel: could not observe graph")
+
+    def transition(
+        self, key: Any, start: str, finish: str, *args: Any, stimulus_id: str = "", **kwargs: Any
+    ) -> None:
+        # Called for every transition of every task: keep the common path one test.
+        # stimulus_id by name, as Dask passes it: no kwargs dict to build (~60 ns).
+        if finish == "erred" and self.mirror is not None:
+            try:
+                # A task that ran and failed: the worker sent its startstops
+                started, failed = failure_time(kwargs.get("startstops"))
+                self.mirror.observe_erred(key, failed, started)
+            except Exception:
+                logger.exception("dask_otel: could not count erred task")
+
+    async def close(self) -> None:
+        """Export what is still open and flush, within otel.flush-timeout"""
+        if self._closed:
+            return
+        self._closed = True
+        # Each step on its own: Dask's plugin.close re-raises, and one failing step
+        # must not keep the others (above all the release) from running
+        for step in (self._stop_polling, self._flush_spans, self._close_metrics):
+            try:
+                step()
+            except Exception:
+                logger.exception("dask_otel: %s failed while closing", step.__name__)
+        if self.telemetry is not None:
+            try:
+                await release_telemetry(self.telemetry)
+            except Exception:
+                logger.exception("dask_otel: could not release telemetry")
+
+    def _stop_polling(self) -> None:
+        if self._poller is not None:
+            self._poller.stop()
+
+    def _flush_spans(self) -> None:
+        if self.mirror is not None:
+            self.mirror.flush()
+
+    def _close_metrics(self) -> None:
+        if self.metrics is not None:
+            self.metrics.close()
+
+    def status(self) -> dict[str, Any]:
+        """What :func:`dask_otel.status` reports for the scheduler"""
+        mirror = self.mirror
+        telemetry = self.telemetry
+        exporters = telemetry.accounted_span_exporters if telemetry is not None else []
+        return {
+            "error": self.error,
+            "traces": mirror is not None,
+            "metrics": self.metrics is not None,
+            "open_spans": len(mirror.ledger.records) if mirror else 0,
+            "open_groups": len(mirror.ledger.groups) if mirror else 0,
+            "mirrored_spans": mirror.mirrored if mirror else 0,
+            "sampled_out_spans": mirror.sampled_out if mirror else 0,
+            "spans_delivered": sum(e.spans_exported for e in exporters),
+            "spans_failed": sum(e.spans_failed for e in exporters),
+            "export_failures": sum(e.export_failures for e in exporters),
+        }

@@ -1,0 +1,215 @@
+"""What the bridge keeps about what is open: one :class:`SpanRecord` per open Dask
+span, one :class:`GroupBatch` per open TaskGroup batch.
+
+Dask keeps its spans and TaskGroups forever; the bridge keeps a record only from
+when it first sees one to when it exports it. Everything the scheduler's hooks
+learn about an open Dask span that Dask does not keep lives in its record, so
+forgetting a span is one deletion (:class:`~dask_otel.scheduler.ledger.Ledger`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+from distributed.metrics import time
+
+from dask_otel.scheduler.totals import (
+    group_attributes,
+    groups_stop,
+    prefix_metrics,
+    state_name,
+)
+
+if TYPE_CHECKING:
+    from distributed.scheduler import TaskGroup
+    from distributed.spans import Span
+    from opentelemetry.trace import Link, SpanContext
+
+    from dask_otel.scheduler.totals import Totals
+
+
+class SpanRecord:
+    """One open Dask span: created when the mirror first sees it, taken whole
+    when it is exported (or dropped by the sampler)."""
+
+    __slots__ = (
+        "carrier_read", "end", "entered", "erred", "folded", "links",
+        "open_children", "open_groups", "remote_parent", "span",
+    )
+
+    #: The Dask span (``SpansSchedulerExtension.spans[id]``)
+    span: Span
+    #: Its sub-spans and TaskGroup batches that are open. It can be ready only
+    #: when both are 0 (it finishes no earlier than they, and they are exported
+    #: first), so polls never walk its tree
+    open_children: int
+    open_groups: int
+    #: Tasks that transitioned to erred in its subtree (its own with
+    #: ``otel.spans.totals: own``): Dask's state counts forget an erred task once
+    #: the client releases its future
+    erred: int
+    #: The latest end of its exported children (sub-spans, TaskGroup batches) and
+    #: failure of its own tasks; its own end is no earlier, so that every child
+    #: exported before it lies within it (Dask's ``Span.stop`` knows neither)
+    end: float
+    #: The earliest client time a ``dask_otel.span`` block of it or of a span
+    #: below it was entered (the ``otel`` annotation's ``entered``); None: none
+    entered: float | None
+    #: Root spans: the caller's span it continues (from the ``otel``
+    #: annotation's carrier, read once: ``carrier_read``), None if none
+    remote_parent: SpanContext | None
+    carrier_read: bool
+    #: Links to the Dask spans of other traces whose data its tasks consume
+    #: (:mod:`dask_otel.scheduler.links`), by producer Dask span id
+    links: dict[str, Link] | None
+    #: The subtree totals of its sub-spans exported so far, summed: a pipeline of
+    #: 10,000 steps is summed as it goes, not walked when it ends
+    folded: Totals | None
+
+    def __init__(self, span: Span):
+        self.span = span
+        self.open_children = self.open_groups = self.erred = 0
+        self.end = 0.0
+        self.entered = None
+        self.remote_parent = None
+        self.carrier_read = False
+        self.links = None
+        self.folded = None
+
+    @property
+    def leaf(self) -> bool:
+        """Nothing below it is open: it may be ready"""
+        return not self.open_children and not self.open_groups
+
+    def finished_at(self) -> float | None:
+        """When the span finished if ``Span.done``, else None: its own groups'
+        stop, its exported children's ends and its own tasks' failures (Dask's
+        ``Span.stop`` knows neither), never before ``Span.enqueued``"""
+        if self.open_children:
+            return None
+        stop = groups_stop(self.span.groups)
+        if stop is None:
+            return None
+        return max(stop, self.end, self.span.enqueued)
+
+    def end_no_earlier(self, end: float) -> None:
+        if end > self.end:
+            self.end = end
+
+    def __repr__(self) -> str:
+        return f"<SpanRecord {self.span.name!r} {self.span.id}>"
+
+
+class GroupBatch:
+    """A TaskGroup seen and not yet exported: the Dask span it belongs to, and what
+    its next export covers.
+
+    A group's first export covers all of it. Then the mirror forgets it; if new
+    tasks join it later (``SpanMirror.observe_graph``: ``client.submit(f, x)``
+    without ``key=`` puts every call of ``f`` in one TaskGroup), it opens again
+    with a snapshot of its cumulative values, so that its next export covers only
+    the tasks that ran since, as a new child span. The snapshot is kept only while
+    the group is open.
+    """
+
+    __slots__ = (
+        "busy", "duration", "erred", "failed", "metrics", "nbytes", "since", "span",
+        "started", "states", "total", "wake",
+    )
+
+    #: The Dask span the group belongs to (``TaskGroup.span_id``)
+    span: Span
+    #: When new work joined an exported group (0: the group's first batch, which
+    #: starts at ``TaskGroup.start``)
+    since: float
+    #: ``TaskGroup.states`` when the group opened again (None: first batch)
+    states: dict[str, int] | None
+    #: Tasks of the group then, less those the new graph (re)runs
+    total: int
+    #: ``TaskGroup.nbytes_total`` and ``TaskGroup.duration`` then
+    nbytes: int
+    duration: float
+    #: ``dask.metrics.*`` of the group's prefix within its span then
+    metrics: dict[str, float]
+    #: Tasks of this batch that erred (transitions seen), and when the last did (0:
+    #: none), and when the first of them started running (0: none did): Dask
+    #: records no run time for an erred task
+    erred: int
+    failed: float
+    started: float
+    #: When a poll last found the group still running (0: never). Its last task
+    #: finishes later, so it cannot be ready until ``otel.spans.export-delay``
+    #: after that
+    busy: float
+    #: The earliest time the group can be ready, as the last poll that looked at
+    #: it found: ``otel.spans.export-delay`` after its end or after ``busy``.
+    #: Polls pass it over until then, at the cost of one comparison, so that a
+    #: cluster with many long-running workflows open pays per group that may be
+    #: ready, not per open group. A group's end only moves later (but for a
+    #: worker's clock running behind the scheduler's, which delays a look by at
+    #: most the difference), so no group is looked at later than it would be
+    #: without this.
+    wake: float
+
+    def __init__(self, span: Span):
+        self.span = span
+        self.busy = self.wake = 0.0
+        self.since = 0.0
+        self.states = None
+        self.total = self.nbytes = 0
+        self.duration = 0.0
+        self.metrics = {}
+        self.erred = 0
+        self.failed = self.started = 0.0
+
+    @classmethod
+    def reopened(cls, tg: TaskGroup, span: Span, rerun: int) -> GroupBatch:
+        """A batch of new work in a group that was exported: ``rerun`` tasks of
+        the new graph are to run"""
+        batch = cls(span)
+        batch.since = time()
+        batch.states = dict(tg.states)
+        batch.total = sum(batch.states.values()) - rerun
+        batch.nbytes = tg.nbytes_total
+        batch.duration = tg.duration
+        batch.metrics = prefix_metrics(span, tg.prefix.name)
+        return batch
+
+    def start(self, tg: TaskGroup) -> float:
+        """When the batch started: a later batch when its graph arrived, a first
+        one when its first task, finished or failed, started (0: none did)"""
+        if self.since:
+            return self.since
+        if tg.start and self.started:
+            return min(tg.start, self.started)
+        return tg.start or self.started
+
+    def end(self, tg: TaskGroup) -> float:
+        """When the group's last task finished or failed (0: none did yet; for a
+        later batch, a finish before the batch may show until its tasks end)"""
+        return max(tg.stop, self.failed)
+
+    def attributes(self, tg: TaskGroup, metrics: Mapping[str, float]) -> dict[str, Any] | None:
+        """Task counts, bytes, duration and fine metrics of the batch, given the
+        group's prefix metrics within its span now; None for a later batch in
+        which nothing ran (its tasks were merely requested again)"""
+        if self.states is None:
+            out = group_attributes(tg)
+            out.update(metrics)
+            return out
+        base = self.states
+        out: dict[str, Any] = {
+            state_name(state): n - base.get(state, 0)
+            for state, n in tg.states.items()
+            if n > base.get(state, 0)
+        }
+        out["dask.tasks.total"] = total = sum(tg.states.values()) - self.total
+        out["dask.output.bytes"] = max(tg.nbytes_total - self.nbytes, 0)
+        out["dask.duration"] = duration = max(float(tg.duration) - self.duration, 0.0)
+        if total <= 0 and duration <= 0 and not self.erred:
+            return None
+        for name, value in metrics.items():
+            if (delta := value - self.metrics.get(name, 0)) > 0:
+                out[name] = delta
+        return out

@@ -1,0 +1,261 @@
+"""Arithmetic over Dask's objects: what a Dask span's or TaskGroup's attributes
+sum, and when they ran. No state: every function reads ``Span``, ``TaskGroup``
+and the fine metrics Dask keeps, and returns numbers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Hashable, Iterable, Mapping
+from typing import TYPE_CHECKING, Any
+
+from distributed.metrics import time
+from distributed.protocol.serialize import ToPickle
+from distributed.scheduler import ALL_TASK_STATES
+
+if TYPE_CHECKING:
+    from distributed.scheduler import TaskGroup
+    from distributed.spans import Span
+
+
+#: What a fine-metric key ``(context, [prefix,] ..., activity, unit)`` of a Dask
+#: span means to the mirror: its attribute name, its task prefix (None unless it
+#: is an ``execute`` metric of one prefix) and whether it is seconds of the
+#: ``execute`` context. Keys come from Dask and repeat across spans; the cache is
+#: bounded.
+_KEYS: dict[tuple[Hashable, ...], tuple[str, Hashable, bool]] = {}
+_MAX_KEYS = 1 << 16
+_NO_PREFIX = object()
+
+
+def _key_info(key: tuple[Hashable, ...]) -> tuple[str, Hashable, bool] | None:
+    info = _KEYS.get(key)
+    if info is None:
+        if len(key) < 3:
+            return None
+        if len(_KEYS) >= _MAX_KEYS:  # unbounded task prefixes: stay bounded
+            _KEYS.clear()
+        execute = key[0] == "execute"
+        parts = (str(k).replace(" ", "_") for k in (key[0], key[-2], key[-1]))
+        info = _KEYS[key] = (
+            "dask.metrics.{}.{}.{}".format(*parts),
+            key[1] if execute and len(key) >= 4 else _NO_PREFIX,
+            execute and key[-1] == "seconds",
+        )
+    return info
+
+
+class SpanMetrics:
+    """The fine performance metrics of one Dask span (its own, not its
+    sub-spans'), as attributes, in one pass over Dask's
+    ``Span._cumulative_worker_metrics``: summed over task prefixes for the span,
+    and by task prefix for its TaskGroups."""
+
+    __slots__ = ("by_prefix", "execute_seconds", "total")
+
+    def __init__(self, metrics: Mapping[tuple[Hashable, ...], float]):
+        #: ``dask.metrics.<context>.<activity>.<unit>``, summed over prefixes
+        self.total: dict[str, float] = {}
+        #: the same by task prefix, ``execute`` context only
+        self.by_prefix: dict[Hashable, dict[str, float]] = {}
+        #: seconds of the execute context, for "idle or other spans"
+        self.execute_seconds = 0.0
+        total, by_prefix = self.total, self.by_prefix
+        for key, value in metrics.items():
+            if not value:
+                continue
+            info = _KEYS.get(key) or _key_info(key)
+            if info is None:
+                continue
+            name, prefix, execute_seconds = info
+            total[name] = total.get(name, 0) + value
+            if prefix is not _NO_PREFIX:
+                attrs = by_prefix.get(prefix)
+                if attrs is None:
+                    attrs = by_prefix[prefix] = {}
+                attrs[name] = attrs.get(name, 0) + value
+            if execute_seconds:
+                self.execute_seconds += value
+
+    @classmethod
+    def of(cls, span: Span) -> SpanMetrics:
+        return cls(span._cumulative_worker_metrics)
+
+
+def active_cpu_seconds(span: Span, stop: float) -> float:
+    """``Span.active_cpu_seconds`` of a span that is not a merge, given its stop.
+
+    The property walks the subtree four times (for ``stop`` and ``done``) and
+    skips through the cluster's whole thread-count history; this reads only the
+    history since the span was enqueued.
+    """
+    try:
+        history = span._total_nthreads_history
+        first = span._total_nthreads_offset
+    except AttributeError:  # another Dask version: the public, slower way
+        return span.active_cpu_seconds
+    total = 0.0
+    since, nthreads = span.enqueued, 0
+    for i in range(first, len(history)):
+        t, n = history[i]
+        if t >= stop:
+            break
+        t = max(t, span.enqueued)
+        total += (t - since) * nthreads
+        since, nthreads = t, n
+    return total + max(stop - since, 0.0) * nthreads
+
+
+def failure_time(startstops: Iterable[Mapping[str, Any]] | None) -> tuple[float, float]:
+    """When an erred task ran and failed: its ``compute`` in the ``startstops`` the
+    worker sent with the error (already in the scheduler's clock); else (0, now):
+    it erred because a dependency did, or an older worker sent no times."""
+    for startstop in startstops or ():
+        if startstop.get("action") == "compute" and startstop.get("stop"):
+            return startstop.get("start") or 0.0, startstop["stop"]
+    return 0.0, time()
+
+
+#: TaskGroup states in which a task has yet to finish: ``TaskGroup.done`` is "no
+#: task in any of these"
+_PENDING = tuple(sorted(ALL_TASK_STATES - {"memory", "erred", "released", "forgotten"}))
+
+
+#: ``dask.tasks.<state>`` by state: built once, not per span
+_STATE_NAMES = {state: f"dask.tasks.{state}" for state in ALL_TASK_STATES}
+
+
+def state_name(state: str) -> str:
+    name = _STATE_NAMES.get(state)
+    return f"dask.tasks.{state}" if name is None else name
+
+
+def code_snippets(span: Span) -> tuple[str, ...]:
+    """The source of ``Span.code``'s snippets. distributed 2024.1 keeps
+    each block of them still wrapped in the ``ToPickle`` the client sent."""
+    return tuple(
+        sc.code
+        for block in span.code
+        for sc in (block.data if isinstance(block, ToPickle) else block)
+    )
+
+
+def group_done(tg: TaskGroup) -> bool:
+    """``TaskGroup.done``, in a quarter of the time: polls ask it of every open group"""
+    states = tg.states
+    for state in _PENDING:
+        if states.get(state):
+            return False
+    return True
+
+
+def groups_stop(groups: Iterable[TaskGroup]) -> float | None:
+    """When the last task of some TaskGroups finished, or None if one is not done"""
+    stop = 0.0
+    for tg in groups:
+        if not group_done(tg):
+            return None
+        if tg.stop > stop:
+            stop = tg.stop
+    return stop
+
+
+class Totals:
+    """What a Dask span's attributes sum over TaskGroups and fine metrics: of its
+    own groups, or of its whole subtree.
+
+    A span's subtree totals are its own plus its sub-spans' subtree totals. The
+    mirror sums those as the sub-spans are exported (``SpanRecord.folded``), so
+    exporting a span reads its own groups and metrics only, however deep and
+    wide its tree. Task counts by state are each sub-span's as of its export.
+    """
+
+    __slots__ = ("duration", "execute_seconds", "metrics", "nbytes", "start", "states", "stop")
+
+    def __init__(self) -> None:
+        self.states: dict[str, int] = {}
+        self.nbytes = 0
+        self.duration = 0.0
+        #: when the first task started (0: none has), as ``Span.start``
+        self.start = 0.0
+        #: when the last task finished, as ``Span.stop`` of a finished span
+        self.stop = 0.0
+        #: ``dask.metrics.*`` attributes, summed over task prefixes
+        self.metrics: dict[str, float] = {}
+        #: seconds of the execute context, for "idle or other spans"
+        self.execute_seconds = 0.0
+
+    @classmethod
+    def own(cls, span: Span, metrics: SpanMetrics | None = None) -> Totals:
+        """Of a span's own groups and fine metrics (``metrics``, if already
+        read)"""
+        totals = cls()
+        totals.add_groups(span.groups)
+        if metrics is None:
+            metrics = SpanMetrics.of(span)
+        totals.metrics = dict(metrics.total)
+        totals.execute_seconds = metrics.execute_seconds
+        return totals
+
+    def add_groups(self, groups: Iterable[TaskGroup]) -> None:
+        states = self.states
+        for tg in groups:
+            for state, n in tg.states.items():
+                if n:
+                    states[state] = states.get(state, 0) + n
+            self.nbytes += tg.nbytes_total
+            self.duration += tg.duration
+            self._started(tg.start)
+            if tg.stop > self.stop:
+                self.stop = tg.stop
+
+    def _started(self, start: float) -> None:
+        if start and (not self.start or start < self.start):
+            self.start = start
+
+    def add(self, other: Totals) -> None:
+        for state, n in other.states.items():
+            self.states[state] = self.states.get(state, 0) + n
+        for name, value in other.metrics.items():
+            self.metrics[name] = self.metrics.get(name, 0) + value
+        self.nbytes += other.nbytes
+        self.duration += other.duration
+        self.execute_seconds += other.execute_seconds
+        self._started(other.start)
+        if other.stop > self.stop:
+            self.stop = other.stop
+
+    def attributes(self) -> dict[str, Any]:
+        """Task counts by state, output bytes, duration; fine metrics apart"""
+        out: dict[str, Any] = {state_name(s): n for s, n in self.states.items()}
+        out["dask.tasks.total"] = sum(self.states.values())
+        out["dask.output.bytes"] = self.nbytes
+        out["dask.duration"] = self.duration
+        return out
+
+
+def subtree_totals(span: Span) -> Totals:
+    """:class:`Totals` of a span and all its sub-spans, by walking the tree"""
+    totals = Totals.own(span)
+    for child in span.children:
+        totals.add(subtree_totals(child))
+    return totals
+
+
+def group_attributes(tg: TaskGroup) -> dict[str, Any]:
+    """Task counts by state, output bytes and duration of one TaskGroup"""
+    out: dict[str, Any] = {}
+    total = 0
+    for state, n in tg.states.items():
+        if n:
+            out[state_name(state)] = n
+            total += n
+    out["dask.tasks.total"] = total
+    out["dask.output.bytes"] = tg.nbytes_total
+    out["dask.duration"] = float(tg.duration)  # an int 0 in distributed 2024.1
+    return out
+
+
+def prefix_metrics(span: Span, prefix: Hashable) -> dict[str, float]:
+    """``dask.metrics.*`` of one task prefix within one Dask span (its own, no
+    sub-spans')"""
+    return SpanMetrics.of(span).by_prefix.get(prefix, {})

@@ -1,0 +1,97 @@
+"""The bridge on one worker: started by the registered plugin
+(:mod:`dask_otel.worker.plugin`), it attaches the worker to its process's
+telemetry and starts the worker-side features: the OTel context tasks run in
+(:mod:`~dask_otel.worker.execute_hook`), task spans
+(:mod:`~dask_otel.worker.task_spans`, opt-in) and the SpillBuffer instruments
+(:mod:`dask_otel.spill`). Nothing here imports the scheduler's side.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any
+
+from dask_otel.export.global_provider import adopt_global_tracer_provider
+from dask_otel.export.lifecycle import release_telemetry, start_telemetry
+from dask_otel.spill import SpillInstruments
+from dask_otel.worker.execute_hook import TaskContextHook
+from dask_otel.worker.task_context import TaskContexts, default_sampler
+from dask_otel.worker.task_spans import TaskSpans
+
+if TYPE_CHECKING:
+    from distributed import Worker
+
+    from dask_otel.export.telemetry import Telemetry
+
+logger = logging.getLogger("dask_otel")
+
+
+class WorkerBridge:
+    """What :class:`~dask_otel.worker.plugin.OtelWorkerPlugin` runs on one worker:
+    the in-task context (with task spans, if on) and the spill instruments"""
+
+    def __init__(self) -> None:
+        self.error: str | None = None
+        self.telemetry: Telemetry | None = None
+        self.spill: Any = None
+        #: :class:`~dask_otel.worker.execute_hook.TaskContextHook`; None where it
+        #: could not be installed
+        self.task_context: Any = None
+
+    def setup(self, worker: Worker) -> None:
+        self.telemetry, self.error = start_telemetry(
+            f"worker {worker.address}",
+            **{"dask.scheduler.address": worker.scheduler.address},
+        )
+        if self.telemetry is None:
+            return
+        for step in (self._start_task_context, self._start_spill):
+            try:
+                step(worker, self.telemetry)
+            except Exception as e:
+                logger.exception("dask_otel: could not start on worker %s", worker.address)
+                self.error = f"{type(e).__name__}: {e}"
+
+    def _start_task_context(self, worker: Worker, telemetry: Telemetry) -> None:
+        """Wrap ``Worker.execute``. The sampler is the bridge's TracerProvider's
+        when traces are exported (the one the scheduler's mirror asks), else the
+        SDK's default from OTEL_*."""
+        sink = telemetry.span_sink
+        sampler = sink.sampler if sink is not None else default_sampler()
+        task_spans = None
+        if sink is not None:
+            # User spans inside tasks need a provider
+            adopt_global_tracer_provider()
+            if telemetry.config.task_spans:
+                task_spans = TaskSpans(worker, sink, telemetry.config)
+        self.task_context = TaskContextHook.install(worker, TaskContexts(sampler), task_spans)
+
+    def _start_spill(self, worker: Worker, telemetry: Telemetry) -> None:
+        if telemetry.meter_provider is None:
+            return
+        self.spill = SpillInstruments.observe(worker, telemetry)
+
+    async def teardown(self, worker: Worker) -> None:
+        if self.task_context is not None:
+            self.task_context.uninstall()
+            self.task_context = None
+        if self.spill is not None:
+            self.spill.close()
+            self.spill = None
+        if self.telemetry is not None:
+            telemetry, self.telemetry = self.telemetry, None
+            await release_telemetry(telemetry)
+
+    def status(self) -> dict[str, Any]:
+        hook = self.task_context
+        task_spans = hook.task_spans if hook is not None else None
+        return {
+            "error": self.error,
+            "metrics": self.spill is not None,
+            # whether tasks run in their OTel context (False: hook not installed)
+            "task_context": hook is not None,
+            # tasks that ran without context because building it failed
+            "task_context_errors": hook.errors if hook is not None else 0,
+            # task spans exported by this worker; None when otel.tasks.spans is off
+            "task_spans": task_spans.exported if task_spans is not None else None,
+        }

@@ -1,0 +1,131 @@
+"""The OpenTelemetry context of a task, built from its annotations.
+
+A task's annotations already name its Dask span (``ts.annotations["span"]``:
+``ids`` root first, own last, and ``name``) and, when the workflow joined a
+caller's trace, carry the caller's propagated context (the ``otel`` annotation,
+:mod:`dask_otel.annotation`). :class:`TaskContexts` turns them into the context
+the task runs in: its Dask span as the current span, with the ids the
+scheduler's mirror exports it with (:func:`dask_otel.span_context.dask_span_context`),
+over the caller's baggage. Nothing is sent for this. Contexts are cached per Dask
+span (a bounded dict), so a task costs a dict lookup.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Hashable, Mapping
+from typing import TYPE_CHECKING, Any
+
+from opentelemetry import trace
+from opentelemetry.trace import NonRecordingSpan, SpanContext
+
+import dask_otel.annotation as annotation
+from dask_otel.span_context import dask_span_context
+
+if TYPE_CHECKING:
+    from opentelemetry.context import Context
+    from opentelemetry.sdk.trace.sampling import Sampler
+
+logger = logging.getLogger("dask_otel")
+
+#: Most Dask spans whose context a worker keeps; past it the cache starts over
+MAX_CACHED_SPANS = 4096
+
+
+class DaskSpanContext:
+    """What a task of one Dask span runs in: built once per Dask span and carrier"""
+
+    __slots__ = ("context", "dask_id", "otel", "root_tag", "sampled", "span_context")
+
+    def __init__(
+        self,
+        span_context: SpanContext,
+        base: Context | None,
+        root_tag: str,
+        dask_id: str,
+        otel: Mapping[str, Any] | None,
+    ):
+        #: the ``otel`` annotation of the span's tasks, passed on to sub-tasks
+        self.otel = otel
+        #: the Dask span's UUID (``ts.annotations["span"]["ids"][-1]``)
+        self.dask_id = dask_id
+        #: the Dask span's ids, as the scheduler's mirror exports them
+        self.span_context = span_context
+        #: ``span_context`` as the current span, over the carrier's baggage if any
+        self.context = trace.set_span_in_context(NonRecordingSpan(span_context), base)
+        #: the whole trace's sampling decision
+        self.sampled = span_context.trace_flags.sampled
+        #: the root Dask span's first tag (what the sampler is asked about)
+        self.root_tag = root_tag
+
+
+def _carrier_key(carrier: Mapping[str, str]) -> Hashable:
+    return tuple(carrier.items())
+
+
+class TaskContexts:
+    """Builds the OTel context of tasks from their annotations, cached per Dask span.
+
+    ``sampler`` is the one the scheduler's mirror asks too (``OTEL_TRACES_SAMPLER``);
+    its decisions are part of the cached value, so it must not change.
+    """
+
+    #: the sampler that decides whether a trace is sampled
+    sampler: Sampler
+    #: by (own Dask span id, root Dask span id, carrier items)
+    _cache: dict[Hashable, DaskSpanContext]
+
+    def __init__(self, sampler: Sampler):
+        self.sampler = sampler
+        self._cache = {}
+
+    def of(self, annotations: Mapping[str, Any] | None) -> DaskSpanContext | None:
+        """The context of a task with these annotations; None for a task in no
+        Dask span (annotations lost to graph optimisation, hand-made graphs).
+
+        Raises on malformed annotations; the caller runs the task without context.
+        """
+        if not annotations:
+            return None
+        span = annotations.get("span")
+        if not span:
+            return None
+        ids = span["ids"]
+        otel = annotations.get(annotation.ANNOTATION)
+        if otel is None:  # most tasks: a distributed.span, no caller (per task: no ABC check)
+            carrier = None
+            key = (ids[-1], ids[0], None)
+        else:
+            carrier = annotation.root_carrier(otel, ids[0])  # as the scheduler reads it
+            key = (ids[-1], ids[0], _carrier_key(carrier) if carrier else None)
+        cached = self._cache.get(key)
+        if cached is None:
+            if len(self._cache) >= MAX_CACHED_SPANS:
+                self._cache.clear()
+            cached = self._cache[key] = self._build(ids, span["name"], carrier, otel)
+        return cached
+
+    def _build(
+        self,
+        ids: tuple[str, ...],
+        name: tuple[str, ...],
+        carrier: Mapping[str, str] | None,
+        otel: Mapping[str, Any] | None,
+    ) -> DaskSpanContext:
+        root_tag = str(name[0]) if name else "default"
+        base, remote = annotation.extract(carrier)
+        # is_remote: the Dask span is made by the scheduler, in another process
+        span_context = dask_span_context(
+            ids[0], ids[-1], root_tag, remote, self.sampler, is_remote=True
+        )
+        return DaskSpanContext(span_context, base, root_tag, str(ids[-1]), otel)
+
+
+def default_sampler() -> Sampler:
+    """The sampler the SDK builds from OTEL_TRACES_SAMPLER / _ARG (default:
+    parent-based always-on), for a worker where the bridge builds no TracerProvider"""
+    from opentelemetry.sdk.trace import TracerProvider
+
+    return TracerProvider(shutdown_on_exit=False).sampler
+
+

@@ -1,0 +1,92 @@
+"""The package's layout, as CONTRIBUTING.md draws it: imports flow one way.
+
+Read statically from the source (what each module imports at any depth of its
+code), so that a lazy import inside a function counts too: no import loops
+between modules, no module reaching into the package ``__init__``, nothing on
+the workers' side importing the scheduler's, and a client that uses
+``dask_otel.span`` loads no OpenTelemetry SDK module.
+"""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+import dask_otel
+
+PACKAGE = Path(dask_otel.__file__).parent
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def imports() -> dict[str, set[str]]:
+    """For each module of the package, the modules of the package it imports"""
+    modules = {module_name(p): p for p in PACKAGE.rglob("*.py")}
+    out: dict[str, set[str]] = {}
+    for name, path in modules.items():
+        found: set[str] = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                found.update(a.name for a in node.names)
+            elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+                found.add(node.module)
+                found.update(f"{node.module}.{a.name}" for a in node.names)
+        out[name] = {m for m in found if m in modules and m != name}
+    return out
+
+
+def test_no_import_loops():
+    graph = imports()
+    done: set[str] = set()
+
+    def visit(name: str, path: tuple[str, ...]) -> None:
+        assert name not in path, "import loop: " + " -> ".join((*path, name))
+        if name in done:
+            return
+        for dependency in graph[name]:
+            visit(dependency, (*path, name))
+        done.add(name)
+
+    for name in graph:
+        visit(name, ())
+
+
+def test_no_module_imports_the_package_init():
+    for name, imported in imports().items():
+        if name != "dask_otel":
+            assert "dask_otel" not in imported, f"{name} imports the package __init__"
+
+
+def test_the_workers_side_imports_nothing_of_the_schedulers():
+    for name, imported in imports().items():
+        if name.startswith("dask_otel.worker"):
+            scheduler_side = {
+                m for m in imported if m.startswith("dask_otel.scheduler") or m == "dask_otel.spans"
+            }
+            assert not scheduler_side, (name, scheduler_side)
+
+
+def test_the_registered_worker_plugin_imports_nothing_of_dask_otel_at_module_level():
+    # It is pickled by value, for workers where dask_otel is not installed
+    tree = ast.parse((PACKAGE / "worker" / "plugin.py").read_text())
+    for node in tree.body:
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            names = [a.name for a in node.names] + [getattr(node, "module", None) or ""]
+            assert not any(n.startswith("dask_otel") for n in names), ast.unparse(node)
+
+
+def test_a_client_using_dask_otel_span_loads_no_sdk_module():
+    code = (
+        "import sys, dask_otel\n"
+        "from distributed import Client, LocalCluster\n"
+        "with dask_otel.span('x'):\n"
+        "    pass\n"
+        "print(sorted(m for m in sys.modules if m.startswith('opentelemetry.sdk')))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]", out.stdout
