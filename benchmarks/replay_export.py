@@ -11,7 +11,10 @@ aside meanwhile (ReadableSpans are built, not queued), so each pass is the same
 work on the same Dask objects. Prints min and median us per OTel span.
 
 Unlike mirror_profile.py this reads and writes the mirror's internals (the names
-in ``STATE``), so it must follow them when they change.
+in ``STATE``, and the ``GroupBatch`` objects in ``open_groups``), so it must
+follow them when they change: it stops, naming them, if the mirror or a
+``GroupBatch`` holds an attribute it does not know, and if a pass does not export
+every span and group that was open.
 
 Usage::
 
@@ -28,6 +31,7 @@ import gc
 import statistics
 import sys
 import time
+from typing import Any
 
 import dask
 from distributed import Client, LocalCluster
@@ -47,6 +51,65 @@ STATE = (
     "open_spans", "open_groups", "erred", "ends", "open_children", "open_groups_of",
     "idle", "folded", "remote_parents", "reopened_parents", "entered", "links",
 )
+#: The mirror's other attributes: wiring, config, counters, per-poll caches
+#: (cleared by every poll), and ``spans_seen`` (no span is created while replaying)
+NOT_STATE = frozenset({
+    "scheduler", "telemetry", "config", "spans_seen", "mirrored", "sampled_out",
+    "reopened", "_metrics", "_heads", "_sink", "_random",
+})
+#: ``GroupBatch`` fields (``open_groups``' values), copied batch by batch: a poll
+#: writes ``busy`` and ``wake``, and ``wake`` was worked out with the 1h export
+#: delay (``end + 1h``), so it is reset to 0 ("look at it at the next poll")
+BATCH_FIELDS = frozenset({
+    "busy", "duration", "erred", "failed", "metrics", "nbytes", "since", "span",
+    "started", "states", "total", "wake",
+})
+
+
+class ReplayError(RuntimeError):
+    """The replay does not do what it should: the script must follow the mirror"""
+
+
+def check_known(mirror: Any) -> None:
+    """Stop if the mirror or a GroupBatch keeps something this script does not
+    restore: a pass would not redo the same work (or any)"""
+    unknown = sorted(set(getattr(mirror, "__dict__", ())) - set(STATE) - NOT_STATE)
+    if not hasattr(mirror, "__dict__") or unknown:
+        raise ReplayError(
+            f"SpanMirror has attributes replay_export.py does not know: {unknown or '(slots)'}; "
+            "add per-span state to STATE (restored before each pass), the rest to NOT_STATE"
+        )
+    for batch in getattr(mirror, "open_groups", {}).values():
+        fields = set(getattr(type(batch), "__slots__", ())) | set(getattr(batch, "__dict__", ()))
+        if fields - BATCH_FIELDS:
+            raise ReplayError(
+                f"GroupBatch has fields replay_export.py does not know: "
+                f"{sorted(fields - BATCH_FIELDS)}; see whether a poll writes them or they "
+                "depend on the export delay, and add them to BATCH_FIELDS"
+            )
+        break
+
+
+def saved_batch(batch: Any) -> Any:
+    """A copy of a GroupBatch as a mirror with export delay 0 would hold it"""
+    batch = copy.copy(batch)
+    if hasattr(batch, "wake"):
+        batch.wake = 0.0
+    return batch
+
+
+def restore(mirror: Any, saved: dict[str, Any]) -> None:
+    """Put the saved per-span state back: fresh containers (polls pop from them),
+    fresh GroupBatch objects (polls write some fields), fresh Totals in ``folded``
+    (sub-spans' totals are summed into them); Dask's own objects are shared"""
+    for name, value in saved.items():
+        if name == "folded":
+            value = copy.deepcopy(value)
+        elif name == "open_groups":
+            value = {tg: copy.copy(batch) for tg, batch in value.items()}
+        else:
+            value = copy.copy(value)
+        setattr(mirror, name, value)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -70,30 +133,47 @@ def main(argv: list[str] | None = None) -> int:
                 workload.run(client)
                 time.sleep(1.5)  # a heartbeat from every worker: fine metrics are in
                 mirror.config = dataclasses.replace(mirror.config, export_delay=0.0)
-                names = [n for n in STATE if hasattr(mirror, n)]
-                # Totals in `folded` are summed into: deep copies; the rest shallow
-                saved = {n: copy.copy(getattr(mirror, n)) for n in names}
-                sink = mirror.sink
-                processors, sink.processors = sink.processors, []
 
                 def passes() -> tuple[list[float], int]:
-                    out, n = [], 0
-                    for _ in range(args.repeats):
-                        for name in names:
-                            value = saved[name]
-                            setattr(mirror, name, copy.deepcopy(value) if name == "folded"
-                                    else copy.copy(value))
+                    # Taken on the event loop, between polls
+                    check_known(mirror)
+                    names = [n for n in STATE if hasattr(mirror, n)]
+                    saved = {n: copy.copy(getattr(mirror, n)) for n in names}
+                    if "open_groups" in saved:
+                        saved["open_groups"] = {
+                            tg: saved_batch(b) for tg, b in saved["open_groups"].items()
+                        }
+                    # Every open span and group is exported once per pass (the
+                    # workload's traces are all sampled)
+                    expected = len(saved["open_spans"]) + len(saved.get("open_groups", ()))
+                    out = []
+                    for i in range(args.repeats):
+                        restore(mirror, saved)
                         gc.collect()
                         gc.disable()
                         try:
                             seconds, n = poll_until_exported(mirror, None)
                         finally:
                             gc.enable()
+                        if n <= 0 or n != expected:
+                            raise ReplayError(
+                                f"pass {i + 1} exported {n} OTel spans, expected {expected} "
+                                f"(the open Dask spans and TaskGroups); left open: "
+                                f"{len(mirror.open_spans)} spans, "
+                                f"{len(getattr(mirror, 'open_groups', ()))} groups. "
+                                "The mirror keeps some state this script does not restore "
+                                "or reset: see STATE, NOT_STATE and BATCH_FIELDS"
+                            )
                         out.append(seconds / n * 1e6)
-                    return out, n
+                    return out, expected
 
+                sink = mirror.sink
+                processors, sink.processors = sink.processors, []
                 try:
                     per_span, n = run_on_loop(cluster, passes)
+                except ReplayError as e:
+                    print(f"\nreplay_export.py: {e}", file=sys.stderr)
+                    return 1
                 finally:
                     sink.processors = processors
         finally:
