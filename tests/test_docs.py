@@ -1,18 +1,28 @@
-"""The README's tables say what the code does: they are compared with otel.yaml and
-with what a real cluster emits, so that they cannot drift."""
+"""The documents' tables say what the code does: they are compared with otel.yaml and
+with what a real cluster emits, so that they cannot drift.
+
+README.md: the config table (otel.yaml), the resource attributes, and the
+``--preload`` rule. docs/traces.md: the span attribute table and the task span
+attribute table (what a real cluster emits). docs/metrics.md's instrument table is
+checked by tests/test_metrics.py."""
 
 from __future__ import annotations
 
 import re
 from pathlib import Path
 
+import asyncio
+
+import dask
 import yaml
-from distributed import span, wait
+from distributed import Scheduler, span, wait
 
 import dask_otel.config
 from conftest import otel_cluster, wait_until
 
-README = Path(__file__).parents[1] / "README.md"
+ROOT = Path(__file__).parents[1]
+README = ROOT / "README.md"
+TRACES = ROOT / "docs" / "traces.md"
 
 
 def markdown_table(text: str, marker: str) -> list[list[str]]:
@@ -51,8 +61,8 @@ def test_config_table_matches_otel_yaml():
         assert documented[key] == yaml.safe_dump(value).splitlines()[0].removesuffix(" ..."), key
 
 
-def attribute_patterns() -> list[tuple[str, re.Pattern]]:
-    rows = markdown_table(README.read_text(), "span-attributes-table")
+def attribute_patterns(marker: str = "span-attributes-table") -> list[tuple[str, re.Pattern]]:
+    rows = markdown_table(TRACES.read_text(), marker)
     patterns = []
     for name, *_ in rows:
         name = code(name)
@@ -92,9 +102,22 @@ def fail(x):
     raise ValueError(x)
 
 
+def documented_resource() -> list[str]:
+    """The resource attributes the README promises on every span: the names quoted
+    in the paragraph after ``<!-- resource-attributes``, before ", which" """
+    paragraph = README.read_text().split("<!-- resource-attributes", 1)[1].split("\n\n", 1)[0]
+    return re.findall(r"`([^`]+)`", paragraph.split(", which", 1)[0])
+
+
 def test_span_attribute_table_matches_what_is_emitted():
-    """Every attribute emitted is in the table, and every row of the table is emitted"""
-    config = {"otel.spans.code": True, "distributed.diagnostics.computations.nframes": 1}
+    """Every attribute emitted is in the table, and every row of the table is emitted;
+    likewise for task spans and their table, and every span carries the resource
+    attributes the README lists"""
+    config = {
+        "otel.spans.code": True,
+        "otel.tasks.spans": True,
+        "distributed.diagnostics.computations.nframes": 1,
+    }
     with otel_cluster(config) as (client, mirrored):
         with span("documented") as sid:
             client.gather(client.map(inc, range(3)))
@@ -110,11 +133,21 @@ def test_span_attribute_table_matches_what_is_emitted():
                 lambda dask_scheduler: dask_scheduler.plugins["dask-otel"].mirror.flush()
             )
             del running
-        spans = mirrored.spans()
-        emitted = {k for s in spans for k in s.attributes}
+        every_span = mirrored.spans()
+
+    resource = documented_resource()
+    assert len(resource) >= 4, resource
+    lacking = {s.name: sorted(set(resource) - set(s.resource.attributes)) for s in every_span}
+    assert not any(lacking.values()), f"spans without the README's resource attributes: {lacking}"
+
+    task_spans = [s for s in every_span if "dask.task.key" in s.attributes]
+    spans = [s for s in every_span if "dask.task.key" not in s.attributes]
+    assert task_spans and spans
+    check_task_spans(task_spans)
+    emitted = {k for s in spans for k in s.attributes}
 
     table = [(pattern, row) for (_, pattern), row in zip(
-        attribute_patterns(), markdown_table(README.read_text(), "span-attributes-table"))]
+        attribute_patterns(), markdown_table(TRACES.read_text(), "span-attributes-table"))]
     wrong = [
         f"{s.name}: {name} = {value!r}"
         for s in spans for name, value in s.attributes.items()
@@ -124,6 +157,47 @@ def test_span_attribute_table_matches_what_is_emitted():
 
     patterns = attribute_patterns()
     undocumented = {a for a in emitted if not any(p.match(a) for _, p in patterns)}
-    assert not undocumented, f"emitted but not in the README table: {sorted(undocumented)}"
+    assert not undocumented, f"emitted but not in docs/traces.md's table: {sorted(undocumented)}"
     never = [name for name, p in patterns if not any(p.match(a) for a in emitted)]
-    assert not never, f"in the README table but never emitted: {never}"
+    assert not never, f"in docs/traces.md's table but never emitted: {never}"
+
+
+def check_task_spans(task_spans) -> None:
+    """docs/traces.md's task span table: the same checks, on the spans of tasks"""
+    rows = {code(name): type_ for name, type_, _ in
+            markdown_table(TRACES.read_text(), "task-span-attributes-table")}
+    emitted = {k: v for s in task_spans for k, v in s.attributes.items()}
+    undocumented = set(emitted) - set(rows)
+    assert not undocumented, f"task spans carry attributes not in the table: {sorted(undocumented)}"
+    never = set(rows) - set(emitted)
+    assert not never, f"in the task span table but never emitted: {sorted(never)}"
+    wrong = [f"{s.name}: {k} = {v!r}" for s in task_spans for k, v in s.attributes.items()
+             if not TYPES[rows[k]](v)]
+    assert not wrong, f"task span attributes of another type than the table says: {wrong}"
+
+
+def scheduler_plugins(preload: list[str]) -> set[str]:
+    """The plugins of a scheduler started as ``dask scheduler --preload ...`` starts
+    it (the command line hands its ``--preload`` values to ``Scheduler(preload=)``)"""
+
+    async def start() -> set[str]:
+        async with Scheduler(dashboard=False, port=0, preload=preload) as scheduler:
+            return set(scheduler.plugins)
+
+    return asyncio.run(start())
+
+
+def test_a_command_line_preload_needs_dask_otel_named_too(tmp_path):
+    """README, "Turn it on": ``--preload`` of something else makes Dask ignore the
+    config preload; naming both on the command line turns the bridge on"""
+    other = tmp_path / "my_plugin.py"
+    other.write_text("def dask_setup(scheduler):\n    pass\n")
+    config = {
+        "distributed.scheduler.preload": ["dask_otel"],
+        "otel.traces.exporter": "memory",
+        "otel.metrics.exporter": "none",
+    }
+    with dask.config.set(config):
+        assert "dask-otel" in scheduler_plugins([])
+        assert "dask-otel" not in scheduler_plugins([str(other)])
+        assert "dask-otel" in scheduler_plugins(["dask_otel", str(other)])
