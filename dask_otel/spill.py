@@ -1,111 +1,18 @@
-"""A worker's SpillBuffer as OpenTelemetry metrics.
+"""A worker's SpillBuffer as OpenTelemetry metrics: what its managed data
+(``Worker.data``) holds in memory and on disk, and what reading, writing,
+serializing and compressing it has cost since the worker started.
 
-Every worker of a cluster with the ``dask_otel`` preload reports, at each
-collection of the metric reader (every ``OTEL_METRIC_EXPORT_INTERVAL`` ms with
-OTLP; at each scrape in Prometheus pull mode), what its managed data
-(``Worker.data``) holds and what it cost to get there. Nothing is sampled or
-recorded in between: the values are read from the worker's ``data`` when the
-reader asks.
+Nothing is sampled or recorded in between collections: the values are read from
+``Worker.data`` when the metric reader asks (every ``OTEL_METRIC_EXPORT_INTERVAL``
+ms with OTLP, at each scrape in Prometheus pull mode). ``Worker.data`` may be a
+``SpillBuffer`` of either shape (``cumulative_metrics`` since distributed
+2023.3.2, ``get_metrics()`` before, mapped to the same names), a plain dict
+(spilling disabled: levels only), or a third-party buffer, of which whatever it
+has is read. On with the preload, on every worker; nothing to call.
 
-Metrics
--------
-Every series carries ``dask.worker.address`` and ``dask.worker.name``.
-
-Current levels (observable gauges):
-
-================================ ====== ============================================
-``dask.spill.memory.count``      {key}  keys held in memory
-``dask.spill.memory.size``       By     their size in memory, as ``sizeof()``
-``dask.spill.disk.count``        {key}  keys spilled to disk
-``dask.spill.disk.size``         By     bytes those keys take on disk (pickled,
-                                        possibly compressed)
-``dask.spill.disk.memory_size``  By     ``sizeof()`` of those keys: what they would
-                                        take in memory if unspilled
-``dask.memory.threshold``        By     the worker's memory thresholds, attribute
-                                        ``dask.threshold``: ``limit`` (the memory
-                                        limit), ``target``, ``spill``, ``pause``,
-                                        ``terminate`` (only those enabled; terminate
-                                        only for workers with a nanny)
-================================ ====== ============================================
-
-Cumulative totals since the worker started (observable counters), attribute
-``dask.activity.name``: ``memory-read``, ``disk-read``, ``disk-write``,
-``serialize``, ``deserialize``, ``compress``, ``decompress`` (whatever Dask measures):
-
-====================== ====== ==============================================
-``dask.spill.count``   {key}  keys read or written
-``dask.spill.size``    By     bytes read or written
-``dask.spill.time``    s      seconds spent
-====================== ====== ==============================================
-
-A restarted worker is a new process and starts from zero with a new start time:
-OTLP backends and Prometheus' ``rate()`` read that as a counter reset. A worker
-that closes is reported once more, by the next collection (the flush when the
-last Dask server of the process closes), and then no more.
-
-Derived metrics, as in the docstring of Dask's own
-``distributed.http.worker.prometheus.core.WorkerMetricCollector.collect_spillbuffer``;
-``count[a]``, ``size[a]``, ``time[a]`` stand for the rate of ``dask.spill.count``,
-``dask.spill.size``, ``dask.spill.time`` with ``dask.activity.name=a``::
-
-    cache hit ratio by keys   count[memory-read] / (count[memory-read] + count[disk-read])
-    cache hit ratio by bytes  size[memory-read] / (size[memory-read] + size[disk-read])
-    spill, unspill rate       size[disk-write], size[disk-read]                (bytes/s)
-    seconds per key           time[serialize] / count[disk-write]     (pickle)
-                              time[disk-write] / count[disk-write]    (write)
-                              time[deserialize] / count[disk-read]    (unpickle)
-                              time[disk-read] / count[disk-read]      (read)
-    bytes per key             size[disk-write] / count[disk-write], size[disk-read] / count[disk-read]
-    disk bandwidth            size[disk-write] / time[disk-write], size[disk-read] / time[disk-read]
-
-In PromQL, the cache hit ratio by keys of each worker::
-
-      sum by (dask_worker_name) (rate(dask_spill_count_total{dask_activity_name="memory-read"}[5m]))
-    / sum by (dask_worker_name) (rate(dask_spill_count_total{dask_activity_name=~"memory-read|disk-read"}[5m]))
-
-Prometheus names (dots become underscores, the unit is appended, counters get
-``_total``): ``dask_spill_memory_count``, ``dask_spill_memory_size_bytes``,
-``dask_spill_disk_count``, ``dask_spill_disk_size_bytes``,
-``dask_spill_disk_memory_size_bytes``, ``dask_memory_threshold_bytes``,
-``dask_spill_count_total``, ``dask_spill_size_bytes_total``,
-``dask_spill_time_seconds_total``; attributes likewise (``dask_worker_name``,
-``dask_activity_name``, ``dask_threshold``). None collides with Dask's own
-``/metrics`` (``dask_worker_*``, ``dask_scheduler_*``).
-
-What ``Worker.data`` may be
----------------------------
-- ``distributed.spill.SpillBuffer`` since 2023.3.2: totals from
-  ``cumulative_metrics[(label, unit)]``.
-- ``SpillBuffer`` of 2022.12.1 to 2023.3.1: totals from ``get_metrics()``
-  (``FastMetrics`` / ``SlowMetrics``), mapped to the same names: ``pickle`` becomes
-  ``serialize``, ``unpickle`` ``deserialize``, underscores become hyphens, ``time``
-  becomes seconds, so one dashboard query covers both.
-- a plain dict (spilling disabled): levels only; everything is in memory, disk
-  levels are 0.
-- a third-party buffer following ``distributed.spill.ManualEvictProto`` (dask-cuda's
-  ProxifyHostFile): whatever of ``fast``, ``slow``, ``spilled_total``,
-  ``cumulative_metrics`` or ``get_metrics()`` it has; the rest is not reported.
-
-Usage
------
-Nothing to call: the worker plugin that the ``dask_otel`` preload registers does
-it on every worker. Workers need the same ``OTEL_*`` variables as the scheduler::
-
-    export DASK_DISTRIBUTED__SCHEDULER__PRELOAD=dask_otel
-    export OTEL_EXPORTER_OTLP_ENDPOINT=http://collector:4317 OTEL_METRIC_EXPORT_INTERVAL=15000
-    dask scheduler                        # fine performance metrics
-    dask worker tcp://scheduler:8786      # this worker's spill metrics
-
-To look at them without a collector (printed when the cluster closes)::
-
-    import dask
-    from distributed import Client, LocalCluster
-
-    config = {"distributed.scheduler.preload": ["dask_otel"],
-              "otel.metrics.exporter": "console", "otel.traces.exporter": "none"}
-    with dask.config.set(config), LocalCluster(processes=False) as cluster:
-        with Client(cluster) as client:
-            client.submit(sum, [1, 2]).result()
+The instruments (:data:`SPILL_METRICS`, the only place their names are spelled),
+their attributes, Prometheus names and the formulas for cache hit ratio and
+bandwidth: docs/metrics.md.
 """
 
 from __future__ import annotations

@@ -1,88 +1,20 @@
 """The scheduler's metrics: Dask's fine performance metrics, and the bridge's own.
 
-Fine performance metrics
-------------------------
 Workers measure where their time goes (``context_meter``) and send the totals to
 the scheduler with every heartbeat, which adds them up in
 ``Scheduler.cumulative_worker_metrics`` (the "Fine Performance Metrics" dashboard
-page shows the same numbers). They are exported as observable counters, one per
-Dask unit:
+shows the same numbers): they are exported as observable counters, one per Dask
+unit (``dask.activity.time``, ``.size``, ``.count``), read at collection time and
+so lagging the workers by up to a heartbeat. With ``otel.metrics.span-label`` the
+``execute`` and ``p2p`` contexts are read from the spans instead, each with its
+span's name (off by default: span names are user data, and every distinct one is
+a new series). Past :data:`MAX_SERIES` series per instrument, the rest is summed
+here into one overflow series, as the SDK would fold it after paying for each.
 
-======================== =========== ===========================================
-``dask.activity.time``   s           seconds the workers spent
-``dask.activity.size``   By          bytes they processed (memory-read, disk-read,
-                                     disk-write, p2p shards...)
-``dask.activity.count``  {operation} operations (keys read or written, shards...)
-======================== =========== ===========================================
+The self-metrics (``dask.otel.*``) are for alerting on telemetry loss.
 
-with the attributes:
-
-- ``dask.activity.context``: ``execute`` (running tasks), ``gather-dep`` (fetching
-  task inputs from other workers), ``get-data`` (serving them), ``p2p`` (P2P
-  shuffle and rechunk);
-- ``dask.task.prefix``: the task prefix (``execute`` only), e.g. ``random_sample``;
-- ``dask.activity.where``: ``foreground``, ``background-comms`` or
-  ``background-disk`` (``p2p`` only);
-- ``dask.activity.name``: ``thread-cpu``, ``thread-noncpu``, ``executor``,
-  ``other``, ``memory-read``, ``disk-read``, ``disk-write``, ``serialize``,
-  ``deserialize``, ``compress``, ``decompress``, ``network``...;
-- ``dask.span.name`` (string array, the Dask span's tags) only with
-  ``otel.metrics.span-label: true``. Span names are user data, so this is off by
-  default: every distinct span name is a new series. With it on, ``execute`` and
-  ``p2p`` are broken down by span (each span counts its own tasks, not its
-  sub-spans'), and the other contexts, which have no span, carry no span attribute.
-
-Past 2000 series per instrument (the SDK's default cardinality limit), the rest is
-summed into one series with ``otel.metric.overflow=true`` before it reaches the
-SDK, which would fold it the same way only after paying for each observation.
-
-The values reach the scheduler with heartbeats (every 0.5 s up to 10 workers,
-slower on larger clusters), so they lag the workers by up to a heartbeat.
-
-Self-metrics of the bridge
---------------------------
-Observable counters for alerting on telemetry loss, on the scheduler only:
-
-=============================== ========= ======================================
-``dask.otel.span.mirrored``     {span}    Dask spans and TaskGroups handed to the
-                                          OpenTelemetry SDK
-``dask.otel.span.sampled_out``  {span}    Dask spans and TaskGroups the sampler
-                                          (``OTEL_TRACES_SAMPLER``) dropped
-``dask.otel.span.exported``     {span}    spans the exporter delivered
-``dask.otel.span.dropped``      {span}    spans lost: their export failed after
-                                          the SDK's retries
-``dask.otel.export.failures``   {request} failed export requests, of spans and
-                                          of metrics (``dask.otel.signal``)
-=============================== ========= ======================================
-
-The last three carry ``dask.otel.exporter``, the exporter's class name (e.g.
-``OTLPSpanExporter``, ``OTLPMetricExporter``). ``mirrored + sampled_out`` is
-every Dask span and TaskGroup batch that finished; ``mirrored - exported -
-dropped`` is what is still queued in the SDK's batch processor, or was dropped
-because its queue was full. Spans go to the in-memory exporter (tests) without
-being counted. A failed metric export loses one collection's values, not the
-counts: counters are cumulative, and the next export that succeeds carries them.
-
-Prometheus names: ``dask_activity_time_seconds_total``,
-``dask_activity_size_bytes_total``, ``dask_activity_count_total``,
-``dask_otel_span_mirrored_total``, ``dask_otel_span_sampled_out_total``,
-``dask_otel_span_exported_total``,
-``dask_otel_span_dropped_total``, ``dask_otel_export_failures_total``; attribute
-dots become underscores (``dask_task_prefix``, ``dask_activity_name``...).
-Time per task prefix and activity::
-
-    sum by (dask_task_prefix, dask_activity_name)
-        (rate(dask_activity_time_seconds_total{dask_activity_context="execute"}[1m]))
-
-Usage
------
-On with the preload, like the spill metrics (see :mod:`dask_otel.spill`), and
-exported wherever ``otel.metrics.exporter`` / ``OTEL_METRICS_EXPORTER`` says. The
-one knob of this module, off by default::
-
-    otel:
-      metrics:
-        span-label: true      # or DASK_OTEL__METRICS__SPAN_LABEL=True
+:data:`SCHEDULER_METRICS` is the only place the instruments are named; what each
+means, its attributes, Prometheus names and example queries: docs/metrics.md.
 """
 
 from __future__ import annotations

@@ -7,12 +7,9 @@ What is exported
     ids on the scheduler, which a worker cannot know), in the Dask span's trace.
     It runs from when the task's function started to when it returned, the
     times Dask itself records (``ExecuteSuccessEvent``/``ExecuteFailureEvent``,
-    already on the scheduler's clock). Attributes: ``dask.task.key``,
-    ``dask.span.id`` (the Dask span's UUID), ``dask.worker.address``,
-    ``thread.id``, ``dask.duration`` (s), ``dask.output.bytes`` (succeeded tasks).
-    An erred task has status ERROR and an ``exception`` event with
-    ``exception.type``, ``exception.message`` and ``exception.stacktrace`` (the
-    OTel semantic conventions for exceptions).
+    already on the scheduler's clock). An erred task has status ERROR and an
+    ``exception`` event, as the OTel semantic conventions for exceptions have
+    it. The attributes: docs/traces.md, "Task spans".
 
 Which tasks
     Only in traces the sampler keeps (:func:`dask_otel.span_context.trace_sampled`,

@@ -1,0 +1,174 @@
+"""The span mirror driven directly, as distributed tests its spans extension: a
+``gen_cluster`` (scheduler and two workers in this process), the plugin's hooks
+wired to a :class:`~dask_otel.spans.SpanMirror` whose spans go to an in-memory
+exporter, and polls called by the test. The arithmetic and timing rules, without
+waiting for poll intervals or starting processes; the end-to-end shapes are in
+test_spans.py and test_wire.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+
+import pytest
+from dask.utils import key_split
+from distributed import span
+from distributed.utils_test import gen_cluster, inc
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+from conftest import assert_well_formed
+from dask_otel.config import read_config
+from dask_otel.export.sink import SpanSink, span_limits
+from dask_otel.scheduler.plugin import OtelSchedulerPlugin
+from dask_otel.span_context import otel_span_id
+from dask_otel.spans import SpanMirror
+
+NOW = {"export_delay": 0.0, "metrics_timeout": 0.0}
+
+
+def mirror_on(scheduler, **config) -> tuple[SpanMirror, InMemorySpanExporter]:
+    """A mirror of ``scheduler``'s spans, fed by the scheduler plugin's own hooks,
+    exporting to memory; ``config`` overrides ``otel.*`` values (OtelConfig fields)"""
+    exporter = InMemorySpanExporter()
+    provider = TracerProvider(shutdown_on_exit=False)
+    processor = SimpleSpanProcessor(exporter)
+    sink = SpanSink(provider, [processor], span_limits())
+    mirror = SpanMirror(scheduler, sink, dataclasses.replace(read_config(), **config))
+    plugin = OtelSchedulerPlugin()
+    plugin.mirror = mirror  # the hooks only; no telemetry, no poller
+    scheduler.add_plugin(plugin, name=f"dask-otel-hooks-{id(mirror)}")
+    return mirror, exporter
+
+
+async def poll_until_open(mirror: SpanMirror, open_spans: int = 0, timeout: float = 5) -> None:
+    """Poll as the plugin does until at most ``open_spans`` Dask spans are open.
+    A task's end, shifted by the worker's clock offset, may lie a hair after the
+    scheduler's now: a poll right after it waits for the next."""
+    for _ in range(int(timeout / 0.01)):
+        mirror.poll()
+        if len(mirror.ledger.records) <= open_spans and not mirror.ledger.groups:
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError(f"still open: {mirror.ledger.records}, {mirror.ledger.groups}")
+
+
+def fail(x):
+    raise ValueError(x)
+
+
+def by_name(exporter) -> dict:
+    return {s.name: s for s in exporter.get_finished_spans()}
+
+
+@gen_cluster(client=True)
+async def test_each_span_and_group_exported_once_and_then_forgotten(c, s, a, b):
+    mirror, exporter = mirror_on(s, **NOW)
+    with span("outer") as outer_id:
+        with span("inner") as inner_id:
+            await c.submit(inc, 1, key="in-inner")
+        await c.submit(inc, 2, key="in-outer")
+    await poll_until_open(mirror)
+    spans = by_name(exporter)
+    assert set(spans) == {"outer", "inner", key_split("in-inner"), key_split("in-outer")}
+    assert spans["outer"].context.span_id == otel_span_id(outer_id)
+    assert spans["inner"].parent.span_id == otel_span_id(outer_id)
+    assert spans["inner"].context.span_id == otel_span_id(inner_id)
+    assert mirror.mirrored == len(spans) == 4
+    assert not (mirror.ledger.records or mirror.ledger.groups or mirror.ledger.leaves)
+    mirror.poll()
+    assert len(exporter.get_finished_spans()) == 4  # nothing twice
+    assert_well_formed(exporter.get_finished_spans())
+
+
+@gen_cluster(client=True)
+async def test_subtree_totals_sum_the_sub_spans_own_totals_do_not(c, s, a, b):
+    mirror, exporter = mirror_on(s, **NOW)
+    own_mirror, own_exporter = mirror_on(s, span_totals="own", **NOW)
+    with span("pipeline"):
+        for step in range(3):
+            with span(f"step {step}"):
+                await c.gather(c.map(inc, range(4), key=[f"s{step}-{i}" for i in range(4)]))
+    await poll_until_open(mirror)
+    await poll_until_open(own_mirror)
+    subtree, own = by_name(exporter), by_name(own_exporter)
+    assert subtree["pipeline"].attributes["dask.tasks.total"] == 12
+    assert "dask.tasks.total" not in own["pipeline"].attributes or (
+        own["pipeline"].attributes["dask.tasks.total"] == 0
+    )
+    for step in range(3):
+        assert subtree[f"step {step}"].attributes["dask.tasks.total"] == 4
+        assert own[f"step {step}"].attributes["dask.tasks.total"] == 4
+    duration = sum(subtree[f"step {i}"].attributes["dask.duration"] for i in range(3))
+    assert subtree["pipeline"].attributes["dask.duration"] == duration
+
+
+@gen_cluster(client=True)
+async def test_a_span_waits_for_its_export_delay(c, s, a, b):
+    mirror, exporter = mirror_on(s, export_delay=0.5, metrics_timeout=0.0)
+    with span("wait"):
+        await c.submit(inc, 1, key="wait-task")
+    assert not mirror.poll() and not exporter.get_finished_spans()
+    assert mirror.ledger.records  # still open, kept
+    await asyncio.sleep(0.5)
+    await poll_until_open(mirror)
+    assert {s.name for s in exporter.get_finished_spans()} == {"wait", key_split("wait-task")}
+
+
+@gen_cluster(client=True)
+async def test_a_span_waits_for_a_heartbeat_until_the_metrics_timeout(c, s, a, b):
+    mirror, exporter = mirror_on(s, export_delay=0.0, metrics_timeout=30.0)
+    with span("metrics"):
+        await c.submit(inc, 1, key="metrics-task")
+    await asyncio.sleep(0.05)  # the task's end is past, whatever the clock offset
+    for ws in s.workers.values():
+        ws.last_seen -= 3600  # the heartbeats that came meanwhile did not happen
+    for _ in range(3):
+        mirror.poll()
+    assert not exporter.get_finished_spans()
+    assert mirror.ledger.records and mirror.ledger.groups
+    mirror.config = dataclasses.replace(mirror.config, metrics_timeout=0.0)
+    await poll_until_open(mirror)
+    assert {s.name for s in exporter.get_finished_spans()} == {"metrics", key_split("metrics-task")}
+
+
+@gen_cluster(client=True)
+async def test_erred_tasks_end_their_group_and_span_when_they_failed(c, s, a, b):
+    mirror, exporter = mirror_on(s, **NOW)
+    with span("outer"):
+        with span("failing"):
+            future = c.submit(fail, 1, key="fail-task")
+            with pytest.raises(ValueError):
+                await future
+    await poll_until_open(mirror)
+    spans = by_name(exporter)
+    failing, group, outer = spans["failing"], spans[key_split("fail-task")], spans["outer"]
+    for erred in (failing, group, outer):
+        assert erred.status.description == "1 tasks erred"
+        assert erred.attributes["dask.tasks.erred"] == 1
+    # Dask records no run time for an erred task: the worker's startstops do
+    ts_end = group.end_time
+    assert failing.end_time >= ts_end and outer.end_time >= failing.end_time
+    assert group.start_time <= ts_end
+    assert_well_formed(exporter.get_finished_spans())
+
+
+@gen_cluster(client=True)
+async def test_flush_exports_what_is_open_as_unfinished(c, s, a, b):
+    mirror, exporter = mirror_on(s, export_delay=3600.0)
+
+    async def wait_for_ever():
+        await asyncio.sleep(3600)
+
+    with span("running"):
+        running = c.submit(wait_for_ever, key="never-ends")
+        while not s.tasks.get("never-ends") or s.tasks["never-ends"].state != "processing":
+            await asyncio.sleep(0.01)
+    mirror.flush()
+    spans = by_name(exporter)
+    assert spans["running"].attributes["dask.span.unfinished"] is True
+    assert key_split("never-ends") in spans
+    assert not (mirror.ledger.records or mirror.ledger.groups or mirror.ledger.leaves)
+    del running

@@ -1,0 +1,86 @@
+"""One rule for a Dask span's OTel SpanContext (dask_otel.span_context), seen from
+every process that composes it: the client inside a ``dask_otel.span`` block, the
+task on the worker, the scheduler's exported span, its TaskGroup spans, and a link
+to it from another trace. Real in-process cluster; the caller's span is a
+``NonRecordingSpan`` with a W3C trace state, as one extracted from a request."""
+
+from __future__ import annotations
+
+from distributed import span, wait
+from opentelemetry import context as otel_context
+from opentelemetry import trace
+from opentelemetry.trace import NonRecordingSpan, SpanContext, TraceFlags, TraceState
+
+import dask_otel
+from conftest import otel_cluster
+from dask_otel.span_context import dask_span_context, otel_span_id
+
+CALLER = SpanContext(
+    0x0AF7651916CD43DD8448EB211C80319C,
+    0xB7AD6B7169203331,
+    is_remote=True,
+    trace_flags=TraceFlags(TraceFlags.SAMPLED),
+    trace_state=TraceState([("vendor", "opaque-1")]),
+)
+
+
+def current_context(_=None) -> tuple[int, int, bool, bool, str]:
+    """The current span's context in a task: trace id, span id, remote, sampled,
+    trace state"""
+    c = trace.get_current_span().get_span_context()
+    return c.trace_id, c.span_id, c.is_remote, c.trace_flags.sampled, c.trace_state.to_header()
+
+
+def test_every_process_composes_the_same_context_with_the_callers_trace_state():
+    token = otel_context.attach(trace.set_span_in_context(NonRecordingSpan(CALLER)))
+    try:
+        with otel_cluster() as (client, mirrored):
+            with dask_otel.span("request") as sid:
+                in_client = current_context()
+                in_task = client.submit(current_context, 1, key="ctx-task").result()
+            exported = mirrored.by_dask_id(sid)
+            (group,) = mirrored.children(exported)
+    finally:
+        otel_context.detach(token)
+
+    expected = (CALLER.trace_id, otel_span_id(sid), True, True, "vendor=opaque-1")
+    # Elsewhere the span is remote; in the scheduler, which makes it, it is not
+    assert in_client == expected
+    assert in_task == expected
+    c = exported.context
+    assert (c.trace_id, c.span_id, c.is_remote, c.trace_flags.sampled) == expected[:2] + (False, True)
+    assert c.trace_state.to_header() == "vendor=opaque-1"
+    assert exported.parent.span_id == CALLER.span_id and exported.parent.is_remote
+    # TaskGroup spans are children: the caller's trace state reaches them too
+    assert group.context.trace_state.to_header() == "vendor=opaque-1"
+    assert group.parent.span_id == c.span_id
+
+
+def test_a_link_to_a_producer_is_the_context_the_producer_is_exported_with():
+    token = otel_context.attach(trace.set_span_in_context(NonRecordingSpan(CALLER)))
+    try:
+        with otel_cluster() as (client, mirrored):
+            with dask_otel.span("producer") as producer_id:
+                data = client.submit(sum, [1, 2], key="produced-data")
+                wait(data)
+        # another trace, without a caller, consumes the producer's data
+            otel_context.detach(token)
+            token = None
+            with span("consumer") as consumer_id:
+                assert client.submit(lambda x: x + 1, data, key="consume-data").result() == 4
+            producer = mirrored.by_dask_id(producer_id)
+            consumer = mirrored.by_dask_id(consumer_id)
+    finally:
+        if token is not None:
+            otel_context.detach(token)
+    (link,) = consumer.links
+    assert link.context == producer.context
+    assert link.context.trace_state.to_header() == "vendor=opaque-1"
+
+
+def test_without_a_sampler_the_callers_flag_decides():
+    unsampled = SpanContext(1, 2, is_remote=True, trace_flags=TraceFlags(TraceFlags.DEFAULT))
+    context = dask_span_context("root", "own", "tag", unsampled, None, is_remote=True)
+    assert not context.trace_flags.sampled and context.trace_id == 1
+    context = dask_span_context("root", "own", "tag", None, None, is_remote=True)
+    assert context.trace_flags.sampled and context.trace_state.to_header() == ""
