@@ -23,26 +23,7 @@ Usage::
         with dask_otel.span("nightly report") as sid:
             df.map_partitions(score).compute()
 
-How the trace id is chosen
-    - The root ``dask_otel.span`` opened while the caller has a valid current
-      span: the caller's trace id; the root Dask span's parent is the caller's span.
-    - No current span (or a root opened with ``distributed.span``): the root Dask
-      span's UUID, exactly as with ``distributed.span``.
-    - Nested blocks (``dask_otel.span`` or ``distributed.span``) belong to their
-      root's trace, whatever the current span is when they are entered.
-
-Edge cases
-    - The caller's context is written with the globally configured propagators
-      (``OTEL_PROPAGATORS``; W3C trace context and baggage by default). If they
-      write nothing the scheduler can read back as a span context (e.g.
-      ``OTEL_PROPAGATORS=baggage``), the trace id is the root UUID.
-    - A Dask span opened by this block starts no later than the client entered
-      the block (``time.time()`` on the client: a client whose clock runs ahead of
-      the scheduler's moves starts earlier, never later).
-    - The sampled flag of the context inside the block is the caller's decision as
-      the process's sampler sees it (:func:`dask_otel.span_context.trace_sampled`),
-      or, in a process without the OTel SDK, the caller's flag (sampled with no
-      caller).
+How the trace id is chosen and how the trace is sampled: docs/traces.md.
 
 Needs only ``opentelemetry-api``: nothing here imports the SDK or the scheduler.
 """

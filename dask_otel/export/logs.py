@@ -1,29 +1,13 @@
 """Python log records of the scheduler and workers as OpenTelemetry logs.
 
-Off unless asked for: set ``OTEL_LOGS_EXPORTER=otlp`` (the SDK's variable) or the
-dask config key ``otel.logs.exporter: otlp`` (also ``console``, ``memory``). Then
-each Dask server process puts one SDK ``LoggingHandler`` on the root logger,
-feeding a ``LoggerProvider`` with a ``BatchLogRecordProcessor`` (bounded queue,
-batching, retries: ``OTEL_BLRP_*``) and the OTLP log exporter (``OTEL_EXPORTER_OTLP_*``),
-wrapped in the bridge's export accounting, so that a collector outage is logged
-once, not once per batch.
-
-Correlation
-    The handler takes the trace and span id of each record from the current
-    OpenTelemetry context. Inside a task that is the task's Dask span (or task
-    span, see :mod:`dask_otel.worker.execute_hook`), so a log line written by task code
-    carries the ids of the span it belongs to.
-
-Level
-    ``otel.logs.level`` (default ``INFO``) is the handler's threshold. Python's
-    own logger levels still apply first: the root logger's default is WARNING,
-    so an application's ``logger.info`` reaches the exporter only if that logger
-    (or an ancestor) is set to INFO or lower. The bridge never changes logger
-    levels.
-
-Not exported
-    Records of the OpenTelemetry SDK and exporters themselves (``opentelemetry.*``
-    loggers): exporting an exporter's complaint about exporting would feed back.
+Off unless asked for (``OTEL_LOGS_EXPORTER`` or ``otel.logs.exporter``). Then each
+Dask server process puts one SDK ``LoggingHandler`` on the root logger, feeding a
+``LoggerProvider`` whose batched exporters are wrapped in the bridge's export
+accounting, so that a collector outage is logged once, not once per batch. The
+handler takes each record's trace and span ids from the current OTel context: in
+a task, its Dask span's. Records of the ``opentelemetry.*`` loggers are filtered
+out: exporting an exporter's complaint about exporting would feed back. What is
+exported, and at which levels: docs/traces.md, "Logs".
 """
 
 from __future__ import annotations
