@@ -33,7 +33,7 @@ from opentelemetry.trace import SpanContext
 ANNOTATION = "otel"
 
 
-def write(
+def write_annotation(
     outer: Mapping[str, Any],
     new_ids: Sequence[str],
     entered_at: float,
@@ -73,7 +73,7 @@ def root_carrier(otel: Any, root_id: str) -> Mapping[str, str] | None:
     return carrier if isinstance(carrier, Mapping) else None
 
 
-def entered(otel: Any) -> Mapping[str, Any] | None:
+def entered_times(otel: Any) -> Mapping[str, Any] | None:
     """When the client entered the blocks of the annotation, by Dask span id; None
     for an annotation that is not of dask_otel's shape (values may still be of any
     type: the caller takes the numbers)"""
@@ -83,7 +83,7 @@ def entered(otel: Any) -> Mapping[str, Any] | None:
     return times if isinstance(times, Mapping) else None
 
 
-def extract(carrier: Mapping[str, Any] | None) -> tuple[otel_context.Context | None, SpanContext | None]:
+def extract_caller(carrier: Mapping[str, Any] | None) -> tuple[otel_context.Context | None, SpanContext | None]:
     """The caller's context (with its baggage) and span context from a carrier, as
     the globally configured propagators read it; ``(None, None)`` for no carrier,
     and a None span context if it holds none (or only values that are not strings)"""
@@ -97,4 +97,4 @@ def extract(carrier: Mapping[str, Any] | None) -> tuple[otel_context.Context | N
 
 def remote_parent(carrier: Mapping[str, Any] | None) -> SpanContext | None:
     """The caller's span context in a carrier, or None"""
-    return extract(carrier)[1]
+    return extract_caller(carrier)[1]

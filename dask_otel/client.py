@@ -40,7 +40,7 @@ from opentelemetry import context as otel_context
 from opentelemetry import trace
 from opentelemetry.trace import NonRecordingSpan
 
-import dask_otel.annotation as annotation
+from dask_otel.annotation import ANNOTATION, remote_parent, write_annotation
 from dask_otel.span_context import dask_span_context
 
 __all__ = ["span"]
@@ -60,18 +60,18 @@ def span(*tags: str) -> Iterator[str]:
     with distributed.span(*tags) as span_id:
         span_annotation = dask.get_annotations()["span"]
         ids, name = span_annotation["ids"], span_annotation["name"]
-        otel = annotation.write(outer, ids[-len(tags):], entered_at, caller)
+        otel = write_annotation(outer, ids[-len(tags):], entered_at, caller)
         # The Dask span as the scheduler exports it; is_remote: it lives there
         sampler = getattr(trace.get_tracer_provider(), "sampler", None)  # the SDK's, if any
         context = dask_span_context(
             ids[0], ids[-1], name[0],
-            annotation.remote_parent(otel.get("carrier")), sampler, is_remote=True,
+            remote_parent(otel.get("carrier")), sampler, is_remote=True,
         )
         token = otel_context.attach(
             trace.set_span_in_context(NonRecordingSpan(context), caller)
         )
         try:
-            with dask.annotate(**{annotation.ANNOTATION: otel}):
+            with dask.annotate(**{ANNOTATION: otel}):
                 yield span_id
         finally:
             otel_context.detach(token)

@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING, Any
 
 from distributed.metrics import time
 
-import dask_otel.annotation as annotation
+from dask_otel.annotation import ANNOTATION, entered_times
 from dask_otel.scheduler import builder
 from dask_otel.scheduler.builder import SpanHead
 from dask_otel.scheduler.ledger import Ledger
@@ -43,7 +43,6 @@ from dask_otel.scheduler.totals import (
     SpanMetrics,
     Totals,
     group_done,
-    groups_stop,
     subtree_totals,
 )
 from dask_otel.span_context import dask_span_context, root_span
@@ -191,12 +190,12 @@ class SpanMirror:
         ``ts.annotations["span"]`` is the span of the task's group (Dask moves a
         task onto the span of the first TaskGroup of its key prefix); the carrier
         is taken for that root only if the annotation's own blocks include it
-        (:func:`dask_otel.annotation.root_carrier`), so a colliding task cannot
+        (:func:`dask_otel.root_carrier`), so a colliding task cannot
         bring another workflow's caller.
         """
         annotations = ts.annotations
-        otel = annotations.get(annotation.ANNOTATION) if annotations else None
-        entered = annotation.entered(otel)
+        otel = annotations.get(ANNOTATION) if annotations else None
+        entered = entered_times(otel)
         span_annotation = annotations.get("span") if entered is not None else None
         if not isinstance(span_annotation, Mapping) or not (ids := span_annotation.get("ids")):
             return  # none, or an "otel" annotation someone else made: not ours

@@ -182,9 +182,9 @@ class Records(logging.Handler):
 
 def test_unhookable_worker_runs_tasks_without_context_and_says_so_once(monkeypatch):
     import dask_otel
-    from dask_otel import task_context
+    from dask_otel.worker import execute_hook
 
-    monkeypatch.setattr(task_context, "_told_unhookable", False)
+    monkeypatch.setattr(execute_hook, "_told_unhookable", False)
     handler = Records()
     logger = logging.getLogger("dask_otel")
     monkeypatch.setattr(logger, "level", logging.INFO)

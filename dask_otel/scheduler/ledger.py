@@ -12,8 +12,7 @@ from collections.abc import Mapping, Sequence
 from itertools import islice
 from typing import TYPE_CHECKING, Any
 
-import dask_otel.annotation as annotation
-
+from dask_otel.annotation import remote_parent, root_carrier
 from dask_otel.scheduler.record import GroupBatch, SpanRecord
 
 if TYPE_CHECKING:
@@ -79,10 +78,10 @@ class Ledger:
         del self.records[span.id]
         self.leaves.pop(span.id, None)
         parent = span.parent
-        if parent is not None and (parent_record := self.records.get(parent.id)):
-            if parent_record.open_children > 0:
-                parent_record.open_children -= 1
-                self._maybe_leaf(parent_record)
+        parent_record = self.records.get(parent.id) if parent is not None else None
+        if parent_record is not None and parent_record.open_children > 0:
+            parent_record.open_children -= 1
+            self._maybe_leaf(parent_record)
 
     def _maybe_leaf(self, record: SpanRecord) -> None:
         if record.leaf:
@@ -137,11 +136,11 @@ class Ledger:
         record = self.records.get(root_id)
         if record is None:
             if root_id not in self.reopened_parents:
-                carrier = annotation.root_carrier(otel, root_id)
-                self.remember_exported_root(root_id, annotation.remote_parent(carrier))
+                carrier = root_carrier(otel, root_id)
+                self.remember_exported_root(root_id, remote_parent(carrier))
         elif not record.carrier_read:
-            carrier = annotation.root_carrier(otel, root_id)
-            record.remote_parent = annotation.remote_parent(carrier)
+            carrier = root_carrier(otel, root_id)
+            record.remote_parent = remote_parent(carrier)
             record.carrier_read = True
 
     def started_at(self, span: Span) -> float:

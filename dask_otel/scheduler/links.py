@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 from opentelemetry.trace import Link, SpanContext
 
-import dask_otel.annotation as annotation
+from dask_otel.annotation import ANNOTATION, remote_parent, root_carrier
 from dask_otel.span_context import dask_span_context, root_span
 
 if TYPE_CHECKING:
@@ -67,8 +67,8 @@ def producer_context(
     producer: Span, root: Span, annotations: dict[str, Any] | None, sampler: Sampler
 ) -> SpanContext:
     """The OTel span context of Dask span ``producer`` as the mirror exports it"""
-    otel = (annotations or {}).get(annotation.ANNOTATION)
-    parent = annotation.remote_parent(annotation.root_carrier(otel, root.id))
+    otel = (annotations or {}).get(ANNOTATION)
+    parent = remote_parent(root_carrier(otel, root.id))
     return dask_span_context(
         root.id, producer.id, str(root.name[0]), parent, sampler, is_remote=False
     )

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 from opentelemetry import trace
 from opentelemetry.trace import NonRecordingSpan, SpanContext
 
-import dask_otel.annotation as annotation
+from dask_otel.annotation import ANNOTATION, extract_caller, root_carrier
 from dask_otel.span_context import dask_span_context
 
 if TYPE_CHECKING:
@@ -91,12 +91,12 @@ class TaskContexts:
         if not span:
             return None
         ids = span["ids"]
-        otel = annotations.get(annotation.ANNOTATION)
+        otel = annotations.get(ANNOTATION)
         if otel is None:  # most tasks: a distributed.span, no caller (per task: no ABC check)
             carrier = None
             key = (ids[-1], ids[0], None)
         else:
-            carrier = annotation.root_carrier(otel, ids[0])  # as the scheduler reads it
+            carrier = root_carrier(otel, ids[0])  # as the scheduler reads it
             key = (ids[-1], ids[0], _carrier_key(carrier) if carrier else None)
         cached = self._cache.get(key)
         if cached is None:
@@ -113,7 +113,7 @@ class TaskContexts:
         otel: Mapping[str, Any] | None,
     ) -> DaskSpanContext:
         root_tag = str(name[0]) if name else "default"
-        base, remote = annotation.extract(carrier)
+        base, remote = extract_caller(carrier)
         # is_remote: the Dask span is made by the scheduler, in another process
         span_context = dask_span_context(
             ids[0], ids[-1], root_tag, remote, self.sampler, is_remote=True
