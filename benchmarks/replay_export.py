@@ -15,8 +15,8 @@ in ``STATE``), so it must follow them when they change.
 
 Usage::
 
-    python benchmarks/replay_export.py               # 15 passes
-    PYTHONPATH=<a checkout> python benchmarks/replay_export.py   # another commit
+    python -m benchmarks.replay_export               # 15 passes
+    PYTHONPATH=<a checkout>:. python -P -m benchmarks.replay_export   # another commit's dask_otel
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ import time
 
 import dask
 from distributed import Client, LocalCluster
-from harness import (
+from benchmarks.harness import (
     PLUGIN_NAME,
     ReceiverProcess,
     Workload,
@@ -40,7 +40,7 @@ from harness import (
     run_on_loop,
     use_otel_env,
 )
-from mirror_profile import poll_until_exported
+from benchmarks.mirror_profile import poll_until_exported
 
 #: The mirror's per-span state, restored before each pass (present ones only)
 STATE = (

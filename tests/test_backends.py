@@ -3,14 +3,10 @@
 from __future__ import annotations
 
 import json
-import sys
-from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from backends import (  # noqa: E402
+from tests.support.backends import (
     BackendError,
     PhoenixServer,
     PrometheusServer,

@@ -10,7 +10,8 @@ import yaml
 from distributed import span, wait
 
 import dask_otel.config
-from conftest import otel_cluster, wait_until
+from tests.support.cluster import otel_cluster, wait_until
+from tests.support.tasks import fail, inc
 
 README = Path(__file__).parents[1] / "README.md"
 
@@ -82,14 +83,6 @@ def row_fits(row: list[str], span, value) -> bool:
     taskgroup = "dask.taskgroup.name" in span.attributes
     kind_ok = {"all": True, "Dask spans": not taskgroup, "TaskGroup spans": taskgroup}[on]
     return TYPES[type_](value) and kind_ok
-
-
-def inc(x):
-    return x + 1
-
-
-def fail(x):
-    raise ValueError(x)
 
 
 def test_span_attribute_table_matches_what_is_emitted():
