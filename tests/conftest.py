@@ -1,4 +1,5 @@
-"""Fixtures only; the harness they use is the package tests.support"""
+"""Fixtures only (and the order tests start in); the harness they use is the
+package tests.support"""
 
 from __future__ import annotations
 
@@ -26,3 +27,10 @@ def cluster():
     """An otel_cluster with the defaults: yields (client, mirrored)"""
     with otel_cluster() as (client, mirrored):
         yield client, mirrored
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Tests marked ``slow`` (minutes, or most of one) start first: the other test
+    processes of pytest-xdist run the rest meanwhile, instead of waiting at the end
+    for the one that drew a slow test last"""
+    items.sort(key=lambda item: item.get_closest_marker("slow") is None)

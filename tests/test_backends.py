@@ -1,4 +1,4 @@
-"""Smoke tests: the backend harness in tests/backends.py works against the real binaries."""
+"""Smoke tests: the backend harness in tests/support/backends.py works against the real binaries."""
 
 from __future__ import annotations
 

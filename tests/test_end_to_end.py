@@ -82,6 +82,7 @@ def forward_to_phoenix(receiver: OTLPReceiver, phoenix: PhoenixServer) -> None:
             assert answer.status == 200
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(400)
 def test_one_trace_from_the_request_to_the_http_calls_inside_tasks():
     with (

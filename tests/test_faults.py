@@ -339,6 +339,7 @@ def test_a_failing_close_step_never_raises_into_dask_and_the_rest_still_runs(
 MANY_NAMES = 10_000
 
 
+@pytest.mark.slow
 def test_huge_empty_and_many_span_names_are_bounded():
     with otel_cluster() as (client, mirrored):
         with span("ü" * 10, "x" * 1_000_000) as sid:

@@ -1,4 +1,4 @@
-"""Tests for tests/otlp_receiver.py against the real OpenTelemetry SDK exporters."""
+"""Tests for tests/support/otlp_receiver.py against the real OpenTelemetry SDK exporters."""
 
 from __future__ import annotations
 
