@@ -33,8 +33,8 @@ span below 25 us (a prior Dask tracing prototype's overhead per span).
 
 Usage::
 
-    python benchmarks/eventloop.py                 # 3 pairs of the overhead workload
-    python benchmarks/eventloop.py --pairs 5 --tasks 20000 --spans 200
+    python -m benchmarks.eventloop                 # 3 pairs of the overhead workload
+    python -m benchmarks.eventloop --pairs 5 --tasks 20000 --spans 200
 """
 
 from __future__ import annotations
@@ -48,7 +48,7 @@ from typing import Any, NamedTuple
 from distributed import LocalCluster
 from distributed.diagnostics.plugin import SchedulerPlugin
 
-from harness import (
+from benchmarks.harness import (
     GCClock,
     PLUGIN_NAME,
     ReceiverProcess,

@@ -15,8 +15,8 @@ measured apart), and the number of points exported.
 
 Usage::
 
-    python benchmarks/fine_metrics.py                  # 100, 1,000, 10,000 prefixes
-    python benchmarks/fine_metrics.py --prefixes 100 1000 --repeat 3
+    python -m benchmarks.fine_metrics                  # 100, 1,000, 10,000 prefixes
+    python -m benchmarks.fine_metrics --prefixes 100 1000 --repeat 3
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ import tracemalloc
 import dask
 from distributed import LocalCluster
 from opentelemetry.sdk.metrics._internal.exceptions import MetricsTimeoutError
-from harness import median, print_machine, print_table, quiet_logs, spread
+from benchmarks.harness import median, print_machine, print_table, quiet_logs, spread
 
 #: What a worker's context_meter reports for the tasks of one prefix, as
 #: (activity, unit): the keys Dask 2026 sends with heartbeats for plain tasks

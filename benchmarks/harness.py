@@ -48,7 +48,8 @@ from typing import Any
 import dask
 from distributed import Client, LocalCluster, span, wait
 
-HERE = Path(__file__).resolve().parent
+#: The repository root, from which ``python -m benchmarks.receiver`` runs
+REPO = Path(__file__).resolve().parent.parent
 #: Name of the bridge's plugin in Scheduler.plugins
 PLUGIN_NAME = "dask-otel"
 
@@ -150,12 +151,12 @@ def print_table(headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> None:
 
 
 class ReceiverProcess:
-    """``benchmarks/receiver.py`` (tests/otlp_receiver.py's OTLPReceiver, gRPC) in
+    """``benchmarks/receiver.py`` (tests/support/otlp_receiver.py's OTLPReceiver, gRPC) in
     a subprocess, so that its CPU is not the scheduler's"""
 
     def __init__(self) -> None:
         self.proc = subprocess.Popen(
-            [sys.executable, str(HERE / "receiver.py")],
+            [sys.executable, "-m", "benchmarks.receiver"], cwd=REPO,
             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
         )
         line = self.proc.stdout.readline()  # type: ignore[union-attr]

@@ -17,8 +17,8 @@ working while the mirror's internals change.
 
 Usage::
 
-    python benchmarks/mirror_profile.py            # the overhead.py workload
-    python benchmarks/mirror_profile.py --top 30
+    python -m benchmarks.mirror_profile            # the overhead.py workload
+    python -m benchmarks.mirror_profile --top 30
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ from typing import Any
 import dask
 from distributed import Client, LocalCluster
 
-from harness import (
+from benchmarks.harness import (
     PLUGIN_NAME,
     ReceiverProcess,
     Workload,

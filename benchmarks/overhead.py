@@ -21,9 +21,9 @@ at its default, as a user would run it.
 
 Usage::
 
-    python benchmarks/overhead.py                      # 5 pairs, collector up and down
-    python benchmarks/overhead.py --pairs 7 --collector up
-    python benchmarks/overhead.py --tasks 2000 --spans 40 --outer 10 --pairs 2   # quick look
+    python -m benchmarks.overhead                      # 5 pairs, collector up and down
+    python -m benchmarks.overhead --pairs 7 --collector up
+    python -m benchmarks.overhead --tasks 2000 --spans 40 --outer 10 --pairs 2   # quick look
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ import argparse
 import sys
 import time
 
-from harness import (
+from benchmarks.harness import (
     EXITED,
     ReceiverProcess,
     Run,

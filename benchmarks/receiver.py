@@ -1,7 +1,7 @@
 """An OTLP/gRPC receiver in its own process, so that decoding what the bridge
 sends does not count as scheduler CPU.
 
-Run by :class:`harness.ReceiverProcess`. Prints one JSON line (the ``OTEL_*``
+Run by :class:`benchmarks.harness.ReceiverProcess` (``python -m benchmarks.receiver``). Prints one JSON line (the ``OTEL_*``
 variables that point an exporter at it), then answers commands read from stdin,
 one per line: ``count`` (prints the number of spans received so far), ``clear``,
 ``quit``.
@@ -11,11 +11,8 @@ from __future__ import annotations
 
 import json
 import sys
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-
-from otlp_receiver import OTLPReceiver  # noqa: E402
+from tests.support.otlp_receiver import OTLPReceiver
 
 
 def main() -> None:

@@ -21,8 +21,8 @@ does not know.
 
 Usage::
 
-    python benchmarks/replay_export.py               # 15 passes
-    PYTHONPATH=<a checkout> python benchmarks/replay_export.py   # another commit
+    python -m benchmarks.replay_export               # 15 passes
+    PYTHONPATH=<a checkout>:. python -P -m benchmarks.replay_export   # another commit's dask_otel
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ from typing import Any
 
 import dask
 from distributed import Client, LocalCluster
-from harness import (
+from benchmarks.harness import (
     PLUGIN_NAME,
     ReceiverProcess,
     Workload,
@@ -47,7 +47,7 @@ from harness import (
     run_on_loop,
     use_otel_env,
 )
-from mirror_profile import poll_until_exported
+from benchmarks.mirror_profile import poll_until_exported
 
 #: The mirror's per-span state, restored before each pass (present ones only)
 STATE = (

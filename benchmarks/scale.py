@@ -47,10 +47,10 @@ For each shape it reports:
 
 Usage::
 
-    python benchmarks/scale.py                    # 10 and 10,000 spans, roots and children
-    python benchmarks/scale.py --shape tenants    # the same with 1,000 spans open throughout
-    python benchmarks/scale.py --spans 2000 --shape roots
-    python benchmarks/scale.py --shape tenants --no-tracemalloc   # polls, not memory: minutes
+    python -m benchmarks.scale                    # 10 and 10,000 spans, roots and children
+    python -m benchmarks.scale --shape tenants    # the same with 1,000 spans open throughout
+    python -m benchmarks.scale --spans 2000 --shape roots
+    python -m benchmarks.scale --shape tenants --no-tracemalloc   # polls, not memory: minutes
 """
 
 from __future__ import annotations
@@ -68,7 +68,7 @@ from typing import Any
 import dask
 from distributed import Client, LocalCluster, span, wait
 
-from harness import (
+from benchmarks.harness import (
     GCClock,
     PLUGIN_NAME,
     ReceiverProcess,

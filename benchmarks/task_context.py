@@ -16,8 +16,8 @@ Target (issue 8): < 5 us per task for the context.
 
 Usage::
 
-    python benchmarks/task_context.py                       # 20,000 tasks, 7 rounds
-    python benchmarks/task_context.py --tasks 200 --rounds 1 # a smoke run
+    python -m benchmarks.task_context                       # 20,000 tasks, 7 rounds
+    python -m benchmarks.task_context --tasks 200 --rounds 1 # a smoke run
 """
 
 from __future__ import annotations

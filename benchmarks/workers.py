@@ -10,8 +10,8 @@ workload (read with ``Client.run``), per task.
 
 Usage::
 
-    python benchmarks/workers.py              # 3 pairs of the overhead workload
-    python benchmarks/workers.py --pairs 5
+    python -m benchmarks.workers              # 3 pairs of the overhead workload
+    python -m benchmarks.workers --pairs 5
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import time
 
 import dask
 from distributed import Client, LocalCluster
-from harness import (
+from benchmarks.harness import (
     ReceiverProcess,
     Workload,
     median,

@@ -1,6 +1,6 @@
 """distributed's own tests with the bridge switched on by the preload variable alone.
 
-    python tests/distributed_compat.py /path/to/distributed-checkout [up|down]
+    python -m tests.distributed_compat /path/to/distributed-checkout [up|down]   # from the repository root
 
 The checkout must be of the installed distributed version: its tests are in
 neither the wheel nor the sdist, so CI (which reaches only package registries)
@@ -17,15 +17,12 @@ from __future__ import annotations
 
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from otlp_receiver import OTLPReceiver  # noqa: E402
+from tests.support.otlp_receiver import OTLPReceiver, closed_port
 
 FILES = [
     "conftest.py",
@@ -36,10 +33,7 @@ FILES = [
 
 
 def closed_port_env() -> dict[str, str]:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    return {"OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{port}",
+    return {"OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{closed_port()}",
             "OTEL_EXPORTER_OTLP_INSECURE": "true"}
 
 

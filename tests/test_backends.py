@@ -1,16 +1,12 @@
-"""Smoke tests: the backend harness in tests/backends.py works against the real binaries."""
+"""Smoke tests: the backend harness in tests/support/backends.py works against the real binaries."""
 
 from __future__ import annotations
 
 import json
-import sys
-from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-
-from backends import (  # noqa: E402
+from tests.support.backends import (
     BackendError,
     PhoenixServer,
     PrometheusServer,

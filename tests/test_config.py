@@ -12,8 +12,8 @@ from distributed import span
 
 import dask_otel
 import dask_otel.export.lifecycle
-from conftest import MEMORY_CONFIG, otel_cluster
 from dask_otel.config import DEFAULTS, read_config
+from tests.support.cluster import MEMORY_CONFIG, otel_cluster
 
 
 @pytest.fixture
@@ -73,6 +73,7 @@ def test_a_cluster_started_after_a_config_reset_exports(
 def test_an_unexpected_startup_failure_is_described_not_a_bare_exception_text(
     monkeypatch, caplog
 ):
+
     def broken() -> None:
         raise KeyError("otel")
 

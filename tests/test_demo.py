@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from otlp_receiver import OTLPReceiver
+from tests.support.otlp_receiver import OTLPReceiver
 
 TREE = [
     "Alice's workflow",

@@ -34,14 +34,14 @@ import yaml
 from packaging.version import Version
 
 import dask_otel.config
-from backends import (
+from tests.support.backends import (
     PhoenixServer,
     PrometheusServer,
     http_get_json,
     promtool_check_config,
     promtool_check_rules,
 )
-from deploy_checks import (
+from tests.support.deploy_checks import (
     DASHBOARDS,
     DEPLOY,
     GRAFANA_BUILTINS,
@@ -71,8 +71,9 @@ from deploy_checks import (
     variables,
     vector_selectors,
 )
-from otlp_receiver import OTLPReceiver
-from processes import dask_processes
+from tests.support.otlp_receiver import OTLPReceiver
+from tests.support.processes import dask_processes
+from tests.support.span_tree import assert_span_tree
 
 COMPOSE = DEPLOY / "compose" / "compose.yaml"
 PROMETHEUS_DIR = DEPLOY / "prometheus"
@@ -639,6 +640,10 @@ class ScrapedRun:
         return body["data"]
 
 
+#: The tests of one scraped run, in one test process (pytest-xdist): the run once
+ON_THE_SCRAPED_RUN = pytest.mark.xdist_group("deploy-scraped-run")
+
+
 @pytest.fixture(scope="module")
 def scraped_run() -> Iterator[ScrapedRun]:
     workload = load_workload()
@@ -738,6 +743,7 @@ def evaluate_dashboard(run: ScrapedRun, name: str) -> list[str]:
     return problems
 
 
+@ON_THE_SCRAPED_RUN
 def test_every_dashboard_query_returns_data_from_a_spilling_cluster(scraped_run):
     """Each expression, with the template variables substituted (each worker, each
     task prefix, and All), has data over the run; so does each selector in it,
@@ -764,6 +770,7 @@ SCOPE_LABELS = pytest.mark.skipif(
 )
 
 
+@ON_THE_SCRAPED_RUN
 @SCOPE_LABELS
 def test_dashboards_name_only_metrics_the_bridge_emits(scraped_run):
     """The dask_* metrics the dashboards and rules use are among those the cluster
@@ -781,6 +788,7 @@ def test_dashboards_name_only_metrics_the_bridge_emits(scraped_run):
     assert emitted <= used, emitted - used
 
 
+@ON_THE_SCRAPED_RUN
 def test_the_spill_dashboard_shows_spilling(scraped_run):
     """Not just series: the workload spilled on every worker, unspilled, and the
     target threshold is where the worker config put it"""
@@ -801,6 +809,7 @@ def test_the_spill_dashboard_shows_spilling(scraped_run):
         assert target == 0.02 * 500e6
 
 
+@ON_THE_SCRAPED_RUN
 def test_alert_rules_load_and_stay_quiet_on_a_healthy_run(scraped_run):
     groups = scraped_run.prometheus.rules()
     rules = [rule for group in groups for rule in group["rules"]]
@@ -815,6 +824,7 @@ def test_alert_rules_load_and_stay_quiet_on_a_healthy_run(scraped_run):
     assert not alerting & {"DaskOtelSpansDropped", "DaskOtelSpanExportFailing"}
 
 
+@ON_THE_SCRAPED_RUN
 @SCOPE_LABELS
 def test_a_collector_gives_the_metrics_the_same_prometheus_names_and_labels(scraped_run):
     """The same processes pushed their metrics over OTLP too: named as the
@@ -841,6 +851,7 @@ def test_a_collector_gives_the_metrics_the_same_prometheus_names_and_labels(scra
         assert labels <= pulled[name], (name, labels - pulled[name])
 
 
+@ON_THE_SCRAPED_RUN
 def test_trace_attributes_the_dashboards_search_for_are_exported(scraped_run):
     """The Tempo (TraceQL) and Jaeger panels search by span and resource
     attributes: the exported spans carry them, and service.name is $cluster"""
@@ -907,10 +918,5 @@ def test_the_workload_span_tree_reaches_a_trace_store(phoenix):
         span = by_name[name]
         dask_id = span["attributes"]["dask.span.id"]
         assert span["span_id"] == dask_id.replace("-", "")[-16:], name
-    # Children within their parents
-    for span in spans:
-        if span["parent_id"]:
-            parent = next(s for s in spans if s["span_id"] == span["parent_id"])
-            slack = 10_000_000  # 10 ms: Phoenix keeps microseconds
-            assert parent["start_time_unix_nano"] - slack <= span["start_time_unix_nano"], span["name"]
-            assert span["end_time_unix_nano"] <= parent["end_time_unix_nano"] + slack, span["name"]
+    # One whole trace, children within their parents
+    assert_span_tree(spans, one_trace=True)

@@ -8,17 +8,17 @@ checked by tests/test_metrics.py."""
 
 from __future__ import annotations
 
+import asyncio
 import re
 from pathlib import Path
-
-import asyncio
 
 import dask
 import yaml
 from distributed import Scheduler, span, wait
 
 import dask_otel.config
-from conftest import otel_cluster, wait_until
+from tests.support.cluster import otel_cluster, wait_until
+from tests.support.tasks import fail, inc
 
 ROOT = Path(__file__).parents[1]
 README = ROOT / "README.md"
@@ -92,14 +92,6 @@ def row_fits(row: list[str], span, value) -> bool:
     taskgroup = "dask.taskgroup.name" in span.attributes
     kind_ok = {"all": True, "Dask spans": not taskgroup, "TaskGroup spans": taskgroup}[on]
     return TYPES[type_](value) and kind_ok
-
-
-def inc(x):
-    return x + 1
-
-
-def fail(x):
-    raise ValueError(x)
 
 
 def documented_resource() -> list[str]:

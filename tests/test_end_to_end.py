@@ -29,28 +29,13 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 
 import dask_otel
-from backends import PhoenixServer
-from otlp_receiver import OTLPReceiver
-from processes import dask_processes
-from trace_checks import as_node, assert_one_whole_trace
+from tests.support.backends import PhoenixServer
+from tests.support.otlp_receiver import OTLPReceiver
+from tests.support.processes import dask_processes
+from tests.support.span_tree import as_node, assert_span_tree
+from tests.support.tasks import fetch_and_score
 
 N_ITEMS = 3
-
-
-def fetch_and_score(item: int, catalog: str) -> dict:
-    """A task: an instrumented HTTP call to the catalog service, then some scoring.
-
-    Returns the OTel context the task ran in and the one the call was made in.
-    """
-    import requests
-    from opentelemetry import trace
-    from opentelemetry.instrumentation.requests import RequestsInstrumentor
-
-    RequestsInstrumentor().instrument()  # once per worker process; later calls are no-ops
-    task_context = trace.get_current_span().get_span_context()
-    price = requests.get(f"{catalog}/items/{item}", timeout=10).json()["price"]
-    time.sleep(0.05)  # scoring
-    return {"item": item, "score": price * 2, "task_span_id": f"{task_context.span_id:016x}"}
 
 
 def catalog_app(environ, start_response):
@@ -97,6 +82,7 @@ def forward_to_phoenix(receiver: OTLPReceiver, phoenix: PhoenixServer) -> None:
             assert answer.status == 200
 
 
+@pytest.mark.slow
 @pytest.mark.timeout(400)
 def test_one_trace_from_the_request_to_the_http_calls_inside_tasks():
     with (
@@ -147,7 +133,7 @@ def test_one_trace_from_the_request_to_the_http_calls_inside_tasks():
         # Every HTTP span and every Dask span of the run is in this one trace
         assert {s.trace_id for s in receiver.spans() if s.kind in ("SERVER", "CLIENT")} == {trace_id}
         assert {s.trace_id for s in receiver.spans() if s.scope == "dask_otel"} == {trace_id}
-        by_id = assert_one_whole_trace(spans, dask_roots=("nightly report",))
+        by_id = assert_span_tree(spans, one_trace=True, dask_roots=("nightly report",))
 
         by_name: dict[str, list] = {}
         for s in spans:
@@ -171,7 +157,7 @@ def test_one_trace_from_the_request_to_the_http_calls_inside_tasks():
         # Phoenix's view of the same trace: the same spans, the same tree
         forward_to_phoenix(receiver, phoenix)
         stored = phoenix.wait_for_spans(count=len(spans), trace_id=trace_id, timeout=60)
-        assert_one_whole_trace(stored, dask_roots=("nightly report",))
+        assert_span_tree(stored, one_trace=True, dask_roots=("nightly report",))
         assert {(n.span_id, n.parent_id) for n in map(as_node, stored)} == {
             (s.span_id, s.parent_span_id) for s in spans
         }

@@ -8,17 +8,16 @@ import logging
 import operator
 import os
 import signal
-import socket
 import time
 
-import dask
 import pytest
-from distributed import Client, LocalCluster, span, wait
+from distributed import Client, span
 
 import dask_otel
-from conftest import MEMORY_CONFIG, otel_cluster, wait_until
-from otlp_receiver import BlackHole, OTLPReceiver
-from processes import dask_processes
+from tests.support.cluster import MEMORY_CONFIG, otel_cluster, seconds_to_close, wait_until
+from tests.support.otlp_receiver import BlackHole, OTLPReceiver, closed_port, set_otel_env
+from tests.support.processes import dask_processes
+from tests.support.tasks import inc, slow_inc
 
 #: The bridge exporting spans over OTLP (as configured by OTEL_* variables) with
 #: fast batching, short exporter timeouts and a short flush timeout
@@ -30,26 +29,8 @@ OTLP_CONFIG = {
 FAST_EXPORT_ENV = {"OTEL_BSP_SCHEDULE_DELAY": "100", "OTEL_EXPORTER_OTLP_TIMEOUT": "1"}
 
 
-def inc(x):
-    return x + 1
-
-
-def slow_inc(x, delay=0.2):
-    time.sleep(delay)
-    return x + 1
-
-
-def closed_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def set_env(monkeypatch, env: dict[str, str]) -> None:
-    for key in [k for k in os.environ if k.startswith("OTEL_EXPORTER_OTLP")]:
-        monkeypatch.delenv(key)
-    for key, value in {**FAST_EXPORT_ENV, **env}.items():
-        monkeypatch.setenv(key, value)
+    set_otel_env(monkeypatch, {**FAST_EXPORT_ENV, **env})
 
 
 def run_spans(client, n: int, prefix: str = "stage") -> list[str]:
@@ -155,15 +136,8 @@ def test_black_hole_collector_and_shutdown_is_bounded_by_flush_timeout(monkeypat
     speed and closing the cluster waits at most otel.flush-timeout for it"""
 
     def close_time(config: dict) -> float:
-        with dask.config.set(config):
-            cluster = LocalCluster(n_workers=1, processes=False, dashboard_address=":0")
-            client = Client(cluster)
-            run_spans(client, 5)
-            time.sleep(1)  # spans are exported and stuck in the exporter
-            start = time.monotonic()
-            client.close()
-            cluster.close()
-            return time.monotonic() - start
+        # spans are exported and stuck in the exporter 1 s after the workload
+        return seconds_to_close(config, lambda client: run_spans(client, 5), settle=1, n_workers=1)
 
     with BlackHole() as hole:
         set_env(monkeypatch, {**hole.env(protocol="grpc"), "OTEL_EXPORTER_OTLP_TIMEOUT": "30"})
@@ -365,6 +339,7 @@ def test_a_failing_close_step_never_raises_into_dask_and_the_rest_still_runs(
 MANY_NAMES = 10_000
 
 
+@pytest.mark.slow
 def test_huge_empty_and_many_span_names_are_bounded():
     with otel_cluster() as (client, mirrored):
         with span("ü" * 10, "x" * 1_000_000) as sid:

@@ -5,16 +5,9 @@ from __future__ import annotations
 
 from distributed import span, wait
 
-from conftest import otel_cluster
 from dask_otel.scheduler.links import MAX_LINKS
-
-
-def inc(x: int) -> int:
-    return x + 1
-
-
-def total(xs: list[int]) -> int:
-    return sum(xs)
+from tests.support.cluster import otel_cluster
+from tests.support.tasks import inc, total
 
 
 def test_a_workflow_reusing_another_workflows_data_links_to_it():

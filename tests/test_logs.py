@@ -7,36 +7,18 @@ import logging
 import time
 
 import pytest
-from conftest import otel_cluster
 from distributed import span
 
-LOW_64 = (1 << 64) - 1
-
-
-def log_in_task(x):
-    logging.getLogger("report").warning("scored partition %d", x)
-    return x
-
-
-def log_info_in_task(x):
-    logger = logging.getLogger("report.info")
-    logger.setLevel(logging.INFO)
-    logger.info("quiet detail %d", x)
-    return x
-
-
-def set_env(monkeypatch, env: dict[str, str]) -> None:
-    for name, value in env.items():
-        monkeypatch.setenv(name, value)
+from tests.support.cluster import dask_span_ids, otel_cluster, wait_until
+from tests.support.otlp_receiver import OTLPReceiver, set_otel_env
+from tests.support.tasks import log_in_task, log_info_in_task
 
 
 @pytest.mark.parametrize("source", ["env", "config"])
 def test_log_line_in_task_arrives_with_the_tasks_trace_and_span_id(monkeypatch, source):
-    from otlp_receiver import OTLPReceiver
-
     config = {"otel.flush-timeout": "2s"}
     with OTLPReceiver("grpc") as receiver:
-        set_env(monkeypatch, {**receiver.env(), "OTEL_BLRP_SCHEDULE_DELAY": "100"})
+        set_otel_env(monkeypatch, {**receiver.env(), "OTEL_BLRP_SCHEDULE_DELAY": "100"})
         if source == "env":
             monkeypatch.setenv("OTEL_LOGS_EXPORTER", "otlp")
         else:
@@ -46,17 +28,15 @@ def test_log_line_in_task_arrives_with_the_tasks_trace_and_span_id(monkeypatch, 
                 client.submit(log_in_task, 42).result()
             receiver.wait_for(lambda r: [g for g in r.logs() if g.body == "scored partition 42"])
     (record,) = [g for g in receiver.logs() if g.body == "scored partition 42"]
-    uuid = int(sid.replace("-", ""), 16)
-    assert record.trace_id == f"{uuid:032x}"
-    assert record.span_id == f"{uuid & LOW_64:016x}"
+    trace_id, span_id = dask_span_ids(sid)
+    assert record.trace_id == f"{trace_id:032x}"
+    assert record.span_id == f"{span_id:016x}"
     assert record.severity_text == "WARN"
     assert record.resource["service.name"] == "dask"
     assert "dask.scheduler.address" in record.resource
 
 
 def test_log_level_threshold_and_task_spans_context(monkeypatch):
-    from otlp_receiver import OTLPReceiver
-
     config = {
         "otel.logs.exporter": "otlp",
         "otel.logs.level": "WARNING",
@@ -65,8 +45,8 @@ def test_log_level_threshold_and_task_spans_context(monkeypatch):
         "otel.flush-timeout": "2s",
     }
     with OTLPReceiver("grpc") as receiver:
-        set_env(monkeypatch, {**receiver.env(), "OTEL_BLRP_SCHEDULE_DELAY": "100",
-                              "OTEL_BSP_SCHEDULE_DELAY": "100"})
+        set_otel_env(monkeypatch, {**receiver.env(), "OTEL_BLRP_SCHEDULE_DELAY": "100",
+                                   "OTEL_BSP_SCHEDULE_DELAY": "100"})
         with otel_cluster(config, processes=True) as (client, _):
             with span("levels"):
                 future = client.submit(log_in_task, 7)
@@ -92,13 +72,10 @@ def test_log_export_is_off_by_default():
 
 
 def test_log_export_outage_is_logged_once(monkeypatch, caplog):
-    from conftest import wait_until
-    from otlp_receiver import OTLPReceiver
-
     config = {"otel.logs.exporter": "otlp", "otel.flush-timeout": "1s"}
     with OTLPReceiver("grpc", mode="unavailable") as receiver:
-        set_env(monkeypatch, {**receiver.env(), "OTEL_BLRP_SCHEDULE_DELAY": "100",
-                              "OTEL_EXPORTER_OTLP_TIMEOUT": "1"})
+        set_otel_env(monkeypatch, {**receiver.env(), "OTEL_BLRP_SCHEDULE_DELAY": "100",
+                                   "OTEL_EXPORTER_OTLP_TIMEOUT": "1"})
         with caplog.at_level(logging.INFO):
             with otel_cluster(config) as (client, _):
                 for i in range(4):

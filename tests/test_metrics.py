@@ -7,59 +7,27 @@ from __future__ import annotations
 import re
 import subprocess
 import sys
-import time
-from collections.abc import Iterator
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
-import dask
 import dask.array as da
 import prometheus_client
 import pytest
-from distributed import Client, LocalCluster, span, wait
+from distributed import LocalCluster, span, wait
 
 import dask_otel.scheduler.metrics
-from conftest import wait_until
 from dask_otel.export.instruments import COUNTER, GAUGE
 from dask_otel.scheduler.metrics import SCHEDULER_METRICS, fine_metric_attributes
 from dask_otel.spill import SPILL_METRICS
-from metric_utils import (
-    MEMORY_LIMIT,
-    SPILL_CONFIG,
-    collect,
-    make_chunk,
-    metric_reader,
-    total,
-    value,
-)
-from otlp_receiver import OTLPReceiver
-from processes import dask_processes
+from tests.support.cluster import spilling_cluster, wait_until
+from tests.support.metrics import collect, metric_reader, value
+from tests.support.otlp_receiver import OTLPReceiver, set_otel_env
+from tests.support.processes import dask_processes
+from tests.support.tasks import inc, make_chunk, sum_chunks, total
 
 pytestmark = pytest.mark.timeout(60)
 
 DOCS = Path(__file__).parent.parent / "docs" / "metrics.md"
-
-
-def otel_inc(x: int) -> int:
-    return x + 1
-
-
-def otel_total(xs: list[int]) -> int:
-    return sum(xs)
-
-
-@contextmanager
-def metrics_cluster(config: dict | None = None, **kwargs: Any) -> Iterator[tuple[LocalCluster, Client]]:
-    with dask.config.set({**SPILL_CONFIG, **(config or {})}), LocalCluster(
-        n_workers=kwargs.pop("n_workers", 2),
-        threads_per_worker=1,
-        processes=False,
-        memory_limit=MEMORY_LIMIT,
-        dashboard_address=":0",
-        **kwargs,
-    ) as cluster, Client(cluster) as client:
-        yield cluster, client
 
 
 def heartbeats_carried(cluster: LocalCluster, key: tuple) -> None:
@@ -91,9 +59,9 @@ def exported_by_unit(points: dict) -> dict[str, dict[tuple, float]]:
 
 
 def test_fine_metric_keys_become_bounded_attributes():
-    assert fine_metric_attributes(("execute", "otel_inc", "thread-cpu", "seconds")) == (
+    assert fine_metric_attributes(("execute", "inc", "thread-cpu", "seconds")) == (
         "seconds",
-        {"dask.activity.context": "execute", "dask.task.prefix": "otel_inc",
+        {"dask.activity.context": "execute", "dask.task.prefix": "inc",
          "dask.activity.name": "thread-cpu"},
     )
     assert fine_metric_attributes(("gather-dep", "network", "seconds")) == (
@@ -111,23 +79,23 @@ def test_fine_metric_keys_become_bounded_attributes():
 
 
 def test_fine_metrics_equal_the_schedulers_totals():
-    with metrics_cluster() as (cluster, client):
-        parts = client.map(otel_inc, range(20))
-        assert client.submit(otel_total, parts).result() == sum(range(1, 21))
-        heartbeats_carried(cluster, ("execute", "otel_total", "thread-cpu", "seconds"))
+    with spilling_cluster(n_workers=2) as (cluster, client):
+        parts = client.map(inc, range(20))
+        assert client.submit(total, parts).result() == sum(range(1, 21))
+        heartbeats_carried(cluster, ("execute", "total", "thread-cpu", "seconds"))
         expected = fine_metrics_by_unit(dict(cluster.scheduler.cumulative_worker_metrics))
         points = collect(metric_reader(cluster))
 
     assert exported_by_unit(points) == expected
     prefixes = {p.attributes.get("dask.task.prefix") for p in points["dask.activity.time"]}
-    assert {"otel_inc", "otel_total"} <= prefixes
+    assert {"inc", "total"} <= prefixes
     activities = {
         p.attributes["dask.activity.name"]
         for p in points["dask.activity.time"]
-        if p.attributes.get("dask.task.prefix") == "otel_inc"
+        if p.attributes.get("dask.task.prefix") == "inc"
     }
     assert {"thread-cpu", "thread-noncpu", "executor", "other"} <= activities
-    assert value(points, "dask.activity.count", dask_task_prefix="otel_total",
+    assert value(points, "dask.activity.count", dask_task_prefix="total",
                  dask_activity_name="memory-read") >= 1
 
 
@@ -136,8 +104,8 @@ def test_past_the_cardinality_limit_the_rest_is_one_overflow_series():
     thread-noncpu, executor, other...): the first 2,000 are exported as they are,
     the rest summed into one ``otel.metric.overflow`` series, so that nothing is
     lost from the total and a collection stays bounded."""
-    with metrics_cluster(n_workers=1) as (cluster, client):
-        futures = [client.submit(otel_inc, i, key=f"p{i}-0") for i in range(800)]
+    with spilling_cluster() as (cluster, client):
+        futures = [client.submit(inc, i, key=f"p{i}-0") for i in range(800)]
         wait(futures)
         heartbeats_carried(cluster, ("execute", "p799", "thread-cpu", "seconds"))
         expected = fine_metrics_by_unit(dict(cluster.scheduler.cumulative_worker_metrics))
@@ -155,22 +123,22 @@ def test_past_the_cardinality_limit_the_rest_is_one_overflow_series():
 
 
 def test_no_span_attribute_by_default():
-    with metrics_cluster() as (cluster, client):
+    with spilling_cluster(n_workers=2) as (cluster, client):
         with span("etl"):
-            client.gather(client.map(otel_inc, range(5)))
-        heartbeats_carried(cluster, ("execute", "otel_inc", "thread-cpu", "seconds"))
+            client.gather(client.map(inc, range(5)))
+        heartbeats_carried(cluster, ("execute", "inc", "thread-cpu", "seconds"))
         points = collect(metric_reader(cluster))
     for name in ("dask.activity.time", "dask.activity.size", "dask.activity.count"):
         assert all("dask.span.name" not in p.attributes for p in points[name])
 
 
 def test_span_label_breaks_task_metrics_down_by_span():
-    with metrics_cluster({"otel.metrics.span-label": True}) as (cluster, client):
+    with spilling_cluster({"otel.metrics.span-label": True}, n_workers=2) as (cluster, client):
         with span("etl"):
-            client.gather(client.map(otel_inc, range(10)))
+            client.gather(client.map(inc, range(10)))
         with span("report"):
-            client.submit(otel_total, list(range(5))).result()
-        heartbeats_carried(cluster, ("execute", "otel_total", "thread-cpu", "seconds"))
+            client.submit(total, list(range(5))).result()
+        heartbeats_carried(cluster, ("execute", "total", "thread-cpu", "seconds"))
         expected = fine_metrics_by_unit(dict(cluster.scheduler.cumulative_worker_metrics))
         points = collect(metric_reader(cluster))
 
@@ -180,8 +148,8 @@ def test_span_label_breaks_task_metrics_down_by_span():
         for p in time_points
         if p.attributes.get("dask.task.prefix") == prefix
     }
-    assert spans_of("otel_inc") == {("etl",)}
-    assert spans_of("otel_total") == {("report",)}
+    assert spans_of("inc") == {("etl",)}
+    assert spans_of("total") == {("report",)}
     # Contexts without a span carry no span attribute
     assert all(
         "dask.span.name" not in p.attributes
@@ -202,18 +170,17 @@ def test_span_label_breaks_task_metrics_down_by_span():
 
 def test_self_metrics_count_spans_exported_and_lost(monkeypatch):
     with OTLPReceiver("grpc") as receiver:
-        for k, v in receiver.env().items():
-            monkeypatch.setenv(k, v)
+        set_otel_env(monkeypatch, receiver.env())
         monkeypatch.setenv("OTEL_BSP_SCHEDULE_DELAY", "100")
         config = {
             "otel.traces.exporter": "otlp",
             "otel.spans.export-delay": "100ms",
             "otel.spans.poll-interval": "50ms",
         }
-        with metrics_cluster(config, n_workers=1) as (cluster, client):
+        with spilling_cluster(config) as (cluster, client):
             reader = metric_reader(cluster)
             with span("accepted"):
-                client.gather(client.map(otel_inc, range(3)))
+                client.gather(client.map(inc, range(3)))
             receiver.wait_for(lambda r: r.spans("accepted"), timeout=20)
             delivered = len(receiver.spans())
             points = wait_until(
@@ -230,7 +197,7 @@ def test_self_metrics_count_spans_exported_and_lost(monkeypatch):
 
             receiver.mode = "reject"  # not retried: the batch is lost at once
             with span("rejected"):
-                client.gather(client.map(otel_inc, range(3, 6)))
+                client.gather(client.map(inc, range(3, 6)))
             points = wait_until(
                 lambda: (p := collect(reader)) and value(p, "dask.otel.export.failures") and p,
                 what="an export failure to be counted",
@@ -243,11 +210,11 @@ def test_self_metrics_add_up_under_a_sampler(monkeypatch):
     """mirrored + sampled_out is every span and TaskGroup that finished"""
     monkeypatch.setenv("OTEL_TRACES_SAMPLER", "always_off")
     config = {"otel.traces.exporter": "memory", "otel.spans.export-delay": "100ms"}
-    with metrics_cluster(config, n_workers=1) as (cluster, client):
+    with spilling_cluster(config) as (cluster, client):
         reader = metric_reader(cluster)
         with span("dropped"):
             with span("child"):
-                client.submit(otel_inc, 1, key="dropped-1").result()
+                client.submit(inc, 1, key="dropped-1").result()
         points = wait_until(
             lambda: (p := collect(reader)) and value(p, "dask.otel.span.sampled_out") == 3 and p,
             what="root, child and its group counted as sampled out",
@@ -257,14 +224,13 @@ def test_self_metrics_add_up_under_a_sampler(monkeypatch):
 
 def test_metric_export_failures_are_counted(monkeypatch):
     with OTLPReceiver("grpc") as receiver:
-        for k, v in receiver.env().items():
-            monkeypatch.setenv(k, v)
+        set_otel_env(monkeypatch, receiver.env())
         monkeypatch.setenv("OTEL_METRIC_EXPORT_INTERVAL", "200")
         receiver.mode = "reject"  # not retried: each export fails at once
         config = {"otel.metrics.exporter": ["memory", "otlp"]}
-        with metrics_cluster(config, n_workers=1) as (cluster, client):
+        with spilling_cluster(config) as (cluster, client):
             reader = metric_reader(cluster)
-            client.submit(otel_inc, 1).result()
+            client.submit(inc, 1).result()
             points = wait_until(
                 lambda: (p := collect(reader))
                 and any(
@@ -308,21 +274,20 @@ def documented_metrics() -> dict[str, dict[str, str]]:
 def test_every_emitted_metric_is_documented_and_every_documented_one_emitted(monkeypatch):
     documented = documented_metrics()
     with OTLPReceiver("grpc") as receiver:
-        for k, v in receiver.env().items():
-            monkeypatch.setenv(k, v)
+        set_otel_env(monkeypatch, receiver.env())
         monkeypatch.setenv("OTEL_BSP_SCHEDULE_DELAY", "100")
         config = {
             "otel.metrics.exporter": ["memory", "prometheus"],
             "otel.traces.exporter": "otlp",
             "otel.spans.export-delay": "100ms",
         }
-        with metrics_cluster(config) as (cluster, client):
+        with spilling_cluster(config, n_workers=2) as (cluster, client):
             chunks = client.map(make_chunk, range(6), workers=[next(iter(cluster.workers.values())).address])  # spills
-            client.submit(total, chunks).result()  # unspills
+            client.submit(sum_chunks, chunks).result()  # unspills
             # a P2P rechunk, for dask.activity.where
             da.ones((100, 100), chunks=(10, 100)).rechunk((100, 10), method="p2p").sum().compute()
             receiver.wait_for(lambda r: r.spans(), timeout=20)
-            heartbeats_carried(cluster, ("execute", "total", "disk-read", "count"))
+            heartbeats_carried(cluster, ("execute", "sum_chunks", "disk-read", "count"))
             wait_until(
                 lambda: any(k[0] == "p2p" for k in cluster.scheduler.cumulative_worker_metrics),
                 what="P2P metrics",
@@ -360,12 +325,12 @@ def test_every_emitted_metric_is_documented_and_every_documented_one_emitted(mon
 
 
 def test_final_values_are_flushed_when_the_cluster_closes():
-    with metrics_cluster(n_workers=1) as (cluster, client):
+    with spilling_cluster() as (cluster, client):
         reader = metric_reader(cluster)
         (worker,) = cluster.workers.values()
         chunks = client.map(make_chunk, range(6))
-        client.submit(total, chunks).result()
-        heartbeats_carried(cluster, ("execute", "total", "thread-cpu", "seconds"))
+        client.submit(sum_chunks, chunks).result()
+        heartbeats_carried(cluster, ("execute", "sum_chunks", "thread-cpu", "seconds"))
         final = dict(worker.data.cumulative_metrics)
         # nothing collected so far: the first export is at the flush on close
     points = {}
@@ -458,7 +423,7 @@ def test_spill_and_fine_metrics_arrive_over_otlp(protocol):
                 > sum(written.values()),
                 timeout=20,
             )
-            client.submit(total, sum(chunks, [])).result()
+            client.submit(sum_chunks, sum(chunks, [])).result()
             receiver.wait_for(
                 lambda r: sum(latest(r, "dask.spill.size", dask_activity_name="disk-read").values()) > 0,
                 timeout=20,

@@ -19,12 +19,12 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-from conftest import assert_well_formed
 from dask_otel.config import read_config
 from dask_otel.export.sink import SpanSink, span_limits
 from dask_otel.scheduler.plugin import OtelSchedulerPlugin
 from dask_otel.span_context import otel_span_id
 from dask_otel.spans import SpanMirror
+from tests.support.span_tree import assert_span_tree
 
 NOW = {"export_delay": 0.0, "metrics_timeout": 0.0}
 
@@ -80,7 +80,7 @@ async def test_each_span_and_group_exported_once_and_then_forgotten(c, s, a, b):
     assert not (mirror.ledger.records or mirror.ledger.groups or mirror.ledger.leaves)
     mirror.poll()
     assert len(exporter.get_finished_spans()) == 4  # nothing twice
-    assert_well_formed(exporter.get_finished_spans())
+    assert_span_tree(exporter.get_finished_spans(), ends="inside-if-exported-first")
 
 
 @gen_cluster(client=True)
@@ -152,7 +152,7 @@ async def test_erred_tasks_end_their_group_and_span_when_they_failed(c, s, a, b)
     ts_end = group.end_time
     assert failing.end_time >= ts_end and outer.end_time >= failing.end_time
     assert group.start_time <= ts_end
-    assert_well_formed(exporter.get_finished_spans())
+    assert_span_tree(exporter.get_finished_spans(), ends="inside-if-exported-first")
 
 
 @gen_cluster(client=True)

@@ -1,4 +1,4 @@
-"""Tests for tests/otlp_receiver.py against the real OpenTelemetry SDK exporters."""
+"""Tests for tests/support/otlp_receiver.py against the real OpenTelemetry SDK exporters."""
 
 from __future__ import annotations
 
@@ -8,7 +8,6 @@ import importlib.util
 import os
 import socket
 import ssl
-import sys
 import threading
 import time
 
@@ -33,8 +32,7 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, SimpleSpanProcessor, SpanExportResult
 from opentelemetry.trace import Status, StatusCode
 
-sys.path.insert(0, os.path.dirname(__file__))
-from otlp_receiver import (  # noqa: E402
+from tests.support.otlp_receiver import (
     BlackHole,
     OTLPReceiver,
     _generate_tls_files,

@@ -10,16 +10,15 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
-import dask
 import prometheus_client
 import pytest
 from distributed import Client, LocalCluster, wait
 from opentelemetry.exporter.prometheus import PrometheusMetricReader
 from prometheus_client.parser import text_string_to_metric_families
 
-from backends import PrometheusServer, free_port
-from conftest import wait_until
-from metric_utils import SPILL_CONFIG, make_chunk, total
+from tests.support.backends import PrometheusServer, free_port
+from tests.support.cluster import SPILL_CONFIG, otel_cluster, wait_until
+from tests.support.tasks import make_chunk, sum_chunks
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -36,16 +35,10 @@ MEMORY_LIMIT = 1_000_000_000
 
 @contextmanager
 def pull_cluster(processes: bool = True, **kwargs: Any) -> Iterator[tuple[LocalCluster, Client]]:
-    with dask.config.set(PULL_CONFIG), LocalCluster(
-        n_workers=kwargs.pop("n_workers", 2),
-        threads_per_worker=1,
-        processes=processes,
-        host="127.0.0.1" if processes else None,
-        memory_limit=MEMORY_LIMIT,
-        dashboard_address="127.0.0.1:0",
-        **kwargs,
-    ) as cluster, Client(cluster) as client:
-        yield cluster, client
+    """Two workers (processes unless said) with PULL_CONFIG; yields the cluster and a client"""
+    with otel_cluster(PULL_CONFIG, processes=processes, memory_limit=MEMORY_LIMIT,
+                      **kwargs) as (client, mirrored):
+        yield mirrored.cluster, client
 
 
 def chunks_on_each_worker(client: Client, n: int, first_seed: int = 0) -> list[Any]:
@@ -169,7 +162,7 @@ def test_real_prometheus_stores_spill_metrics_per_worker():
             second = chunks_on_each_worker(client, 3, first_seed=100)
             prom.wait_for_query(query, lambda r: prom.values(r)[0] > written)
 
-            client.submit(total, first).result()  # unspills
+            client.submit(sum_chunks, first).result()  # unspills
             prom.wait_for_query(
                 'sum(dask_spill_size_bytes_total{dask_activity_name="disk-read"}) > 0'
             )

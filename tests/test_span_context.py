@@ -1,8 +1,10 @@
-"""One rule for a Dask span's OTel SpanContext (dask_otel.span_context), seen from
-every process that composes it: the client inside a ``dask_otel.span`` block, the
-task on the worker, the scheduler's exported span, its TaskGroup spans, and a link
-to it from another trace. Real in-process cluster; the caller's span is a
-``NonRecordingSpan`` with a W3C trace state, as one extracted from a request."""
+"""The Dask span -> OTel SpanContext rule (dask_otel.span_context): ids, the
+sampling decision, and one composition seen from every process that makes it: the
+client inside a ``dask_otel.span`` block, the task on the worker, the scheduler's
+exported span, its TaskGroup spans, and a link to it from another trace. Real
+in-process cluster; the caller's span is a ``NonRecordingSpan`` with a W3C trace
+state, as one extracted from a request. The spans the rule gives, end to end:
+tests/test_spans.py, tests/test_client.py, tests/test_task_context.py."""
 
 from __future__ import annotations
 
@@ -12,8 +14,8 @@ from opentelemetry import trace
 from opentelemetry.trace import NonRecordingSpan, SpanContext, TraceFlags, TraceState
 
 import dask_otel
-from conftest import otel_cluster
-from dask_otel.span_context import dask_span_context, otel_span_id
+from dask_otel.span_context import dask_span_context, otel_span_id, trace_sampled
+from tests.support.cluster import otel_cluster
 
 CALLER = SpanContext(
     0x0AF7651916CD43DD8448EB211C80319C,
@@ -84,3 +86,18 @@ def test_without_a_sampler_the_callers_flag_decides():
     assert not context.trace_flags.sampled and context.trace_id == 1
     context = dask_span_context("root", "own", "tag", None, None, is_remote=True)
     assert context.trace_flags.sampled and context.trace_state.to_header() == ""
+
+
+def test_ratio_sampler_keeps_the_ratio_of_dask_trace_ids(monkeypatch):
+    """Dask trace ids are uuid4s, whose low 64 bits (what TraceIdRatioBased reads)
+    always start with binary 10; sampled as they are, 10 % would keep none"""
+    import uuid
+
+    from opentelemetry.sdk.trace import TracerProvider
+
+    monkeypatch.setenv("OTEL_TRACES_SAMPLER", "traceidratio")
+    for ratio in (0.1, 0.5, 0.9):
+        monkeypatch.setenv("OTEL_TRACES_SAMPLER_ARG", str(ratio))
+        sampler = TracerProvider().sampler  # as the scheduler's reads them
+        kept = sum(trace_sampled(sampler, uuid.uuid4().int, "root") for _ in range(10_000))
+        assert abs(kept / 10_000 - ratio) <= 0.02, (ratio, kept)

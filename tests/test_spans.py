@@ -14,40 +14,19 @@ from distributed import Client, LocalCluster, span, wait
 from opentelemetry.trace import StatusCode
 
 import dask_otel
-from conftest import MEMORY_CONFIG, assert_well_formed, otel_cluster, wait_until
-
-LOW_64 = (1 << 64) - 1
-
-
-def inc(x):
-    return x + 1
-
-
-def double(x):
-    return 2 * x
+from tests.support.cluster import (
+    UNINSTRUMENTED_CONFIG,
+    dask_span_ids,
+    otel_cluster,
+    wait_until,
+)
+from tests.support.span_tree import assert_span_tree
+from tests.support.tasks import double, fail, fail_slowly, inc, slow, total, wait_for_event
 
 
-def total(xs):
-    return sum(xs)
-
-
-def fail(x):
-    raise ValueError(f"bad {x}")
-
-
-def fail_slowly(x, delay=0.3):
-    time.sleep(delay)
-    raise ValueError(f"bad {x}")
-
-
-def slow(x, delay=0.5):
-    time.sleep(delay)
-    return x
-
-
-def ids_of(sid: str) -> tuple[int, int]:
-    n = int(sid.replace("-", ""), 16)
-    return n, n & LOW_64
+def assert_well_formed(spans: list) -> None:
+    """The span-tree checks otel_cluster makes as it closes, made now"""
+    assert_span_tree(spans, ends="inside-if-exported-first")
 
 
 @pytest.mark.parametrize("processes", [False, True])
@@ -64,10 +43,10 @@ def test_nested_spans_become_one_trace(processes):
         load, train, evaluate = (
             mirrored.by_dask_id(i) for i in (load_id, train_id, eval_id)
         )
-        trace_id, _ = ids_of(root_id)
+        trace_id, _ = dask_span_ids(root_id)
         for s in (root, load, train, evaluate):
             assert s.context.trace_id == trace_id
-            assert s.context.span_id == ids_of(s.attributes["dask.span.id"])[1]
+            assert s.context.span_id == dask_span_ids(s.attributes["dask.span.id"])[1]
         assert f"{root.context.trace_id:032x}" == root_id.replace("-", "")
         assert root.parent is None
         assert load.parent.span_id == root.context.span_id
@@ -247,12 +226,9 @@ def test_subtree_totals_are_dasks_own_span_properties(cluster):
 
 @contextlib.contextmanager
 def uninstrumented_cluster() -> Iterator[tuple[LocalCluster, Client]]:
-    """A LocalCluster started without the preload key, for dask_otel.instrument"""
-    with dask.config.set({**MEMORY_CONFIG, "distributed.scheduler.preload": []}):
-        with LocalCluster(
-            n_workers=1, processes=False, dashboard_address=":0"
-        ) as cluster, Client(cluster) as client:
-            yield cluster, client
+    """A cluster started without the preload key, for dask_otel.instrument"""
+    with otel_cluster(UNINSTRUMENTED_CONFIG, n_workers=1) as (client, mirrored):
+        yield mirrored.cluster, client
 
 
 def test_instrumented_mid_span_counts_the_steps_before_it():
@@ -311,13 +287,6 @@ def test_span_not_done_waits_for_export_delay():
         assert s.attributes["dask.tasks.total"] == 2
 
 
-def wait_for_event(name):
-    from distributed import Event
-
-    Event(name).wait()
-    return name
-
-
 def test_a_running_group_is_looked_at_once_per_export_delay_and_exported_when_done():
     """Polls pass over a TaskGroup found running until otel.spans.export-delay has
     passed (one comparison, not Dask's states), and still export it once, whole,
@@ -350,21 +319,17 @@ def test_a_running_group_is_looked_at_once_per_export_delay_and_exported_when_do
 
 
 def test_scheduler_close_exports_unfinished_spans():
-    with dask.config.set({**MEMORY_CONFIG, "otel.spans.export-delay": "1h"}):
-        cluster = LocalCluster(
-            n_workers=1, processes=False, dashboard_address=":0"
-        )
-        client = Client(cluster)
-        exporter = cluster.scheduler.plugins["dask-otel"].telemetry.span_exporters[0]
+    with otel_cluster({"otel.spans.export-delay": "1h"}, n_workers=1) as (client, mirrored):
+        cluster = mirrored.cluster
         with span("cut short") as sid:
             fut = client.submit(slow, 1, delay=5)
             wait_until(lambda: getattr(cluster.scheduler.tasks.get(fut.key), "state", None) == "processing")
-        cluster.close()  # while the task runs and the client still wants it
-        client.close()
-    (s,) = [s for s in exporter.get_finished_spans() if s.context.span_id == ids_of(sid)[1]]
+            cluster.close()  # while the task runs and the client still wants it
+        spans = mirrored.spans()
+    (s,) = [s for s in spans if s.context.span_id == dask_span_ids(sid)[1]]
     assert s.attributes["dask.span.unfinished"] is True
     assert s.end_time >= s.start_time
-    assert_well_formed(list(exporter.get_finished_spans()))
+    assert_well_formed(spans)
 
 
 def test_instrument_a_running_cluster():
@@ -586,23 +551,6 @@ def test_requesting_finished_tasks_again_exports_nothing(cluster):
 # --- sampling (issue 9) ---------------------------------------------------------------
 
 
-def test_ratio_sampler_keeps_the_ratio_of_dask_trace_ids(monkeypatch):
-    """Dask trace ids are uuid4s, whose low 64 bits (what TraceIdRatioBased reads)
-    always start with binary 10; sampled as they are, 10 % would keep none"""
-    import uuid
-
-    from opentelemetry.sdk.trace import TracerProvider
-
-    from dask_otel.span_context import trace_sampled
-
-    monkeypatch.setenv("OTEL_TRACES_SAMPLER", "traceidratio")
-    for ratio in (0.1, 0.5, 0.9):
-        monkeypatch.setenv("OTEL_TRACES_SAMPLER_ARG", str(ratio))
-        sampler = TracerProvider().sampler  # as the scheduler's reads them
-        kept = sum(trace_sampled(sampler, uuid.uuid4().int, "root") for _ in range(10_000))
-        assert abs(kept / 10_000 - ratio) <= 0.02, (ratio, kept)
-
-
 def test_ratio_sampler_keeps_or_drops_whole_traces_and_the_mirror_keeps_nothing(monkeypatch):
     monkeypatch.setenv("OTEL_TRACES_SAMPLER", "traceidratio")
     monkeypatch.setenv("OTEL_TRACES_SAMPLER_ARG", "0.5")
@@ -627,7 +575,7 @@ def test_ratio_sampler_keeps_or_drops_whole_traces_and_the_mirror_keeps_nothing(
         for s in spans:
             by_trace.setdefault(s.context.trace_id, []).append(s)
         for root_id in roots:
-            kept = by_trace.get(ids_of(root_id)[0], [])
+            kept = by_trace.get(dask_span_ids(root_id)[0], [])
             assert len(kept) in (0, 3), [s.name for s in kept]  # root, step, its group
         assert 0.35 <= len(by_trace) / n <= 0.65, len(by_trace)
         assert len(spans) == mirror.mirrored and mirror.sampled_out == 3 * n - len(spans)
@@ -656,23 +604,6 @@ def test_attribute_count_limit_is_the_sdks(monkeypatch):
         s = mirrored.by_dask_id(sid)
         assert len(s.attributes) == 3
         assert s.dropped_attributes > 0
-
-
-@pytest.mark.parametrize("value", [
-    1, 1.5, True, "x" * 8, "x" * 9, (), ("a", "b"), (1, 2), (1.0,), (True, False),
-    ("a", 1), (1, 1.5), ("x" * 9,), [1], None, (None,), b"x", {"a": 1}, 2**70,
-    type("S", (str,), {})("s"),
-])
-def test_attributes_skip_the_sdks_checks_only_when_they_would_change_nothing(value):
-    """SpanSink.bounded hands the mirror's dict on as it is only if the SDK's
-    BoundedAttributes would keep every value unchanged (limit 8 characters)"""
-    from opentelemetry.attributes import BoundedAttributes
-
-    from dask_otel.export.sink import within_limits
-
-    if within_limits([value], 8):
-        checked = BoundedAttributes(16, {"a": value}, immutable=True, max_value_len=8)
-        assert dict(checked) == {"a": value} and checked.dropped == 0
 
 
 def exported_after(config: dict, stop_heartbeats: bool) -> tuple[float, object]:

@@ -5,29 +5,20 @@ from __future__ import annotations
 
 import logging
 import pickle
-from collections.abc import Iterator, Mapping
-from contextlib import contextmanager
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-import dask
 import pytest
 import zict
 from dask.sizeof import sizeof
-from distributed import Client, LocalCluster, wait
+from distributed import wait
 from distributed.spill import SpillBuffer
 
 from dask_otel.spill import SpillInstruments, old_generation_totals
-from metric_utils import (
-    MEMORY_LIMIT,
-    SPILL_CONFIG,
-    by_worker,
-    collect,
-    make_chunk,
-    metric_reader,
-    total,
-    value,
-)
+from tests.support.cluster import MEMORY_LIMIT, spilling_cluster
+from tests.support.metrics import by_worker, collect, metric_reader, value
+from tests.support.tasks import make_chunk, sum_chunks
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -38,20 +29,6 @@ LEVELS = (
     "dask.spill.disk.size",
     "dask.spill.disk.memory_size",
 )
-
-
-@contextmanager
-def spilling_cluster(n_workers: int = 1, **kwargs: Any) -> Iterator[tuple[LocalCluster, Client]]:
-    config = {**SPILL_CONFIG, **kwargs.pop("config", {})}
-    with dask.config.set(config), LocalCluster(
-        n_workers=n_workers,
-        threads_per_worker=1,
-        processes=False,
-        memory_limit=kwargs.pop("memory_limit", MEMORY_LIMIT),
-        dashboard_address=":0",
-        **kwargs,
-    ) as cluster, Client(cluster) as client:
-        yield cluster, client
 
 
 # --- the current SpillBuffer (distributed >= 2023.3.2) -------------------------------
@@ -101,7 +78,7 @@ def test_unspilling_raises_disk_read():
         before = collect(reader)
         assert value(before, "dask.spill.count", dask_activity_name="disk-read") == 0
 
-        client.submit(total, chunks).result()  # reads every chunk, spilled or not
+        client.submit(sum_chunks, chunks).result()  # reads every chunk, spilled or not
         after = collect(reader)
         assert value(after, "dask.spill.count", dask_activity_name="disk-read") > 0
         assert value(after, "dask.spill.size", dask_activity_name="disk-read") > 0
@@ -179,7 +156,7 @@ def test_memory_thresholds_in_bytes():
     }
     # A limit far above the test process' memory (Dask caps it to the host's),
     # so that the memory monitor does not act
-    with spilling_cluster(config=config, memory_limit="64 GiB") as (cluster, client):
+    with spilling_cluster(config, memory_limit="64 GiB") as (cluster, client):
         (worker,) = cluster.workers.values()
         limit = worker.memory_manager.memory_limit
         points = collect(metric_reader(cluster))
@@ -199,7 +176,7 @@ def test_memory_thresholds_in_bytes():
 def test_spilling_disabled_exports_levels(caplog):
     config = {"distributed.worker.memory.target": False}
     with caplog.at_level(logging.WARNING, logger="dask_otel"):
-        with spilling_cluster(config=config) as (cluster, client):
+        with spilling_cluster(config) as (cluster, client):
             (worker,) = cluster.workers.values()
             assert type(worker.data) is dict
             chunks = client.map(make_chunk, range(3))
@@ -359,7 +336,7 @@ def test_old_generation_get_metrics_is_exported_under_the_same_names():
         assert not hasattr(worker.data, "cumulative_metrics")
         chunks = client.map(make_chunk, range(6))
         wait(chunks)
-        client.submit(total, chunks).result()
+        client.submit(sum_chunks, chunks).result()
         points = collect(metric_reader(cluster))
 
         slow = worker.data.slow.metrics

@@ -3,72 +3,33 @@ Dask span, with the ids the scheduler's mirror exports, on real LocalClusters.""
 
 from __future__ import annotations
 
+import logging
 import time
 
-import asyncio
-import logging
-
 import pytest
-from conftest import otel_cluster
-from distributed import Worker, span, worker_client
+from distributed import Worker, span
 from opentelemetry import trace
 
-LOW_64 = (1 << 64) - 1
-
-
-def current_ids(*_):
-    """(trace id, span id, sampled) of the current OTel span where this runs"""
-    context = trace.get_current_span().get_span_context()
-    return context.trace_id, context.span_id, context.trace_flags.sampled
-
-
-def root_ids(*_):
-    """current_ids under another key prefix: Dask attaches a task prefix to the span
-    it was first submitted under (ARCHITECTURE: TaskGroup collision)"""
-    return current_ids()
-
-
-async def current_ids_async(*_):
-    await asyncio.sleep(0)
-    return current_ids()
-
-
-def fail_with_ids(*_):
-    trace_id, span_id, _ = current_ids()
-    raise ValueError(f"{trace_id:032x} {span_id:016x}")
-
-
-def submit_subtask(*_):
-    with worker_client() as client:
-        return client.submit(current_ids, "sub", pure=False).result()
-
-
-def ids_and_baggage(*_):
-    from opentelemetry import baggage
-
-    return current_ids(), baggage.get_baggage("tenant")
-
-
-def subtask_ids_and_baggage(*_):
-    with worker_client() as client:
-        return client.submit(ids_and_baggage, "sub", pure=False).result()
-
-
-def caller_carrier(trace_id: int, span_id: int, sampled: bool) -> dict[str, str]:
-    """What dask_otel.span puts in the ``otel`` annotation for a caller's span"""
-    from opentelemetry import baggage, propagate
-    from opentelemetry.trace import NonRecordingSpan, SpanContext, TraceFlags
-
-    caller = SpanContext(trace_id, span_id, is_remote=False, trace_flags=TraceFlags(int(sampled)))
-    context = trace.set_span_in_context(NonRecordingSpan(caller))
-    context = baggage.set_baggage("tenant", "acme", context)
-    carrier: dict[str, str] = {}
-    propagate.inject(carrier, context=context)
-    return carrier
+from tests.support.callers import caller_carrier
+from tests.support.cluster import dask_span_ids, otel_cluster
+from tests.support.otlp_receiver import OTLPReceiver, set_otel_env
+from tests.support.processes import dask_processes
+from tests.support.tasks import (
+    current_ids,
+    current_ids_async,
+    fail_with_ids,
+    global_provider_type,
+    ids_and_baggage,
+    log_and_trace_in_task,
+    root_ids,
+    submit_subtask,
+    subtask_ids_and_baggage,
+    user_work,
+)
 
 
 def expected(root_id: str, own_id: str) -> tuple[int, int, bool]:
-    return int(root_id.replace("-", ""), 16), int(own_id.replace("-", ""), 16) & LOW_64, True
+    return dask_span_ids(root_id)[0], dask_span_ids(own_id)[1], True
 
 
 def mirrored_ids(mirrored, dask_id: str) -> tuple[int, int, bool]:
@@ -129,7 +90,7 @@ def test_carrier_puts_tasks_in_the_callers_trace_with_its_baggage(sampled):
         ):
             direct = client.submit(ids_and_baggage, 1).result()
             sub = client.submit(subtask_ids_and_baggage, 1).result()
-        own = int(root_id.replace("-", ""), 16) & LOW_64
+        own = dask_span_ids(root_id)[1]
         # parent-based sampling (the SDK default) follows the caller's decision
         assert direct == ((caller_trace, own, sampled), "acme")
         assert sub == direct
@@ -212,22 +173,9 @@ OTLP_CONFIG = {"otel.traces.exporter": "otlp", "otel.flush-timeout": "2s"}
 FAST_EXPORT_ENV = {"OTEL_BSP_SCHEDULE_DELAY": "100", "OTEL_EXPORTER_OTLP_TIMEOUT": "2"}
 
 
-def user_work(*_):
-    with trace.get_tracer("x").start_as_current_span("user work"):
-        return current_ids()
-
-
-def global_provider_type(*_):
-    provider = trace.get_tracer_provider()
-    return f"{type(provider).__module__}.{type(provider).__name__}"
-
-
 def test_user_span_in_task_is_exported_as_child_of_dask_span(monkeypatch):
-    from otlp_receiver import OTLPReceiver
-
     with OTLPReceiver("grpc") as receiver:
-        for name, value in {**receiver.env(), **FAST_EXPORT_ENV}.items():
-            monkeypatch.setenv(name, value)
+        set_otel_env(monkeypatch, {**receiver.env(), **FAST_EXPORT_ENV})
         with otel_cluster(OTLP_CONFIG, processes=True) as (client, _):
             with span("report") as root_id:
                 in_user_span = client.submit(user_work, 1).result()
@@ -255,17 +203,9 @@ def test_application_tracer_provider_is_never_replaced(monkeypatch):
     assert providers == {"opentelemetry.sdk.trace.TracerProvider"}
 
 
-def log_and_trace_in_task(*_):
-    logging.getLogger("report").warning("inside the task")
-    return user_work()
-
-
 def test_dask_worker_processes_enabled_by_the_preload_alone():
     """`dask scheduler` + `dask worker` processes, the bridge on by the preload
     env var only: a user span and a log line made in a task join the Dask span"""
-    from otlp_receiver import OTLPReceiver
-    from processes import dask_processes
-
     with OTLPReceiver("grpc") as receiver:
         env = {**receiver.env(), "OTEL_LOGS_EXPORTER": "otlp", "OTEL_BLRP_SCHEDULE_DELAY": "200"}
         with dask_processes(env, n_workers=1) as cluster, cluster.client() as client:

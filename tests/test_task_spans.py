@@ -4,36 +4,20 @@ the workers share the scheduler's) or a real OTLP receiver (processes=True)."""
 
 from __future__ import annotations
 
-import os
-import signal
 import time
 from pathlib import Path
 
 import pytest
-from conftest import otel_cluster, wait_until
 from distributed import span, wait
-from opentelemetry import trace
 from opentelemetry.trace import StatusCode
-from trace_checks import check_span_tree
+
+from tests.support.callers import caller_carrier
+from tests.support.cluster import otel_cluster, wait_until
+from tests.support.otlp_receiver import OTLPReceiver, set_otel_env
+from tests.support.span_tree import assert_span_tree
+from tests.support.tasks import current_span_id, die_once, fail, nap, total
 
 TASK_SPANS = {"otel.tasks.spans": True}
-
-
-def current_span_id(x):
-    return trace.get_current_span().get_span_context().span_id
-
-
-def total(xs):
-    return sum(xs)
-
-
-def nap(seconds):
-    time.sleep(seconds)
-    return seconds
-
-
-def fail(x):
-    raise ValueError(f"bad {x}")
 
 
 def task_spans(mirrored) -> list:
@@ -82,7 +66,7 @@ def test_ratio_one_exports_every_task_once_as_child_of_its_dask_span():
         assert sum(w["task_spans"] for w in workers) == 11
         # chosen tasks ran in their task span's context
         assert sorted(in_task) == sorted(s.context.span_id for s in spans if s.name == "current_span_id")
-        check_span_tree(mirrored.spans())
+        assert_span_tree(mirrored.spans())
 
 
 def test_slower_than_exports_only_slow_tasks():
@@ -98,7 +82,7 @@ def test_slower_than_exports_only_slow_tasks():
         assert [s.attributes["dask.task.key"] for s in task_spans(mirrored)] == [str(slow.key)]
         assert exported.attributes["dask.duration"] >= 0.5
         assert exported.parent.span_id == dask_span.context.span_id
-        check_span_tree(mirrored.spans())
+        assert_span_tree(mirrored.spans())
 
 
 def test_erred_tasks_are_exported_with_the_exception():
@@ -123,7 +107,7 @@ def test_erred_tasks_are_exported_with_the_exception():
         assert "dask.output.bytes" not in exported.attributes
         assert exported.parent.span_id == dask_span.context.span_id
         # Dask's Span.stop ignores erred tasks: only ids and parents are checked
-        check_span_tree(mirrored.spans(), inside=False)
+        assert_span_tree(mirrored.spans(), ends="anywhere")
 
 
 def test_erred_rule_off_exports_no_erred_task():
@@ -148,7 +132,6 @@ def test_unsampled_trace_exports_no_task_span(monkeypatch):
 @pytest.mark.parametrize("sampled", [True, False])
 def test_task_spans_follow_the_callers_sampling_decision(sampled):
     import dask
-    from test_task_context import caller_carrier
 
     caller_trace, caller_span = 0x5B8AA5A2D2C872E8321CF37308D69DF2, 0x051581BF3CB55C13
     carrier = caller_carrier(caller_trace, caller_span, sampled)
@@ -167,28 +150,14 @@ def test_task_spans_follow_the_callers_sampling_decision(sampled):
             assert task_spans(mirrored) == []
 
 
-def die_once(marker: str) -> str:
-    """Kill this worker process mid-task the first time; finish the second time"""
-    from distributed import get_worker
-
-    if not os.path.exists(marker):
-        with open(marker, "w") as f:
-            f.write(get_worker().address)
-        os.kill(os.getpid(), signal.SIGKILL)
-    return get_worker().address
-
-
 def test_task_of_a_killed_worker_is_exported_once_by_the_worker_that_finished_it(
     monkeypatch, tmp_path
 ):
-    from otlp_receiver import OTLPReceiver
-
     marker = str(tmp_path / "killed")
     config = {**TASK_SPANS, "otel.traces.exporter": "otlp", "otel.flush-timeout": "2s"}
     with OTLPReceiver("grpc") as receiver:
         env = {**receiver.env(), "OTEL_BSP_SCHEDULE_DELAY": "100", "OTEL_EXPORTER_OTLP_TIMEOUT": "2"}
-        for name, value in env.items():
-            monkeypatch.setenv(name, value)
+        set_otel_env(monkeypatch, env)
         with otel_cluster(config, processes=True) as (client, _):
             with span("survivor"):
                 future = client.submit(die_once, marker)

@@ -10,27 +10,15 @@ import time
 import pytest
 from distributed import span, wait
 
-from conftest import assert_well_formed
-from otlp_receiver import OTLPReceiver
-from processes import dask_processes
+from tests.support.otlp_receiver import OTLPReceiver
+from tests.support.processes import dask_processes
+from tests.support.span_tree import assert_span_tree
+from tests.support.tasks import broken, clean, fail_slowly, fit, load
 
 
-def load(i):
-    time.sleep(0.05)
-    return list(range(i * 100))
-
-
-def clean(xs):
-    return [x for x in xs if x % 2]
-
-
-def fit(parts):
-    time.sleep(0.05)
-    return sum(map(len, parts))
-
-
-def broken(x):
-    raise RuntimeError("diverged")
+def assert_well_formed(spans: list) -> None:
+    """As otel_cluster checks the spans of an in-process cluster, in the order received"""
+    assert_span_tree(spans, ends="inside-if-exported-first")
 
 
 def workflow(client):
@@ -103,11 +91,6 @@ def test_workflow_arrives_as_one_trace_over_otlp(protocol):
     assert root.scope == "dask_otel"
 
 
-def fail_late(x):
-    time.sleep(0.3)
-    raise RuntimeError("failed after 0.3 s")
-
-
 def test_failed_tasks_end_their_spans_within_the_parent_over_otlp():
     """Dask records no run time for an erred task: its group and span end when the
     worker says it failed, and the root still ends after them"""
@@ -118,16 +101,16 @@ def test_failed_tasks_end_their_spans_within_the_parent_over_otlp():
                 with span("load"):
                     client.gather(client.map(load, range(2)))
                 with span("fail"):
-                    wait(client.submit(fail_late, 1))
+                    wait(client.submit(fail_slowly, 1))
             trace_id = root_id.replace("-", "")
             spans = receiver.wait_for(
                 lambda r: len(t := [s for s in r.spans() if s.trace_id == trace_id]) >= 5 and t,
                 timeout=30,
             )
     by_name = {s.name: s for s in spans}
-    assert by_name["fail_late"].duration >= 0.25  # the run, not a point at enqueue
+    assert by_name["fail_slowly"].duration >= 0.25  # the run, not a point at enqueue
     assert by_name["fail"].duration >= 0.25
-    assert by_name["fail_late"].end <= by_name["fail"].end <= by_name["root"].end
+    assert by_name["fail_slowly"].end <= by_name["fail"].end <= by_name["root"].end
     assert_well_formed(spans)
 
 

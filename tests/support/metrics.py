@@ -1,40 +1,12 @@
-"""Helpers for the metrics tests: config for an in-process cluster that spills,
-and reading the bridge's InMemoryMetricReader."""
+"""Reading the bridge's InMemoryMetricReader: its points by metric name, summed
+over attributes or per worker."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Any
 
-import numpy as np
 from opentelemetry.sdk.metrics.export import InMemoryMetricReader
-
-#: An in-process cluster with the bridge and an in-memory metric reader, whose
-#: workers spill as soon as their data passes 10% of their memory limit. The
-#: memory monitor's thresholds are off: with processes=False it would measure the
-#: whole test process.
-SPILL_CONFIG: dict[str, Any] = {
-    "distributed.scheduler.preload": ["dask_otel"],
-    "otel.metrics.exporter": "memory",
-    "otel.traces.exporter": "none",
-    "distributed.worker.memory.target": 0.1,
-    "distributed.worker.memory.spill": False,
-    "distributed.worker.memory.pause": False,
-    "distributed.worker.memory.terminate": False,
-}
-#: memory_limit that goes with SPILL_CONFIG: workers keep 10 MB in memory
-MEMORY_LIMIT = 100_000_000
-#: One chunk of data: 4 MB, so that three of them pass a worker's 10 MB target
-CHUNK_BYTES = 4_000_000
-
-
-def make_chunk(seed: int) -> np.ndarray:
-    """4 MB of random floats (incompressible, so pickled size ~ sizeof)"""
-    return np.random.default_rng(seed).random(CHUNK_BYTES // 8)
-
-
-def total(chunks: list[np.ndarray]) -> float:
-    return float(sum(chunk.sum() for chunk in chunks))
 
 
 @dataclass

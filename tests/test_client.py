@@ -19,44 +19,19 @@ import pytest
 from distributed import span, wait
 from opentelemetry import baggage, propagate, trace
 from opentelemetry import context as otel_context
-from opentelemetry.sdk.trace import TracerProvider
-from opentelemetry.sdk.trace.export import SimpleSpanProcessor
-from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.sdk.trace.sampling import ALWAYS_OFF
 
 import dask_otel
-from conftest import otel_cluster, wait_until
-from otlp_receiver import OTLPReceiver
-from processes import dask_processes
-from trace_checks import assert_one_whole_trace
-
-LOW_64 = (1 << 64) - 1
-
-
-def inc(x):
-    return x + 1
+from tests.support.callers import app_tracer
+from tests.support.cluster import dask_span_ids, otel_cluster, wait_until
+from tests.support.otlp_receiver import OTLPReceiver
+from tests.support.processes import dask_processes
+from tests.support.span_tree import assert_span_tree
+from tests.support.tasks import double, inc, square
 
 
-def double(x):
-    return 2 * x
-
-
-def square(x):
-    return x * x
-
-
-def app_tracer(sampler=None) -> tuple[InMemorySpanExporter, trace.Tracer]:
-    """The application's own tracing: a TracerProvider of this process (not the
-    global one), exporting to memory"""
-    exporter = InMemorySpanExporter()
-    provider = TracerProvider(**({"sampler": sampler} if sampler else {}))
-    provider.add_span_processor(SimpleSpanProcessor(exporter))
-    return exporter, provider.get_tracer("app")
-
-
-def uuid_ids(sid: str) -> tuple[int, int]:
-    n = int(sid.replace("-", ""), 16)
-    return n, n & LOW_64
+def assert_one_whole_trace(spans: list, **kwargs) -> None:
+    assert_span_tree(spans, one_trace=True, **kwargs)
 
 
 def current_span_context() -> trace.SpanContext:
@@ -97,7 +72,7 @@ def test_root_dask_span_continues_the_callers_trace(processes):
 
     by_id = {s.context.span_id: s for s in spans}
     root, load, train, evaluate = (
-        by_id[uuid_ids(i)[1]] for i in (root_id, load_id, train_id, eval_id)
+        by_id[dask_span_ids(i)[1]] for i in (root_id, load_id, train_id, eval_id)
     )
     # The root Dask span is a child of the caller's span, in the caller's trace
     assert root.parent.span_id == app_ctx.span_id
@@ -121,7 +96,7 @@ def test_without_a_current_span_the_trace_is_the_root_uuid(cluster):
     with dask_otel.span("solo") as solo_id:
         inside = current_span_context()
         client.submit(inc, 1).result()
-    trace_id, span_id = uuid_ids(solo_id)
+    trace_id, span_id = dask_span_ids(solo_id)
     assert (inside.trace_id, inside.span_id, inside.trace_flags.sampled) == (trace_id, span_id, True)
     solo = mirrored.by_dask_id(solo_id)
     assert (solo.context.trace_id, solo.parent) == (trace_id, None)
@@ -135,8 +110,8 @@ def test_nested_in_a_distributed_span_root_the_trace_is_the_roots(cluster):
             with dask_otel.span("inner") as inner_id:
                 inside = current_span_context()
                 client.submit(double, 2).result()
-    trace_id, _ = uuid_ids(root_id)
-    assert (inside.trace_id, inside.span_id) == (trace_id, uuid_ids(inner_id)[1])
+    trace_id, _ = dask_span_ids(root_id)
+    assert (inside.trace_id, inside.span_id) == (trace_id, dask_span_ids(inner_id)[1])
     spans = mirrored_trace(mirrored, trace_id, root_id)
     assert mirrored.by_dask_id(root_id).parent is None
     assert_one_whole_trace(spans)
@@ -201,6 +176,10 @@ def test_memory_of_the_mirror_is_bounded_by_open_spans(cluster):
 # --- dask scheduler + dask worker processes, switched on by the preload variable --
 
 
+#: The tests of one processes_cluster, in one test process (pytest-xdist)
+ON_THE_PROCESSES_CLUSTER = pytest.mark.xdist_group("client-processes-cluster")
+
+
 @pytest.fixture(scope="module")
 def processes_cluster():
     with OTLPReceiver("grpc") as receiver, dask_processes(receiver.env()) as cluster:
@@ -213,6 +192,7 @@ def received_trace(receiver: OTLPReceiver, trace_hex: str, root_name: str) -> li
     return [s for s in receiver.spans() if s.trace_id == trace_hex]
 
 
+@ON_THE_PROCESSES_CLUSTER
 def test_processes_cluster_continues_the_callers_trace(processes_cluster):
     cluster, receiver = processes_cluster
     app_spans, tracer = app_tracer()
@@ -225,8 +205,8 @@ def test_processes_cluster_continues_the_callers_trace(processes_cluster):
     spans = received_trace(receiver, f"{ctx.trace_id:032x}", "processes workflow")
     by_name = {s.name: s for s in spans}
     assert by_name["processes workflow"].parent_span_id == f"{ctx.span_id:016x}"
-    assert by_name["processes workflow"].span_id == f"{uuid_ids(root_id)[1]:016x}"
-    assert by_name["step"].span_id == f"{uuid_ids(step_id)[1]:016x}"
+    assert by_name["processes workflow"].span_id == f"{dask_span_ids(root_id)[1]:016x}"
+    assert by_name["step"].span_id == f"{dask_span_ids(step_id)[1]:016x}"
     assert by_name["inc"].parent_span_id == by_name["step"].span_id
     assert_one_whole_trace(
         [*spans, *app_spans.get_finished_spans()], dask_roots=("processes workflow",)
@@ -267,6 +247,7 @@ print(root_id)
 """
 
 
+@ON_THE_PROCESSES_CLUSTER
 def test_client_without_the_sdk(processes_cluster, tmp_path):
     cluster, receiver = processes_cluster
     script = tmp_path / "client.py"
@@ -279,7 +260,7 @@ def test_client_without_the_sdk(processes_cluster, tmp_path):
     root_id = out.stdout.split()[-1]
     spans = received_trace(receiver, "4bf92f3577b34da6a3ce929d0e0e4736", "api only")
     by_name = {s.name: s for s in spans}
-    assert by_name["api only"].span_id == f"{uuid_ids(root_id)[1]:016x}"
+    assert by_name["api only"].span_id == f"{dask_span_ids(root_id)[1]:016x}"
     assert by_name["bag"].parent_span_id == by_name["api only"].span_id
     assert_one_whole_trace(spans, root_parent="00f067aa0ba902b7")  # the caller is not here
 
@@ -304,5 +285,5 @@ def test_an_otel_annotation_not_made_by_dask_otel_changes_nothing(cluster, otel)
         with dask.annotate(otel=otel):
             assert client.submit(inc, 1, key=f"foreign-{len(str(otel))}").result() == 2
     s = mirrored.by_dask_id(sid)
-    assert (s.context.trace_id, s.parent) == (uuid_ids(sid)[0], None)
+    assert (s.context.trace_id, s.parent) == (dask_span_ids(sid)[0], None)
     assert mirrored.plugin.status()["error"] is None

@@ -13,7 +13,7 @@ without the services it is for (no Docker engine, no Kubernetes, no Grafana here
 from __future__ import annotations
 
 import contextlib
-import importlib
+import importlib.util
 import json
 import os
 import re
@@ -27,7 +27,8 @@ from typing import Any
 
 import yaml
 
-REPO = Path(__file__).resolve().parents[1]
+from tests.support.processes import REPO
+
 DEPLOY = REPO / "deploy"
 DASHBOARDS = DEPLOY / "grafana" / "dashboards"
 
@@ -40,16 +41,18 @@ def load_workload() -> ModuleType:
     """deploy/compose/workload.py, imported as ``workload``. Dask pickles task
     functions by reference: run clusters with :func:`workload_pythonpath` so that
     the scheduler and workers import it too."""
-    path = str(DEPLOY / "compose")
-    if path not in sys.path:
-        sys.path.insert(0, path)
-    return importlib.import_module("workload")
+    if "workload" not in sys.modules:
+        spec = importlib.util.spec_from_file_location("workload", DEPLOY / "compose" / "workload.py")
+        module = importlib.util.module_from_spec(spec)
+        sys.modules["workload"] = module
+        spec.loader.exec_module(module)
+    return sys.modules["workload"]
 
 
 def workload_pythonpath() -> dict[str, str]:
-    """PYTHONPATH for dask_processes: the tests (as it sets by default) and the
+    """PYTHONPATH for dask_processes: the repository (as it sets by default) and the
     workload's directory"""
-    parts = [str(Path(__file__).parent), str(DEPLOY / "compose"), os.environ.get("PYTHONPATH", "")]
+    parts = [str(REPO), str(DEPLOY / "compose"), os.environ.get("PYTHONPATH", "")]
     return {"PYTHONPATH": os.pathsep.join(p for p in parts if p)}
 
 

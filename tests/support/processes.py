@@ -16,6 +16,9 @@ from pathlib import Path
 
 from distributed import Client
 
+#: The repository root: ``tests.support.tasks`` is importable from it
+REPO = Path(__file__).resolve().parents[2]
+
 #: What a user exports to switch the bridge on
 PRELOAD_ENV = {"DASK_DISTRIBUTED__SCHEDULER__PRELOAD": "dask_otel"}
 #: Faster than the defaults, so that tests do not wait: spans exported 300 ms after
@@ -43,9 +46,8 @@ class DaskProcesses:
     """``dask scheduler`` + ``dask worker`` subprocesses on 127.0.0.1"""
 
     def __init__(self, env: dict[str, str], n_workers: int = 2, worker_args: tuple = ()):
-        # Task functions defined in test modules are pickled by reference
-        tests = str(Path(__file__).parent)
-        pythonpath = os.pathsep.join(filter(None, [tests, os.environ.get("PYTHONPATH")]))
+        # Task functions (tests.support.tasks) are pickled by reference
+        pythonpath = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
         self.env = {**os.environ, "PYTHONPATH": pythonpath, **env}
         self.n_workers = n_workers
         self.worker_args = worker_args

@@ -7,13 +7,13 @@ from __future__ import annotations
 import threading
 import time
 
-import dask
 import pytest
-from distributed import Client, LocalCluster, span
+from distributed import span
 
-from conftest import wait_until
-from otlp_receiver import BlackHole, OTLPReceiver
-from test_faults import closed_port, inc, set_env
+from tests.support.cluster import seconds_to_close, wait_until
+from tests.support.otlp_receiver import BlackHole, OTLPReceiver, closed_port, set_otel_env
+from tests.support.processes import dask_processes
+from tests.support.tasks import inc
 
 FLUSH_TIMEOUT = 2.0
 #: Exporter timeout far above the flush timeout: unbounded, an export to a hung
@@ -63,24 +63,18 @@ class Collector:
             self.server.__exit__(*exc)
 
 
+def run_workflows(client) -> None:
+    for i in range(3):
+        with span(f"workflow {i}"):
+            assert client.gather(client.map(inc, range(4), key=[f"w{i}-{j}" for j in range(4)])) == [1, 2, 3, 4]
+
+
 def close_time(bridge: bool, processes: bool) -> float:
-    """Seconds to close a cluster that has just run a workflow"""
+    """Seconds to close a cluster of two workers that has just run a workflow"""
     preload = ["dask_otel"] if bridge else []
-    with dask.config.set({**CONFIG, "distributed.scheduler.preload": preload}):
-        where = {"host": "127.0.0.1"} if processes else {}
-        cluster = LocalCluster(n_workers=2, threads_per_worker=1, processes=processes,
-                               dashboard_address=":0", **where)
-        client = Client(cluster)
-        try:
-            for i in range(3):
-                with span(f"workflow {i}"):
-                    assert client.gather(client.map(inc, range(4), key=[f"w{i}-{j}" for j in range(4)])) == [1, 2, 3, 4]
-            time.sleep(0.7)  # spans exported, metrics collected: exports under way
-        finally:
-            start = time.monotonic()
-            client.close()
-            cluster.close()
-    return time.monotonic() - start
+    config = {**CONFIG, "distributed.scheduler.preload": preload}
+    # spans exported, metrics collected 0.7 s after the workflow: exports under way
+    return seconds_to_close(config, run_workflows, settle=0.7, processes=processes)
 
 
 def bridge_threads() -> list[str]:
@@ -93,7 +87,7 @@ def test_whole_cluster_closes_within_flush_timeout(state, protocol, monkeypatch)
     """LocalCluster with two worker processes: the scheduler and the workers flush at
     the same time, each within otel.flush-timeout, not one after the other"""
     with Collector(state, protocol) as env:
-        set_env(monkeypatch, {**ENV, **env})
+        set_otel_env(monkeypatch, {**ENV, **env})
         without = min(close_time(bridge=False, processes=True) for _ in range(2))
         with_bridge = close_time(bridge=True, processes=True)
     assert with_bridge - without <= FLUSH_TIMEOUT + 1.0, (with_bridge, without)
@@ -115,7 +109,7 @@ def test_no_bridge_thread_outlives_the_cluster(state, protocol, monkeypatch):
         env["OTEL_EXPORTER_OTLP_TIMEOUT"] = str(HTTP_HUNG_EXPORTER_TIMEOUT)
         bound = HTTP_HUNG_EXPORTER_TIMEOUT + 0.5
     with Collector(state, protocol) as collector_env:
-        set_env(monkeypatch, {**env, **collector_env})
+        set_otel_env(monkeypatch, {**env, **collector_env})
         close_time(bridge=True, processes=False)
         closed = time.monotonic()
         wait_until(lambda: not bridge_threads(), timeout=bound,
@@ -128,7 +122,6 @@ def test_ctrl_c_on_dask_scheduler_and_dask_worker_within_flush_timeout(protocol)
     """SIGINT to `dask worker` and `dask scheduler` processes, as a user's Ctrl-C,
     with a hung collector: they exit at most otel.flush-timeout later than the same
     processes without the bridge"""
-    from processes import dask_processes
 
     def stop_time(bridge: bool, env: dict[str, str]) -> float:
         env = {**env, "DASK_OTEL__FLUSH_TIMEOUT": f"{FLUSH_TIMEOUT}s",

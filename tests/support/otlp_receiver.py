@@ -616,12 +616,8 @@ class OTLPReceiver:
     def apply_env(self, monkeypatch: Any, headers: dict[str, str] | None = None) -> dict[str, str]:
         """Set :meth:`env` with pytest's ``monkeypatch``, first removing every other
         OTEL_EXPORTER_OTLP_* variable (signal-specific ones would take precedence)."""
-        for key in list(os.environ):
-            if key.startswith("OTEL_EXPORTER_OTLP_"):
-                monkeypatch.delenv(key)
         env = self.env(headers)
-        for key, value in env.items():
-            monkeypatch.setenv(key, value)
+        set_otel_env(monkeypatch, env)
         return env
 
     # -- lifecycle ---------------------------------------------------------
@@ -1102,6 +1098,24 @@ class _HTTPServer:
 # --------------------------------------------------------------------------
 # Black hole
 # --------------------------------------------------------------------------
+
+
+def set_otel_env(monkeypatch: Any, env: dict[str, str]) -> None:
+    """Set ``env`` with pytest's ``monkeypatch``, first removing every
+    OTEL_EXPORTER_OTLP_* variable (signal-specific ones would take precedence)."""
+    for key in list(os.environ):
+        if key.startswith("OTEL_EXPORTER_OTLP_"):
+            monkeypatch.delenv(key)
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+
+
+def closed_port() -> int:
+    """A port on 127.0.0.1 that nothing listens on (bound, then closed): a
+    collector that is down and refuses connections"""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 class BlackHole:
