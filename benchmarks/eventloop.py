@@ -9,8 +9,10 @@ the loop, ``time.thread_time`` for CPU):
 
 - ``SpanMirror.poll`` (the periodic callback, every ``otel.spans.poll-interval``;
   a poll that stops at the mirror's time budget and goes on at the next turn of
-  the loop counts as several calls), which calls ``mirror_span`` /
-  ``mirror_group`` (timed separately, nested);
+  the loop counts as several calls), which calls ``span_of`` /
+  ``group_span_of`` (building the spans; ``mirror_span`` / ``mirror_group``, which
+  also handed them to the SDK, before the "one house" layout: timed separately,
+  nested);
 - ``OtelSchedulerPlugin.update_graph`` (each graph submitted);
 - ``OtelSchedulerPlugin.transition`` is called for every task transition. Wrapping
   it would cost more than it does, so it is timed apart: a loop of calls
@@ -269,7 +271,7 @@ def main(argv: list[str] | None = None) -> int:
           f"median of {len(pairs)} runs ==")
     labels = {
         "hooks": "poll + update_graph hooks, measured",
-        "mirror": "  of which mirror_span/mirror_group",
+        "mirror": "  of which building spans (span_of/group_span_of)",
         "transition": "transition hook (calls x cost per call)",
         "total": "total on the scheduler thread",
         "total_no_gc": "  the same without GC pauses inside hooks",

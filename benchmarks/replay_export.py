@@ -132,6 +132,30 @@ def saved_ledger(ledger: Any) -> Any:
     return out
 
 
+def timed_passes(
+    mirror: Any, repeats: int, restore: Any, expected: int, left_open: Any
+) -> list[float]:
+    """``repeats`` passes, each after ``restore()``: scheduler thread time per
+    exported span (us), GC off; stops if a pass does not export ``expected``"""
+    out = []
+    for i in range(repeats):
+        restore()
+        gc.collect()
+        gc.disable()
+        try:
+            seconds, n = poll_until_exported(mirror, None)
+        finally:
+            gc.enable()
+        if n <= 0 or n != expected:
+            raise ReplayError(
+                f"pass {i + 1} exported {n} OTel spans, expected {expected} (the open "
+                f"Dask spans and TaskGroups); left open: {left_open()}. The mirror keeps "
+                "some state this script does not restore or reset"
+            )
+        out.append(seconds / n * 1e6)
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--repeats", type=int, default=15)
@@ -168,49 +192,26 @@ def main(argv: list[str] | None = None) -> int:
                     # Every open span and group is exported once per pass (the
                     # workload's traces are all sampled)
                     expected = len(saved["open_spans"]) + len(saved.get("open_groups", ()))
-                    out = []
-                    for i in range(args.repeats):
-                        restore(mirror, saved)
-                        gc.collect()
-                        gc.disable()
-                        try:
-                            seconds, n = poll_until_exported(mirror, None)
-                        finally:
-                            gc.enable()
-                        if n <= 0 or n != expected:
-                            raise ReplayError(
-                                f"pass {i + 1} exported {n} OTel spans, expected {expected} "
-                                f"(the open Dask spans and TaskGroups); left open: "
-                                f"{len(mirror.open_spans)} spans, "
-                                f"{len(getattr(mirror, 'open_groups', ()))} groups. "
-                                "The mirror keeps some state this script does not restore "
-                                "or reset: see STATE, NOT_STATE and BATCH_FIELDS"
-                            )
-                        out.append(seconds / n * 1e6)
-                    return out, expected
+                    return timed_passes(
+                        mirror, args.repeats, lambda: restore(mirror, saved), expected,
+                        lambda: f"{len(mirror.open_spans)} spans, "
+                        f"{len(getattr(mirror, 'open_groups', ()))} groups (see STATE, "
+                        "NOT_STATE and BATCH_FIELDS)",
+                    ), expected
 
                 def ledger_passes() -> tuple[list[float], int]:
                     # Taken on the event loop, between polls
                     saved = saved_ledger(mirror.ledger)
                     expected = len(saved.records) + len(saved.groups)
-                    out = []
-                    for i in range(args.repeats):
+
+                    def restore_ledger() -> None:
                         mirror.ledger = saved_ledger(saved)
-                        gc.collect()
-                        gc.disable()
-                        try:
-                            seconds, n = poll_until_exported(mirror, None)
-                        finally:
-                            gc.enable()
-                        if n <= 0 or n != expected:
-                            raise ReplayError(
-                                f"pass {i + 1} exported {n} OTel spans, expected {expected}; "
-                                f"left open: {len(mirror.ledger.records)} spans, "
-                                f"{len(mirror.ledger.groups)} groups. The mirror keeps "
-                                "state outside its Ledger that this script does not restore"
-                            )
-                        out.append(seconds / n * 1e6)
-                    return out, expected
+
+                    return timed_passes(
+                        mirror, args.repeats, restore_ledger, expected,
+                        lambda: f"{len(mirror.ledger.records)} spans, "
+                        f"{len(mirror.ledger.groups)} groups (state outside the Ledger?)",
+                    ), expected
 
                 sink = mirror.sink
                 processors, sink.processors = sink.processors, []
