@@ -42,7 +42,7 @@ from dask.utils import key_split
 from distributed.metrics import time
 from distributed.worker_state_machine import ExecuteFailureEvent, ExecuteSuccessEvent
 from opentelemetry import trace
-from opentelemetry.sdk.trace import Event, ReadableSpan
+from opentelemetry.sdk.trace import Event
 from opentelemetry.trace import (
     NonRecordingSpan,
     SpanContext,
@@ -55,6 +55,8 @@ from dask_otel.span_context import SAMPLED
 
 if TYPE_CHECKING:
     from collections.abc import Mapping
+
+    from opentelemetry.sdk.trace import ReadableSpan
 
     from distributed import Worker
     from opentelemetry.context import Context
@@ -76,10 +78,6 @@ def key_chosen(key: Any, ratio: float) -> bool:
         return False
     digest = blake2b(str(key).encode(), digest_size=8).digest()
     return int.from_bytes(digest, "big") < ratio * _HASH_SPACE
-
-
-def _ns(seconds: float) -> int:
-    return int(seconds * 1e9)
 
 
 class TaskRun:
@@ -206,28 +204,19 @@ class TaskSpans:
                         },
                         count=sink.limits.max_event_attributes,
                     ),
-                    _ns(stop),
+                    int(stop * 1e9),
                 ),
             )
         else:
             attributes["dask.output.bytes"] = event.nbytes
-        return ReadableSpan(
-            span_name(key_split(run.key)),
-            context=SpanContext(
-                parent.trace_id, run.span_id, is_remote=False,
-                trace_flags=SAMPLED, trace_state=parent.trace_state,
-            ),
-            parent=SpanContext(
-                parent.trace_id, parent.span_id, is_remote=False,
-                trace_flags=SAMPLED, trace_state=parent.trace_state,
-            ),
-            resource=sink.resource,
-            attributes=sink.bounded(attributes),
-            events=events,
-            status=status,
-            start_time=_ns(start),
-            end_time=_ns(stop),
-            instrumentation_scope=sink.scope,
+        # The task span is this worker's; its parent, the Dask span, is the
+        # scheduler's (remote here), with the ids every process composes alike
+        context = SpanContext(
+            parent.trace_id, run.span_id, is_remote=False,
+            trace_flags=SAMPLED, trace_state=parent.trace_state,
+        )
+        return sink.span(
+            key_split(run.key), context, parent, start, stop, attributes, status, events
         )
 
 
