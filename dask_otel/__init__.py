@@ -27,7 +27,9 @@ from dask_otel.config import ConfigError  # also loads the otel: config defaults
 if TYPE_CHECKING:
     from distributed import Client, Scheduler
 
-__all__ = ["ConfigError", "__version__", "dask_setup", "dask_teardown", "instrument", "span", "status"]
+__all__ = [
+    "ConfigError", "__version__", "dask_setup", "dask_teardown", "instrument", "span", "status",
+]
 
 
 async def dask_setup(scheduler: Scheduler) -> None:
