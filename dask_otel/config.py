@@ -23,7 +23,7 @@ import dask.config
 import yaml
 from dask.utils import parse_timedelta
 
-logger = logging.getLogger("dask_otel")
+from dask_otel.log import logger  # the bridge's lines, set up as Dask's own
 
 with open(Path(__file__).with_name("otel.yaml")) as f:
     DEFAULTS: dict = yaml.safe_load(f)

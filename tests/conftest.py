@@ -12,6 +12,13 @@ import pytest
 from distributed import Client, LocalCluster
 from opentelemetry.attributes import BoundedAttributes
 
+import dask_otel.log
+
+# caplog listens on the root logger. distributed, imported here before pytest set it
+# up, keeps its lines to its own handler, and the bridge's logger follows it
+# (dask_otel/log.py): let the bridge's lines reach caplog as well.
+dask_otel.log.logger.propagate = True
+
 #: Dask config that switches the bridge on with spans kept in memory on the scheduler
 #: and a short export delay, so that tests do not wait seconds per span
 MEMORY_CONFIG = {
