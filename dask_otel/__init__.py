@@ -56,11 +56,23 @@ def instrument(client: Client) -> None:
     """Turn the bridge on for the cluster ``client`` is connected to.
 
     Does the same as the preload, through ``Client.register_plugin``; does nothing
-    if the cluster already has it. ``dask_otel`` must be installed on the scheduler
-    and the workers. Dask spans that finished before this call are not exported.
+    if the cluster already has it, or if ``otel.enabled`` is false in this
+    process's dask config (the scheduler and each worker then read their own).
+    ``dask_otel`` must be installed on the scheduler and the workers. Dask spans
+    that finished before this call are not exported.
+
+    Raises
+    ------
+    ConfigError
+        if this process's ``otel.enabled`` is neither true nor false.
     """
+    from dask_otel.config import enabled
+    from dask_otel.log import logger
     from dask_otel.scheduler.plugin import OtelSchedulerPlugin
 
+    if not enabled():
+        logger.info("dask_otel: otel.enabled is false in this client; not instrumenting")
+        return
     client.register_plugin(OtelSchedulerPlugin())
 
 
