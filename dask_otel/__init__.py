@@ -79,10 +79,13 @@ def instrument(client: Client) -> None:
 def status(client: Client) -> dict[str, Any]:
     """The bridge's state on the scheduler and on every worker.
 
-    ``{"scheduler": {"error": None, "mirrored_spans": 12, ...},
+    ``{"scheduler": {"error": None, "mirrored_spans": 12, "config": {...}, ...},
     "workers": {address: {"error": None, "metrics": True, "task_context": True,
-    "task_context_errors": 0, "task_spans": None}}}``; ``None`` where the
-    plugin is not installed. ``error`` names the config key or exporter at fault.
+    "task_context_errors": 0, "task_spans": None, "config": {...}}}}``; ``None``
+    where the plugin is not installed. ``error`` says why the bridge is off there:
+    the config key or exporter at fault, or ``disabled by otel.enabled on ...``.
+    ``config`` holds the ``otel.*`` keys that process reads, with the values it
+    uses (each process reads its own dask config).
     """
     from dask_otel.worker.plugin import PLUGIN_NAME
 

@@ -22,6 +22,8 @@ def test_status_names_otel_enabled_on_the_scheduler():
         address = client.scheduler.address
     assert status["scheduler"]["error"] == f"disabled by otel.enabled on scheduler {address}"
     assert status["scheduler"]["traces"] is False and status["scheduler"]["config"] is None
+    # the scheduler hands the workers no bridge
+    assert all(worker is None for worker in status["workers"].values())
 
 
 def test_status_names_otel_enabled_on_a_worker():
