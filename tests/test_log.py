@@ -71,6 +71,15 @@ def test_dask_config_logging_sets_the_bridges_level_as_distributeds():
     assert INFO_LINE.search(own), own
 
 
+def test_dask_worker_logs_the_bridges_info_lines():
+    with dask_processes(NO_EXPORT, n_workers=0) as cluster:
+        cluster.add_worker("off", env={"DASK_OTEL__ENABLED": "false"})
+        line = dask_line(
+            "INFO", r"dask_otel: otel\.enabled is false on worker tcp://\S+; not exporting$"
+        )
+        wait_until(lambda: line.search(cluster.log("off")), what="the INFO line")
+
+
 SCRIPT = """
 import dask
 from distributed import Client, LocalCluster
