@@ -98,7 +98,7 @@ def main(argv: list[str] | None = None) -> int:
         "otel.metrics.exporter": "memory",
     }
     with quiet_logs(), dask.config.set(config):
-        with LocalCluster(n_workers=0, processes=False, dashboard_address=":0") as cluster:
+        with LocalCluster(n_workers=0, processes=False, dashboard_address="127.0.0.1:0") as cluster:
             plugin = cluster.scheduler.plugins["dask-otel"]
             (reader,) = plugin.telemetry.metric_readers
             for n in args.prefixes:

@@ -113,7 +113,7 @@ async def time_per_task(execute, keys) -> float:
 async def main(n_tasks: int, rounds: int) -> None:
     from dask_otel.worker.task_context import default_sampler
 
-    async with Scheduler(dashboard_address=":0", host="127.0.0.1") as scheduler:
+    async with Scheduler(dashboard_address="127.0.0.1:0", host="127.0.0.1") as scheduler:
         async with Worker(scheduler.address, nthreads=1) as worker:
             async with Client(scheduler.address, asynchronous=True) as client:
                 with span("bench"):

@@ -58,21 +58,36 @@ def instrument(client: Client) -> None:
     """Turn the bridge on for the cluster ``client`` is connected to.
 
     Does the same as the preload, through ``Client.register_plugin``; does nothing
-    if the cluster already has it. ``dask_otel`` must be installed on the scheduler
-    and the workers. Dask spans that finished before this call are not exported.
+    if the cluster already has it, or if ``otel.enabled`` is false in this
+    process's dask config (the scheduler and each worker then read their own).
+    ``dask_otel`` must be installed on the scheduler and the workers. Dask spans
+    that finished before this call are not exported.
+
+    Raises
+    ------
+    ConfigError
+        if this process's ``otel.enabled`` is neither true nor false.
     """
+    from dask_otel.config import enabled
+    from dask_otel.log import logger
     from dask_otel.scheduler.plugin import OtelSchedulerPlugin
 
+    if not enabled():
+        logger.info("dask_otel: otel.enabled is false in this client; not instrumenting")
+        return
     client.register_plugin(OtelSchedulerPlugin())
 
 
 def status(client: Client) -> dict[str, Any]:
     """The bridge's state on the scheduler and on every worker.
 
-    ``{"scheduler": {"error": None, "mirrored_spans": 12, ...},
+    ``{"scheduler": {"error": None, "mirrored_spans": 12, "config": {...}, ...},
     "workers": {address: {"error": None, "metrics": True, "task_context": True,
-    "task_context_errors": 0, "task_spans": None}}}``; ``None`` where the
-    plugin is not installed. ``error`` names the config key or exporter at fault.
+    "task_context_errors": 0, "task_spans": None, "config": {...}}}}``; ``None``
+    where the plugin is not installed. ``error`` says why the bridge is off there:
+    the config key or exporter at fault, or ``disabled by otel.enabled on ...``.
+    ``config`` holds the ``otel.*`` keys that process reads, with the values it
+    uses (each process reads its own dask config).
     """
     from dask_otel.worker.plugin import PLUGIN_NAME
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field, fields
 from importlib.metadata import entry_points
 from pathlib import Path
 from typing import Any
@@ -23,7 +23,7 @@ import dask.config
 import yaml
 from dask.utils import parse_timedelta
 
-logger = logging.getLogger("dask_otel")
+from dask_otel.log import logger  # the bridge's lines, set up as Dask's own
 
 with open(Path(__file__).with_name("otel.yaml")) as f:
     DEFAULTS: dict = yaml.safe_load(f)
@@ -51,42 +51,78 @@ class ConfigError(ValueError):
         super().__init__(f"{key}: expected {expected}, got {value!r}")
 
 
+#: The processes that read a key, by where it takes effect: the README's config
+#: table says the same in its "read in" column (tests/test_docs.py compares them)
+CLIENT, SCHEDULER, WORKERS = "client", "scheduler", "workers"
+
+
+def _key(name: str, *read_in: str, **default: Any) -> Any:
+    """A field of :class:`OtelConfig`: the value of dask config key ``name``, which
+    each process in ``read_in`` reads from its own dask config"""
+    return field(metadata={"key": name, "read_in": read_in}, **default)
+
+
 @dataclass(frozen=True)
 class OtelConfig:
-    """A validated snapshot of the ``otel:`` dask config namespace"""
+    """A validated snapshot of the ``otel:`` dask config namespace, as one process
+    reads it: each process of a cluster has its own"""
 
-    #: otel.enabled
-    enabled: bool
-    #: otel.flush-timeout, seconds
-    flush_timeout: float
-    #: otel.traces.exporter, resolved against OTEL_TRACES_EXPORTER
-    traces_exporters: tuple[str, ...]
-    #: otel.spans.poll-interval, seconds
-    poll_interval: float
-    #: otel.spans.export-delay, seconds
-    export_delay: float
-    #: otel.spans.metrics-timeout, seconds
-    metrics_timeout: float
-    #: otel.spans.totals: "subtree" or "own"
-    span_totals: str
-    #: otel.spans.code
-    export_code: bool
-    #: otel.metrics.exporter, resolved against OTEL_METRICS_EXPORTER
-    metrics_exporters: tuple[str, ...]
-    #: otel.metrics.span-label
-    span_label: bool
-    #: otel.tasks.spans
-    task_spans: bool = False
-    #: otel.tasks.sample-ratio, in [0, 1]
-    task_sample_ratio: float = 1.0
-    #: otel.tasks.slower-than, seconds; None: no such rule
-    task_slower_than: float | None = None
-    #: otel.tasks.erred
-    task_erred: bool = True
-    #: otel.logs.exporter, resolved against OTEL_LOGS_EXPORTER (default none)
-    logs_exporters: tuple[str, ...] = ()
-    #: otel.logs.level, a logging level number
-    logs_level: int = logging.INFO
+    enabled: bool = _key("otel.enabled", CLIENT, SCHEDULER, WORKERS)
+    #: seconds
+    flush_timeout: float = _key("otel.flush-timeout", SCHEDULER, WORKERS)
+    #: resolved against OTEL_TRACES_EXPORTER
+    traces_exporters: tuple[str, ...] = _key("otel.traces.exporter", SCHEDULER, WORKERS)
+    #: seconds
+    poll_interval: float = _key("otel.spans.poll-interval", SCHEDULER)
+    #: seconds
+    export_delay: float = _key("otel.spans.export-delay", SCHEDULER)
+    #: seconds
+    metrics_timeout: float = _key("otel.spans.metrics-timeout", SCHEDULER)
+    #: "subtree" or "own"
+    span_totals: str = _key("otel.spans.totals", SCHEDULER)
+    export_code: bool = _key("otel.spans.code", SCHEDULER)
+    #: resolved against OTEL_METRICS_EXPORTER
+    metrics_exporters: tuple[str, ...] = _key("otel.metrics.exporter", SCHEDULER, WORKERS)
+    span_label: bool = _key("otel.metrics.span-label", SCHEDULER)
+    task_spans: bool = _key("otel.tasks.spans", WORKERS, default=False)
+    #: in [0, 1]
+    task_sample_ratio: float = _key("otel.tasks.sample-ratio", WORKERS, default=1.0)
+    #: seconds; None: no such rule
+    task_slower_than: float | None = _key("otel.tasks.slower-than", WORKERS, default=None)
+    task_erred: bool = _key("otel.tasks.erred", WORKERS, default=True)
+    #: resolved against OTEL_LOGS_EXPORTER (default none)
+    logs_exporters: tuple[str, ...] = _key("otel.logs.exporter", SCHEDULER, WORKERS, default=())
+    #: a logging level number
+    logs_level: int = _key("otel.logs.level", SCHEDULER, WORKERS, default=logging.INFO)
+
+    def effective(self, process: str) -> dict[str, Any]:
+        """The values of the keys that ``process`` (:data:`SCHEDULER` or
+        :data:`WORKERS`) reads, by key, as the bridge uses them: durations in
+        seconds, exporters resolved against ``OTEL_*_EXPORTER``, the level by name"""
+        values = {}
+        for f in fields(self):
+            if process in f.metadata["read_in"]:
+                value = getattr(self, f.name)
+                if f.name == "logs_level":
+                    value = logging.getLevelName(value)
+                values[f.metadata["key"]] = list(value) if isinstance(value, tuple) else value
+        return values
+
+
+def read_in() -> dict[str, tuple[str, ...]]:
+    """Each key of :class:`OtelConfig`, with the processes that read it"""
+    return {f.metadata["key"]: f.metadata["read_in"] for f in fields(OtelConfig)}
+
+
+def enabled() -> bool:
+    """``otel.enabled`` in this process's dask config
+
+    Raises
+    ------
+    ConfigError
+        if it is not true or false
+    """
+    return _bool("otel.enabled")
 
 
 def read_config() -> OtelConfig:
@@ -99,7 +135,7 @@ def read_config() -> OtelConfig:
     """
     _warn_unknown_keys(dask.config.get("otel", default={}), DEFAULTS["otel"], "otel")
     return OtelConfig(
-        enabled=_bool("otel.enabled"),
+        enabled=enabled(),
         flush_timeout=_seconds("otel.flush-timeout"),
         traces_exporters=_exporters("otel.traces.exporter", "TRACES", TRACES_EXPORTERS),
         poll_interval=_seconds("otel.spans.poll-interval", positive=True),

@@ -5,7 +5,13 @@ from __future__ import annotations
 
 import pytest
 
+import dask_otel.log
 from tests.support.cluster import otel_cluster
+
+# caplog listens on the root logger. distributed, imported here before pytest set it
+# up, keeps its lines to its own handler, and the bridge's logger follows it
+# (dask_otel/log.py): let the bridge's lines reach caplog as well.
+dask_otel.log.logger.propagate = True
 
 
 @pytest.fixture(autouse=True)

@@ -8,7 +8,9 @@ checked by tests/test_metrics.py."""
 
 from __future__ import annotations
 
+import ast
 import asyncio
+import dataclasses
 import re
 from pathlib import Path
 
@@ -54,11 +56,47 @@ def flatten(d: dict, prefix: str = "") -> dict:
 
 def test_config_table_matches_otel_yaml():
     rows = markdown_table(README.read_text(), "config-table")
-    documented = {code(key): code(default) for key, default, _ in rows}
+    documented = {code(key): code(default) for key, default, _, _ in rows}
     defaults = flatten(dask_otel.config.DEFAULTS)
     assert set(documented) == set(defaults)
     for key, value in defaults.items():
         assert documented[key] == yaml.safe_dump(value).splitlines()[0].removesuffix(" ..."), key
+
+
+def test_config_table_says_which_processes_read_each_key():
+    """The "read in" column is what the bridge reads where (``OtelConfig``'s fields),
+    which is also what ``status`` shows of each process (tests/test_status.py)"""
+    rows = markdown_table(README.read_text(), "config-table")
+    documented = {code(key): tuple(read_in.split(", ")) for key, _, read_in, _ in rows}
+    assert documented == dask_otel.config.read_in()
+
+
+def sides_using(attribute: str) -> set[str]:
+    """The sides of the package whose code reads ``<something>.<attribute>``:
+    scheduler (scheduler/, spans.py), workers (worker/, spill.py), or both (the rest)"""
+    package = Path(dask_otel.config.__file__).parent
+    sides = set()
+    for path in package.rglob("*.py"):
+        if path.name == "config.py":
+            continue
+        tree = ast.parse(path.read_text())
+        if any(isinstance(n, ast.Attribute) and n.attr == attribute for n in ast.walk(tree)):
+            part = path.relative_to(package).parts[0]
+            if part in ("scheduler", "spans.py"):
+                sides.add("scheduler")
+            elif part in ("worker", "spill.py"):
+                sides.add("workers")
+            else:
+                sides.update(("scheduler", "workers"))
+    return sides
+
+
+def test_each_key_is_used_only_in_the_processes_that_read_it():
+    """OtelConfig's "read in" (the table's column) against the code: a key read in
+    the scheduler alone is used by scheduler-side code only, and so on"""
+    for field in dataclasses.fields(dask_otel.config.OtelConfig):
+        read_in = set(field.metadata["read_in"]) - {"client"}
+        assert sides_using(field.name) == read_in, field.metadata["key"]
 
 
 def attribute_patterns(marker: str = "span-attributes-table") -> list[tuple[str, re.Pattern]]:

@@ -352,7 +352,7 @@ import dask
 from distributed import Client, LocalCluster
 with dask.config.set({"distributed.scheduler.preload": ["dask_otel"],
                       "otel.metrics.exporter": "console", "otel.traces.exporter": "none"}):
-    with LocalCluster(n_workers=1, processes=False, dashboard_address=":0") as cluster:
+    with LocalCluster(n_workers=1, processes=False, dashboard_address="127.0.0.1:0") as cluster:
         with Client(cluster) as client:
             client.submit(sum, [1, 2]).result()
 """

@@ -166,13 +166,27 @@ def test_span_code_is_not_exported_by_default():
     assert not any("code" in k for k in s.attributes)
 
 
-def test_span_code_is_exported_when_asked():
+def test_span_code_is_exported_when_asked(caplog):
     config = {"otel.spans.code": True, "distributed.diagnostics.computations.nframes": 1}
     with otel_cluster(config) as (client, mirrored):
         with span("shown") as sid:
             dask.delayed(inc)(1).compute()
         code = mirrored.by_dask_id(sid).attributes["dask.span.code"]
         assert any("dask.delayed(inc)(1).compute()" in c for c in code)
+    assert "nframes" not in caplog.text
+
+
+def test_span_code_without_nframes_warns_once_naming_the_dask_key(caplog):
+    """Dask's default nframes is 0: the client sends no code, and one WARNING says
+    which key to set"""
+    with otel_cluster({"otel.spans.code": True}) as (client, mirrored):
+        for name in ("first", "second"):
+            with span(name) as sid:
+                dask.delayed(inc)(1).compute()
+            assert mirrored.by_dask_id(sid).attributes["dask.span.code"] == ()
+    told = [r for r in caplog.records if "nframes" in r.getMessage()]
+    assert len(told) == 1 and told[0].levelno == logging.WARNING
+    assert "distributed.diagnostics.computations.nframes" in told[0].getMessage()
 
 
 def test_own_totals_count_nothing_twice():

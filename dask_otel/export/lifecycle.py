@@ -93,12 +93,15 @@ async def _in_thread(function: Any, name: str, deadline: float) -> bool:
 
 
 def start_telemetry(server: str, **resource: Any) -> tuple[Telemetry | None, str | None]:
-    """Read config and attach to this process's Telemetry; never raises"""
+    """Read config and attach to this process's Telemetry; never raises.
+
+    Returns the Telemetry, or None and why the bridge is off on ``server``.
+    """
     try:
         config = read_config()
         if not config.enabled:
             logger.info("dask_otel: otel.enabled is false on %s; not exporting", server)
-            return None, None
+            return None, f"disabled by otel.enabled on {server}"
         return Telemetry.acquire(config, **resource), None
     except ConfigError as e:  # names the key and the value
         logger.error("dask_otel is off on %s: %s", server, e)

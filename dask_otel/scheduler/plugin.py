@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 from distributed.diagnostics.plugin import SchedulerPlugin
 from tornado.ioloop import IOLoop, PeriodicCallback
 
-from dask_otel.config import ConfigError
+from dask_otel.config import SCHEDULER, ConfigError
 from dask_otel.export.lifecycle import release_telemetry, start_telemetry
 from dask_otel.scheduler.totals import failure_time
 from dask_otel.spans import SpanMirror
@@ -167,4 +167,6 @@ class OtelSchedulerPlugin(SchedulerPlugin):
             "spans_delivered": sum(e.spans_exported for e in exporters),
             "spans_failed": sum(e.spans_failed for e in exporters),
             "export_failures": sum(e.export_failures for e in exporters),
+            # the otel.* keys the scheduler reads, as it uses them (None: off)
+            "config": telemetry.config.effective(SCHEDULER) if telemetry is not None else None,
         }

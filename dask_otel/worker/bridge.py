@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING, Any
 
+from dask_otel.config import WORKERS
 from dask_otel.export.global_provider import adopt_global_tracer_provider
 from dask_otel.export.lifecycle import release_telemetry, start_telemetry
 from dask_otel.spill import SpillInstruments
@@ -94,4 +95,6 @@ class WorkerBridge:
             "task_context_errors": hook.errors if hook is not None else 0,
             # task spans exported by this worker; None when otel.tasks.spans is off
             "task_spans": task_spans.exported if task_spans is not None else None,
+            # the otel.* keys a worker reads, as this one uses them (None: off)
+            "config": self.telemetry.config.effective(WORKERS) if self.telemetry else None,
         }

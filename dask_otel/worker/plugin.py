@@ -56,7 +56,7 @@ class OtelWorkerPlugin(WorkerPlugin):
         if self.bridge is not None:
             return self.bridge.status()
         return {"error": self.error, "metrics": False, "task_context": False,
-                "task_context_errors": 0, "task_spans": None}
+                "task_context_errors": 0, "task_spans": None, "config": None}
 
 
 def dumps_by_value() -> bytes:

@@ -1,0 +1,111 @@
+"""The bridge's own log lines (logger ``dask_otel``) are Dask's: the same stream,
+format and level filtering as the ``distributed`` logger's, set by dask config's
+``logging:``, under ``dask scheduler`` and in a script that starts a LocalCluster."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+import textwrap
+
+import pytest
+from distributed import Client
+
+from tests.support.cluster import wait_until
+from tests.support.processes import dask_processes
+
+#: Dask's default ``distributed.admin.log-format``: time, logger name, level
+DASK_LINE = r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3} - dask_otel - "
+#: No collector in these tests: nothing to export
+NO_EXPORT = {"OTEL_TRACES_EXPORTER": "none", "OTEL_METRICS_EXPORTER": "none"}
+
+
+def dask_line(level: str, message: str) -> re.Pattern:
+    return re.compile(f"{DASK_LINE}{level} - {message}", re.MULTILINE)
+
+
+def test_dask_scheduler_logs_a_bad_value_at_error_in_dasks_format():
+    env = {**NO_EXPORT, "DASK_OTEL__SPANS__EXPORT_DELAY": "soon"}
+    with dask_processes(env, n_workers=0) as cluster:
+        line = dask_line(
+            "ERROR", r"dask_otel is off on scheduler tcp://127\.0\.0\.1:\d+: "
+            r"otel\.spans\.export-delay: .*got 'soon'$",
+        )
+        wait_until(lambda: line.search(cluster.log("scheduler")), what="the ERROR line")
+        log = cluster.log("scheduler")
+    # not also as a bare line (Python's last-resort handler)
+    assert not re.search(r"^dask_otel is off", log, re.MULTILINE), log
+
+
+def scheduler_log_when_disabled(env: dict[str, str]) -> str:
+    """The log of a ``dask scheduler`` whose bridge is switched off by otel.enabled,
+    once Dask has run the preload (the bridge has logged what it logs by then)"""
+    with dask_processes({**NO_EXPORT, "DASK_OTEL__ENABLED": "false", **env}, n_workers=0) as cluster:
+        with Client(cluster.address, timeout=30) as client:
+            wait_until(lambda: client.run_on_scheduler(preloaded), what="the preload")
+        return cluster.log("scheduler")
+
+
+def preloaded(dask_scheduler) -> bool:
+    return "dask-otel" in dask_scheduler.plugins
+
+
+INFO_LINE = dask_line("INFO", r"dask_otel: otel\.enabled is false on scheduler tcp://\S+; not exporting$")
+
+
+def test_dask_scheduler_logs_the_bridges_info_lines():
+    log = scheduler_log_when_disabled({})
+    assert INFO_LINE.search(log), log
+
+
+def test_dask_config_logging_sets_the_bridges_level_as_distributeds():
+    """Not named in ``logging:``, the bridge's logger follows ``distributed``'s level;
+    named, it has its own, like any ``distributed.*`` logger"""
+    quiet = scheduler_log_when_disabled({"DASK_LOGGING__DISTRIBUTED": "warning"})
+    assert not INFO_LINE.search(quiet), quiet
+    own = scheduler_log_when_disabled(
+        {"DASK_LOGGING__DISTRIBUTED": "warning", "DASK_LOGGING__DASK_OTEL": "info"}
+    )
+    assert INFO_LINE.search(own), own
+
+
+def test_dask_worker_logs_the_bridges_info_lines():
+    with dask_processes(NO_EXPORT, n_workers=0) as cluster:
+        cluster.add_worker("off", env={"DASK_OTEL__ENABLED": "false"})
+        line = dask_line(
+            "INFO", r"dask_otel: otel\.enabled is false on worker tcp://\S+; not exporting$"
+        )
+        wait_until(lambda: line.search(cluster.log("off")), what="the INFO line")
+
+
+SCRIPT = """
+import dask
+from distributed import Client, LocalCluster
+
+if __name__ == "__main__":
+    dask.config.set({{
+        "distributed.scheduler.preload": ["dask_otel"],
+        "otel.traces.exporter": "none",
+        "otel.metrics.exporter": "none",
+        "otel.spans.export-delay": "soon",
+    }})
+    with LocalCluster(n_workers=1, processes={processes}, dashboard_address="127.0.0.1:0",
+                      **{host}) as cluster, Client(cluster) as client:
+        assert client.submit(sum, [1, 2]).result() == 3
+"""
+
+
+@pytest.mark.parametrize("processes", [False, True], ids=["threads", "processes"])
+def test_a_local_cluster_script_logs_the_bridges_lines_as_dasks(processes, tmp_path):
+    script = tmp_path / "script.py"
+    script.write_text(textwrap.dedent(SCRIPT.format(processes=processes, host={"host": "127.0.0.1"} if processes else {})))
+    env = {**os.environ, "PYTHONPATH": os.environ.get("PYTHONPATH", "")}
+    run = subprocess.run(
+        [sys.executable, str(script)], env=env, cwd=tmp_path, capture_output=True,
+        text=True, timeout=120,
+    )
+    assert run.returncode == 0, run.stderr
+    line = dask_line("ERROR", r"dask_otel is off on scheduler \S+: otel\.spans\.export-delay")
+    assert line.search(run.stderr), run.stderr
