@@ -148,7 +148,10 @@ def test_unhookable_worker_runs_tasks_without_context_and_says_so_once(monkeypat
     monkeypatch.setattr(execute_hook, "_told_unhookable", False)
     handler = Records()
     logger = logging.getLogger("dask_otel")
-    monkeypatch.setattr(logger, "level", logging.INFO)
+    # setLevel, not the attribute: it also clears the loggers' cached decisions,
+    # which an earlier test in this process may have left at "INFO is off"
+    level = logger.level
+    logger.setLevel(logging.INFO)
     logger.addHandler(handler)
     try:
         with otel_cluster(worker_class=SyncExecuteWorker) as (client, _):
@@ -161,6 +164,7 @@ def test_unhookable_worker_runs_tasks_without_context_and_says_so_once(monkeypat
             assert all(w["error"] is None for w in workers.values())
     finally:
         logger.removeHandler(handler)
+        logger.setLevel(level)
     told = [r for r in handler.records if "without an OpenTelemetry context" in r.getMessage()]
     assert len(told) == 1 and told[0].levelno == logging.INFO
     assert "Worker.execute is not a coroutine function" in told[0].getMessage()
