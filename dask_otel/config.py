@@ -181,6 +181,10 @@ def _warn_unknown_keys(given: Any, defaults: dict, prefix: str) -> None:
 
 def _bool(key: str) -> bool:
     value = get(key)
+    # DASK_OTEL__ENABLED=false: dask 2024.1's collect_env keeps 'false' a string
+    # (later dask reads YAML's true/false from the environment as booleans)
+    if isinstance(value, str) and value.strip().lower() in ("true", "false"):
+        return value.strip().lower() == "true"
     if not isinstance(value, bool):
         raise ConfigError(key, value, "true or false")
     return value

@@ -83,3 +83,11 @@ def test_an_unexpected_startup_failure_is_described_not_a_bare_exception_text(
         assert client.submit(sum, [1, 2]).result() == 3  # the cluster computes on
     assert error == "could not start telemetry: KeyError: 'otel'"
     assert "could not start telemetry" in caplog.text
+
+
+@pytest.mark.parametrize("text, value", [("false", False), ("True", True), (" true ", True)])
+def test_true_and_false_as_text_are_booleans(text, value):
+    # dask 2024.1 keeps DASK_OTEL__ENABLED=false from the environment as the text
+    with dask.config.set({"otel.enabled": text, "otel.tasks.spans": text}):
+        config = read_config()
+    assert config.enabled is value and config.task_spans is value
