@@ -50,7 +50,6 @@ from opentelemetry.trace import (
     StatusCode,
 )
 
-from dask_otel.export.sink import span_name
 from dask_otel.span_context import SAMPLED
 
 if TYPE_CHECKING:
@@ -194,7 +193,7 @@ class TaskSpans:
         status = _UNSET
         if erred:
             exc_type, message = _exception_type_and_message(event)
-            status = Status(StatusCode.ERROR, span_name(f"{exc_type}: {message}"))
+            status = Status(StatusCode.ERROR, sink.name(f"{exc_type}: {message}"))
             events = (
                 Event(
                     "exception",
@@ -211,23 +210,17 @@ class TaskSpans:
             )
         else:
             attributes["dask.output.bytes"] = event.nbytes
-        return ReadableSpan(
-            span_name(key_split(run.key)),
-            context=SpanContext(
+        return sink.span(
+            key_split(run.key),
+            SpanContext(
                 parent.trace_id, run.span_id, is_remote=False,
                 trace_flags=SAMPLED, trace_state=parent.trace_state,
             ),
-            parent=SpanContext(
+            SpanContext(
                 parent.trace_id, parent.span_id, is_remote=False,
                 trace_flags=SAMPLED, trace_state=parent.trace_state,
             ),
-            resource=sink.resource,
-            attributes=sink.bounded(attributes),
-            events=events,
-            status=status,
-            start_time=_ns(start),
-            end_time=_ns(stop),
-            instrumentation_scope=sink.scope,
+            start, stop, attributes, status, events,
         )
 
 
