@@ -2,7 +2,9 @@
 
 The bridge is switched on exactly as a user would, with the preload key. Spans go
 to an in-memory exporter on the scheduler (LocalCluster runs it in this process),
-so no collector is needed; with ``--endpoint`` they also go over OTLP.
+so no collector is needed; with ``--endpoint`` they also go over OTLP, and with
+``--metrics`` the cluster's metrics too (the demo shows traces: a traces-only
+backend such as Phoenix or Jaeger is sent only what it takes).
 """
 
 from __future__ import annotations
@@ -106,8 +108,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         default="grpc",
         help="OTLP protocol for --endpoint (default: grpc)",
     )
+    parser.add_argument(
+        "--metrics",
+        action="store_true",
+        help="also send the cluster's metrics to --endpoint (default: traces only)",
+    )
     parser.add_argument("--workers", type=int, default=2)
     args = parser.parse_args(argv)
+    if args.metrics and not args.endpoint:
+        parser.error("--metrics needs --endpoint")
 
     import dask
     from distributed import Client, LocalCluster
@@ -123,7 +132,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         {
             "distributed.scheduler.preload": ["dask_otel"],
             "otel.traces.exporter": exporters,
-            "otel.metrics.exporter": "otlp" if args.endpoint else "none",
+            "otel.metrics.exporter": "otlp" if args.endpoint and args.metrics else "none",
             "otel.spans.export-delay": "500ms",
         }
     ):
@@ -150,5 +159,6 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(f"Dask span id {sid} -> OTel trace id {sid.replace('-', '')}\n")
             print(waterfall(memory.get_finished_spans(), trace_id))
             if args.endpoint:
-                print(f"\nsent to {args.endpoint} ({args.protocol})")
+                what = "traces and metrics" if args.metrics else "traces"
+                print(f"\n{what} sent to {args.endpoint} ({args.protocol})")
     return 0

@@ -35,7 +35,7 @@ from dask_otel.export.instruments import (
 if TYPE_CHECKING:
     from distributed import Worker
 
-    from dask_otel.export.telemetry import Telemetry
+    from dask_otel.export.telemetry import ServerTelemetry
 
 #: Attributes
 WORKER_ADDRESS = "dask.worker.address"
@@ -69,8 +69,10 @@ class ObservedWorker(Attached):
     #: enforces it, so None for a worker without one
     terminate_fraction: float | None
 
-    def __init__(self, worker: Worker):
-        super().__init__({WORKER_ADDRESS: worker.address, WORKER_NAME: str(worker.name)})
+    def __init__(self, worker: Worker, attributes: Mapping[str, Any] | None = None):
+        super().__init__({
+            WORKER_ADDRESS: worker.address, WORKER_NAME: str(worker.name), **(attributes or {})
+        })
         self.worker = worker
         fraction = dask.config.get("distributed.worker.memory.terminate", False)
         self.terminate_fraction = fraction if getattr(worker, "nanny", None) else None
@@ -247,9 +249,10 @@ class SpillInstruments(ProcessInstruments):
     table = SPILL_METRICS
 
     @classmethod
-    def observe(cls, worker: Worker, telemetry: Telemetry) -> ObservedWorker:
+    def observe(cls, worker: Worker, own: ServerTelemetry) -> ObservedWorker:
         """Report on ``worker`` from the next collection on, until the returned
         handle's ``close()``"""
-        assert telemetry.meter_provider is not None
-        instruments = cls.of(telemetry.meter_provider)
-        return instruments.attach(ObservedWorker(worker))  # type: ignore[return-value]
+        assert own.telemetry.meter_provider is not None
+        instruments = cls.of(own.telemetry.meter_provider)
+        observed = ObservedWorker(worker, own.metric_attributes)
+        return instruments.attach(observed)  # type: ignore[return-value]

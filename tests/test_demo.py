@@ -76,3 +76,36 @@ def test_demo_sends_the_same_tree_to_a_collector(protocol):
     assert sorted(s.name for s in spans) == sorted(n.strip() for n in names)
     root = next(s for s in spans if s.parent_span_id is None)
     assert root.name == "Alice's workflow" and root.span_id == trace_id[-16:]
+
+
+@pytest.mark.parametrize("protocol", ["grpc", "http/protobuf"])
+def test_demo_sends_a_traces_only_backend_only_traces(protocol):
+    """Phoenix and Jaeger take OTLP traces only: the demo sends what it shows"""
+    with OTLPReceiver(protocol) as receiver:
+        receiver.refuse = {"metrics", "logs"}
+        out = subprocess.run(
+            [sys.executable, "-m", "dask_otel", "demo", "--endpoint", receiver.endpoint,
+             "--protocol", protocol],
+            capture_output=True, text=True, timeout=120,
+        )
+        assert out.returncode == 0, out.stdout + out.stderr
+        trace_id, names = tree_of(out.stdout)
+        receiver.wait_for(lambda r: len([s for s in r.spans() if s.trace_id == trace_id]) >= 7)
+    assert receiver.rejected == 0 and not receiver.metric_points()
+    assert "dask_otel:" not in out.stderr, out.stderr
+
+
+def test_demo_asked_for_metrics_says_the_backend_refuses_them_and_how_to_stop():
+    with OTLPReceiver("http/protobuf") as receiver:
+        receiver.refuse = {"metrics"}
+        out = subprocess.run(
+            [sys.executable, "-m", "dask_otel", "demo", "--endpoint", receiver.endpoint,
+             "--protocol", "http/protobuf", "--metrics"],
+            capture_output=True, text=True, timeout=120,
+        )
+    assert out.returncode == 0, out.stdout + out.stderr
+    refused = [line for line in out.stderr.splitlines() if "does not accept metrics" in line]
+    # once per process that exports metrics: the scheduler's and each worker's
+    assert 1 <= len(refused) <= 3, out.stderr
+    assert all("OTEL_METRICS_EXPORTER=none" in line for line in refused)
+    assert "until the collector answers again" not in out.stderr

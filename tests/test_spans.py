@@ -140,7 +140,8 @@ def test_unicode_and_parameterised_tags(cluster):
             client.submit(inc, i, key=f"inc-tag-{i}").result()
         s = mirrored.by_dask_id(sid)
         assert s.attributes["dask.span.name"][0] == f"run {i}"
-        assert s.name == tag if len(tag) < 1000 else len(s.name) <= 1024
+        # the name is cut as the tag is, to the attribute length limit (4096 here)
+        assert s.name == s.attributes["dask.span.name"][1] == tag[:4096]
 
 
 def test_default_span_each_idle_period_its_own_trace(cluster):
@@ -605,9 +606,44 @@ def test_attribute_length_limit_zero_is_the_sdks(monkeypatch):
         with span("limited") as sid:
             client.submit(inc, 1, key="limited-1").result()
         s = mirrored.by_dask_id(sid)
-        assert s.attributes["dask.span.id"] == ""
+        assert s.attributes["dask.span.id"] == sid  # an id is never cut
         assert s.attributes["dask.span.name"] == ("",)
         assert s.attributes["dask.tasks.total"] == 1  # numbers are not cut
+
+
+def test_a_length_limit_cuts_names_and_tags_but_never_ids(monkeypatch):
+    """One rule (docs/traces.md): a span name is cut as its tag is, to the
+    attribute value length limit; dask.span.id stays whole, on Dask spans,
+    TaskGroup spans and task spans"""
+    monkeypatch.setenv("OTEL_SPAN_ATTRIBUTE_VALUE_LENGTH_LIMIT", "8")
+    with otel_cluster({"otel.tasks.spans": True}) as (client, mirrored):
+        with span("a long workflow name") as sid:
+            client.submit(inc, 1, key="lengthy_prefix-1").result()
+        s = mirrored.by_dask_id(sid)
+        group, task = wait_until(lambda: len(c := mirrored.children(s)) == 2 and sorted(
+            c, key=lambda c: "dask.task.key" in c.attributes))
+    assert s.name == "a long w" and s.attributes["dask.span.name"] == ("a long w",)
+    assert group.name == task.name == "lengthy_"
+    assert group.attributes["dask.taskgroup.prefix"] == "lengthy_"
+    assert task.attributes["dask.task.key"] == "lengthy_"
+    assert group.attributes["dask.span.name"] == ("a long w",)
+    for each in (s, group, task):
+        assert each.attributes["dask.span.id"] == sid, each.name
+
+
+def test_links_keep_the_producers_id_whole():
+    """Links get their attributes through the same rule as spans"""
+    from opentelemetry.sdk.trace import SpanLimits
+
+    from dask_otel.export.sink import bounded_attributes
+
+    producer = "7f1c2b7e-3c1d-4e5f-8a9b-0c1d2e3f4a5b"
+    limits = SpanLimits(max_span_attribute_length=8)
+    attributes = bounded_attributes(
+        {"dask.span.id": producer, "dask.span.name": ("a producer",)},
+        limits.max_link_attributes, limits.max_span_attribute_length,
+    )
+    assert dict(attributes) == {"dask.span.name": ("a produc",), "dask.span.id": producer}
 
 
 def test_attribute_count_limit_is_the_sdks(monkeypatch):
@@ -618,6 +654,7 @@ def test_attribute_count_limit_is_the_sdks(monkeypatch):
         s = mirrored.by_dask_id(sid)
         assert len(s.attributes) == 3
         assert s.dropped_attributes > 0
+        assert s.attributes["dask.span.id"] == sid  # the ids are dropped last
 
 
 def exported_after(config: dict, stop_heartbeats: bool) -> tuple[float, object]:

@@ -8,6 +8,7 @@ The wrappers run in the SDK's export threads; they add counting and nothing else
 from __future__ import annotations
 
 import logging
+import re
 import threading
 import time
 from collections.abc import Callable
@@ -41,19 +42,38 @@ class _HeldExporterLogs(logging.Filter):
 
     def attach(self) -> None:
         # Filters apply to the logger a record is logged on, not its ancestors:
-        # attach to every exporter module's logger (imported by now)
+        # attach to every exporter module's logger (imported by now). First, ahead
+        # of the SDK's DuplicateFilter, which drops a line repeated within 20 s:
+        # the second refusal of a batch must still bring its reason.
         for name in list(logging.root.manager.loggerDict):
             if name.startswith("opentelemetry.exporter"):
-                logging.getLogger(name).addFilter(self)
+                filters = logging.getLogger(name).filters
+                if self not in filters:
+                    filters.insert(0, self)
 
 
 HELD_EXPORTER_LOGS = _HeldExporterLogs()
+
+#: How the SDK's OTLP exporters report a collector that does not serve a signal at
+#: all (HTTP 404, 405, 501; gRPC UNIMPLEMENTED), not retried: "Failed to export
+#: metrics batch code: 405, reason: Method Not Allowed", "... error code:
+#: StatusCode.UNIMPLEMENTED". Phoenix and Jaeger, for instance, take traces only.
+REFUSED = re.compile(r"\bcode: (?:40[45]|501)\b|\bStatusCode\.UNIMPLEMENTED\b")
+#: The setting that stops exporting a signal, by ExportOutage.signal
+SILENCED_BY = {
+    "spans": ("OTEL_TRACES_EXPORTER", "otel.traces.exporter"),
+    "metrics": ("OTEL_METRICS_EXPORTER", "otel.metrics.exporter"),
+    "logs": ("OTEL_LOGS_EXPORTER", "otel.logs.exporter"),
+}
 
 
 class ExportOutage:
     """Counts what one exporter shipped and lost, and logs an outage once: a WARNING
     with the exporter's reason when exports start failing, one when they recover.
-    Runs in the SDK's export thread."""
+    A collector that does not serve the signal at all (:data:`REFUSED`) is no
+    outage: one WARNING says so and names the setting that stops the export
+    (:data:`SILENCED_BY`), and it does not count as failing (shutdown still
+    flushes). Runs in the SDK's export thread."""
 
     def __init__(self, signal: str):
         self.signal = signal
@@ -65,6 +85,9 @@ class ExportOutage:
         self.export_failures = 0
         #: failed export calls since the last success
         self.failing = 0
+        #: export calls the collector refused for good (:data:`REFUSED`) since
+        #: the last success
+        self.refused = 0
         #: the export under way: when it started (``time.monotonic()``), and the
         #: exporter's log records held so far (a retry logs one)
         self._started: float | None = None
@@ -98,17 +121,28 @@ class ExportOutage:
             self._started = None
         if ok:
             self.exported += items
-            if self.failing:
+            if self.failing or self.refused:
                 logger.warning(
                     "dask_otel: %s export recovered after %d failed exports",
-                    self.signal, self.failing,
+                    self.signal, self.failing + self.refused,
                 )
-                self.failing = 0
+                self.failing = self.refused = 0
             return True
         self.failed += items
         self.export_failures += 1
         reason = held[-1].getMessage() if held else "the exporter returned FAILURE"
         logger.debug("dask_otel: %s export failed: %s", self.signal, reason)
+        if any(REFUSED.search(r.getMessage()) for r in held):
+            if not self.refused:
+                variable, key = SILENCED_BY.get(self.signal, ("", ""))
+                logger.warning(
+                    "dask_otel: the collector does not accept %s (%s): it refuses them "
+                    "for good, so they are dropped; to stop sending them, set %s=none "
+                    "(or %s: none)",
+                    self.signal, reason, variable, key,
+                )
+            self.refused += 1
+            return False
         if not self.failing:
             logger.warning(
                 "dask_otel: cannot export %s (%s); dropping them until the collector "

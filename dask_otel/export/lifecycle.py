@@ -1,6 +1,6 @@
 """Start and release of a Dask server's telemetry: the two ends every plugin shares.
 
-:func:`start_telemetry` reads config and attaches the server to its process's
+:func:`start_telemetry` reads the server's config and attaches it to its process's
 :class:`~dask_otel.export.telemetry.Telemetry`; it never raises into Dask.
 :func:`release_telemetry` detaches it, and the last server of a process flushes
 and shuts the SDK down, within ``otel.flush-timeout`` whatever the collector does.
@@ -15,7 +15,7 @@ import time
 from typing import Any
 
 from dask_otel.config import ConfigError, read_config
-from dask_otel.export.telemetry import Telemetry
+from dask_otel.export.telemetry import ServerTelemetry, Telemetry
 
 logger = logging.getLogger("dask_otel")
 
@@ -92,10 +92,12 @@ async def _in_thread(function: Any, name: str, deadline: float) -> bool:
     return not thread.is_alive()
 
 
-def start_telemetry(server: str, **resource: Any) -> tuple[Telemetry | None, str | None]:
-    """Read config and attach to this process's Telemetry; never raises.
+def start_telemetry(server: str, **resource: Any) -> tuple[ServerTelemetry | None, str | None]:
+    """Read this server's config and attach it to its process's Telemetry; never
+    raises.
 
-    Returns the Telemetry, or None and why the bridge is off on ``server``.
+    Returns the server's view of the Telemetry, or None and why the bridge is off
+    on ``server``.
     """
     try:
         config = read_config()

@@ -4,6 +4,11 @@ mirrored Dask spans and TaskGroups, the workers' task spans) go to the SDK.
 They are built already finished, as ``ReadableSpan``s, so they skip the SDK's
 Tracer: the sink adds what a Tracer would (resource, instrumentation scope, the
 ``SpanLimits`` the SDK's own spans get) and hands them to the span processors.
+
+Length limits, one rule: every string is cut to the attribute value length limit
+(``OTEL_SPAN_ATTRIBUTE_VALUE_LENGTH_LIMIT``, 4096 by default here), span names
+and status descriptions included, except :data:`WHOLE_VALUES`: the ids users
+search by are never cut (the SDK's ``BoundedAttributes`` would cut them too).
 """
 
 from __future__ import annotations
@@ -25,17 +30,12 @@ if TYPE_CHECKING:
 #: Span attribute value length when no OTEL_*ATTRIBUTE_VALUE_LENGTH_LIMIT is set:
 #: span tags are user data, and a 1 MB tag must not become a 1 MB attribute.
 DEFAULT_ATTRIBUTE_LENGTH = 4096
-#: Longest span name exported; the rest of a huge tag is cut (span names are not
-#: attributes, so the SDK's attribute length limit does not apply to them)
-MAX_NAME_LENGTH = 1024
+#: Attributes whose values are ids, never cut to the length limit (a cut UUID
+#: finds nothing): ``dask.span.id``, on spans, task spans and links
+WHOLE_VALUES = frozenset({"dask.span.id"})
 
 
 _UNSET = Status(StatusCode.UNSET)
-
-
-def span_name(name: str) -> str:
-    """A span name cut to :data:`MAX_NAME_LENGTH`"""
-    return name[:MAX_NAME_LENGTH]
 
 
 #: The attributes of an event or link that has none. Events and links always get
@@ -77,16 +77,30 @@ class SpanSink:
     IdGenerator: the mirror's ids come from Dask).
     """
 
-    def __init__(self, provider: TracerProvider, processors: list, limits: Any):
+    def __init__(
+        self, provider: TracerProvider, processors: list, limits: Any, resource: Any = None
+    ):
         from opentelemetry.sdk.util.instrumentation import InstrumentationScope
 
         self.provider = provider
         self.processors = processors
-        self.resource = provider.resource
+        #: The exporting server's resource (the provider's by default)
+        self.resource = provider.resource if resource is None else resource
         self.scope = InstrumentationScope("dask_otel", __version__)
         #: The SDK's SpanLimits: attribute count (OTEL_SPAN_ATTRIBUTE_COUNT_LIMIT)
         #: and value length (OTEL_SPAN_ATTRIBUTE_VALUE_LENGTH_LIMIT, or ours)
         self.limits = limits
+
+    def with_resource(self, resource: Any) -> SpanSink:
+        """The same processors and limits, for a server with another resource (a
+        second cluster in the process): cheap, nothing is copied"""
+        return SpanSink(self.provider, self.processors, self.limits, resource)
+
+    def name(self, name: str) -> str:
+        """A span name or status description cut, as attribute strings are, to the
+        attribute value length limit"""
+        max_len = self.limits.max_span_attribute_length
+        return name if max_len is None else name[:max_len]
 
     @property
     def sampler(self):
@@ -112,14 +126,13 @@ class SpanSink:
             attributes.values(), max_len
         ):
             return attributes
-        return BoundedAttributes(limit, attributes, immutable=True, max_value_len=max_len)
+        return bounded_attributes(attributes, limit, max_len)
 
     def event_attributes(self, attributes: dict[str, Any], count: int | None) -> BoundedAttributes:
         """The attributes of an event or a link, within the SDK's limits (``count``:
         the event or link attribute count limit), always as ``BoundedAttributes``
         (see :data:`NO_ATTRIBUTES`). Events and links are few: no fast path."""
-        max_len = self.limits.max_span_attribute_length
-        return BoundedAttributes(count, attributes, immutable=True, max_value_len=max_len)
+        return bounded_attributes(attributes, count, self.limits.max_span_attribute_length)
 
     def span(
         self,
@@ -137,7 +150,7 @@ class SpanSink:
         than ``start``), with what the SDK's Tracer would give it: resource,
         instrumentation scope, attributes within the limits, a bounded name"""
         return ReadableSpan(
-            span_name(name),
+            self.name(name),
             context=context,
             parent=parent,
             resource=self.resource,
@@ -155,6 +168,23 @@ class SpanSink:
         for processor in self.processors:
             processor.on_end(span)
 
+
+
+def bounded_attributes(
+    attributes: dict[str, Any], count: int | None, max_len: int | None
+) -> BoundedAttributes:
+    """``BoundedAttributes`` as the SDK builds them for its own spans (at most
+    ``count``, the oldest dropped first; values cleaned, strings cut to
+    ``max_len``), except that :data:`WHOLE_VALUES` keep their whole value and
+    come last, so that the count limit drops them last"""
+    whole = {k: attributes[k] for k in WHOLE_VALUES.intersection(attributes)}
+    if not whole or max_len is None:
+        return BoundedAttributes(count, attributes, immutable=True, max_value_len=max_len)
+    rest = {k: v for k, v in attributes.items() if k not in whole}
+    cut = BoundedAttributes(None, rest, immutable=True, max_value_len=max_len)
+    out = BoundedAttributes(count, {**cut, **whole}, immutable=True)
+    out.dropped += cut.dropped  # values of no attribute type
+    return out
 
 
 def span_limits():

@@ -8,6 +8,13 @@ share one TracerProvider and one MeterProvider (a Prometheus registry can hold t
 bridge's collector only once). It is created by the first Dask server that attaches
 and shut down, flushing, when the last one detaches.
 
+Each server attaches with its own ``otel.*`` values and identity
+(:class:`ServerTelemetry`): its spans carry its own resource and its scheduler
+reads its own span settings, also when two clusters share a process. What belongs
+to the providers cannot differ between them (:data:`PROCESS_WIDE`, the ``OTEL_*``
+variables, the MeterProvider's resource): a server of another scheduler than the
+first gets them from the first, which a WARNING and ``status()`` say.
+
 The bridge never replaces an application's global OpenTelemetry providers (see
 :mod:`dask_otel.export.global_provider` for the one exception).
 """
@@ -18,6 +25,7 @@ import logging
 import os
 import socket
 import threading
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from dask_otel.config import OtelConfig
@@ -32,6 +40,23 @@ logger = logging.getLogger("dask_otel")
 
 #: service.name when neither OTEL_SERVICE_NAME nor OTEL_RESOURCE_ATTRIBUTES sets one
 DEFAULT_SERVICE_NAME = "dask"
+#: The resource attribute (and, on a shared MeterProvider, metric attribute) that
+#: names a server's cluster
+SCHEDULER_ADDRESS = "dask.scheduler.address"
+#: The settings the process's providers are built with (``OtelConfig`` field ->
+#: dask config key): one value per process, the first server's
+PROCESS_WIDE = {
+    "traces_exporters": "otel.traces.exporter",
+    "metrics_exporters": "otel.metrics.exporter",
+    "logs_exporters": "otel.logs.exporter",
+    "logs_level": "otel.logs.level",
+    "flush_timeout": "otel.flush-timeout",
+}
+
+
+def otel_environment() -> dict[str, str]:
+    """The ``OTEL_*`` variables, which the providers' exporters read once"""
+    return {k: v for k, v in os.environ.items() if k.startswith("OTEL_")}
 
 
 def build_resource(**attributes: Any):
@@ -76,11 +101,23 @@ class Telemetry:
     #: :class:`dask_otel.export.logs.LogExport`
     logs: Any
 
-    def __init__(self, config: OtelConfig, resource_attributes: dict[str, Any]):
+    #: The first server's resource: the MeterProvider's and the LoggerProvider's
+    resource: Any
+    #: The scheduler of the first server (None if it named none): servers of
+    #: another one share what :data:`PROCESS_WIDE` lists and the metric resource
+    scheduler_address: str | None
+    #: The ``OTEL_*`` variables when the providers were built
+    environment: dict[str, str]
+
+    def __init__(self, config: OtelConfig, resource: Any, scheduler_address: str | None = None):
         from opentelemetry.sdk.metrics import MeterProvider
 
         self.config = config
-        self.resource = build_resource(**resource_attributes)
+        self.resource = resource
+        self.scheduler_address = scheduler_address
+        self.environment = otel_environment()
+        #: Schedulers whose servers were told they share this Telemetry
+        self.warned: set[str] = set()
         self.span_exporters = []
         self.accounted_span_exporters = []
         self.accounted_metric_exporters = []
@@ -150,13 +187,17 @@ class Telemetry:
         return {"meter_provider": self.meter_provider} if self.meter_provider else {}
 
     @classmethod
-    def acquire(cls, config: OtelConfig, **resource_attributes: Any) -> Telemetry:
-        """The process's Telemetry, created on first use"""
+    def acquire(cls, config: OtelConfig, **resource_attributes: Any) -> ServerTelemetry:
+        """Attach one server, with its own config and resource attributes, to the
+        process's Telemetry, created on first use"""
+        resource = build_resource(**resource_attributes)
+        address = resource_attributes.get(SCHEDULER_ADDRESS)
         with cls._lock:
             if cls._current is None:
-                cls._current = Telemetry(config, resource_attributes)
+                cls._current = Telemetry(config, resource, address)
             cls._users += 1
-            return cls._current
+            telemetry = cls._current
+        return ServerTelemetry.of(telemetry, config, resource, address)
 
     @classmethod
     def detach(cls, telemetry: Telemetry) -> bool:
@@ -170,6 +211,32 @@ class Telemetry:
                 return False
             cls._current = None
             return True
+
+    def warn_shared(self, address: str, config: OtelConfig) -> None:
+        """One WARNING per scheduler whose servers share this Telemetry with the
+        first scheduler's, naming the settings of its own that cannot hold"""
+        with Telemetry._lock:
+            if address in self.warned:
+                return
+            self.warned.add(address)
+        ignored = [
+            key for name, key in PROCESS_WIDE.items()
+            if getattr(config, name) != getattr(self.config, name)
+        ]
+        now = otel_environment()
+        ignored += sorted(
+            k for k in {*now, *self.environment} if now.get(k) != self.environment.get(k)
+        )
+        first = self.scheduler_address
+        logger.warning(
+            "dask_otel: scheduler %s shares this process's OpenTelemetry providers with "
+            "scheduler %s: its spans carry its own resource and span settings, but its "
+            "exporters, otel.flush-timeout and OTEL_* variables are %s's%s, and its "
+            "metrics carry %s's resource, with %s=%s as an attribute",
+            address, first, first,
+            f" (its own {', '.join(ignored)} ignored)" if ignored else "",
+            first, SCHEDULER_ADDRESS, address,
+        )
 
     @property
     def accounted_exporters(self) -> list:
@@ -221,3 +288,44 @@ class Telemetry:
             self.meter_provider.shutdown(timeout_millis=timeout_ms)
         if self.logs:
             self.logs.shutdown()
+
+
+@dataclass
+class ServerTelemetry:
+    """One Dask server's share of its process's :class:`Telemetry`: its own
+    ``otel.*`` values and resource, the process's providers.
+
+    Its spans carry its own resource (:attr:`span_sink`); its plugin reads its own
+    :attr:`config`, except for what the providers were built with
+    (:data:`PROCESS_WIDE`, the ``OTEL_*`` variables), which is the first server's.
+    A server of another scheduler than the first (:attr:`shared_with`) puts its
+    scheduler's address on its metrics as an attribute: the MeterProvider's
+    resource names the first.
+    """
+
+    telemetry: Telemetry
+    #: This server's ``otel.*`` values
+    config: OtelConfig
+    #: The process's span processors, with this server's resource; None when
+    #: traces are not exported
+    span_sink: SpanSink | None
+    #: Added to this server's metric observations: ``{}``, or its scheduler's
+    #: address when the MeterProvider's resource names another
+    metric_attributes: dict[str, Any] = field(default_factory=dict)
+    #: The scheduler whose process-wide settings and metric resource this
+    #: server uses, when not its own
+    shared_with: str | None = None
+
+    @classmethod
+    def of(
+        cls, telemetry: Telemetry, config: OtelConfig, resource: Any, address: str | None
+    ) -> ServerTelemetry:
+        sink = telemetry.span_sink
+        if sink is not None and resource != sink.resource:
+            sink = sink.with_resource(resource)
+        first = telemetry.scheduler_address
+        if address is None or first is None or address == first:
+            return cls(telemetry, config, sink)
+        telemetry.warn_shared(address, config)
+        return cls(telemetry, config, sink, {SCHEDULER_ADDRESS: address}, first)
+

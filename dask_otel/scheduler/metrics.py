@@ -34,7 +34,7 @@ from dask_otel.export.instruments import (
 if TYPE_CHECKING:
     from distributed import Scheduler
 
-    from dask_otel.export.telemetry import Telemetry
+    from dask_otel.export.telemetry import ServerTelemetry, Telemetry
 
 #: Attributes
 CONTEXT = "dask.activity.context"
@@ -244,13 +244,14 @@ class SchedulerMetrics(Attached):
     #: otel.metrics.span-label
     span_label: bool
 
-    def __init__(self, scheduler: Scheduler, telemetry: Telemetry, plugin: Any):
+    def __init__(self, scheduler: Scheduler, own: ServerTelemetry, plugin: Any):
         # No attribute names the scheduler: the process's resource does
-        # (dask.scheduler.address), and the fine metrics are the cluster's totals
-        super().__init__({})
+        # (dask.scheduler.address), and the fine metrics are the cluster's totals;
+        # but a second scheduler in the process has the first one's resource
+        super().__init__(dict(own.metric_attributes))
         self.scheduler = scheduler
-        self.telemetry = telemetry
+        self.telemetry = own.telemetry
         self.plugin = plugin
-        self.span_label = telemetry.config.span_label
-        assert telemetry.meter_provider is not None
-        SchedulerInstruments.of(telemetry.meter_provider).attach(self)
+        self.span_label = own.config.span_label
+        assert self.telemetry.meter_provider is not None
+        SchedulerInstruments.of(self.telemetry.meter_provider).attach(self)

@@ -26,7 +26,8 @@ from dask_otel.worker.plugin import PLUGIN_NAME, dumps_by_value
 if TYPE_CHECKING:
     from distributed import Scheduler
 
-    from dask_otel.export.telemetry import Telemetry
+    from dask_otel.config import OtelConfig
+    from dask_otel.export.telemetry import ServerTelemetry, Telemetry
 
 logger = logging.getLogger("dask_otel")
 
@@ -40,12 +41,17 @@ class OtelSchedulerPlugin(SchedulerPlugin):
 
     #: Why the bridge is off on this scheduler, if it is; None when all is well
     error: str | None
+    #: The process's Telemetry (shared with the other Dask servers in it)
     telemetry: Telemetry | None
+    #: This scheduler's share of it: its own config, span resource and metric
+    #: attributes
+    server_telemetry: ServerTelemetry | None
     mirror: SpanMirror | None
 
     def __init__(self) -> None:
         self.error = None
         self.telemetry = None
+        self.server_telemetry = None
         self.mirror = None
         self.metrics: Any = None
         self._poller: PeriodicCallback | None = None
@@ -59,22 +65,23 @@ class OtelSchedulerPlugin(SchedulerPlugin):
             return
         self._started = True
         self.scheduler = scheduler
-        self.telemetry, self.error = start_telemetry(
+        own, self.error = start_telemetry(
             f"scheduler {scheduler.address}",
             **{"dask.scheduler.address": scheduler.address},
         )
-        if self.telemetry is None:
+        if own is None:
             return
-        config = self.telemetry.config
+        self.server_telemetry, self.telemetry = own, own.telemetry
+        config: OtelConfig = own.config
         try:
-            if self.telemetry.span_sink is not None:
-                self.mirror = SpanMirror(scheduler, self.telemetry.span_sink, config)
+            if own.span_sink is not None:
+                self.mirror = SpanMirror(scheduler, own.span_sink, config)
                 self._poller = PeriodicCallback(self._poll, config.poll_interval * 1000)
                 self._poller.start()
-            if self.telemetry.meter_provider is not None:
+            if own.telemetry.meter_provider is not None:
                 from dask_otel.scheduler.metrics import SchedulerMetrics
 
-                self.metrics = SchedulerMetrics(scheduler, self.telemetry, self)
+                self.metrics = SchedulerMetrics(scheduler, own, self)
         except ConfigError as e:  # an OTEL_* variable the SDK refused, named
             logger.error("dask_otel is off on scheduler %s: %s", scheduler.address, e)
             self.error = f"ConfigError: {e}"
@@ -156,8 +163,12 @@ class OtelSchedulerPlugin(SchedulerPlugin):
         mirror = self.mirror
         telemetry = self.telemetry
         exporters = telemetry.accounted_span_exporters if telemetry is not None else []
+        own = self.server_telemetry
         return {
             "error": self.error,
+            # the scheduler whose exporters and metric resource this one shares
+            # (two clusters in one process), None when they are its own
+            "shared_with": own.shared_with if own is not None else None,
             "traces": mirror is not None,
             "metrics": self.metrics is not None,
             "open_spans": len(mirror.ledger.records) if mirror else 0,

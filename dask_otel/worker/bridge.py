@@ -22,7 +22,7 @@ from dask_otel.worker.task_spans import TaskSpans
 if TYPE_CHECKING:
     from distributed import Worker
 
-    from dask_otel.export.telemetry import Telemetry
+    from dask_otel.export.telemetry import ServerTelemetry, Telemetry
 
 logger = logging.getLogger("dask_otel")
 
@@ -33,44 +33,48 @@ class WorkerBridge:
 
     def __init__(self) -> None:
         self.error: str | None = None
+        #: The process's Telemetry, and this worker's share of it (its own
+        #: config, span resource and metric attributes)
         self.telemetry: Telemetry | None = None
+        self.server_telemetry: ServerTelemetry | None = None
         self.spill: Any = None
         #: :class:`~dask_otel.worker.execute_hook.TaskContextHook`; None where it
         #: could not be installed
         self.task_context: Any = None
 
     def setup(self, worker: Worker) -> None:
-        self.telemetry, self.error = start_telemetry(
+        own, self.error = start_telemetry(
             f"worker {worker.address}",
             **{"dask.scheduler.address": worker.scheduler.address},
         )
-        if self.telemetry is None:
+        if own is None:
             return
+        self.server_telemetry, self.telemetry = own, own.telemetry
         for step in (self._start_task_context, self._start_spill):
             try:
-                step(worker, self.telemetry)
+                step(worker, own)
             except Exception as e:
                 logger.exception("dask_otel: could not start on worker %s", worker.address)
                 self.error = f"{type(e).__name__}: {e}"
 
-    def _start_task_context(self, worker: Worker, telemetry: Telemetry) -> None:
+    def _start_task_context(self, worker: Worker, own: ServerTelemetry) -> None:
         """Wrap ``Worker.execute``. The sampler is the bridge's TracerProvider's
         when traces are exported (the one the scheduler's mirror asks), else the
         SDK's default from OTEL_*."""
-        sink = telemetry.span_sink
+        sink = own.span_sink
         sampler = sink.sampler if sink is not None else default_sampler()
         task_spans = None
         if sink is not None:
             # User spans inside tasks need a provider
             adopt_global_tracer_provider()
-            if telemetry.config.task_spans:
-                task_spans = TaskSpans(worker, sink, telemetry.config)
+            if own.config.task_spans:
+                task_spans = TaskSpans(worker, sink, own.config)
         self.task_context = TaskContextHook.install(worker, TaskContexts(sampler), task_spans)
 
-    def _start_spill(self, worker: Worker, telemetry: Telemetry) -> None:
-        if telemetry.meter_provider is None:
+    def _start_spill(self, worker: Worker, own: ServerTelemetry) -> None:
+        if own.telemetry.meter_provider is None:
             return
-        self.spill = SpillInstruments.observe(worker, telemetry)
+        self.spill = SpillInstruments.observe(worker, own)
 
     async def teardown(self, worker: Worker) -> None:
         if self.task_context is not None:
@@ -80,14 +84,18 @@ class WorkerBridge:
             self.spill.close()
             self.spill = None
         if self.telemetry is not None:
-            telemetry, self.telemetry = self.telemetry, None
+            telemetry, self.telemetry, self.server_telemetry = self.telemetry, None, None
             await release_telemetry(telemetry)
 
     def status(self) -> dict[str, Any]:
         hook = self.task_context
         task_spans = hook.task_spans if hook is not None else None
+        own = self.server_telemetry
         return {
             "error": self.error,
+            # the scheduler whose exporters and metric resource this worker shares
+            # (two clusters in one process), None when they are its own
+            "shared_with": own.shared_with if own is not None else None,
             "metrics": self.spill is not None,
             # whether tasks run in their OTel context (False: hook not installed)
             "task_context": hook is not None,

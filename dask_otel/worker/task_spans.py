@@ -50,16 +50,14 @@ from opentelemetry.trace import (
     StatusCode,
 )
 
-from dask_otel.export.sink import span_name
 from dask_otel.span_context import SAMPLED
 
 if TYPE_CHECKING:
     from collections.abc import Mapping
 
-    from opentelemetry.sdk.trace import ReadableSpan
-
     from distributed import Worker
     from opentelemetry.context import Context
+    from opentelemetry.sdk.trace import ReadableSpan
 
     from dask_otel.config import OtelConfig
     from dask_otel.export.sink import SpanSink
@@ -192,7 +190,7 @@ class TaskSpans:
         status = _UNSET
         if erred:
             exc_type, message = _exception_type_and_message(event)
-            status = Status(StatusCode.ERROR, span_name(f"{exc_type}: {message}"))
+            status = Status(StatusCode.ERROR, sink.name(f"{exc_type}: {message}"))
             events = (
                 Event(
                     "exception",

@@ -16,6 +16,9 @@ asserted on as plain Python values instead of mocking exporters.
   (gRPC ``INVALID_ARGUMENT`` / HTTP 400, which exporters do not retry), an
   optional ``retry_after`` hint and ``delay`` before answering, and
   ``stop()``/``start()`` on the same port to simulate a collector restart.
+  ``receiver.refuse = {"metrics"}`` makes it a backend that does not serve a
+  signal at all (Phoenix and Jaeger take traces only): HTTP 405 (or
+  ``refuse_status``) / gRPC ``UNIMPLEMENTED``, whatever the mode.
 * :class:`BlackHole` accepts TCP connections and never reads or answers, to
   simulate a hung collector.
 
@@ -508,6 +511,11 @@ class OTLPReceiver:
         Python exporters use instead of their exponential backoff.
     ``delay``
         Seconds to wait before answering each request (cut short by stop()).
+    ``refuse``
+        Signals (``"traces"``, ``"metrics"``, ``"logs"``) not served at all, like
+        a traces-only backend: answered with HTTP ``refuse_status`` (405 Method
+        Not Allowed, as Phoenix answers; 404 and 501 mean the same) or gRPC
+        UNIMPLEMENTED, not recorded, whatever the mode.
     """
 
     def __init__(
@@ -525,6 +533,8 @@ class OTLPReceiver:
         self.mode = mode
         self.retry_after: float | None = None
         self.delay: float = 0.0
+        self.refuse: set[str] = set()
+        self.refuse_status: int = 405
         self._port = port
         self._tls_files = tls_files() if tls else None
 
@@ -722,7 +732,7 @@ class OTLPReceiver:
         """Record one decoded Export request and decide the answer."""
         if self.delay:
             self._stopping.wait(self.delay)
-        mode = self._mode
+        mode = "refuse" if signal in self.refuse else self._mode
         with self._cond:
             self._requests += 1
             self._headers.append(headers)
@@ -740,6 +750,13 @@ class OTLPReceiver:
             self._cond.notify_all()
         if mode == "ok":
             return _Reply(ok=True)
+        if mode == "refuse":
+            return _Reply(
+                ok=False,
+                grpc_code=grpc.StatusCode.UNIMPLEMENTED,
+                http_status=self.refuse_status,
+                message=f"OTLPReceiver does not serve {signal}",
+            )
         if mode == "unavailable":
             return _Reply(
                 ok=False,
