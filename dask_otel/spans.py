@@ -356,23 +356,8 @@ class SpanMirror:
             record.erred, record.links, unfinished,
         )
         if self.config.export_code and not self.told_no_code:
-            self._tell_if_no_code(readable)
+            self.told_no_code = builder.told_no_code(readable)
         return readable
-
-    def _tell_if_no_code(self, readable: ReadableSpan) -> None:
-        """One WARNING for the first Dask span exported without code: the client
-        sends code with each graph only if its
-        ``distributed.diagnostics.computations.nframes`` is above 0 (Dask's
-        default is 0), a key read in the client's process, not here."""
-        if readable.attributes and not readable.attributes.get("dask.span.code"):
-            self.told_no_code = True
-            logger.warning(
-                "dask_otel: otel.spans.code is true but Dask span %r has no code: "
-                "Dask records it only when distributed.diagnostics.computations.nframes "
-                "is above 0 (default 0) in the client that computes; set it there, "
-                "e.g. DASK_DISTRIBUTED__DIAGNOSTICS__COMPUTATIONS__NFRAMES=1",
-                readable.name,
-            )
 
     def group_span_of(self, tg: TaskGroup, batch: GroupBatch) -> ReadableSpan | bool | None:
         """Build the OTel span of a batch of a TaskGroup, a child of its Dask span's,

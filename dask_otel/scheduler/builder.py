@@ -9,6 +9,7 @@ nothing and decide nothing about *when*: that is the mirror's
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
@@ -28,6 +29,8 @@ if TYPE_CHECKING:
     from dask_otel.export.sink import SpanSink
     from dask_otel.scheduler.record import GroupBatch
     from dask_otel.scheduler.totals import Totals
+
+logger = logging.getLogger("dask_otel")
 
 #: Thread time of a span that no task accounts for, as Dask's
 #: ``Span.cumulative_worker_metrics`` has it
@@ -136,6 +139,23 @@ def taskgroup_span(
     status = erred_status(attributes, batch.erred)
     context = SpanContext(parent.trace_id, span_id, False, SAMPLED, parent.trace_state)
     return sink.span(str(tg.prefix.name), context, parent, start, end, attributes, status)
+
+
+def told_no_code(span: ReadableSpan) -> bool:
+    """With ``otel.spans.code``: log one WARNING, and return True, if a Dask span
+    has no code. The client sends code with each graph only if its
+    ``distributed.diagnostics.computations.nframes`` is above 0 (Dask's default is
+    0), a key read in the client's process, not here."""
+    if not span.attributes or span.attributes.get("dask.span.code"):
+        return False
+    logger.warning(
+        "dask_otel: otel.spans.code is true but Dask span %r has no code: "
+        "Dask records it only when distributed.diagnostics.computations.nframes "
+        "is above 0 (default 0) in the client that computes; set it there, "
+        "e.g. DASK_DISTRIBUTED__DIAGNOSTICS__COMPUTATIONS__NFRAMES=1",
+        span.name,
+    )
+    return True
 
 
 def bounded_links(sink: SpanSink, links: Mapping[str, Link] | None) -> tuple[Link, ...]:
