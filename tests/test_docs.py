@@ -20,6 +20,7 @@ from distributed import Scheduler, span, wait
 
 import dask_otel.config
 from tests.support.cluster import otel_cluster, wait_until
+from tests.support.deploy_checks import dotted
 from tests.support.tasks import fail, inc
 
 ROOT = Path(__file__).parents[1]
@@ -44,20 +45,10 @@ def code(cell: str) -> str:
     return re.fullmatch(r"`([^`]*)`", cell).group(1)
 
 
-def flatten(d: dict, prefix: str = "") -> dict:
-    out = {}
-    for k, v in d.items():
-        if isinstance(v, dict):
-            out.update(flatten(v, f"{prefix}{k}."))
-        else:
-            out[f"{prefix}{k}"] = v
-    return out
-
-
 def test_config_table_matches_otel_yaml():
     rows = markdown_table(README.read_text(), "config-table")
     documented = {code(key): code(default) for key, default, _, _ in rows}
-    defaults = flatten(dask_otel.config.DEFAULTS)
+    defaults = dotted(dask_otel.config.DEFAULTS)
     assert set(documented) == set(defaults)
     for key, value in defaults.items():
         assert documented[key] == yaml.safe_dump(value).splitlines()[0].removesuffix(" ..."), key
