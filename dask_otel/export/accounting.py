@@ -88,6 +88,10 @@ class ExportOutage:
         #: export calls the collector refused for good (:data:`REFUSED`) since
         #: the last success
         self.refused = 0
+        #: True once the bridge shut the exporter down: what the SDK still hands
+        #: it (a metric reader's last collection, on opentelemetry-sdk 1.41) is
+        #: lost and counted, and no outage is logged for it
+        self.closed = False
         #: the export under way: when it started (``time.monotonic()``), and the
         #: exporter's log records held so far (a retry logs one)
         self._started: float | None = None
@@ -109,6 +113,9 @@ class ExportOutage:
         )
 
     def export(self, export: Callable[[], Any], items: int) -> bool:
+        if self.closed:
+            self.failed += items
+            return False
         HELD_EXPORTER_LOGS.local.held = held = self._held = []
         self._started = time.monotonic()
         try:
@@ -172,7 +179,7 @@ class AccountedSpanExporter(SpanExporter):
         # Called by the bridge first (to interrupt a waiting export), then by the
         # span processor: the exporter's own shutdown warns when called twice
         if not self.shut_down:
-            self.shut_down = True
+            self.shut_down = self.outage.closed = True
             self.exporter.shutdown()
 
     def force_flush(self, timeout_millis: int = 30000) -> bool:
@@ -212,7 +219,7 @@ def accounted_metric_exporter(exporter: Any) -> Any:
         def shutdown(self, timeout_millis: float = 30_000, **kwargs) -> None:
             # Called by the bridge first, then by the reader: once is enough
             if not self.shut_down:
-                self.shut_down = True
+                self.shut_down = self.outage.closed = True
                 self.exporter.shutdown(timeout_millis=timeout_millis)
 
     return AccountedMetricExporter()
@@ -244,7 +251,7 @@ def accounted_log_exporter(exporter: Any) -> Any:
         def shutdown(self) -> None:
             # Called by the bridge first, then by the log processor: once is enough
             if not self.shut_down:
-                self.shut_down = True
+                self.shut_down = self.outage.closed = True
                 self.exporter.shutdown()
 
     return AccountedLogExporter()
