@@ -89,8 +89,8 @@ class ExportOutage:
         #: the last success
         self.refused = 0
         #: True once the bridge shut the exporter down: what the SDK still hands
-        #: it (a metric reader's last collection, on opentelemetry-sdk 1.41) is
-        #: lost and counted, and no outage is logged for it
+        #: it, or what the shutdown cut short (a metric reader's last collection,
+        #: on opentelemetry-sdk 1.41), is lost and counted, and no outage logged
         self.closed = False
         #: the export under way: when it started (``time.monotonic()``), and the
         #: exporter's log records held so far (a retry logs one)
@@ -136,6 +136,8 @@ class ExportOutage:
                 self.failing = self.refused = 0
             return True
         self.failed += items
+        if self.closed:  # cut short by the bridge's own shutdown: no outage
+            return False
         self.export_failures += 1
         reason = held[-1].getMessage() if held else "the exporter returned FAILURE"
         logger.debug("dask_otel: %s export failed: %s", self.signal, reason)
