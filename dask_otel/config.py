@@ -13,8 +13,9 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, fields
+from functools import partial
 from importlib.metadata import entry_points
 from pathlib import Path
 from typing import Any
@@ -49,109 +50,6 @@ class ConfigError(ValueError):
         self.key = key
         self.value = value
         super().__init__(f"{key}: expected {expected}, got {value!r}")
-
-
-#: The processes that read a key, by where it takes effect: the README's config
-#: table says the same in its "read in" column (tests/test_docs.py compares them)
-CLIENT, SCHEDULER, WORKERS = "client", "scheduler", "workers"
-
-
-def _key(name: str, *read_in: str, **default: Any) -> Any:
-    """A field of :class:`OtelConfig`: the value of dask config key ``name``, which
-    each process in ``read_in`` reads from its own dask config"""
-    return field(metadata={"key": name, "read_in": read_in}, **default)
-
-
-@dataclass(frozen=True)
-class OtelConfig:
-    """A validated snapshot of the ``otel:`` dask config namespace, as one process
-    reads it: each process of a cluster has its own"""
-
-    enabled: bool = _key("otel.enabled", CLIENT, SCHEDULER, WORKERS)
-    #: seconds
-    flush_timeout: float = _key("otel.flush-timeout", SCHEDULER, WORKERS)
-    #: resolved against OTEL_TRACES_EXPORTER
-    traces_exporters: tuple[str, ...] = _key("otel.traces.exporter", SCHEDULER, WORKERS)
-    #: seconds
-    poll_interval: float = _key("otel.spans.poll-interval", SCHEDULER)
-    #: seconds
-    export_delay: float = _key("otel.spans.export-delay", SCHEDULER)
-    #: seconds
-    metrics_timeout: float = _key("otel.spans.metrics-timeout", SCHEDULER)
-    #: "subtree" or "own"
-    span_totals: str = _key("otel.spans.totals", SCHEDULER)
-    export_code: bool = _key("otel.spans.code", SCHEDULER)
-    #: resolved against OTEL_METRICS_EXPORTER
-    metrics_exporters: tuple[str, ...] = _key("otel.metrics.exporter", SCHEDULER, WORKERS)
-    span_label: bool = _key("otel.metrics.span-label", SCHEDULER)
-    task_spans: bool = _key("otel.tasks.spans", WORKERS, default=False)
-    #: in [0, 1]
-    task_sample_ratio: float = _key("otel.tasks.sample-ratio", WORKERS, default=1.0)
-    #: seconds; None: no such rule
-    task_slower_than: float | None = _key("otel.tasks.slower-than", WORKERS, default=None)
-    task_erred: bool = _key("otel.tasks.erred", WORKERS, default=True)
-    #: resolved against OTEL_LOGS_EXPORTER (default none)
-    logs_exporters: tuple[str, ...] = _key("otel.logs.exporter", SCHEDULER, WORKERS, default=())
-    #: a logging level number
-    logs_level: int = _key("otel.logs.level", SCHEDULER, WORKERS, default=logging.INFO)
-
-    def effective(self, process: str) -> dict[str, Any]:
-        """The values of the keys that ``process`` (:data:`SCHEDULER` or
-        :data:`WORKERS`) reads, by key, as the bridge uses them: durations in
-        seconds, exporters resolved against ``OTEL_*_EXPORTER``, the level by name"""
-        values = {}
-        for f in fields(self):
-            if process in f.metadata["read_in"]:
-                value = getattr(self, f.name)
-                if f.name == "logs_level":
-                    value = logging.getLevelName(value)
-                values[f.metadata["key"]] = list(value) if isinstance(value, tuple) else value
-        return values
-
-
-def read_in() -> dict[str, tuple[str, ...]]:
-    """Each key of :class:`OtelConfig`, with the processes that read it"""
-    return {f.metadata["key"]: f.metadata["read_in"] for f in fields(OtelConfig)}
-
-
-def enabled() -> bool:
-    """``otel.enabled`` in this process's dask config
-
-    Raises
-    ------
-    ConfigError
-        if it is not true or false
-    """
-    return _bool("otel.enabled")
-
-
-def read_config() -> OtelConfig:
-    """Read and validate ``otel.*`` from dask config.
-
-    Raises
-    ------
-    ConfigError
-        naming the first key (or ``OTEL_*`` variable) whose value is unusable.
-    """
-    _warn_unknown_keys(dask.config.get("otel", default={}), DEFAULTS["otel"], "otel")
-    return OtelConfig(
-        enabled=enabled(),
-        flush_timeout=_seconds("otel.flush-timeout"),
-        traces_exporters=_exporters("otel.traces.exporter", "TRACES", TRACES_EXPORTERS),
-        poll_interval=_seconds("otel.spans.poll-interval", positive=True),
-        export_delay=_seconds("otel.spans.export-delay"),
-        metrics_timeout=_seconds("otel.spans.metrics-timeout"),
-        span_totals=_choice("otel.spans.totals", ("subtree", "own")),
-        export_code=_bool("otel.spans.code"),
-        metrics_exporters=_exporters("otel.metrics.exporter", "METRICS", METRICS_EXPORTERS),
-        span_label=_bool("otel.metrics.span-label"),
-        task_spans=_bool("otel.tasks.spans"),
-        task_sample_ratio=_ratio("otel.tasks.sample-ratio"),
-        task_slower_than=_optional_seconds("otel.tasks.slower-than"),
-        task_erred=_bool("otel.tasks.erred"),
-        logs_exporters=_exporters("otel.logs.exporter", "LOGS", LOGS_EXPORTERS, "none"),
-        logs_level=_level("otel.logs.level"),
-    )
 
 
 def get(key: str) -> Any:
@@ -267,3 +165,110 @@ def otlp_entry_point(signal: str) -> str:
                 raise ConfigError(var, protocol, " or ".join(OTLP_PROTOCOLS))
             return OTLP_PROTOCOLS[protocol]
     return OTLP_PROTOCOLS["grpc"]
+
+
+#: The processes that read a key, by where it takes effect: the README's config
+#: table says the same in its "read in" column (tests/test_docs.py compares them)
+CLIENT, SCHEDULER, WORKERS = "client", "scheduler", "workers"
+
+
+def _key(name: str, parse: Callable[[str], Any], *read_in: str) -> Any:
+    """A field of :class:`OtelConfig`: dask config key ``name``, validated by
+    ``parse``, which each process in ``read_in`` reads from its own dask config"""
+    return field(metadata={"key": name, "parse": parse, "read_in": read_in})
+
+
+@dataclass(frozen=True)
+class OtelConfig:
+    """A validated snapshot of the ``otel:`` dask config namespace, as one process
+    reads it: each process of a cluster has its own"""
+
+    enabled: bool = _key("otel.enabled", _bool, CLIENT, SCHEDULER, WORKERS)
+    #: seconds
+    flush_timeout: float = _key("otel.flush-timeout", _seconds, SCHEDULER, WORKERS)
+    #: resolved against OTEL_TRACES_EXPORTER
+    traces_exporters: tuple[str, ...] = _key(
+        "otel.traces.exporter",
+        partial(_exporters, signal="TRACES", known=TRACES_EXPORTERS),
+        SCHEDULER, WORKERS,
+    )
+    #: seconds
+    poll_interval: float = _key(
+        "otel.spans.poll-interval", partial(_seconds, positive=True), SCHEDULER
+    )
+    #: seconds
+    export_delay: float = _key("otel.spans.export-delay", _seconds, SCHEDULER)
+    #: seconds
+    metrics_timeout: float = _key("otel.spans.metrics-timeout", _seconds, SCHEDULER)
+    #: "subtree" or "own"
+    span_totals: str = _key(
+        "otel.spans.totals", partial(_choice, choices=("subtree", "own")), SCHEDULER
+    )
+    export_code: bool = _key("otel.spans.code", _bool, SCHEDULER)
+    #: resolved against OTEL_METRICS_EXPORTER
+    metrics_exporters: tuple[str, ...] = _key(
+        "otel.metrics.exporter",
+        partial(_exporters, signal="METRICS", known=METRICS_EXPORTERS),
+        SCHEDULER, WORKERS,
+    )
+    span_label: bool = _key("otel.metrics.span-label", _bool, SCHEDULER)
+    task_spans: bool = _key("otel.tasks.spans", _bool, WORKERS)
+    #: in [0, 1]
+    task_sample_ratio: float = _key("otel.tasks.sample-ratio", _ratio, WORKERS)
+    #: seconds; None: no such rule
+    task_slower_than: float | None = _key(
+        "otel.tasks.slower-than", _optional_seconds, WORKERS
+    )
+    task_erred: bool = _key("otel.tasks.erred", _bool, WORKERS)
+    #: resolved against OTEL_LOGS_EXPORTER (default none)
+    logs_exporters: tuple[str, ...] = _key(
+        "otel.logs.exporter",
+        partial(_exporters, signal="LOGS", known=LOGS_EXPORTERS, env_default="none"),
+        SCHEDULER, WORKERS,
+    )
+    #: a logging level number
+    logs_level: int = _key("otel.logs.level", _level, SCHEDULER, WORKERS)
+
+    def effective(self, process: str) -> dict[str, Any]:
+        """The values of the keys that ``process`` (:data:`SCHEDULER` or
+        :data:`WORKERS`) reads, by key, as the bridge uses them: durations in
+        seconds, exporters resolved against ``OTEL_*_EXPORTER``, the level by name"""
+        values = {}
+        for f in fields(self):
+            if process in f.metadata["read_in"]:
+                value = getattr(self, f.name)
+                if f.name == "logs_level":
+                    value = logging.getLevelName(value)
+                values[f.metadata["key"]] = list(value) if isinstance(value, tuple) else value
+        return values
+
+
+def read_in() -> dict[str, tuple[str, ...]]:
+    """Each key of :class:`OtelConfig`, with the processes that read it"""
+    return {f.metadata["key"]: f.metadata["read_in"] for f in fields(OtelConfig)}
+
+
+def enabled() -> bool:
+    """``otel.enabled`` in this process's dask config
+
+    Raises
+    ------
+    ConfigError
+        if it is not true or false
+    """
+    return _bool("otel.enabled")
+
+
+def read_config() -> OtelConfig:
+    """Read and validate ``otel.*`` from dask config.
+
+    Raises
+    ------
+    ConfigError
+        naming the first key (or ``OTEL_*`` variable) whose value is unusable.
+    """
+    _warn_unknown_keys(dask.config.get("otel", default={}), DEFAULTS["otel"], "otel")
+    # In field order: the first bad key is the one named
+    return OtelConfig(**{
+        f.name: f.metadata["parse"](f.metadata["key"]) for f in fields(OtelConfig)
+    })
