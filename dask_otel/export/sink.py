@@ -169,7 +169,6 @@ class SpanSink:
             processor.on_end(span)
 
 
-
 def bounded_attributes(
     attributes: dict[str, Any], count: int | None, max_len: int | None
 ) -> BoundedAttributes:
@@ -178,7 +177,7 @@ def bounded_attributes(
     ``max_len``), except that :data:`WHOLE_VALUES` keep their whole value and
     come last, so that the count limit drops them last"""
     whole = {k: attributes[k] for k in WHOLE_VALUES.intersection(attributes)}
-    if not whole or max_len is None:
+    if not whole:
         return BoundedAttributes(count, attributes, immutable=True, max_value_len=max_len)
     rest = {k: v for k, v in attributes.items() if k not in whole}
     cut = BoundedAttributes(None, rest, immutable=True, max_value_len=max_len)
