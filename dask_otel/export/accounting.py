@@ -165,8 +165,6 @@ class ExportOutage:
 class AccountedSpanExporter(SpanExporter):
     """A SpanExporter with :class:`ExportOutage` accounting"""
 
-    shut_down = False
-
     def __init__(self, exporter: SpanExporter):
         self.exporter = exporter
         self.outage = ExportOutage("spans")
@@ -180,8 +178,8 @@ class AccountedSpanExporter(SpanExporter):
     def shutdown(self) -> None:
         # Called by the bridge first (to interrupt a waiting export), then by the
         # span processor: the exporter's own shutdown warns when called twice
-        if not self.shut_down:
-            self.shut_down = self.outage.closed = True
+        if not self.outage.closed:
+            self.outage.closed = True
             self.exporter.shutdown()
 
     def force_flush(self, timeout_millis: int = 30000) -> bool:
@@ -205,7 +203,6 @@ def accounted_metric_exporter(exporter: Any) -> Any:
             )
             self.exporter = exporter
             self.outage = ExportOutage("metrics")
-            self.shut_down = False
 
         def export(self, metrics_data, timeout_millis: float = 10_000, **kwargs):
             ok = self.outage.export(
@@ -220,8 +217,8 @@ def accounted_metric_exporter(exporter: Any) -> Any:
 
         def shutdown(self, timeout_millis: float = 30_000, **kwargs) -> None:
             # Called by the bridge first, then by the reader: once is enough
-            if not self.shut_down:
-                self.shut_down = self.outage.closed = True
+            if not self.outage.closed:
+                self.outage.closed = True
                 self.exporter.shutdown(timeout_millis=timeout_millis)
 
     return AccountedMetricExporter()
@@ -239,7 +236,6 @@ def accounted_log_exporter(exporter: Any) -> Any:
         def __init__(self) -> None:
             self.exporter = exporter
             self.outage = ExportOutage("logs")
-            self.shut_down = False
 
         def export(self, batch):
             ok = self.outage.export(
@@ -252,8 +248,8 @@ def accounted_log_exporter(exporter: Any) -> Any:
 
         def shutdown(self) -> None:
             # Called by the bridge first, then by the log processor: once is enough
-            if not self.shut_down:
-                self.shut_down = self.outage.closed = True
+            if not self.outage.closed:
+                self.outage.closed = True
                 self.exporter.shutdown()
 
     return AccountedLogExporter()
