@@ -28,7 +28,12 @@ from opentelemetry.sdk.trace import TracerProvider
 
 import dask_otel
 from dask_otel.instrumentor import DaskInstrumentor
-from tests.support.cluster import MEMORY_CONFIG, UNINSTRUMENTED_CONFIG, Mirrored, cluster_kwargs
+from tests.support.cluster import (
+    MEMORY_CONFIG,
+    UNINSTRUMENTED_CONFIG,
+    Mirrored,
+    cluster_kwargs,
+)
 from tests.support.otlp_receiver import OTLPReceiver
 from tests.support.processes import FAST_ENV, PRELOAD_ENV, REPO
 from tests.support.tasks import inc, user_work
@@ -36,8 +41,10 @@ from tests.support.tasks import inc, user_work
 #: ``opentelemetry-instrument``, as its console script runs it, with this interpreter
 OPENTELEMETRY_INSTRUMENT = [
     sys.executable, "-c",
-    "import sys; from opentelemetry.instrumentation.auto_instrumentation import run; "
-    "sys.argv[0] = 'opentelemetry-instrument'; sys.exit(run())",
+    (
+        "import sys; from opentelemetry.instrumentation.auto_instrumentation import run; "
+        "sys.argv[0] = 'opentelemetry-instrument'; sys.exit(run())"
+    ),
 ]
 
 
@@ -337,7 +344,7 @@ def test_an_application_under_opentelemetry_instrument_starting_a_local_cluster(
         env["OTEL_SERVICE_NAME"] = "reports-app"
         out = subprocess.run(
             [*OPENTELEMETRY_INSTRUMENT, sys.executable, str(app)],
-            env=env, cwd=tmp_path, capture_output=True, text=True, timeout=240,
+            env=env, cwd=tmp_path, capture_output=True, text=True, timeout=240, check=False,
         )
         assert out.returncode == 0, out.stderr[-3000:]
         result = json.loads(out.stdout.strip().splitlines()[-1])

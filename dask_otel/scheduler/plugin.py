@@ -16,7 +16,6 @@ import logging
 from typing import TYPE_CHECKING, Any
 
 import dask.config
-
 from distributed.diagnostics.plugin import SchedulerPlugin
 from tornado.ioloop import IOLoop, PeriodicCallback
 
