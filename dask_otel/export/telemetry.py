@@ -119,7 +119,25 @@ def build_resource(**attributes: Any):
         "process.pid": os.getpid(),
         **attributes,
     }
-    return Resource.create(ours).merge(OTELResourceDetector().detect())
+    resource = Resource.create(ours).merge(OTELResourceDetector().detect())
+    if "service.instance.id" not in resource.attributes:
+        # opentelemetry-sdk 1.45+ sets one per process (the global provider's
+        # too); before, this process's own, so every signal still names its process
+        resource = resource.merge(Resource({"service.instance.id": _process_instance_id()}))
+    return resource
+
+
+_instance_id: tuple[int, str] | None = None
+
+
+def _process_instance_id() -> str:
+    """A random UUID per process (a forked child gets its own), as the SDK's"""
+    global _instance_id
+    if _instance_id is None or _instance_id[0] != os.getpid():
+        import uuid
+
+        _instance_id = (os.getpid(), str(uuid.uuid4()))
+    return _instance_id[1]
 
 
 class Telemetry:

@@ -226,8 +226,9 @@ class TaskSpans:
 def function_name(run_spec: Any) -> str | None:
     """OTel's ``code.function.name`` of a task: the fully qualified name
     (``module.qualname``) of the function Dask runs for it, through
-    ``functools.partial``; None where Dask does not hold it plainly (an alias or
-    data node; distributed before 2024.12 keeps it pickled until it runs)."""
+    ``functools.partial``: a ``Task``'s ``func`` (distributed 2024.12+) or the
+    first item of the ``(function, args, kwargs)`` tuple older ones keep; None
+    for an alias or a data node."""
     func = getattr(run_spec, "func", None)  # dask's Task (2024.12+)
     if func is None and isinstance(run_spec, tuple) and run_spec and callable(run_spec[0]):
         func = run_spec[0]  # an old-style task tuple
