@@ -30,8 +30,10 @@ its own: it owns their shutdown (bounded by ``otel.flush-timeout``) and their
 export accounting, and its workers live in processes a provider object cannot
 reach. ``meter_provider`` is not used, for the same reasons.
 
-``uninstrument()`` restores ``Scheduler.__init__``; schedulers built before keep
-their bridge until they close. Where the bridge's work goes on the other
+A worker started with the instrumentor on logs one WARNING if its scheduler
+handed it no bridge (a scheduler started without either, e.g. the ``--preload``
+trap). ``uninstrument()`` restores ``Scheduler.__init__`` and
+``Worker.start_unsafe``; schedulers built before keep their bridge until they close. Where the bridge's work goes on the other
 instrumentations ``opentelemetry-instrument`` loads: docs/deploy.md, "Zero-code".
 """
 
@@ -52,9 +54,9 @@ _instruments = ("distributed >= 2024.1.0",)
 #: True between instrument() and uninstrument(): the import hook below may fire
 #: after uninstrument() (it cannot be unregistered) and must then do nothing
 _active = False
-#: True while ``Scheduler.__init__`` is wrapped: instrument, uninstrument and
-#: instrument again before distributed is imported registers the hook twice
-_wrapped = False
+#: What is wrapped now, as (module, attribute): instrument, uninstrument and
+#: instrument again before distributed is imported registers each hook twice
+_wrapped: set[tuple[str, str]] = set()
 
 
 def _carry_the_bridge(wrapped: Any, scheduler: Any, args: Any, kwargs: Any) -> None:
@@ -69,13 +71,51 @@ def _carry_the_bridge(wrapped: Any, scheduler: Any, args: Any, kwargs: Any) -> N
         logger.exception("dask_otel: the instrumentor could not add the bridge to a scheduler")
 
 
-def _wrap_scheduler(module: Any) -> None:
-    global _wrapped
-    from wrapt import wrap_function_wrapper
+def _check_the_bridge(wrapped: Any, worker: Any, args: Any, kwargs: Any) -> Any:
+    """``Worker.start_unsafe``, then one WARNING if the scheduler handed the worker
+    no bridge (it hands its worker plugins over as the worker registers): the
+    scheduler runs without the instrumentor and without the preload, most often
+    the ``--preload`` trap. Never raises into Dask."""
 
-    if _active and not _wrapped:
-        wrap_function_wrapper(module, "Scheduler.__init__", _carry_the_bridge)
-        _wrapped = True
+    async def start() -> Any:
+        result = await wrapped(*args, **kwargs)
+        try:
+            from dask_otel.worker.plugin import PLUGIN_NAME
+
+            if PLUGIN_NAME not in worker.plugins:
+                logger.warning(
+                    "dask_otel: scheduler %s has no dask_otel bridge, so worker %s exports "
+                    "nothing of Dask's (until dask_otel.instrument(client) is called). "
+                    "Start the scheduler under opentelemetry-instrument too, or name "
+                    "--preload dask_otel on its command line: a --preload of something "
+                    "else makes Dask ignore distributed.scheduler.preload",
+                    worker.scheduler.address, worker.address,
+                )
+        except Exception:
+            logger.debug("dask_otel: could not check the worker's bridge", exc_info=True)
+        return result
+
+    return start()
+
+
+def _wrapper_of(target: str, attribute: str, wrapper: Any) -> Any:
+    """An import hook that wraps ``target.attribute`` once, while instrumented"""
+
+    def wrap(module: Any) -> None:
+        from wrapt import wrap_function_wrapper
+
+        if _active and (target, attribute) not in _wrapped:
+            wrap_function_wrapper(module, attribute, wrapper)
+            _wrapped.add((target, attribute))
+
+    return wrap
+
+
+#: What the instrumentor wraps: module, attribute, wrapper
+_WRAPPED = (
+    ("distributed.scheduler", "Scheduler.__init__", _carry_the_bridge),
+    ("distributed.worker", "Worker.start_unsafe", _check_the_bridge),
+)
 
 
 class DaskInstrumentor(BaseInstrumentor):  # type: ignore[misc]
@@ -92,16 +132,19 @@ class DaskInstrumentor(BaseInstrumentor):  # type: ignore[misc]
 
         SERVICE_NAME_FROM["tracer_provider"] = kwargs.get("tracer_provider")
         _active = True
-        # Wrap when distributed.scheduler is imported (now, if it is): a process
-        # that never builds a scheduler (pip, a client) does not pay for importing it
-        register_post_import_hook(_wrap_scheduler, "distributed.scheduler")
+        # Wrap when distributed is imported (now, if it is): a process that never
+        # builds a Dask server (pip, a script) does not pay for importing it
+        for target, attribute, wrapper in _WRAPPED:
+            register_post_import_hook(_wrapper_of(target, attribute, wrapper), target)
 
     def _uninstrument(self, **kwargs: Any) -> None:
-        global _active, _wrapped
+        global _active
         from dask_otel.export.telemetry import SERVICE_NAME_FROM
 
         _active = False
         SERVICE_NAME_FROM["tracer_provider"] = None
-        if _wrapped:
-            unwrap("distributed.scheduler.Scheduler", "__init__")
-            _wrapped = False
+        for target, attribute, _ in _WRAPPED:
+            if (target, attribute) in _wrapped:
+                owner, name = attribute.split(".")
+                unwrap(f"{target}.{owner}", name)
+                _wrapped.discard((target, attribute))

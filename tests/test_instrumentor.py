@@ -22,7 +22,7 @@ from pathlib import Path
 
 import dask
 import pytest
-from distributed import Client, LocalCluster, Scheduler, span
+from distributed import Client, LocalCluster, Scheduler, Worker, span
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import TracerProvider
 
@@ -89,6 +89,7 @@ def user_preload(tmp_path: Path) -> Path:
 
 def test_instrumentor_adds_the_bridge_to_every_scheduler_and_uninstrument_restores():
     original = Scheduler.__init__
+    original_worker_start = Worker.start_unsafe
     instrumentor = DaskInstrumentor()
     instrumentor.instrument()
     try:
@@ -106,6 +107,7 @@ def test_instrumentor_adds_the_bridge_to_every_scheduler_and_uninstrument_restor
     finally:
         instrumentor.uninstrument()
     assert Scheduler.__init__ is original
+    assert Worker.start_unsafe is original_worker_start
     with dask.config.set(UNINSTRUMENTED_CONFIG):
         with LocalCluster(**cluster_kwargs(n_workers=1)) as cluster:
             assert "dask-otel" not in cluster.scheduler.plugins
@@ -217,16 +219,21 @@ def zero_code_env(receiver: OTLPReceiver, preload_variable: bool) -> dict[str, s
 
 
 @contextlib.contextmanager
-def instrumented_processes(env: dict[str, str], tmp_path: Path, preload: Path):
-    """``opentelemetry-instrument dask scheduler --preload <preload>`` and two
-    ``opentelemetry-instrument dask worker``, one with a Nanny, one without"""
+def instrumented_processes(
+    env: dict[str, str], tmp_path: Path, preload: Path, instrumented_scheduler: bool = True,
+    workers: tuple[str, ...] = ("nanny", "no-nanny"),
+):
+    """``opentelemetry-instrument dask scheduler --preload <preload>`` (or plain
+    ``dask scheduler``) and ``opentelemetry-instrument dask worker``, with a Nanny
+    and without"""
     scheduler_file = tmp_path / "scheduler.json"
     procs: dict[str, subprocess.Popen] = {}
     logs: dict[str, Path] = {}
 
     def spawn(name: str, *args: str) -> None:
         logs[name] = tmp_path / f"{name}.log"
-        cmd = [*OPENTELEMETRY_INSTRUMENT, sys.executable, "-m", *args]
+        instrument = instrumented_scheduler or name != "scheduler"
+        cmd = [*(OPENTELEMETRY_INSTRUMENT if instrument else []), sys.executable, "-m", *args]
         procs[name] = subprocess.Popen(
             cmd, env=env, cwd=tmp_path, stdout=logs[name].open("w"), stderr=subprocess.STDOUT
         )
@@ -242,8 +249,8 @@ def instrumented_processes(env: dict[str, str], tmp_path: Path, preload: Path):
             if time.monotonic() > deadline or procs["scheduler"].poll() is not None:
                 raise RuntimeError(f"scheduler did not start:\n{logs['scheduler'].read_text()}")
             time.sleep(0.1)
-        spawn("nanny", *worker, "--name", "nanny")
-        spawn("no-nanny", *worker, "--no-nanny", "--name", "no-nanny")
+        for name in workers:
+            spawn(name, *worker, *(["--no-nanny"] if name == "no-nanny" else []), "--name", name)
         address = json.loads(scheduler_file.read_text())["address"]
         yield address, logs
     finally:
@@ -302,6 +309,8 @@ def test_opentelemetry_instrument_dask_scheduler_and_workers(tmp_path, preload_v
                     client.gather(client.map(user_work, range(4), pure=False))
                 status = dask_otel.status(client)
                 check_received_once_with_one_service(receiver, sid, 4)
+            for worker in ("nanny", "no-nanny"):
+                assert "has no dask_otel bridge" not in logs[worker].read_text()
         # --preload my_auth_plugin makes Dask ignore the variable (the trap): the
         # instrumentor's bridge is the one, with or without it
         assert status["scheduler"]["paths"] == ["instrumentor"], logs["scheduler"].read_text()
@@ -321,6 +330,26 @@ def test_opentelemetry_instrument_dask_scheduler_and_workers(tmp_path, preload_v
             assert s.resource.get("service.instance.id")
             for detected in ("host.arch", "os.type", "process.runtime.name", "process.pid"):
                 assert detected in s.resource, (detected, s.resource)
+
+
+@needs_entry_point
+@pytest.mark.slow
+def test_the_preload_trap_is_named_by_the_worker_and_by_status(tmp_path):
+    """A plain ``dask scheduler --preload my_auth_plugin`` with the preload
+    variable has no bridge: an instrumented worker logs why, status() says so"""
+    with OTLPReceiver("grpc") as receiver:
+        env = zero_code_env(receiver, preload_variable=True)
+        with instrumented_processes(
+            env, tmp_path, user_preload(tmp_path), instrumented_scheduler=False,
+            workers=("no-nanny",),
+        ) as (address, logs):
+            with Client(address, timeout=30) as client:
+                client.wait_for_workers(1, timeout=60)
+                status = dask_otel.status(client)
+                worker_log = logs["no-nanny"].read_text()
+    assert status["scheduler"] is None
+    assert "--preload" in status["warning"] and "my_auth_plugin" in status["warning"]
+    assert "has no dask_otel bridge" in worker_log and "--preload dask_otel" in worker_log
 
 
 APP = """
