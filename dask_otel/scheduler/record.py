@@ -34,7 +34,7 @@ class SpanRecord:
     when it is exported (or dropped by the sampler)."""
 
     __slots__ = (
-        "carrier_read", "end", "entered", "erred", "folded", "links",
+        "carrier_read", "end", "entered", "erred", "error_type", "folded", "links",
         "open_children", "open_groups", "remote_parent", "span",
     )
 
@@ -49,6 +49,8 @@ class SpanRecord:
     #: ``otel.spans.totals: own``): Dask's state counts forget an erred task once
     #: the client releases its future
     erred: int
+    #: ``error.type`` of the first of them (:func:`~dask_otel.scheduler.builder.error_type`)
+    error_type: str | None
     #: The latest end of its exported children (sub-spans, TaskGroup batches) and
     #: failure of its own tasks; its own end is no earlier, so that every child
     #: exported before it lies within it (Dask's ``Span.stop`` knows neither)
@@ -70,6 +72,7 @@ class SpanRecord:
     def __init__(self, span: Span):
         self.span = span
         self.open_children = self.open_groups = self.erred = 0
+        self.error_type = None
         self.end = 0.0
         self.entered = None
         self.remote_parent = None
@@ -114,7 +117,7 @@ class GroupBatch:
     """
 
     __slots__ = (
-        "busy", "duration", "erred", "failed", "metrics", "nbytes", "since", "span",
+        "busy", "duration", "erred", "error_type", "failed", "metrics", "nbytes", "since", "span",
         "started", "states", "total", "wake",
     )
 
@@ -138,6 +141,8 @@ class GroupBatch:
     erred: int
     failed: float
     started: float
+    #: ``error.type`` of the first task of this batch that erred
+    error_type: str | None
     #: When a poll last found the group still running (0: never). Its last task
     #: finishes later, so it cannot be ready until ``otel.spans.export-delay``
     #: after that
@@ -161,6 +166,7 @@ class GroupBatch:
         self.duration = 0.0
         self.metrics = {}
         self.erred = 0
+        self.error_type = None
         self.failed = self.started = 0.0
 
     @classmethod

@@ -7,9 +7,9 @@ What is exported
     ids on the scheduler, which a worker cannot know), in the Dask span's trace.
     It runs from when the task's function started to when it returned, the
     times Dask itself records (``ExecuteSuccessEvent``/``ExecuteFailureEvent``,
-    already on the scheduler's clock). An erred task has status ERROR and an
-    ``exception`` event, as the OTel semantic conventions for exceptions have
-    it. The attributes: docs/traces.md, "Task spans".
+    already on the scheduler's clock). An erred task has status ERROR,
+    ``error.type`` and an ``exception`` event, as the OTel semantic conventions
+    for exceptions have it; ``code.function.name`` names the task's function. The attributes: docs/traces.md, "Task spans".
 
 Which tasks
     Only in traces the sampler keeps (:func:`dask_otel.span_context.trace_sampled`,
@@ -34,6 +34,7 @@ Edge cases
 
 from __future__ import annotations
 
+import functools
 import random
 from hashlib import blake2b
 from typing import TYPE_CHECKING, Any
@@ -186,11 +187,15 @@ class TaskSpans:
         thread = self.worker.threads.get(run.key)
         if thread is not None:
             attributes["thread.id"] = thread
+        ts = self.worker.state.tasks.get(run.key)
+        if ts is not None and (function := function_name(ts.run_spec)) is not None:
+            attributes["code.function.name"] = function
         events: tuple[Event, ...] = ()
         status = _UNSET
         if erred:
             exc_type, message = _exception_type_and_message(event)
             status = Status(StatusCode.ERROR, sink.name(f"{exc_type}: {message}"))
+            attributes["error.type"] = exc_type
             events = (
                 Event(
                     "exception",
@@ -216,6 +221,27 @@ class TaskSpans:
         return sink.span(
             key_split(run.key), context, parent, start, stop, attributes, status, events
         )
+
+
+def function_name(run_spec: Any) -> str | None:
+    """OTel's ``code.function.name`` of a task: the fully qualified name
+    (``module.qualname``) of the function Dask runs for it, through
+    ``functools.partial``: a ``Task``'s ``func`` (distributed 2024.12+) or the
+    first item of the ``(function, args, kwargs)`` tuple older ones keep; None
+    for an alias or a data node."""
+    func = getattr(run_spec, "func", None)  # dask's Task (2024.12+)
+    if func is None and isinstance(run_spec, tuple) and run_spec and callable(run_spec[0]):
+        func = run_spec[0]  # an old-style task tuple
+    if func is None or not callable(func):
+        return None
+    while isinstance(func, functools.partial):
+        func = func.func
+    qualname = getattr(func, "__qualname__", None)
+    if not isinstance(qualname, str):  # a callable object
+        func = type(func)
+        qualname = func.__qualname__
+    module = getattr(func, "__module__", None)
+    return f"{module}.{qualname}" if module else qualname
 
 
 def _exception_type_and_message(event: ExecuteFailureEvent) -> tuple[str, str]:
