@@ -33,8 +33,9 @@ reach. ``meter_provider`` is not used, for the same reasons.
 A worker started with the instrumentor on logs one WARNING if its scheduler
 handed it no bridge (a scheduler started without either, e.g. the ``--preload``
 trap). ``uninstrument()`` restores ``Scheduler.__init__`` and
-``Worker.start_unsafe``; schedulers built before keep their bridge until they close. Where the bridge's work goes on the other
-instrumentations ``opentelemetry-instrument`` loads: docs/deploy.md, "Zero-code".
+``Worker.start_unsafe``; schedulers built before keep their bridge until they
+close. The other instrumentations ``opentelemetry-instrument`` loads, and what they
+cost on Dask servers: docs/zero-code.md.
 """
 
 from __future__ import annotations
