@@ -5,9 +5,9 @@ Dask server process feeds a ``LoggerProvider``, whose batched exporters are wrap
 in the bridge's export accounting (a collector outage is logged once, not once per
 batch), from the handler that the SDK recommends: ``LoggingHandler`` of
 ``opentelemetry-instrumentation-logging`` (``pip install 'dask-otel[logs]'``), or,
-where that package is absent, the SDK's own (deprecated: opentelemetry-sdk
-both 1.41 and 1.45 warn; the same handler). The handler takes each record's trace and span ids from the
-current OTel context: in a task, its Dask span's.
+where that package is absent, the SDK's own (the same handler, deprecated:
+opentelemetry-sdk 1.41 and 1.45 warn). The handler takes each record's trace and
+span ids from the current OTel context: in a task, its Dask span's.
 
 Where the handlers sit, and why each record is exported once:
 
