@@ -25,8 +25,13 @@ from tests.support.tasks import log_in_task, log_info_in_task, warn_to_distribut
 FAST_LOGS = {"OTEL_BLRP_SCHEDULE_DELAY": "100"}
 
 
-def records(receiver: OTLPReceiver, body_starts: str) -> list:
-    return [g for g in receiver.logs() if str(g.body).startswith(body_starts)]
+def records(receiver: OTLPReceiver, body_starts: str, mentioning: str = "") -> list:
+    """The records whose body starts with ``body_starts`` and mentions ``mentioning``
+    (a worker's address or name: Dask's wording around them varies by version)"""
+    return [
+        g for g in receiver.logs()
+        if str(g.body).startswith(body_starts) and mentioning in str(g.body)
+    ]
 
 
 @pytest.mark.parametrize("source", ["env", "config"])
@@ -119,9 +124,8 @@ def test_dask_own_lines_from_worker_processes_arrive_once(monkeypatch):
             scheduler_pid = os.getpid()
         time.sleep(0.5)  # anything exported twice would have arrived
     for address in workers:
-        (registered,) = records(receiver, f"Register worker addr: {address}")
-        assert records(receiver, f"Starting worker compute stream, {address}")
-        assert len(records(receiver, f"Starting worker compute stream, {address}")) == 1
+        (registered,) = records(receiver, "Register worker", f"{address}")
+        assert len(records(receiver, "Starting worker compute stream", address)) == 1
         assert registered.scope == "distributed.scheduler"
         assert registered.resource["process.pid"] == scheduler_pid
     (warned,) = records(receiver, "task 3 saw a slow disk")
@@ -140,13 +144,13 @@ def test_dask_own_lines_from_dask_scheduler_and_dask_worker_arrive_once():
                 client.submit(warn_to_distributed_worker, 4, workers=["worker-0"]).result()
                 receiver.wait_for(lambda r: records(r, "task 4 saw a slow disk"))
             procs.procs["worker-1"].send_signal(signal.SIGKILL)
-            receiver.wait_for(lambda r: records(r, "Remove worker addr:"))
+            receiver.wait_for(lambda r: records(r, "Remove worker", "name: worker-1"))
             time.sleep(0.5)
             worker_0_stderr = procs.log("worker-0")
     for name in ("worker-0", "worker-1"):
-        assert len([g for g in records(receiver, "Register worker") if f"name: {name}" in g.body]) == 1
+        assert len(records(receiver, "Register worker", f"name: {name}")) == 1
     # worker-0 is removed too, when the processes stop
-    (removed,) = [g for g in records(receiver, "Remove worker addr:") if "name: worker-1" in g.body]
+    (removed,) = records(receiver, "Remove worker", "name: worker-1")
     assert removed.scope == "distributed.scheduler"
     (warned,) = records(receiver, "task 4 saw a slow disk")
     assert warned.resource["service.name"] == "dask"
@@ -172,7 +176,7 @@ def test_a_dask_logger_that_propagates_is_exported_once(monkeypatch):
     assert len(records(receiver, "task 5 saw a slow disk")) == 1
     assert len(records(receiver, "scored partition 5")) == 1
     for address in workers:
-        assert len(records(receiver, f"Register worker addr: {address}")) == 1
+        assert len(records(receiver, "Register worker", address)) == 1
 
 
 def test_a_users_otel_handler_on_the_root_logger_is_not_doubled(monkeypatch):
@@ -246,6 +250,8 @@ def test_under_opentelemetry_instrument_each_record_is_exported_once(tmp_path, s
     handler on the root logger (the SDK's with
     OTEL_PYTHON_LOGGING_AUTO_INSTRUMENTATION_ENABLED=true): the bridge adds none there"""
     pytest.importorskip("opentelemetry.instrumentation.logging")
+    # configures the global LoggerProvider from OTEL_LOGS_EXPORTER (dask-otel[test])
+    pytest.importorskip("opentelemetry.distro")
     script = tmp_path / "application.py"
     script.write_text(textwrap.dedent(INSTRUMENTED_APPLICATION))
     with OTLPReceiver("grpc") as receiver:
@@ -278,4 +284,25 @@ def test_under_opentelemetry_instrument_each_record_is_exported_once(tmp_path, s
     assert len(records(receiver, "application done")) == 1
     # Dask's own: the bridge's handler, once
     assert len(records(receiver, "task 7 saw a slow disk")) == 1
-    assert len(records(receiver, "Register worker addr:")) == 1
+    assert len(records(receiver, "Register worker")) == 1
+
+
+def test_without_instrumentation_logging_the_sdks_handler_exports(monkeypatch):
+    """opentelemetry-instrumentation-logging is an extra (``dask-otel[logs]``):
+    without it, the SDK's deprecated handler, placed the same way"""
+    from opentelemetry.sdk._logs import LoggingHandler as SDKLoggingHandler
+
+    monkeypatch.setitem(sys.modules, "opentelemetry.instrumentation.logging.handler", None)
+    config = {"otel.logs.exporter": "otlp", "otel.flush-timeout": "2s"}
+    with OTLPReceiver("grpc") as receiver:
+        set_otel_env(monkeypatch, {**receiver.env(), **FAST_LOGS})
+        with otel_cluster(config) as (client, _):
+            ours = [h for h in logging.getLogger("distributed").handlers
+                    if isinstance(h, SDKLoggingHandler)]
+            client.submit(warn_to_distributed_worker, 8).result()
+            client.submit(log_in_task, 8).result()
+            receiver.wait_for(lambda r: records(r, "task 8") and records(r, "scored partition 8"))
+            time.sleep(0.5)
+    assert len(ours) == 1
+    assert len(records(receiver, "task 8 saw a slow disk")) == 1
+    assert len(records(receiver, "scored partition 8")) == 1
