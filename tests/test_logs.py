@@ -160,14 +160,19 @@ def test_dask_own_lines_from_dask_scheduler_and_dask_worker_arrive_once():
     assert " - distributed.worker - WARNING - task 4 saw a slow disk" in printed[0]
 
 
-def test_a_dask_logger_that_propagates_is_exported_once(monkeypatch):
-    """A user who sets ``propagate = True`` on ``distributed``: its records reach the
-    root logger's handler too, and are exported by one of the two"""
-    monkeypatch.setattr(logging.getLogger("distributed"), "propagate", True)
+@pytest.mark.parametrize("when", ["before", "after"])
+def test_a_dask_logger_that_propagates_is_exported_once(monkeypatch, when):
+    """A user who sets ``propagate = True`` on ``distributed``, before the cluster
+    starts or while it runs: its records reach the root logger's handler too, and
+    are exported by one of the two"""
+    if when == "before":
+        monkeypatch.setattr(logging.getLogger("distributed"), "propagate", True)
     config = {"otel.logs.exporter": "otlp", "otel.flush-timeout": "2s"}
     with OTLPReceiver("grpc") as receiver:
         set_otel_env(monkeypatch, {**receiver.env(), **FAST_LOGS})
         with otel_cluster(config) as (client, _):
+            if when == "after":
+                monkeypatch.setattr(logging.getLogger("distributed"), "propagate", True)
             client.submit(warn_to_distributed_worker, 5).result()
             client.submit(log_in_task, 5).result()
             receiver.wait_for(lambda r: records(r, "task 5") and records(r, "scored partition 5"))
@@ -179,7 +184,10 @@ def test_a_dask_logger_that_propagates_is_exported_once(monkeypatch):
         assert len(records(receiver, "Register worker", address)) == 1
 
 
-def test_a_users_otel_handler_on_the_root_logger_is_not_doubled(monkeypatch):
+@pytest.mark.parametrize("added", ["before", "after"])
+def test_a_users_otel_handler_on_the_root_logger_is_not_doubled(monkeypatch, added):
+    """The user's LoggingHandler on the root logger, added before the cluster starts
+    (the bridge adds none there) or while it runs (the bridge's stands aside)"""
     from opentelemetry.instrumentation.logging.handler import LoggingHandler
     from opentelemetry.sdk._logs import LoggerProvider
     from opentelemetry.sdk._logs.export import SimpleLogRecordProcessor
@@ -191,23 +199,31 @@ def test_a_users_otel_handler_on_the_root_logger_is_not_doubled(monkeypatch):
     users_provider.add_log_record_processor(SimpleLogRecordProcessor(users_exporter))
     users_handler = LoggingHandler(logger_provider=users_provider)
     root, dask_logger = logging.getLogger(), logging.getLogger("distributed")
-    root.addHandler(users_handler)
+    if added == "before":
+        root.addHandler(users_handler)
     before = (list(root.handlers), list(dask_logger.handlers))
     config = {"otel.logs.exporter": "otlp", "otel.flush-timeout": "2s"}
     try:
         with OTLPReceiver("grpc") as receiver:
             set_otel_env(monkeypatch, {**receiver.env(), **FAST_LOGS})
             with otel_cluster(config) as (client, _):
+                if added == "after":
+                    root.addHandler(users_handler)
                 otel_on_root = [h for h in root.handlers if isinstance(h, LoggingHandler)]
                 client.submit(log_in_task, 6).result()
                 client.submit(warn_to_distributed_worker, 6).result()
                 receiver.wait_for(lambda r: records(r, "task 6 saw a slow disk"))
                 time.sleep(0.5)
+            if added == "after":
+                root.removeHandler(users_handler)
             after = (list(root.handlers), list(dask_logger.handlers))
     finally:
         root.removeHandler(users_handler)
         users_provider.shutdown()
-    assert otel_on_root == [users_handler]
+    if added == "before":
+        assert otel_on_root == [users_handler]
+    else:
+        assert len(otel_on_root) == 2
     users_bodies = [r.log_record.body for r in users_exporter.get_finished_logs()]
     # the root's records: the user's handler exports them, ours not
     assert users_bodies.count("scored partition 6") == 1
