@@ -137,12 +137,16 @@ def test_dask_own_lines_from_worker_processes_arrive_once(monkeypatch):
 
 
 def test_dask_own_lines_from_dask_scheduler_and_dask_worker_arrive_once():
+    """Also a logger the user adds to dask config's ``logging`` (``report``), which
+    distributed configures as its own: its handler, propagate = False"""
     with OTLPReceiver("grpc") as receiver:
-        env = {**receiver.env(), **FAST_LOGS, "OTEL_LOGS_EXPORTER": "otlp"}
+        env = {**receiver.env(), **FAST_LOGS, "OTEL_LOGS_EXPORTER": "otlp",
+               "DASK_LOGGING__REPORT": "info"}
         with dask_processes(env) as procs:
             with procs.client() as client:
                 client.submit(warn_to_distributed_worker, 4, workers=["worker-0"]).result()
-                receiver.wait_for(lambda r: records(r, "task 4 saw a slow disk"))
+                client.submit(log_in_task, 4, workers=["worker-0"]).result()
+                receiver.wait_for(lambda r: records(r, "task 4") and records(r, "scored partition 4"))
             procs.procs["worker-1"].send_signal(signal.SIGKILL)
             receiver.wait_for(lambda r: records(r, "Remove worker", "name: worker-1"))
             time.sleep(0.5)
@@ -154,10 +158,14 @@ def test_dask_own_lines_from_dask_scheduler_and_dask_worker_arrive_once():
     assert removed.scope == "distributed.scheduler"
     (warned,) = records(receiver, "task 4 saw a slow disk")
     assert warned.resource["service.name"] == "dask"
-    # What Dask prints is unchanged: the line once, in Dask's own format
-    printed = [line for line in worker_0_stderr.splitlines() if "task 4 saw a slow disk" in line]
-    assert len(printed) == 1, worker_0_stderr
-    assert " - distributed.worker - WARNING - task 4 saw a slow disk" in printed[0]
+    (users,) = records(receiver, "scored partition 4")
+    assert users.scope == "report"
+    # What Dask prints is unchanged: each line once, in Dask's own format
+    for logger_name, line in [("distributed.worker", "task 4 saw a slow disk"),
+                              ("report", "scored partition 4")]:
+        printed = [p for p in worker_0_stderr.splitlines() if line in p]
+        assert len(printed) == 1, worker_0_stderr
+        assert f" - {logger_name} - WARNING - {line}" in printed[0]
 
 
 @pytest.mark.parametrize("when", ["before", "after"])
