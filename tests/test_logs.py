@@ -330,3 +330,26 @@ def test_without_instrumentation_logging_the_sdks_handler_exports(monkeypatch):
     assert len(ours) == 1
     assert len(records(receiver, "task 8 saw a slow disk")) == 1
     assert len(records(receiver, "scored partition 8")) == 1
+
+
+def test_the_loggers_distributed_configures_are_read_from_each_config_style(tmp_path):
+    from dask_otel.export.logs import DISTRIBUTED_LOGGERS, dask_logger_names
+
+    assert dask_logger_names({}) == list(DISTRIBUTED_LOGGERS)
+    old_style = {"logging": {"distributed": "debug", "myapp": "info"}}
+    assert dask_logger_names(old_style) == [*DISTRIBUTED_LOGGERS, "myapp"]
+    under_distributed = {"distributed": {"logging": {"distributed.shuffle": "debug"}}}
+    assert dask_logger_names(under_distributed)[-1] == "distributed.shuffle"
+    dict_config = {"logging": {"version": 1, "loggers": {"myapp.jobs": {"level": "INFO"}}}}
+    assert dask_logger_names(dict_config)[-1] == "myapp.jobs"
+    ini = tmp_path / "logging.ini"
+    ini.write_text(textwrap.dedent("""
+        [loggers]
+        keys = root, jobs
+        [logger_root]
+        handlers =
+        [logger_jobs]
+        qualname = myapp.jobs
+        handlers =
+    """))
+    assert dask_logger_names({"logging-file-config": str(ini)})[-1] == "myapp.jobs"
