@@ -743,3 +743,52 @@ def test_times_are_what_dask_records_bounded_by_what_the_scheduler_saw():
     assert group.start_time == ns(max(tg_start, enqueued)) or group.start_time > ns(tg_start)
     assert group.end_time <= min(ns(tg_stop), s.end_time)
     assert group.end_time == ns(tg_stop) or group.end_time >= ns(heard)
+
+
+# --- Causal times: a skewed worker clock (issue 18) ---------------------------------
+
+
+@pytest.mark.parametrize("skew", [0.0, 0.5, -0.5])
+def test_a_skewed_worker_clock_leaves_every_span_inside_the_schedulers_window(skew):
+    """A/B: two ``dask worker`` processes whose offset Dask misjudges by ``skew``
+    and by its opposite (0: none). Dask's own times then lie outside the caller's
+    span; the exported spans, Dask's and the workers' task spans, do not: each
+    lies inside its parent, the Dask root inside the caller's span to 1 ms."""
+    from distributed import Client
+
+    from dask_otel.client import span as otel_span
+    from tests.support.callers import app_tracer
+    from tests.support.otlp_receiver import OTLPReceiver
+    from tests.support.processes import dask_processes
+    from tests.support.span_tree import assert_span_tree
+
+    env = {"DASK_OTEL__TASKS__SPANS": "true"}
+    with OTLPReceiver("grpc") as receiver, dask_processes(
+        {**receiver.env(), **env}, n_workers=0
+    ) as cluster:
+        for i, sign in enumerate((1, -1)):
+            cluster.worker_args = ("--preload", "tests.support.skewed_worker")
+            cluster.add_worker(f"skewed-{i}", env={"DASK_OTEL_TEST_SKEW": str(sign * skew)})
+        app_spans, tracer = app_tracer()
+        with Client(cluster.address, timeout=30) as client:
+            client.wait_for_workers(2, timeout=60)
+            with tracer.start_as_current_span("request") as request:
+                with otel_span("skewed") as sid:
+                    futures = client.map(slow, range(8), delay=0.05, key=[f"sk-{i}" for i in range(8)])
+                    client.gather(futures)
+            ended = request.end_time
+            dask_stop = client.run_on_scheduler(
+                lambda dask_scheduler: dask_scheduler.extensions["spans"].spans[sid].stop
+            )
+            trace_hex = f"{request.get_span_context().trace_id:032x}"
+            receiver.wait_for(lambda r: [s for s in r.spans("skewed") if s.trace_id == trace_hex])
+            wait_until(lambda: len([s for s in receiver.spans() if s.trace_id == trace_hex]) >= 10)
+            time.sleep(1.0)
+            spans = [s for s in receiver.spans() if s.trace_id == trace_hex]
+    if skew > 0:  # the skew is real: Dask's own stop lies after the caller's end
+        assert dask_stop * 1e9 > ended + 0.2e9
+    nodes = assert_span_tree(
+        [*spans, *app_spans.get_finished_spans()], one_trace=True, dask_roots=("skewed",)
+    )
+    names = sorted(n.name for n in nodes.values())
+    assert names.count("sk") == 8 + 1  # eight task spans and the TaskGroup's
