@@ -42,6 +42,7 @@ Edge cases
 from __future__ import annotations
 
 import random
+from collections.abc import Mapping
 from hashlib import blake2b
 from typing import TYPE_CHECKING, Any
 
@@ -60,8 +61,6 @@ from opentelemetry.trace import (
 from dask_otel.span_context import SAMPLED
 
 if TYPE_CHECKING:
-    from collections.abc import Mapping
-
     from distributed import Worker
     from opentelemetry.context import Context
     from opentelemetry.sdk.trace import ReadableSpan
@@ -256,10 +255,10 @@ def _entered(run: TaskRun) -> float:
     """When the client entered the block of the run's Dask span (its ``otel``
     annotation), 0 if unknown: the Dask span starts no later, nor can the task"""
     otel = run.otel
-    if otel is None:
+    if not isinstance(otel, Mapping):  # none, or an "otel" annotation not ours
         return 0.0
     entered = otel.get("entered")
-    t = entered.get(run.dask_span.dask_id) if isinstance(entered, dict) else None
+    t = entered.get(run.dask_span.dask_id) if isinstance(entered, Mapping) else None
     return t if isinstance(t, (int, float)) else 0.0
 
 
