@@ -5,7 +5,10 @@ Turn it on with one dask config key, before the scheduler starts::
     distributed.scheduler.preload: [dask_otel]
     # or: export DASK_DISTRIBUTED__SCHEDULER__PRELOAD=dask_otel
 
-or, for a cluster that is already running, ``dask_otel.instrument(client)``.
+or zero-code, ``opentelemetry-instrument dask scheduler`` (the ``dask`` entry
+point of ``opentelemetry_instrumentor``: :mod:`dask_otel.instrumentor`), or, for a
+cluster that is already running, ``dask_otel.instrument(client)``; any of them
+together still give one bridge.
 On the client, ``dask_otel.span`` (a drop-in for ``distributed.span``) joins a
 Dask workflow to the caller's OpenTelemetry trace; it needs only
 ``opentelemetry-api``.
@@ -38,9 +41,13 @@ async def dask_setup(scheduler: Scheduler) -> None:
     Adds the scheduler plugin, which registers the worker plugin with the
     scheduler, so that every current and future worker exports too.
     """
-    from dask_otel.scheduler.plugin import OtelSchedulerPlugin
+    from dask_otel.scheduler.plugin import OtelSchedulerPlugin, note_path
+    from dask_otel.worker.plugin import PLUGIN_NAME
 
-    await scheduler.register_scheduler_plugin(OtelSchedulerPlugin(), idempotent=True)
+    if PLUGIN_NAME in scheduler.plugins:  # the instrumentor added it: one bridge
+        note_path(scheduler, "preload")
+        return
+    await scheduler.register_scheduler_plugin(OtelSchedulerPlugin("preload"), idempotent=True)
 
 
 async def dask_teardown(scheduler: Scheduler) -> None:
@@ -70,12 +77,15 @@ def instrument(client: Client) -> None:
     """
     from dask_otel.config import enabled
     from dask_otel.log import logger
-    from dask_otel.scheduler.plugin import OtelSchedulerPlugin
+    from dask_otel.scheduler.plugin import OtelSchedulerPlugin, note_path
 
     if not enabled():
         logger.info("dask_otel: otel.enabled is false in this client; not instrumenting")
         return
-    client.register_plugin(OtelSchedulerPlugin())
+    # idempotent: a bridge already there (the instrumentor's, the preload's) stays
+    # the one, and notes that the client asked too (status()["scheduler"]["paths"])
+    client.register_plugin(OtelSchedulerPlugin("client"))
+    client.run_on_scheduler(lambda dask_scheduler: note_path(dask_scheduler, "client"))
 
 
 def status(client: Client) -> dict[str, Any]:
@@ -87,7 +97,12 @@ def status(client: Client) -> dict[str, Any]:
     where the plugin is not installed. ``error`` says why the bridge is off there:
     the config key or exporter at fault, or ``disabled by otel.enabled on ...``.
     ``config`` holds the ``otel.*`` keys that process reads, with the values it
-    uses (each process reads its own dask config).
+    uses (each process reads its own dask config). ``service_name``: the
+    ``service.name`` that process's spans carry and which rule gave it; the
+    scheduler's ``paths``: which ways of turning the bridge on asked for it, the
+    one that added it first (``instrumentor``, ``preload``, ``client``).
+    ``warning``: why the scheduler has no bridge although its dask config names
+    the preload (a ``--preload`` of something else), else None.
     """
     from dask_otel.worker.plugin import PLUGIN_NAME
 
@@ -96,9 +111,18 @@ def status(client: Client) -> dict[str, Any]:
         plugin = plugins.get(PLUGIN_NAME)
         return plugin.status() if plugin is not None else None
 
+    def _trap(dask_scheduler: Any) -> str | None:
+        try:
+            from dask_otel.scheduler.plugin import preload_trap
+        except ImportError:  # dask_otel is not installed there
+            return None
+        return preload_trap(dask_scheduler)
+
     return {
         "scheduler": client.run_on_scheduler(
             lambda dask_scheduler: _status(dask_scheduler)
         ),
         "workers": client.run(lambda dask_worker: _status(dask_worker)),
+        # why the bridge is off on the scheduler though its config names the preload
+        "warning": client.run_on_scheduler(_trap),
     }

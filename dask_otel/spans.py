@@ -224,8 +224,10 @@ class SpanMirror:
         if ts is None or ext is None:
             return
         tg = ts.group
+        kind = builder.error_type(ts, self.scheduler.allowed_failures)
         if (batch := self.ledger.groups.get(tg)) is not None:
             batch.erred += 1
+            batch.error_type = batch.error_type or kind
             batch.failed = max(batch.failed, failed)
             if started and (not batch.started or started < batch.started):
                 batch.started = started
@@ -237,6 +239,7 @@ class SpanMirror:
         while span is not None:
             if (record := records.get(span.id)) is not None:
                 record.erred += 1
+                record.error_type = record.error_type or kind
             if self.config.span_totals == "own":
                 break
             span = span.parent
@@ -419,7 +422,7 @@ class SpanMirror:
             parent_context = record.remote_parent
         readable = builder.dask_span(
             self.sink, self.config, span, head, parent_context, end, own, subtree,
-            record.erred, record.links, unfinished,
+            record.erred, record.links, unfinished, record.error_type,
         )
         if self.config.export_code and not self.told_no_code:
             self.told_no_code = builder.told_no_code(readable)

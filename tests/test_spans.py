@@ -21,7 +21,16 @@ from tests.support.cluster import (
     wait_until,
 )
 from tests.support.span_tree import assert_span_tree
-from tests.support.tasks import double, fail, fail_slowly, inc, slow, total, wait_for_event
+from tests.support.tasks import (
+    die_once,
+    double,
+    fail,
+    fail_slowly,
+    inc,
+    slow,
+    total,
+    wait_for_event,
+)
 
 
 def assert_well_formed(spans: list) -> None:
@@ -113,12 +122,33 @@ def test_erred_tasks_set_error_status(cluster):
     s = mirrored.by_dask_id(sid)
     assert s.status.status_code is StatusCode.ERROR
     assert s.status.description == "3 tasks erred"
+    assert s.attributes["error.type"] == "ValueError"  # as OTel's conventions name it
     (group,) = wait_until(lambda: mirrored.children(s))
     assert group.status.status_code is StatusCode.ERROR
+    assert group.attributes["error.type"] == "ValueError"
 
     with span("fine") as ok_id:
         client.submit(inc, 1).result()
     assert mirrored.by_dask_id(ok_id).status.status_code is StatusCode.UNSET
+
+
+def test_error_type_of_a_task_that_erred_because_its_dependency_did(cluster):
+    client, mirrored = cluster
+    with span("upstream"):
+        bad = client.submit(fail, 1)
+    with span("downstream") as sid:
+        wait(client.submit(inc, bad))
+    assert mirrored.by_dask_id(sid).attributes["error.type"] == "ValueError"
+
+
+def test_error_type_of_a_task_whose_workers_died_is_killed_worker(tmp_path):
+    config = {"distributed.scheduler.allowed-failures": 0}
+    with otel_cluster(config, processes=True, n_workers=1) as (client, mirrored):
+        with span("killer") as sid:
+            wait(client.submit(die_once, str(tmp_path / "killed")))
+        s = mirrored.by_dask_id(sid, timeout=60)
+        assert s.status.status_code is StatusCode.ERROR
+        assert s.attributes["error.type"] == "KilledWorker"
 
 
 def test_multiple_tags_at_once_nest(cluster):

@@ -99,6 +99,8 @@ def test_erred_tasks_are_exported_with_the_exception():
         assert exported.name == "fail"
         assert exported.status.status_code is StatusCode.ERROR
         assert exported.status.description == "ValueError: bad 7"
+        assert exported.attributes["error.type"] == "ValueError"
+        assert exported.attributes["code.function.name"] == "tests.support.tasks.fail"
         (event,) = exported.events
         assert event.name == "exception"
         assert event.attributes["exception.type"] == "ValueError"

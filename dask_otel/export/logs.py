@@ -1,46 +1,161 @@
 """Python log records of the scheduler and workers as OpenTelemetry logs.
 
 Off unless asked for (``OTEL_LOGS_EXPORTER`` or ``otel.logs.exporter``). Then each
-Dask server process puts one SDK ``LoggingHandler`` on the root logger, feeding a
-``LoggerProvider`` whose batched exporters are wrapped in the bridge's export
-accounting, so that a collector outage is logged once, not once per batch. The
-handler takes each record's trace and span ids from the current OTel context: in
-a task, its Dask span's. Records of the ``opentelemetry.*`` loggers are filtered
-out: exporting an exporter's complaint about exporting would feed back. What is
-exported, and at which levels: docs/traces.md, "Logs".
+Dask server process feeds a ``LoggerProvider``, whose batched exporters are wrapped
+in the bridge's export accounting (a collector outage is logged once, not once per
+batch), from the handler that the SDK recommends: ``LoggingHandler`` of
+``opentelemetry-instrumentation-logging`` (``pip install 'dask-otel[logs]'``), or,
+where that package is absent, the SDK's own (the same handler, deprecated:
+opentelemetry-sdk 1.41 and 1.45 warn). The handler takes each record's trace and
+span ids from the current OTel context: in a task, its Dask span's.
+
+Where the handlers sit, and why each record is exported once:
+
+- distributed configures its loggers from dask config's ``logging`` (or
+  ``logging-file-config``): each named logger gets distributed's stream handler and
+  ``propagate = False`` (``distributed/config.py``, ``initialize_logging``), so
+  ``distributed.*`` records never reach the root logger. A handler of ours therefore
+  sits on each of :func:`dask_logger_names` as well as on the root logger.
+- A record passes the handlers of its logger and its ancestors up to the first one
+  that does not propagate. Each handler of ours exports only the records that stop
+  at its logger (:class:`_WhereRecordsStop`), read when the record arrives: a record
+  is exported by one of them at most, also after someone sets ``propagate = True``.
+- Where a logger already has a handler exporting to OTel (the user's, or the one that
+  ``opentelemetry-instrument`` adds with the logging instrumentation), ours on it
+  stands aside; on the root logger none of ours is added at all.
+
+Records of the ``opentelemetry.*`` loggers are not exported: exporting an exporter's
+complaint about exporting would feed back. What is exported, and at which levels:
+docs/traces.md, "Logs".
 """
 
 from __future__ import annotations
 
+import configparser
 import logging
 import warnings
 from typing import Any
 
-from dask_otel.config import OtelConfig
+from dask_otel.config import ConfigError, OtelConfig
 from dask_otel.export.exporters import log_exporters
 
+#: The loggers distributed's usual set-up names whatever dask config's ``logging``
+#: adds (``_initialize_logging_old_style``): each gets Dask's handler and stops
+#: propagation
+DISTRIBUTED_LOGGERS = (
+    "distributed",
+    "distributed.client",
+    "distributed.gc",
+    "bokeh",
+    "tornado",
+    "tornado.application",
+)
 
-class _NotFromOpenTelemetry(logging.Filter):
+
+def dask_logger_names(config: dict | None = None) -> list[str]:
+    """The loggers that distributed configures in this process: :data:`DISTRIBUTED_LOGGERS`
+    and the ones dask config's ``logging`` (old style: its keys; ``version: 1``: its
+    ``loggers``) or ``logging-file-config`` (its ``[loggers]``) names. Looked up
+    under ``distributed:`` first, then at the top level, as distributed does."""
+    import dask
+
+    config = dask.config.config if config is None else config
+    distributed_config = config.get("distributed") or {}
+    base = distributed_config if {"logging", "logging-file-config"} & distributed_config.keys() else config
+    names = list(DISTRIBUTED_LOGGERS)
+    if base.get("logging-file-config"):
+        names += _file_config_logger_names(base["logging-file-config"])
+    logging_config = base.get("logging") or {}
+    if "version" in logging_config:
+        names += list(logging_config.get("loggers") or {})
+    else:
+        names += list(logging_config)
+    return list(dict.fromkeys(names))
+
+
+def _file_config_logger_names(path: str) -> list[str]:
+    parser = configparser.ConfigParser(interpolation=None)
+    parser.read(path)
+    keys = [k.strip() for k in parser.get("loggers", "keys", fallback="").split(",")]
+    return [
+        parser.get(f"logger_{key}", "qualname", fallback=key)
+        for key in keys
+        if key and key != "root"
+    ]
+
+
+def _otel_handler_classes() -> tuple[type, ...]:
+    """Every handler class that exports to OTel: the recommended one, when installed,
+    and the SDK's"""
+    from opentelemetry.sdk._logs import LoggingHandler as SDKLoggingHandler
+
+    try:
+        from opentelemetry.instrumentation.logging.handler import LoggingHandler
+    except ImportError:
+        return (SDKLoggingHandler,)
+    return (LoggingHandler, SDKLoggingHandler)
+
+
+def _new_handler(level: int, provider: Any) -> logging.Handler:
+    try:
+        from opentelemetry.instrumentation.logging.handler import LoggingHandler
+    except ImportError:
+        pass
+    else:
+        # code.* attributes (where the line was logged), as the SDK's handler adds
+        return LoggingHandler(level=level, logger_provider=provider, log_code_attributes=True)
+    try:
+        from opentelemetry.sdk._logs import LoggingHandler as SDKLoggingHandler
+    except ImportError:  # an SDK that dropped it
+        raise ConfigError(
+            "otel.logs.exporter needs opentelemetry-instrumentation-logging: "
+            "pip install 'dask-otel[logs]'"
+        ) from None
+    with warnings.catch_warnings():
+        # deprecated for opentelemetry-instrumentation-logging's, preferred above
+        warnings.simplefilter("ignore", DeprecationWarning)
+        return SDKLoggingHandler(level=level, logger_provider=provider)
+
+
+class _WhereRecordsStop(logging.Filter):
+    """Lets through, on the handler of ``logger``, the records that stop at
+    ``logger`` (it does not propagate, or it is the root) and that no other OTel
+    handler on it exports"""
+
+    def __init__(self, logger: logging.Logger, ours: list[logging.Handler], otel_classes: tuple):
+        super().__init__()
+        self.logger = logger
+        self.ours = ours
+        self.otel_classes = otel_classes
+
     def filter(self, record: logging.LogRecord) -> bool:
-        return not record.name.startswith("opentelemetry")
+        if record.name.startswith("opentelemetry"):
+            return False
+        if self.logger.propagate and self.logger.parent is not None:
+            return False
+        return not any(
+            isinstance(h, self.otel_classes) and h not in self.ours for h in self.logger.handlers
+        )
 
 
 class LogExport:
-    """The LoggerProvider and root-logger handler of one process.
+    """The LoggerProvider of one process and the handlers that feed it.
 
     ``exporters`` are kept so that tests can read an in-memory exporter;
     ``accounted_exporters`` hold the accounting of batched exporters.
     """
 
-    #: the SDK's LoggerProvider that the handler feeds
+    #: the SDK's LoggerProvider that the handlers feed (also the one that a
+    #: scheduler's other log records, e.g. its events, are emitted through)
     provider: Any
-    #: the SDK's LoggingHandler on the root logger
-    handler: logging.Handler
+    #: logger -> the handler of ours on it: the root logger (unless another OTel
+    #: handler was there first) and each of :func:`dask_logger_names`
+    handlers: dict[logging.Logger, logging.Handler]
     exporters: list
     accounted_exporters: list
 
     def __init__(self, config: OtelConfig, resource: Any):
-        from opentelemetry.sdk._logs import LoggerProvider, LoggingHandler
+        from opentelemetry.sdk._logs import LoggerProvider
         from opentelemetry.sdk._logs.export import (
             BatchLogRecordProcessor,
             SimpleLogRecordProcessor,
@@ -60,17 +175,25 @@ class LogExport:
                 accounted = accounted_log_exporter(exporter)
                 self.accounted_exporters.append(accounted)
                 self.provider.add_log_record_processor(BatchLogRecordProcessor(accounted))
-        with warnings.catch_warnings():
-            # 1.39+ deprecates it for opentelemetry-instrumentation-logging's, which
-            # is not a dependency; it is the same handler
-            warnings.simplefilter("ignore", DeprecationWarning)
-            self.handler = LoggingHandler(level=config.logs_level, logger_provider=self.provider)
-        self.handler.addFilter(_NotFromOpenTelemetry())
-        logging.getLogger().addHandler(self.handler)
+        self.handlers = {}
+        otel_classes = _otel_handler_classes()
+        root = logging.getLogger()
+        loggers = [logging.getLogger(name) for name in dask_logger_names()]
+        if not any(isinstance(h, otel_classes) for h in root.handlers):
+            loggers.append(root)
+        ours: list[logging.Handler] = []
+        for target in loggers:
+            handler = _new_handler(config.logs_level, self.provider)
+            handler.addFilter(_WhereRecordsStop(target, ours, otel_classes))
+            ours.append(handler)
+            self.handlers[target] = handler
+        for target, handler in self.handlers.items():
+            target.addHandler(handler)
 
     def force_flush(self, timeout_millis: int) -> None:
         self.provider.force_flush(timeout_millis)
 
     def shutdown(self) -> None:
-        logging.getLogger().removeHandler(self.handler)
+        for target, handler in self.handlers.items():
+            target.removeHandler(handler)
         self.provider.shutdown()

@@ -59,19 +59,85 @@ def otel_environment() -> dict[str, str]:
     return {k: v for k, v in os.environ.items() if k.startswith("OTEL_")}
 
 
+#: ``tracer_provider`` given to ``DaskInstrumentor.instrument()``, if any: its
+#: service.name is the bridge's (see :func:`service_name`)
+SERVICE_NAME_FROM: dict[str, Any] = {"tracer_provider": None}
+
+
+def service_name() -> tuple[str, str]:
+    """The bridge's ``service.name``, and where it comes from. The first of:
+
+    1. ``OTEL_SERVICE_NAME``, else ``service.name`` in ``OTEL_RESOURCE_ATTRIBUTES``;
+    2. the service.name of the SDK TracerProvider given to
+       ``DaskInstrumentor.instrument(tracer_provider=)``, else of the process's
+       global TracerProvider when it is an SDK one (``opentelemetry-instrument``
+       sets one up): spans that code makes in tasks go to that provider, so the
+       bridge's spans take its name and a trace shows one service (the SDK's
+       ``unknown_service:python`` if nothing named it: set ``OTEL_SERVICE_NAME``);
+    3. ``dask``.
+    """
+    from opentelemetry import trace
+    from opentelemetry.sdk.resources import OTELResourceDetector
+    from opentelemetry.sdk.trace import TracerProvider
+
+    from_env = OTELResourceDetector().detect().attributes.get("service.name")
+    if from_env:
+        variable = "OTEL_SERVICE_NAME" if os.environ.get("OTEL_SERVICE_NAME") else (
+            "OTEL_RESOURCE_ATTRIBUTES")
+        return str(from_env), variable
+    given = SERVICE_NAME_FROM["tracer_provider"]
+    for provider, source in (
+        (given, "DaskInstrumentor.instrument(tracer_provider=)"),
+        (trace.get_tracer_provider(), "the global TracerProvider"),
+    ):
+        if isinstance(provider, TracerProvider):
+            name = provider.resource.attributes.get("service.name")
+            if name:
+                return str(name), source
+    return DEFAULT_SERVICE_NAME, "default"
+
+
+def service_name_status(telemetry: Telemetry | None) -> dict[str, Any] | None:
+    """What ``status()`` shows of the rule: the name the process's spans carry and
+    where it came from"""
+    if telemetry is None:
+        return None
+    return {"name": telemetry.resource.attributes.get("service.name"), "from": service_name()[1]}
+
+
 def build_resource(**attributes: Any):
-    """Resource of this process: the caller's attributes, ``service.name=dask``,
-    overridden by OTEL_RESOURCE_ATTRIBUTES and OTEL_SERVICE_NAME as the SDK reads them.
+    """Resource of this process: the caller's attributes and ``service.name`` as
+    :func:`service_name` says, overridden by OTEL_RESOURCE_ATTRIBUTES and
+    OTEL_SERVICE_NAME as the SDK reads them; the SDK's detectors
+    (``OTEL_EXPERIMENTAL_RESOURCE_DETECTORS``) beneath.
     """
     from opentelemetry.sdk.resources import OTELResourceDetector, Resource
 
     ours = {
-        "service.name": DEFAULT_SERVICE_NAME,
+        "service.name": service_name()[0],
         "host.name": socket.gethostname(),
         "process.pid": os.getpid(),
         **attributes,
     }
-    return Resource.create(ours).merge(OTELResourceDetector().detect())
+    resource = Resource.create(ours).merge(OTELResourceDetector().detect())
+    if "service.instance.id" not in resource.attributes:
+        # opentelemetry-sdk 1.45+ sets one per process (the global provider's
+        # too); before, this process's own, so every signal still names its process
+        resource = resource.merge(Resource({"service.instance.id": _process_instance_id()}))
+    return resource
+
+
+_instance_id: tuple[int, str] | None = None
+
+
+def _process_instance_id() -> str:
+    """A random UUID per process (a forked child gets its own), as the SDK's"""
+    global _instance_id
+    if _instance_id is None or _instance_id[0] != os.getpid():
+        import uuid
+
+        _instance_id = (os.getpid(), str(uuid.uuid4()))
+    return _instance_id[1]
 
 
 class Telemetry:

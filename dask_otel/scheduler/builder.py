@@ -21,7 +21,7 @@ from dask_otel.scheduler.totals import active_cpu_seconds, code_snippets
 from dask_otel.span_context import SAMPLED
 
 if TYPE_CHECKING:
-    from distributed.scheduler import TaskGroup
+    from distributed.scheduler import TaskGroup, TaskState
     from distributed.spans import Span
     from opentelemetry.sdk.trace import ReadableSpan
 
@@ -57,9 +57,34 @@ class SpanHead:
         self.tags = tags
 
 
-def erred_status(attributes: dict[str, Any], erred: int) -> Status | None:
-    """Record the erred count in ``attributes`` and return the ERROR status, if
-    any task erred.
+#: ``error.type`` when Dask kept no exception text (the conventions' fallback)
+OTHER_ERROR = "_OTHER"
+
+
+def error_type(ts: TaskState, allowed_failures: int) -> str:
+    """OTel's ``error.type`` for an erred task: the class name of the exception it
+    erred with, or that the task it depends on erred with (``exception_blame``);
+    ``KilledWorker`` when the workers running it died too often.
+
+    The scheduler holds the exception pickled, with classes it may not have: the
+    name is read from ``exception_text``, the worker's ``repr`` of it
+    (``ZeroDivisionError('division by zero')``). Dask gives a KilledWorker no text.
+    """
+    failing = ts.exception_blame or ts
+    name = (failing.exception_text or "").partition("(")[0]
+    if name.isidentifier():
+        return name
+    if failing.suspicious > allowed_failures:
+        return "KilledWorker"
+    return OTHER_ERROR
+
+
+def erred_status(
+    attributes: dict[str, Any], erred: int, error_type: str | None = None
+) -> Status | None:
+    """Record the erred count and ``error.type`` (the first erred task's, see
+    :func:`error_type`) in ``attributes`` and return the ERROR status, if any
+    task erred.
 
     ``erred`` counts the erred transitions the mirror saw; the state count alone
     would miss tasks whose futures the client released before the export.
@@ -68,6 +93,7 @@ def erred_status(attributes: dict[str, Any], erred: int) -> Status | None:
     if not erred:
         return None
     attributes["dask.tasks.erred"] = erred
+    attributes["error.type"] = error_type or OTHER_ERROR
     return Status(StatusCode.ERROR, f"{erred} tasks erred")
 
 
@@ -83,6 +109,7 @@ def dask_span(
     erred: int,
     links: Mapping[str, Link] | None,
     unfinished: bool = False,
+    error_type: str | None = None,
 ) -> ReadableSpan:
     """The OTel span of a Dask span (``head.context`` must be sampled), from
     ``head.start`` to ``end``, with its ``own`` or ``subtree`` totals as
@@ -101,7 +128,7 @@ def dask_span(
         attributes["dask.span.code"] = code_snippets(span)
     if unfinished:
         attributes["dask.span.unfinished"] = True
-    status = erred_status(attributes, erred)
+    status = erred_status(attributes, erred, error_type)
     first_task = subtree.start and min(max(subtree.start, start), end)
     events = (
         (Event("dask.first_task_start", NO_ATTRIBUTES, int(first_task * 1e9)),)
@@ -152,7 +179,7 @@ def taskgroup_span(
         "dask.taskgroup.prefix": str(tg.prefix.name),
     }
     attributes.update(counts)
-    status = erred_status(attributes, batch.erred)
+    status = erred_status(attributes, batch.erred, batch.error_type)
     context = SpanContext(parent.trace_id, span_id, False, SAMPLED, parent.trace_state)
     return sink.span(str(tg.prefix.name), context, parent, start, end, attributes, status)
 

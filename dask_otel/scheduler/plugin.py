@@ -1,7 +1,8 @@
 """The scheduler plugin: Dask's hooks in, the span mirror and metrics out.
 
-Added by the preload (``dask_setup``) or by ``dask_otel.instrument(client)``. It
-owns the span mirror (:mod:`dask_otel.spans`) and the scheduler's metrics
+Added by the instrumentor (:mod:`dask_otel.instrumentor`), the preload
+(``dask_setup``) or ``dask_otel.instrument(client)``, once per scheduler whichever
+of them ask (:func:`add_bridge`). It owns the span mirror (:mod:`dask_otel.spans`) and the scheduler's metrics
 (:mod:`dask_otel.scheduler.metrics`); on start it registers the worker plugin
 (:mod:`dask_otel.worker.plugin`) with the scheduler, which hands it to every
 current and future worker. It never raises into Dask: a bad configuration or a
@@ -14,12 +15,14 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING, Any
 
+import dask.config
 from distributed.diagnostics.plugin import SchedulerPlugin
 from tornado.ioloop import IOLoop, PeriodicCallback
 
 from dask_otel.annotation import BLOCK_EXIT
 from dask_otel.config import SCHEDULER, ConfigError
 from dask_otel.export.lifecycle import release_telemetry, start_telemetry
+from dask_otel.export.telemetry import service_name_status
 from dask_otel.scheduler.totals import failure_time
 from dask_otel.spans import SpanMirror
 from dask_otel.worker.plugin import PLUGIN_NAME, dumps_by_value
@@ -48,8 +51,12 @@ class OtelSchedulerPlugin(SchedulerPlugin):
     #: attributes
     server_telemetry: ServerTelemetry | None
     mirror: SpanMirror | None
+    #: Which ways of turning the bridge on asked for it on this scheduler, the
+    #: one that added it first: ``instrumentor``, ``preload``, ``client``
+    paths: list[str]
 
-    def __init__(self) -> None:
+    def __init__(self, path: str = "client") -> None:
+        self.paths = [path]
         self.error = None
         self.telemetry = None
         self.server_telemetry = None
@@ -198,6 +205,9 @@ class OtelSchedulerPlugin(SchedulerPlugin):
         own = self.server_telemetry
         return {
             "error": self.error,
+            # who turned it on (first), and who asked again and found it there
+            "paths": list(getattr(self, "paths", ["client"])),
+            "service_name": service_name_status(telemetry),
             # the scheduler whose exporters and metric resource this one shares
             # (two clusters in one process), None when they are its own
             "shared_with": own.shared_with if own is not None else None,
@@ -213,3 +223,44 @@ class OtelSchedulerPlugin(SchedulerPlugin):
             # the otel.* keys the scheduler reads, as it uses them (None: off)
             "config": telemetry.config.effective(SCHEDULER) if telemetry is not None else None,
         }
+
+
+def add_bridge(scheduler: Scheduler, path: str) -> OtelSchedulerPlugin:
+    """One bridge per scheduler, whichever paths ask: add the plugin (started
+    with the scheduler), or note ``path`` on the one already there"""
+    plugin = scheduler.plugins.get(PLUGIN_NAME)
+    if isinstance(plugin, OtelSchedulerPlugin):
+        note_path(scheduler, path)
+        return plugin
+    plugin = OtelSchedulerPlugin(path)
+    scheduler.add_plugin(plugin, name=PLUGIN_NAME, idempotent=True)
+    return plugin
+
+
+def note_path(scheduler: Scheduler, path: str) -> None:
+    """Note that ``path`` asked for the bridge already on ``scheduler``"""
+    plugin = scheduler.plugins.get(PLUGIN_NAME)
+    if isinstance(plugin, OtelSchedulerPlugin) and path not in plugin.paths:
+        plugin.paths.append(path)
+
+
+def preload_trap(scheduler: Scheduler) -> str | None:
+    """Why a scheduler whose dask config names the ``dask_otel`` preload has no
+    bridge, if that is the case: a ``--preload`` of something else (or
+    ``Scheduler(preload=...)``) makes Dask ignore ``distributed.scheduler.preload``
+    (``Scheduler.__init__`` reads it only when no preload is given)."""
+    if PLUGIN_NAME in scheduler.plugins:
+        return None
+    configured = dask.config.get("distributed.scheduler.preload", None) or []
+    if isinstance(configured, str):
+        configured = [configured]
+    started = [preload.name for preload in getattr(scheduler, "preloads", ())]
+    if "dask_otel" not in configured or "dask_otel" in started:
+        return None
+    return (
+        f"scheduler {scheduler.address}: distributed.scheduler.preload names dask_otel, "
+        f"but the scheduler was given --preload {' '.join(started)}, which makes Dask "
+        "ignore that key: the bridge is off. Name both on the command line "
+        "(--preload dask_otel), start it under opentelemetry-instrument, or call "
+        "dask_otel.instrument(client)"
+    )

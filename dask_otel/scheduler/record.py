@@ -35,8 +35,8 @@ class SpanRecord:
     when it is exported (or dropped by the sampler)."""
 
     __slots__ = (
-        "block_client", "carrier_read", "end", "entered", "erred", "exited", "folded",
-        "links", "open_children", "open_groups", "remote_parent", "span",
+        "block_client", "carrier_read", "end", "entered", "erred", "error_type", "exited",
+        "folded", "links", "open_children", "open_groups", "remote_parent", "span",
     )
 
     #: The Dask span (``SpansSchedulerExtension.spans[id]``)
@@ -50,6 +50,8 @@ class SpanRecord:
     #: ``otel.spans.totals: own``): Dask's state counts forget an erred task once
     #: the client releases its future
     erred: int
+    #: ``error.type`` of the first of them (:func:`~dask_otel.scheduler.builder.error_type`)
+    error_type: str | None
     #: The latest end of its exported children (sub-spans, TaskGroup batches) and
     #: failure of its own tasks; its own end is no earlier, so that every child
     #: exported before it lies within it (Dask's ``Span.stop`` knows neither)
@@ -78,6 +80,7 @@ class SpanRecord:
     def __init__(self, span: Span):
         self.span = span
         self.open_children = self.open_groups = self.erred = 0
+        self.error_type = None
         self.end = 0.0
         self.entered = None
         self.exited = 0.0
@@ -129,8 +132,8 @@ class GroupBatch:
     """
 
     __slots__ = (
-        "busy", "duration", "erred", "failed", "metrics", "nbytes", "received", "sent",
-        "since", "span", "started", "states", "total", "wake",
+        "busy", "duration", "erred", "error_type", "failed", "metrics", "nbytes", "received",
+        "sent", "since", "span", "started", "states", "total", "wake",
     )
 
     #: The Dask span the group belongs to (``TaskGroup.span_id``)
@@ -153,6 +156,8 @@ class GroupBatch:
     erred: int
     failed: float
     started: float
+    #: ``error.type`` of the first task of this batch that erred
+    error_type: str | None
     #: On the scheduler's clock: when it first sent a task of the batch to a
     #: worker (``processing``) and when it last heard one finish or fail
     #: (0: not yet). The batch's times are bounded by them
@@ -182,6 +187,7 @@ class GroupBatch:
         self.duration = 0.0
         self.metrics = {}
         self.erred = 0
+        self.error_type = None
         self.failed = self.started = 0.0
         self.sent = self.received = 0.0
 

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 from dask_otel.config import WORKERS
 from dask_otel.export.global_provider import adopt_global_tracer_provider
 from dask_otel.export.lifecycle import release_telemetry, start_telemetry
+from dask_otel.export.telemetry import service_name_status
 from dask_otel.spill import SpillInstruments
 from dask_otel.worker.execute_hook import TaskContextHook
 from dask_otel.worker.task_context import TaskContexts, default_sampler
@@ -93,6 +94,7 @@ class WorkerBridge:
         own = self.server_telemetry
         return {
             "error": self.error,
+            "service_name": service_name_status(self.telemetry),
             # the scheduler whose exporters and metric resource this worker shares
             # (two clusters in one process), None when they are its own
             "shared_with": own.shared_with if own is not None else None,

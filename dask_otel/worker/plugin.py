@@ -55,7 +55,7 @@ class OtelWorkerPlugin(WorkerPlugin):
     def status(self) -> dict[str, Any]:
         if self.bridge is not None:
             return self.bridge.status()
-        return {"error": self.error, "metrics": False, "task_context": False,
+        return {"error": self.error, "service_name": None, "metrics": False, "task_context": False,
                 "task_context_errors": 0, "task_spans": None, "config": None}
 
 

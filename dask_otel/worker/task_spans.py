@@ -14,9 +14,10 @@ What is exported
     no later than the scheduler sent the task and ends no earlier than it heard
     back. On another host the shifted times stay, bounded by what the worker
     knows: no earlier than the client entered the ``dask_otel.span`` block of
-    the task's Dask span (docs/traces.md, "Times"). An erred task has status ERROR and an
-    ``exception`` event, as the OTel semantic conventions for exceptions have
-    it. The attributes: docs/traces.md, "Task spans".
+    the task's Dask span (docs/traces.md, "Times"). An erred task has status
+    ERROR, ``error.type`` and an ``exception`` event, as the OTel semantic
+    conventions for exceptions have it; ``code.function.name`` names the task's
+    function. The attributes: docs/traces.md, "Task spans".
 
 Which tasks
     Only in traces the sampler keeps (:func:`dask_otel.span_context.trace_sampled`,
@@ -41,6 +42,7 @@ Edge cases
 
 from __future__ import annotations
 
+import functools
 import random
 from collections.abc import Mapping
 from hashlib import blake2b
@@ -176,11 +178,11 @@ class TaskSpans:
         start, stop = event.start, event.stop
         if start is None or stop is None:  # failed before the function ran
             start = stop = time()
-        elif self.same_clock():
+        elif self.same_clock():  # the worker's own clock: Dask's offset undone
             start, stop = start - run.delay, stop - run.delay
+        duration = max(stop - start, 0.0)  # as Dask measured it
         start = max(start, _entered(run))
         stop = max(stop, start)
-        duration = max(event.stop - event.start, 0.0) if event.start is not None else 0.0
         if not (
             run.chosen
             or (erred and self.erred)
@@ -219,11 +221,15 @@ class TaskSpans:
         thread = self.worker.threads.get(run.key)
         if thread is not None:
             attributes["thread.id"] = thread
+        ts = self.worker.state.tasks.get(run.key)
+        if ts is not None and (function := function_name(ts.run_spec)) is not None:
+            attributes["code.function.name"] = function
         events: tuple[Event, ...] = ()
         status = _UNSET
         if erred:
             exc_type, message = _exception_type_and_message(event)
             status = Status(StatusCode.ERROR, sink.name(f"{exc_type}: {message}"))
+            attributes["error.type"] = exc_type
             events = (
                 Event(
                     "exception",
@@ -260,6 +266,27 @@ def _entered(run: TaskRun) -> float:
     entered = otel.get("entered")
     t = entered.get(run.dask_span.dask_id) if isinstance(entered, Mapping) else None
     return t if isinstance(t, (int, float)) else 0.0
+
+
+def function_name(run_spec: Any) -> str | None:
+    """OTel's ``code.function.name`` of a task: the fully qualified name
+    (``module.qualname``) of the function Dask runs for it, through
+    ``functools.partial``: a ``Task``'s ``func`` (distributed 2024.12+) or the
+    first item of the ``(function, args, kwargs)`` tuple older ones keep; None
+    for an alias or a data node."""
+    func = getattr(run_spec, "func", None)  # dask's Task (2024.12+)
+    if func is None and isinstance(run_spec, tuple) and run_spec and callable(run_spec[0]):
+        func = run_spec[0]  # an old-style task tuple
+    if func is None or not callable(func):
+        return None
+    while isinstance(func, functools.partial):
+        func = func.func
+    qualname = getattr(func, "__qualname__", None)
+    if not isinstance(qualname, str):  # a callable object
+        func = type(func)
+        qualname = func.__qualname__
+    module = getattr(func, "__module__", None)
+    return f"{module}.{qualname}" if module else qualname
 
 
 def _exception_type_and_message(event: ExecuteFailureEvent) -> tuple[str, str]:

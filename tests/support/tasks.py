@@ -199,6 +199,12 @@ def log_and_trace_in_task(*_):
     return user_work()
 
 
+def warn_to_distributed_worker(x):
+    """A line to Dask's own ``distributed.worker`` logger, which does not propagate"""
+    logging.getLogger("distributed.worker").warning("task %d saw a slow disk", x)
+    return x
+
+
 # --- an instrumented HTTP call (tests/test_end_to_end.py) ----------------------------
 
 
