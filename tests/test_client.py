@@ -394,3 +394,19 @@ def test_a_scheduler_without_the_bridge_ignores_block_exits():
         "request", "write report", "call a service"
     }
     assert ids["workflow"] != ids["empty"]
+
+
+def test_futures_that_outlive_their_block_extend_its_dask_span():
+    from tests.support.tasks import slow
+
+    config = {"otel.spans.export-delay": "100ms", "otel.spans.poll-interval": "50ms"}
+    with otel_cluster(config) as (client, mirrored):
+        with dask_otel.span("outlived") as sid:
+            future = client.submit(slow, 1, delay=0.5, key="outlived-0")
+            left = time.time()
+        future.result()
+        done = time.time()
+        exported = mirrored.by_dask_id(sid)
+        (group,) = mirrored.children(exported)
+    assert exported.end_time >= group.end_time >= int((left + 0.4) * 1e9)
+    assert exported.end_time <= int(done * 1e9)
