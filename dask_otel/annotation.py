@@ -5,7 +5,8 @@ workers, written here and read here.
 annotation::
 
     {"carrier": {"traceparent": "00-...", "baggage": "..."},  # root blocks only
-     "entered": {dask_span_uuid: client_time_entered, ...}}
+     "entered": {dask_span_uuid: client_time_entered, ...},
+     "exits": True}
 
 - ``carrier``: the caller's OTel context as the globally configured propagators
   write it (``OTEL_PROPAGATORS``; W3C trace context and baggage by default). Only
@@ -14,6 +15,19 @@ annotation::
 - ``entered``: when the client entered the block of each Dask span it opened, and
   of the enclosing blocks (``time.time()`` on the client), so that a Dask span
   starts no later than its block.
+- ``exits``: the client announces each of these blocks' exit (below), so the
+  scheduler keeps their Dask spans open until it hears of it. Absent from the
+  annotations of older clients, whose spans end with their tasks.
+
+When it leaves a block, the client tells the scheduler with one event on topic
+:data:`BLOCK_EXIT` (``Client.log_event``'s path, sent without waiting), which
+the scheduler plugin hears with ``SchedulerPlugin.log_event``; a scheduler
+without the bridge keeps it in its event log, as any event::
+
+    {"span": {"name": [tag, ...], "ids": [uuid, ...]},  # Dask's span annotation
+     "own": n,            # the last n ids are the spans this block opened
+     "otel": {...},       # the block's ``otel`` annotation, as above
+     "exited": client_time_exited}
 
 Readers never trust it: an annotation of another shape (someone else's ``otel``
 key), or one that came with a task Dask moved onto another workflow's span (the
@@ -31,6 +45,8 @@ from opentelemetry.trace import SpanContext
 
 #: Name of the task annotation
 ANNOTATION = "otel"
+#: Topic of the event a client sends when it leaves a ``dask_otel.span`` block
+BLOCK_EXIT = "dask_otel.block-exit"
 
 
 def write_annotation(
@@ -45,7 +61,7 @@ def write_annotation(
     under a valid current span in ``caller``."""
     inherited = outer.get(ANNOTATION) or {}
     entered = {**inherited.get("entered", {}), **dict.fromkeys(new_ids, entered_at)}
-    annotation: dict[str, Any] = {"entered": entered}
+    annotation: dict[str, Any] = {"entered": entered, "exits": True}
     if "span" in outer:
         if "carrier" in inherited:
             annotation["carrier"] = inherited["carrier"]
@@ -81,6 +97,42 @@ def entered_times(otel: Any) -> Mapping[str, Any] | None:
         return None
     times = otel.get("entered")
     return times if isinstance(times, Mapping) else None
+
+
+def block_exit(
+    span_annotation: Mapping[str, Any], own: int, otel: Mapping[str, Any], exited: float
+) -> dict[str, Any]:
+    """The :data:`BLOCK_EXIT` event of a block that opened the last ``own`` Dask
+    spans of ``span_annotation`` and left at ``exited``"""
+    return {
+        "span": {"name": list(span_annotation["name"]), "ids": list(span_annotation["ids"])},
+        "own": own,
+        "otel": otel,
+        "exited": exited,
+    }
+
+
+def read_block_exit(
+    msg: Any,
+) -> tuple[list[str], list[Any], int, Mapping[str, Any], float] | None:
+    """``(ids, tags, own, otel, exited)`` of a :data:`BLOCK_EXIT` event, or None
+    for one of another shape (never trusted: any client may log on the topic)"""
+    if not isinstance(msg, Mapping):
+        return None
+    span, own, otel, exited = msg.get("span"), msg.get("own"), msg.get("otel"), msg.get("exited")
+    if not (
+        isinstance(span, Mapping) and isinstance(own, int) and isinstance(otel, Mapping)
+        and isinstance(exited, (int, float)) and entered_times(otel) is not None
+    ):
+        return None
+    ids, tags = span.get("ids"), span.get("name")
+    if not (
+        isinstance(ids, (list, tuple)) and isinstance(tags, (list, tuple))
+        and len(ids) == len(tags) and 0 < own <= len(ids)
+        and all(isinstance(i, str) for i in ids)
+    ):
+        return None
+    return list(ids), list(tags), own, otel, float(exited)
 
 
 def extract_caller(carrier: Mapping[str, Any] | None) -> tuple[otel_context.Context | None, SpanContext | None]:

@@ -12,6 +12,11 @@ It adds two things:
   ``NonRecordingSpan`` with the ids the scheduler exports it with), so that
   client-side instrumented calls (HTTP, database) nest under it. The caller's
   baggage stays in the context.
+- On leaving the block it tells the scheduler, with one event sent without
+  waiting (:data:`dask_otel.annotation.BLOCK_EXIT`), so that the Dask span covers
+  the block as well as its tasks, and a block that ran no task is exported too.
+  Without a client, with a closed one or with a scheduler without the bridge,
+  nothing changes and nothing is raised.
 
 Usage::
 
@@ -40,7 +45,13 @@ from opentelemetry import context as otel_context
 from opentelemetry import trace
 from opentelemetry.trace import NonRecordingSpan
 
-from dask_otel.annotation import ANNOTATION, remote_parent, write_annotation
+from dask_otel.annotation import (
+    ANNOTATION,
+    BLOCK_EXIT,
+    block_exit,
+    remote_parent,
+    write_annotation,
+)
 from dask_otel.span_context import dask_span_context
 
 __all__ = ["span"]
@@ -75,3 +86,28 @@ def span(*tags: str) -> Iterator[str]:
                 yield span_id
         finally:
             otel_context.detach(token)
+            _announce_exit(block_exit(span_annotation, len(tags), otel, time.time()))
+
+
+def _announce_exit(msg: dict) -> None:
+    """Send a block's exit to the default client's scheduler, without waiting:
+    the event goes out on the client's event loop, and whatever goes wrong (no
+    client, a closed one, a lost connection) is dropped. A scheduler without the
+    bridge keeps it in its event log."""
+    try:
+        client = distributed.client.default_client()
+    except ValueError:  # no client: no graph of this block reached a scheduler
+        return
+    try:
+        if client.status != "running" or client.loop is None:
+            return
+        client.loop.add_callback(_send_exit, client, msg)
+    except Exception:
+        pass  # telemetry never fails the caller
+
+
+async def _send_exit(client: distributed.Client, msg: dict) -> None:
+    try:
+        await client.scheduler.log_event(topic=BLOCK_EXIT, msg=msg)
+    except Exception:
+        pass  # the client closed meanwhile, or the scheduler went away

@@ -33,7 +33,13 @@ from typing import TYPE_CHECKING, Any
 
 from distributed.metrics import time
 
-from dask_otel.annotation import ANNOTATION, entered_times
+from dask_otel.annotation import (
+    ANNOTATION,
+    entered_times,
+    read_block_exit,
+    remote_parent,
+    root_carrier,
+)
 from dask_otel.scheduler import builder
 from dask_otel.scheduler.builder import SpanHead
 from dask_otel.scheduler.ledger import Ledger
@@ -43,6 +49,7 @@ from dask_otel.scheduler.totals import (
     SpanMetrics,
     Totals,
     group_done,
+    observed,
     subtree_totals,
 )
 from dask_otel.span_context import dask_span_context, root_span
@@ -131,7 +138,7 @@ class SpanMirror:
             for span in self.ledger.new_spans(ext):
                 self.ledger.open_span(span)
 
-    def observe_graph(self, keys: Iterable[Hashable]) -> None:
+    def observe_graph(self, keys: Iterable[Hashable], client: str | None = None) -> None:
         """Open the TaskGroups of a graph that just reached the scheduler.
 
         Called from ``SchedulerPlugin.update_graph``, after Dask attached the tasks
@@ -170,7 +177,7 @@ class SpanMirror:
                 if rerun is None:  # tasks of each group this graph (re)runs
                     rerun = Counter(g for g, t in zip(groups, tss) if t.state == "released")
                 ledger.open_group(tg, GroupBatch.reopened(tg, span, rerun[tg]))
-            self._observe_annotation(ts)
+            self._observe_annotation(ts, client)
             record = ledger.records.get(span.id)
             if record is None:
                 # New work on a span that was already exported: its groups are
@@ -186,7 +193,7 @@ class SpanMirror:
         producer_links(ts, root_span(record.span), self.extension, links, self.sink.sampler)
         record.links = links or None
 
-    def _observe_annotation(self, ts: TaskState) -> None:
+    def _observe_annotation(self, ts: TaskState, client: str | None = None) -> None:
         """Read the ``otel`` annotation that ``dask_otel.span`` put on a task: when
         its blocks were entered, and the caller's span its root continues.
 
@@ -202,7 +209,8 @@ class SpanMirror:
         span_annotation = annotations.get("span") if entered is not None else None
         if not isinstance(span_annotation, Mapping) or not (ids := span_annotation.get("ids")):
             return  # none, or an "otel" annotation someone else made: not ours
-        self.ledger.observe_entered(ids, entered)  # type: ignore[arg-type]
+        announced = client if otel.get("exits") is True else None  # type: ignore[union-attr]
+        self.ledger.observe_entered(ids, entered, announced)  # type: ignore[arg-type]
         if ids[0] in entered:  # type: ignore[operator]  # else a distributed.span root
             self.ledger.observe_caller(ids[0], otel)
 
@@ -226,7 +234,8 @@ class SpanMirror:
         span = ext.spans.get(tg.span_id) if tg.span_id else None
         records = self.ledger.records
         if span is not None and (record := records.get(span.id)) is not None:
-            record.end_no_earlier(failed)
+            sent = batch.sent if batch is not None else 0.0
+            record.end_no_earlier(observed(failed, sent, time()))
         while span is not None:
             if (record := records.get(span.id)) is not None:
                 record.erred += 1
@@ -234,6 +243,47 @@ class SpanMirror:
             if self.config.span_totals == "own":
                 break
             span = span.parent
+
+    def observe_sent(self, key: Hashable) -> None:
+        """The scheduler sends a task to a worker (``processing``): the first of
+        its batch bounds the batch's start. Per task: two lookups, one test."""
+        ts = self.scheduler.tasks.get(key)
+        if ts is not None and (batch := self.ledger.groups.get(ts.group)) is not None:
+            if not batch.sent:
+                batch.sent = time()
+
+    def observe_received(self, key: Hashable) -> None:
+        """The scheduler hears a task finished or failed (it leaves
+        ``processing``): the last of its batch bounds the batch's end"""
+        ts = self.scheduler.tasks.get(key)
+        if ts is not None and (batch := self.ledger.groups.get(ts.group)) is not None:
+            batch.received = time()
+
+    def observe_exit(self, msg: Any) -> None:
+        """A client left a ``dask_otel.span`` block (its ``BLOCK_EXIT`` event):
+        its open spans may finish; the exit of a span not seen is kept until its
+        graph comes, or exported as an empty block once it is
+        ``otel.spans.export-delay`` old (:meth:`poll`)"""
+        block = read_block_exit(msg)
+        if block is None:
+            return
+        self.observe_new_spans()
+        ids, _, own, _, exited = block
+        ledger, ext = self.ledger, self.extension
+        for span_id in ids[-own:]:
+            record = ledger.records.get(span_id)
+            if record is not None:
+                record.exited = max(record.exited, exited)
+            elif ext is None or span_id not in ext.spans:
+                ledger.pend_exit(span_id, time(), block)
+
+    def observe_client_gone(self, client: str) -> None:
+        """A client left the scheduler: the blocks it had open are over (it will
+        announce no exit). Walks the open spans: once per client."""
+        now = time()
+        for record in self.ledger.records.values():
+            if record.block_client == client and not record.exited:
+                record.exited = now
 
     # --- when to export ------------------------------------------------------------
 
@@ -271,6 +321,8 @@ class SpanMirror:
                 self._export(self.group_span_of, tg, ledger.take_group(tg))
                 if perf_counter() > deadline:
                     return True
+            if ledger.pending_exits:
+                self._export_empty_blocks(now - delay)
             # Spans: only those with nothing open below them. A parent becomes a
             # leaf when its last sub-span is exported, and is looked at next, so
             # that its subtree totals and end include the sub-span's.
@@ -299,11 +351,25 @@ class SpanMirror:
             heard > stop or waited >= self.config.metrics_timeout
         )
 
+    def _export_empty_blocks(self, heard_before: float) -> None:
+        """Export the blocks whose exit was heard before ``heard_before`` and whose
+        Dask span never reached the scheduler: they ran no task"""
+        pending = self.ledger.pending_exits
+        ext = self.extension
+        for span_id, (heard, block) in list(pending.items()):
+            if heard >= heard_before:
+                break  # oldest first
+            del pending[span_id]
+            if ext is None or span_id not in ext.spans:
+                self._export(self.empty_block_of, span_id, block)
+
     def flush(self) -> None:
         """Export everything still open, finished or not (the scheduler is closing)"""
         self.observe_new_spans()
         ledger = self.ledger
         try:
+            if ledger.pending_exits:
+                self._export_empty_blocks(float("inf"))
             for tg in list(ledger.groups):
                 self._export(self.group_span_of, tg, ledger.take_group(tg))
             for record in reversed(list(ledger.records.values())):  # children first
@@ -379,9 +445,42 @@ class SpanMirror:
         start = max(batch.start(tg) or span.enqueued, head.start)
         end = max(batch.end(tg) if group_done(tg) else time(), start)
         if (record := self.ledger.records.get(span.id)) is not None:
-            record.end_no_earlier(end)
+            # The Dask span ends no earlier than the scheduler heard of the
+            # group's last task: every task, as its worker saw it, lies inside
+            record.end_no_earlier(max(end, batch.received))
         return builder.taskgroup_span(
             self.sink, tg, batch, head, counts, start, end, self._random.getrandbits(64) or 1
+        )
+
+    def empty_block_of(self, span_id: str, block: Any) -> ReadableSpan | bool:
+        """The OTel span of a ``dask_otel.span`` block that ran no task, from its
+        entry to its exit, with its tags, a child of its enclosing Dask span or
+        of the caller's span; False if the sampler drops its trace"""
+        ids, tags, _, otel, exited = block
+        i = ids.index(span_id)
+        root = ids[0]
+        caller = (
+            self.ledger.remote_parent(root) if root in self.ledger.records
+            else None
+        ) or _caller_of(otel, root)
+        context = dask_span_context(
+            root, span_id, str(tags[0]), caller, self.sink.sampler, is_remote=False
+        )
+        if not context.trace_flags.sampled:
+            return False
+        parent = (
+            dask_span_context(root, ids[i - 1], str(tags[0]), caller, self.sink.sampler,
+                              is_remote=False)
+            if i else caller
+        )
+        entered = entered_times(otel) or {}
+        start = entered.get(span_id)
+        start = start if isinstance(start, (int, float)) else exited
+        if i and (parent_record := self.ledger.records.get(ids[i - 1])) is not None:
+            parent_record.end_no_earlier(exited)  # the enclosing span covers it
+        return builder.empty_block_span(
+            self.sink, str(tags[i]), context, parent,
+            span_id, tuple(tags[: i + 1]), start, exited,
         )
 
     def _span_metrics(self, span: Span) -> SpanMetrics:
@@ -408,6 +507,11 @@ class SpanMirror:
                 tuple(span.name),
             )
         return head
+
+
+def _caller_of(otel: Any, root_id: str) -> Any:
+    """The caller's span a root continues, from a block's ``otel`` annotation"""
+    return remote_parent(root_carrier(otel, root_id))
 
 
 def _fold(record: SpanRecord, totals: Totals, end: float) -> None:

@@ -287,3 +287,126 @@ def test_an_otel_annotation_not_made_by_dask_otel_changes_nothing(cluster, otel)
     s = mirrored.by_dask_id(sid)
     assert (s.context.trace_id, s.parent) == (dask_span_ids(sid)[0], None)
     assert mirrored.plugin.status()["error"] is None
+
+
+# --- A Dask span covers its client block (issue 18) ---------------------------------
+
+
+def run_request(client, tracer) -> dict:
+    """The user's path: ``request`` opens ``dask_otel.span("workflow")``, which
+    computes and then writes a report on the client; then a block with only
+    client-side work. Returns the Dask span UUIDs and the caller's span."""
+    with tracer.start_as_current_span("request") as request:
+        with dask_otel.span("workflow") as workflow_id:
+            futures = client.map(inc, range(6), key=[f"workflow-{i}" for i in range(6)])
+            assert client.gather(futures) == list(range(1, 7))
+            with tracer.start_as_current_span("write report"):
+                time.sleep(0.15)  # after the last task: the Dask span must cover it
+        with dask_otel.span("client only") as empty_id:
+            with tracer.start_as_current_span("call a service"):
+                time.sleep(0.05)
+    return {"workflow": workflow_id, "empty": empty_id, "request": request}
+
+
+def check_request(ids: dict, spans: list, app_spans: list) -> None:
+    """Every span inside its parent (the Dask roots inside ``request`` to 1 ms), the
+    report inside the workflow's Dask span, the empty block exported under
+    ``request`` with its child"""
+    request = ids["request"].get_span_context()
+    nodes = assert_span_tree(
+        [*spans, *app_spans], one_trace=True, dask_roots=("workflow", "client only")
+    )
+    by_name = {n.name: n for n in nodes.values()}
+    workflow, report = by_name["workflow"], by_name["write report"]
+    empty, call = by_name["client only"], by_name["call a service"]
+    assert workflow.span_id == f"{dask_span_ids(ids['workflow'])[1]:016x}"
+    assert workflow.parent_id == empty.parent_id == f"{request.span_id:016x}"
+    assert report.parent_id == workflow.span_id and call.parent_id == empty.span_id
+    assert workflow.end_ns >= report.end_ns  # the block, not only its tasks
+    assert empty.span_id == f"{dask_span_ids(ids['empty'])[1]:016x}"
+    assert empty.start_ns <= call.start_ns and call.end_ns <= empty.end_ns
+
+
+@ON_THE_PROCESSES_CLUSTER
+def test_a_dask_span_covers_its_block_on_dask_processes(processes_cluster):
+    cluster, receiver = processes_cluster
+    app_spans, tracer = app_tracer()
+    with cluster.client() as client:
+        ids = run_request(client, tracer)
+        trace_hex = f"{ids['request'].get_span_context().trace_id:032x}"
+        receiver.wait_for(lambda r: [s for s in r.spans("client only") if s.trace_id == trace_hex])
+        spans = received_trace(receiver, trace_hex, "workflow")
+    check_request(ids, spans, app_spans.get_finished_spans())
+
+
+def test_a_dask_span_covers_its_block_on_a_local_cluster_of_processes():
+    config = {"otel.spans.export-delay": "300ms", "otel.spans.poll-interval": "100ms"}
+    app_spans, tracer = app_tracer()
+    with otel_cluster(config, processes=True) as (client, mirrored):
+        ids = run_request(client, tracer)
+        mirrored.by_dask_id(ids["workflow"])
+        wait_until(lambda: [s for s in mirrored.spans() if s.name == "client only"])
+        time.sleep(0.3)
+        trace_id = ids["request"].get_span_context().trace_id
+        spans = [s for s in mirrored.spans() if s.context.trace_id == trace_id]
+    check_request(ids, spans, app_spans.get_finished_spans())
+
+
+def test_an_open_block_keeps_its_dask_span_open_until_it_exits():
+    config = {"otel.spans.export-delay": "100ms", "otel.spans.poll-interval": "50ms"}
+    with otel_cluster(config) as (client, mirrored):
+        with dask_otel.span("open") as sid:
+            client.gather(client.map(inc, range(3), key=["open-0", "open-1", "open-2"]))
+            time.sleep(0.6)  # six export delays: idle, but the block is open
+            assert not [s for s in mirrored.spans() if s.name == "open"]
+            left = time.time()
+        exported = mirrored.by_dask_id(sid)
+    assert exported.end_time >= int(left * 1e9)
+
+
+def test_a_client_that_leaves_closes_its_open_blocks():
+    config = {"otel.spans.export-delay": "100ms", "otel.spans.poll-interval": "50ms"}
+    with otel_cluster(config) as (client, mirrored):
+        other = type(client)(client.scheduler.address, set_as_default=False)
+        block = dask_otel.span("abandoned")
+        sid = block.__enter__()  # never left: the client goes away first
+        other.gather(other.map(inc, range(2), key=["abandoned-0", "abandoned-1"]))
+        other.close()
+        mirrored.by_dask_id(sid)
+        block.__exit__(None, None, None)
+
+
+def test_a_scheduler_without_the_bridge_ignores_block_exits():
+    from dask_otel.annotation import BLOCK_EXIT
+    from tests.support.processes import FAST_ENV, DaskProcesses
+
+    app_spans, tracer = app_tracer()
+    with DaskProcesses(dict(FAST_ENV)) as cluster, cluster.client() as client:
+        for _ in range(3):
+            ids = run_request(client, tracer)
+        assert client.submit(inc, 1).result() == 2  # the connection is fine
+        events = wait_until(lambda: client.get_events(BLOCK_EXIT))
+        assert len(events) == 6  # kept in its event log, as any event
+        assert client.status == "running"
+        log = cluster.log("scheduler")
+    assert "Traceback" not in log and "No handler" not in log, log
+    assert {s.name for s in app_spans.get_finished_spans()} == {
+        "request", "write report", "call a service"
+    }
+    assert ids["workflow"] != ids["empty"]
+
+
+def test_futures_that_outlive_their_block_extend_its_dask_span():
+    from tests.support.tasks import slow
+
+    config = {"otel.spans.export-delay": "100ms", "otel.spans.poll-interval": "50ms"}
+    with otel_cluster(config) as (client, mirrored):
+        with dask_otel.span("outlived") as sid:
+            future = client.submit(slow, 1, delay=0.5, key="outlived-0")
+            left = time.time()
+        future.result()
+        done = time.time()
+        exported = mirrored.by_dask_id(sid)
+        (group,) = mirrored.children(exported)
+    assert exported.end_time >= group.end_time >= int((left + 0.4) * 1e9)
+    assert exported.end_time <= int(done * 1e9)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import time
 
 import pytest
 from dask.utils import key_split
@@ -172,3 +173,26 @@ async def test_flush_exports_what_is_open_as_unfinished(c, s, a, b):
     assert key_split("never-ends") in spans
     assert not (mirror.ledger.records or mirror.ledger.groups or mirror.ledger.leaves)
     del running
+
+
+@pytest.mark.parametrize("skew", [1.0, -1.0])
+@gen_cluster(client=True, nthreads=[("127.0.0.1", 1)])
+async def test_task_times_are_bounded_by_what_the_scheduler_saw(c, s, a, skew):
+    """A worker whose offset Dask misjudges by ``skew`` seconds reports task times
+    that far off; the mirror moves them into the window the scheduler saw: no
+    earlier than it sent the first task, no later than it heard of the last"""
+    mirror, exporter = mirror_on(s, **NOW)
+    a.scheduler_delay = skew  # until the next heartbeat: the tasks take milliseconds
+    with span("skewed"):
+        before = time.time()
+        await c.gather(c.map(inc, range(4), key=[f"skew-{i}" for i in range(4)]))
+        after = time.time()
+    (tg,) = [tg for tg in s.task_groups.values() if tg.name == "skew"]
+    # Dask's own times lie outside, as the worker reported them
+    assert tg.stop > after if skew > 0 else tg.start < before
+    await poll_until_open(mirror)
+    spans = by_name(exporter)
+    group, dask_span = spans["skew"], spans["skewed"]
+    assert before * 1e9 <= group.start_time <= group.end_time <= after * 1e9
+    assert dask_span.start_time <= group.start_time and group.end_time <= dask_span.end_time
+    assert dask_span.end_time <= after * 1e9

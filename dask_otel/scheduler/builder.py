@@ -141,6 +141,22 @@ def dask_span(
     )
 
 
+def empty_block_span(
+    sink: SpanSink,
+    name: str,
+    context: SpanContext,
+    parent: SpanContext | None,
+    dask_id: str,
+    tags: tuple[str, ...],
+    start: float,
+    end: float,
+) -> ReadableSpan:
+    """The OTel span of a ``dask_otel.span`` block that ran no task: Dask made no
+    span of it, so only its ids, tags and the client's entry and exit are known"""
+    attributes = {"dask.span.id": dask_id, "dask.span.name": tags, "dask.tasks.total": 0}
+    return sink.span(name, context, parent, start, end, attributes)
+
+
 def taskgroup_span(
     sink: SpanSink,
     tg: TaskGroup,

@@ -23,6 +23,9 @@ if TYPE_CHECKING:
 #: Roots remembered with their caller's span after their export, for work that
 #: comes under them later (each a few hundred bytes)
 MAX_REOPENED_ROOTS = 1024
+#: Block exits kept for Dask spans the scheduler has not seen (yet): a block that
+#: ran no task, or whose graph is still on its way (each a few hundred bytes)
+MAX_PENDING_EXITS = 1024
 
 
 class Ledger:
@@ -45,6 +48,12 @@ class Ledger:
     #: for work that comes under it later; at most :data:`MAX_REOPENED_ROOTS`,
     #: oldest forgotten first
     reopened_parents: dict[str, SpanContext | None]
+    #: By Dask span id, the exits of ``dask_otel.span`` blocks whose span is not
+    #: open: ``(scheduler time heard, BLOCK_EXIT event as read)``, oldest
+    #: first, at most :data:`MAX_PENDING_EXITS`. A graph may reach the
+    #: scheduler after its block's exit (another connection); what is still
+    #: here ``otel.spans.export-delay`` later ran no task: an empty block.
+    pending_exits: dict[str, tuple[float, Any]]
 
     def __init__(self) -> None:
         self.records = {}
@@ -52,6 +61,7 @@ class Ledger:
         self.leaves = {}
         self.spans_seen = 0
         self.reopened_parents = {}
+        self.pending_exits = {}
 
     def new_spans(self, ext: SpansSchedulerExtension) -> list[Span]:
         """The Dask spans created since the last call, in creation order (a parent
@@ -66,6 +76,8 @@ class Ledger:
 
     def open_span(self, span: Span) -> SpanRecord:
         record = self.records[span.id] = self.leaves[span.id] = SpanRecord(span)
+        if self.pending_exits and (pending := self.pending_exits.pop(span.id, None)):
+            record.exited = pending[1][4]  # its block was left before its graph came
         parent = span.parent
         if parent is not None and (parent_record := self.records.get(parent.id)):
             parent_record.open_children += 1
@@ -111,13 +123,23 @@ class Ledger:
         self.records.clear()
         self.leaves.clear()
         self.reopened_parents.clear()
+        self.pending_exits.clear()
+
+    def pend_exit(self, span_id: str, heard: float, block: Any) -> None:
+        if len(self.pending_exits) >= MAX_PENDING_EXITS:
+            del self.pending_exits[next(iter(self.pending_exits))]
+        self.pending_exits[span_id] = (heard, block)
 
     # --- what the client's annotation says ---------------------------------------
 
-    def observe_entered(self, ids: Sequence[str], entered: Mapping[str, Any]) -> None:
+    def observe_entered(
+        self, ids: Sequence[str], entered: Mapping[str, Any], client: str | None = None
+    ) -> None:
         """Keep, for each open span of ``ids`` (root first), the earliest time a
         block of it or of a span below it was entered (the ``otel`` annotation's
-        ``entered``): a parent then never starts after its children"""
+        ``entered``): a parent then never starts after its children. With
+        ``client`` (whose graph it is, and whose blocks announce their exits),
+        a span whose own block is entered and not yet left waits for its exit."""
         records = self.records
         earliest = float("inf")
         for span_id in reversed(ids):  # innermost first: ancestors take the minimum
@@ -125,6 +147,11 @@ class Ledger:
             if isinstance(t, (int, float)):
                 earliest = min(earliest, t)
             record = records.get(span_id)
+            if (
+                client is not None and record is not None and t is not None
+                and not record.exited and record.block_client is None
+            ):
+                record.block_client = client
             if record is not None and earliest != float("inf") and (
                 record.entered is None or earliest < record.entered
             ):

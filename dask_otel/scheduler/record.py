@@ -17,6 +17,7 @@ from distributed.metrics import time
 from dask_otel.scheduler.totals import (
     group_attributes,
     groups_stop,
+    observed,
     prefix_metrics,
     state_name,
 )
@@ -34,8 +35,8 @@ class SpanRecord:
     when it is exported (or dropped by the sampler)."""
 
     __slots__ = (
-        "carrier_read", "end", "entered", "erred", "error_type", "folded", "links",
-        "open_children", "open_groups", "remote_parent", "span",
+        "block_client", "carrier_read", "end", "entered", "erred", "error_type", "exited",
+        "folded", "links", "open_children", "open_groups", "remote_parent", "span",
     )
 
     #: The Dask span (``SpansSchedulerExtension.spans[id]``)
@@ -58,6 +59,13 @@ class SpanRecord:
     #: The earliest client time a ``dask_otel.span`` block of it or of a span
     #: below it was entered (the ``otel`` annotation's ``entered``); None: none
     entered: float | None
+    #: When the client left the ``dask_otel.span`` block of it (its
+    #: ``BLOCK_EXIT`` event, client time; 0: not yet), and the client whose
+    #: graph it got while its block is open (None: no block waits for an exit).
+    #: While a block is open the span is not finished; the client leaving the
+    #: scheduler closes its open blocks then.
+    exited: float
+    block_client: str | None
     #: Root spans: the caller's span it continues (from the ``otel``
     #: annotation's carrier, read once: ``carrier_read``), None if none
     remote_parent: SpanContext | None
@@ -75,6 +83,8 @@ class SpanRecord:
         self.error_type = None
         self.end = 0.0
         self.entered = None
+        self.exited = 0.0
+        self.block_client = None
         self.remote_parent = None
         self.carrier_read = False
         self.links = None
@@ -86,15 +96,20 @@ class SpanRecord:
         return not self.open_children and not self.open_groups
 
     def finished_at(self) -> float | None:
-        """When the span finished if ``Span.done``, else None: its own groups'
-        stop, its exported children's ends and its own tasks' failures (Dask's
-        ``Span.stop`` knows neither), never before ``Span.enqueued``"""
-        if self.open_children:
+        """When the span finished if ``Span.done`` and its block (if a client
+        announces it) was left, else None: the later of its block's exit and its
+        tasks' end, that is its groups' and exported children's ends and its own
+        tasks' failures as the mirror bounded them (Dask's ``Span.stop`` knows
+        none of these), never before ``Span.enqueued``"""
+        if self.open_children or (self.block_client is not None and not self.exited):
             return None
         stop = groups_stop(self.span.groups)
         if stop is None:
             return None
-        return max(stop, self.end, self.span.enqueued)
+        # Every group of an open span was exported as a batch, its bounded end
+        # folded into ``end``: Dask's own ``TaskGroup.stop`` only for groups
+        # that finished before the bridge started
+        return max(self.end or stop, self.exited, self.span.enqueued)
 
     def end_no_earlier(self, end: float) -> None:
         if end > self.end:
@@ -117,8 +132,8 @@ class GroupBatch:
     """
 
     __slots__ = (
-        "busy", "duration", "erred", "error_type", "failed", "metrics", "nbytes", "since", "span",
-        "started", "states", "total", "wake",
+        "busy", "duration", "erred", "error_type", "failed", "metrics", "nbytes", "received",
+        "sent", "since", "span", "started", "states", "total", "wake",
     )
 
     #: The Dask span the group belongs to (``TaskGroup.span_id``)
@@ -143,6 +158,12 @@ class GroupBatch:
     started: float
     #: ``error.type`` of the first task of this batch that erred
     error_type: str | None
+    #: On the scheduler's clock: when it first sent a task of the batch to a
+    #: worker (``processing``) and when it last heard one finish or fail
+    #: (0: not yet). The batch's times are bounded by them
+    #: (:func:`~dask_otel.scheduler.totals.observed`)
+    sent: float
+    received: float
     #: When a poll last found the group still running (0: never). Its last task
     #: finishes later, so it cannot be ready until ``otel.spans.export-delay``
     #: after that
@@ -168,6 +189,7 @@ class GroupBatch:
         self.erred = 0
         self.error_type = None
         self.failed = self.started = 0.0
+        self.sent = self.received = 0.0
 
     @classmethod
     def reopened(cls, tg: TaskGroup, span: Span, rerun: int) -> GroupBatch:
@@ -184,17 +206,23 @@ class GroupBatch:
 
     def start(self, tg: TaskGroup) -> float:
         """When the batch started: a later batch when its graph arrived, a first
-        one when its first task, finished or failed, started (0: none did)"""
+        one when its first task, finished or failed, started (0: none did), no
+        earlier than the scheduler sent its first task and no later than it heard
+        of its last"""
         if self.since:
             return self.since
         if tg.start and self.started:
-            return min(tg.start, self.started)
-        return tg.start or self.started
+            start = min(tg.start, self.started)
+        else:
+            start = tg.start or self.started
+        return observed(start, self.sent, self.received) if start else 0.0
 
     def end(self, tg: TaskGroup) -> float:
         """When the group's last task finished or failed (0: none did yet; for a
-        later batch, a finish before the batch may show until its tasks end)"""
-        return max(tg.stop, self.failed)
+        later batch, a finish before the batch may show until its tasks end), no
+        later than the scheduler heard of it"""
+        end = max(tg.stop, self.failed)
+        return observed(end, self.sent, self.received) if end else 0.0
 
     def attributes(self, tg: TaskGroup, metrics: Mapping[str, float]) -> dict[str, Any] | None:
         """Task counts, bytes, duration and fine metrics of the batch, given the

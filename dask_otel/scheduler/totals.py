@@ -105,6 +105,21 @@ def active_cpu_seconds(span: Span, stop: float) -> float:
     return total + max(stop - since, 0.0) * nthreads
 
 
+def observed(t: float, sent: float, received: float) -> float:
+    """The causal bound: a time a worker reported (``startstops``, shifted by
+    Dask's estimate of the worker's clock offset, off by up to a network round
+    trip on one host and by any skew across hosts), moved into what the
+    scheduler saw on its own clock: no earlier than it ``sent`` the task (the
+    ``processing`` transition) and no later than it ``received`` its completion
+    or failure (0: not known). Two comparisons, no allocation: applied to every
+    task, TaskGroup and Dask span time the mirror exports."""
+    if received and t > received:
+        t = received
+    if t < sent:
+        t = sent
+    return t
+
+
 def failure_time(startstops: Iterable[Mapping[str, Any]] | None) -> tuple[float, float]:
     """When an erred task ran and failed: its ``compute`` in the ``startstops`` the
     worker sent with the error (already in the scheduler's clock); else (0, now):

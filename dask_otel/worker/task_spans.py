@@ -6,10 +6,18 @@ What is exported
     (``key_split``), a child of the task's Dask span (TaskGroup spans get random
     ids on the scheduler, which a worker cannot know), in the Dask span's trace.
     It runs from when the task's function started to when it returned, the
-    times Dask itself records (``ExecuteSuccessEvent``/``ExecuteFailureEvent``,
-    already on the scheduler's clock). An erred task has status ERROR,
-    ``error.type`` and an ``exception`` event, as the OTel semantic conventions
-    for exceptions have it; ``code.function.name`` names the task's function. The attributes: docs/traces.md, "Task spans".
+    times Dask itself records (``ExecuteSuccessEvent``/``ExecuteFailureEvent``).
+    Dask shifts them onto the scheduler's clock by an offset it estimates from
+    heartbeats, off by up to a round trip; a worker on the scheduler's host
+    shares its clock, so there the shift is undone (exact: the offset is the one
+    Dask used for the run), and the span lies inside its Dask span, which starts
+    no later than the scheduler sent the task and ends no earlier than it heard
+    back. On another host the shifted times stay, bounded by what the worker
+    knows: no earlier than the client entered the ``dask_otel.span`` block of
+    the task's Dask span (docs/traces.md, "Times"). An erred task has status
+    ERROR, ``error.type`` and an ``exception`` event, as the OTel semantic
+    conventions for exceptions have it; ``code.function.name`` names the task's
+    function. The attributes: docs/traces.md, "Task spans".
 
 Which tasks
     Only in traces the sampler keeps (:func:`dask_otel.span_context.trace_sampled`,
@@ -36,6 +44,7 @@ from __future__ import annotations
 
 import functools
 import random
+from collections.abc import Mapping
 from hashlib import blake2b
 from typing import TYPE_CHECKING, Any
 
@@ -54,8 +63,6 @@ from opentelemetry.trace import (
 from dask_otel.span_context import SAMPLED
 
 if TYPE_CHECKING:
-    from collections.abc import Mapping
-
     from distributed import Worker
     from opentelemetry.context import Context
     from opentelemetry.sdk.trace import ReadableSpan
@@ -83,7 +90,7 @@ class TaskRun:
     """One run of a task in a sampled trace, which may get a task span: built by
     :meth:`TaskSpans.start`, handed back to :meth:`TaskSpans.finish` by the hook"""
 
-    __slots__ = ("chosen", "context", "dask_span", "key", "otel", "span_id")
+    __slots__ = ("chosen", "context", "dask_span", "delay", "key", "otel", "span_id")
 
     def __init__(
         self,
@@ -104,6 +111,9 @@ class TaskRun:
         self.span_id = span_id
         #: True when the task span is ``context``'s current span (chosen by ratio)
         self.chosen = False
+        #: ``Worker.scheduler_delay`` as the run reads it (no await between this
+        #: and Dask's read): the offset Dask adds to the run's times
+        self.delay = 0.0
 
 
 
@@ -133,6 +143,9 @@ class TaskSpans:
         # A rule that may export a task after its run needs an id ready for it
         self._after_run_rules = self.slower_than is not None or self.erred
         self._random = random.Random()
+        #: Whether this worker shares the scheduler's clock (same host); None:
+        #: not looked at yet (the scheduler's address is known once running)
+        self._same_clock: bool | None = None
 
     def start(self, key: Any, dask_span: DaskSpanContext) -> TaskRun | DaskSpanContext:
         """The run of a task in a sampled trace: in its task span's context if its
@@ -149,10 +162,12 @@ class TaskSpans:
             context = trace.set_span_in_context(NonRecordingSpan(own), dask_span.context)
             run = TaskRun(key, dask_span, context, span_id, otel)
             run.chosen = True
-            return run
-        if not self._after_run_rules:
+        elif not self._after_run_rules:
             return dask_span  # runs as if there were no task spans
-        return TaskRun(key, dask_span, dask_span.context, span_id, otel)
+        else:
+            run = TaskRun(key, dask_span, dask_span.context, span_id, otel)
+        run.delay = self.worker.scheduler_delay
+        return run
 
     def finish(self, run: TaskRun, event: Any) -> None:
         """Export the run's span if a rule says so, from the event ``execute``
@@ -163,7 +178,11 @@ class TaskSpans:
         start, stop = event.start, event.stop
         if start is None or stop is None:  # failed before the function ran
             start = stop = time()
-        duration = max(stop - start, 0.0)
+        elif self.same_clock():  # the worker's own clock: Dask's offset undone
+            start, stop = start - run.delay, stop - run.delay
+        duration = max(stop - start, 0.0)  # as Dask measured it
+        start = max(start, _entered(run))
+        stop = max(stop, start)
         if not (
             run.chosen
             or (erred and self.erred)
@@ -172,6 +191,21 @@ class TaskSpans:
             return
         self.sink.emit(self._span(run, event, start, stop, duration, erred))
         self.exported += 1
+
+    def same_clock(self) -> bool:
+        """Whether the worker runs on the scheduler's host (then it reads the
+        same clock: Dask's estimated offset is only error)"""
+        if self._same_clock is None:
+            try:
+                from distributed.comm import get_address_host
+
+                scheduler = self.worker.scheduler.address
+                self._same_clock = scheduler.startswith("inproc://") or (
+                    get_address_host(scheduler) == get_address_host(self.worker.address)
+                )
+            except Exception:
+                self._same_clock = False
+        return self._same_clock
 
     def _span(
         self, run: TaskRun, event: Any, start: float, stop: float, duration: float, erred: bool
@@ -221,6 +255,17 @@ class TaskSpans:
         return sink.span(
             key_split(run.key), context, parent, start, stop, attributes, status, events
         )
+
+
+def _entered(run: TaskRun) -> float:
+    """When the client entered the block of the run's Dask span (its ``otel``
+    annotation), 0 if unknown: the Dask span starts no later, nor can the task"""
+    otel = run.otel
+    if not isinstance(otel, Mapping):  # none, or an "otel" annotation not ours
+        return 0.0
+    entered = otel.get("entered")
+    t = entered.get(run.dask_span.dask_id) if isinstance(entered, Mapping) else None
+    return t if isinstance(t, (int, float)) else 0.0
 
 
 def function_name(run_spec: Any) -> str | None:

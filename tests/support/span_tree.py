@@ -19,11 +19,11 @@ from opentelemetry.attributes import BoundedAttributes
 #: Clock resolution of Phoenix, which stores microseconds (the SDK and OTLP carry
 #: nanoseconds): how far a Phoenix span may seem to start before its parent
 PHOENIX_SLACK_NS = 1_000
-#: How late a root Dask span may end after the caller's span: Dask times tasks on
-#: the worker and shifts them by an estimated worker-to-scheduler clock offset
-#: (``Worker.scheduler_delay``), off by up to a network round trip even on one
-#: host, so a caller that ends the moment ``compute()`` returns can end first
-DASK_CLOCK_SLACK_NS = 50_000_000
+#: How late a root Dask span may end after the caller's span: the mirror bounds
+#: every task time by the scheduler's own clock (sent, heard back), so on one
+#: host a root ends before the call that waited for its results returns; the
+#: slack is only for the float seconds -> integer nanoseconds conversions
+DASK_CLOCK_SLACK_NS = 1_000_000
 
 
 @dataclass(frozen=True)
