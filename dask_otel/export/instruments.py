@@ -221,3 +221,26 @@ def copy_mapping(mapping: Mapping[Hashable, float]) -> dict[Hashable, float]:
     if isinstance(mapping, dict):
         return dict.copy(mapping)
     return dict(mapping)
+
+
+#: OpenTelemetry's Prometheus unit suffixes of the units the tables use;
+#: annotations (``{task}``) add none
+_UNIT_SUFFIX = {"s": "_seconds", "By": "_bytes"}
+
+
+def prometheus_name(spec: MetricSpec) -> str:
+    """The name OpenTelemetry's Prometheus translation gives ``spec``: Dask's
+    name on its /metrics (the tests check it with the real exporter)"""
+    name = spec.name.replace(".", "_")
+    suffix = _UNIT_SUFFIX.get(spec.unit, "")
+    if not name.endswith(suffix):  # prometheus_client appends a unit once
+        name += suffix
+    return name + "_total" if spec.kind == COUNTER else name
+
+
+def families_wanted(own: Any) -> bool:
+    """``otel.metrics.dask``, unless metrics also go to the prometheus exporter:
+    its endpoint is Dask's own /metrics, which serves these families already
+    (twice the same name on one endpoint is an invalid exposition)"""
+    config = own.config
+    return bool(config.dask_families) and "prometheus" not in config.metrics_exporters
