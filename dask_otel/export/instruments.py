@@ -37,8 +37,9 @@ GAUGE = "gauge"
 COUNTER = "counter"
 
 #: What a MetricSpec reads from one attached server: ``[(value, attributes)]``,
-#: added to the attributes that name the server
-Reading = Iterable[tuple[float, Mapping[str, Any]]]
+#: added to the attributes that name the server; or ``(value, attributes,
+#: context)``, the context (with a sampled span) an exemplar is taken from
+Reading = Iterable[tuple[Any, ...]]
 
 
 @dataclass(frozen=True)
@@ -191,8 +192,8 @@ class ProcessInstruments:
     def _observe(self, spec: MetricSpec, server: Attached) -> list[Observation]:
         try:
             return [
-                Observation(value, {**server.attributes, **attributes})
-                for value, attributes in spec.read(server)
+                Observation(reading[0], {**server.attributes, **reading[1]}, *reading[2:])
+                for reading in spec.read(server)
             ]
         except RuntimeError:
             # "dictionary changed size during iteration": the server is busy; it
