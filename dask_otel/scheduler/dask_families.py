@@ -35,8 +35,15 @@ if TYPE_CHECKING:
 
 
 def _one(read):
-    """A family of one unlabelled series"""
-    return lambda observed: [(float(read(observed.scheduler)), {})]
+    """A family of one unlabelled series; none where this distributed lacks what
+    it reads (``client_connections_added``, ``workers_added``... are newer than
+    distributed 2024.1.0)"""
+    def reading(observed: SchedulerFamilies) -> Reading:
+        try:
+            return [(float(read(observed.scheduler)), {})]
+        except AttributeError:
+            return []
+    return reading
 
 
 def _per_prefix(read):
@@ -49,8 +56,22 @@ def _per_prefix(read):
     return reading
 
 
+def _dask_at_least(version: str) -> bool:
+    import distributed
+    from packaging.version import Version
+
+    return Version(distributed.__version__) >= Version(version)
+
+
 def _workers(observed: SchedulerFamilies) -> Reading:
     s = observed.scheduler
+    if not _dask_at_least("2024.7.1"):  # one state for both before
+        return [
+            (len(s.idle), {"state": "idle"}),
+            (len(s.running) - len(s.idle) - len(s.saturated), {"state": "partially_saturated"}),
+            (len(s.saturated), {"state": "saturated"}),
+            (len(s.workers) - len(s.running), {"state": "paused_or_retiring"}),
+        ]
     paused = sum(1 for ws in list(s.workers.values()) if ws.status.name == "paused")
     idle, running, saturated = len(s.idle), len(s.running), len(s.saturated)
     return [
@@ -92,10 +113,16 @@ def _gil(observed: SchedulerFamilies) -> Reading:
     monitor = observed.scheduler.monitor
     if not getattr(monitor, "monitor_gil_contention", False):
         return []  # Dask serves the family only when it measures it
-    return [(monitor.cumulative_gil_contention, {})]
+    # a private attribute before distributed 2024.8
+    value = getattr(monitor, "cumulative_gil_contention", None)
+    if value is None:
+        value = monitor._cumulative_gil_contention
+    return [(value, {})]
 
 
 def _gc(observed: Any) -> Reading:
+    if not _dask_at_least("2024.8.0"):  # Dask serves it from 2024.8.0
+        return []
     from distributed.gc import gc_collect_duration
 
     return [(gc_collect_duration(), {})]
@@ -173,7 +200,8 @@ SCHEDULER_FAMILIES: tuple[MetricSpec, ...] = (
                lambda o: [(_task_counts(o).get("forgotten", 0.0), {})]),
     MetricSpec("dask.scheduler.task_groups", GAUGE, "{group}",
                "Number of task groups known by scheduler",
-               _one(lambda s: len(s.task_groups))),
+               lambda o: [(len(o.scheduler.task_groups), {})]
+               if _dask_at_least("2024.6.0") else []),  # served from 2024.6.0
     MetricSpec("dask.scheduler.tasks_compute", COUNTER, "s",
                "Total amount of compute time spent in each prefix",
                _per_prefix(lambda tp: tp.all_durations["compute"])),

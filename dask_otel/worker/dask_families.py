@@ -35,8 +35,27 @@ if TYPE_CHECKING:
 
 
 def _one(read):
-    """A family of one unlabelled series"""
-    return lambda observed: [(float(read(observed.worker)), {})]
+    """A family of one unlabelled series; none where this distributed lacks what
+    it reads (the family is newer than the installed distributed)"""
+    def reading(observed: WorkerFamilies) -> Reading:
+        try:
+            return [(float(read(observed.worker)), {})]
+        except AttributeError:
+            return []
+    return reading
+
+
+def _dask_at_least(version: str) -> bool:
+    import distributed
+    from packaging.version import Version
+
+    return Version(distributed.__version__) >= Version(version)
+
+
+def _served_until(version: str, reading):
+    """``reading`` before distributed ``version``, none from then on: a family
+    Dask stopped serving in ``version``"""
+    return (lambda observed: []) if _dask_at_least(version) else reading
 
 
 def _tasks(observed: WorkerFamilies) -> Reading:
@@ -59,10 +78,16 @@ def _gil(observed: WorkerFamilies) -> Reading:
     monitor = observed.worker.monitor
     if not getattr(monitor, "monitor_gil_contention", False):
         return []
-    return [(monitor.cumulative_gil_contention, {})]
+    # a private attribute before distributed 2024.8
+    value = getattr(monitor, "cumulative_gil_contention", None)
+    if value is None:
+        value = monitor._cumulative_gil_contention
+    return [(value, {})]
 
 
 def _gc(observed: Any) -> Reading:
+    if not _dask_at_least("2024.8.0"):  # Dask serves it from 2024.8.0
+        return []
     from distributed.gc import gc_collect_duration
 
     return [(gc_collect_duration(), {})]
@@ -114,6 +139,11 @@ def _spill(unit: str):
 #: :func:`dask_otel.export.instruments.prometheus_name`
 WORKER_FAMILIES: tuple[MetricSpec, ...] = (
     MetricSpec("dask.worker.tasks", GAUGE, "{task}", "Number of tasks at worker.", _tasks),
+    # Deprecated alias of transfer_incoming_count, removed in 2026.6.0 (#9249)
+    MetricSpec("dask.worker.concurrent_fetch_requests", GAUGE, "{request}",
+               "Number of open fetch requests to other workers (deprecated: "
+               "transfer_incoming_count)",
+               _served_until("2026.6.0", _one(lambda w: w.state.transfer_incoming_count))),
     MetricSpec("dask.worker.gil_contention", COUNTER, "s", "GIL contention metric", _gil),
     MetricSpec("dask.worker.gc_collection", COUNTER, "s",
                "Total time spent on garbage collection", _gc, per_process=True),
