@@ -212,6 +212,8 @@ class OtelConfig:
         SCHEDULER, WORKERS,
     )
     span_label: bool = _key("otel.metrics.span-label", _bool, SCHEDULER)
+    #: Dask's own Prometheus families over OTLP (docs/metrics.md#dasks-own-families)
+    dask_families: bool = _key("otel.metrics.dask", _bool, SCHEDULER, WORKERS)
     task_spans: bool = _key("otel.tasks.spans", _bool, WORKERS)
     #: in [0, 1]
     task_sample_ratio: float = _key("otel.tasks.sample-ratio", _ratio, WORKERS)

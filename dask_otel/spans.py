@@ -65,6 +65,10 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger("dask_otel")
 
+#: Task prefixes whose latest span context is kept for exemplars: the
+#: fine-metrics series limit (dask_otel.scheduler.metrics.MAX_SERIES)
+MAX_EXEMPLAR_PREFIXES = 2000
+
 #: Longest a poll may hold the scheduler's event loop before yielding, seconds
 POLL_BUDGET = 0.002
 
@@ -105,6 +109,10 @@ class SpanMirror:
         #: something of, worked out once
         self._metrics: dict[str, SpanMetrics] = {}
         self._heads: dict[str, SpanHead] = {}
+        #: Task prefix name -> SpanContext of the latest sampled TaskGroup span
+        #: exported with it: the exemplar of that prefix's fine metrics
+        #: (:mod:`dask_otel.scheduler.metrics`)
+        self.latest_by_prefix: dict[str, Any] = {}
         self._random = random.Random()
         if (ext := self.extension) is not None:
             self._follow_running(ext)
@@ -391,8 +399,18 @@ class SpanMirror:
             elif span is not None:
                 self.sink.emit(span)
                 self.mirrored += 1
+                if export == self.group_span_of:
+                    self._remember_exemplar(args[0].prefix.name, span)
         except Exception:
             logger.exception("dask_otel: could not mirror %r; dropped", args[0])
+
+    def _remember_exemplar(self, prefix: str, span: ReadableSpan) -> None:
+        context = span.get_span_context()
+        if context is None or not context.trace_flags.sampled:
+            return
+        if prefix not in self.latest_by_prefix and len(self.latest_by_prefix) >= MAX_EXEMPLAR_PREFIXES:
+            return  # bounded: as many prefixes as fine-metric series at most
+        self.latest_by_prefix[prefix] = context
 
     # --- what to export ------------------------------------------------------------
 

@@ -198,6 +198,30 @@ def test_grafana_provisioning_matches_the_compose_stack():
     assert Path(home).name in {p.name for p in DASHBOARDS.glob("*.json")}
 
 
+def test_exemplars_are_stored_and_linked_to_the_trace_store():
+    """The path of an exemplar of dask.activity.* (docs/metrics.md#exemplars):
+    the collector serves it (OpenMetrics only), Prometheus stores it, Grafana's
+    Prometheus data source links its trace_id to Tempo, and the activity panels
+    ask for exemplars"""
+    for path in COLLECTOR_CONFIGS:
+        config = yaml.safe_load(path.read_text())
+        assert config["exporters"]["prometheus"]["enable_open_metrics"] is True, path
+    command = compose()["services"]["prometheus"]["command"]
+    assert "--enable-feature=exemplar-storage" in command
+    (datasources,) = load_yaml_documents(
+        DEPLOY / "grafana" / "provisioning" / "datasources" / "dask-otel.yaml")
+    by_type = {s["type"]: s for s in datasources["datasources"]}
+    (link,) = by_type["prometheus"]["jsonData"]["exemplarTraceIdDestinations"]
+    # the label the collector's prometheus exporter gives an exemplar's trace id
+    assert link == {"name": "trace_id", "datasourceUid": by_type["tempo"]["uid"]}
+    spans = json.loads((DASHBOARDS / "dask-spans.json").read_text())
+    activity = [
+        t for panel in spans["panels"] for t in panel.get("targets", [])
+        if "dask_activity_" in t.get("expr", "") and t.get("range")
+    ]
+    assert activity and all(t.get("exemplar") is True for t in activity)
+
+
 # =============================================================================
 # Compose
 # =============================================================================

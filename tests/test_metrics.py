@@ -451,3 +451,45 @@ def test_spill_and_fine_metrics_arrive_over_otlp(protocol):
     assert {p.resource["service.name"] for p in fine} == {"dask"}
     spill = receiver.metric_points("dask.spill.memory.size")
     assert {p.attributes["dask.worker.name"] for p in spill} == {"worker-0", "worker-1"}
+
+
+# --- exemplars ----------------------------------------------------------------------
+
+
+def test_activity_metrics_carry_exemplars_of_exported_traces(monkeypatch):
+    """A dask.activity.* series that grew carries an exemplar of the latest
+    sampled TaskGroup span of its task prefix (SDK's default exemplar filter,
+    trace_based); its trace is one the receiver got"""
+    with OTLPReceiver("grpc") as receiver:
+        set_otel_env(monkeypatch, {**receiver.env(), "OTEL_METRIC_EXPORT_INTERVAL": "300",
+                                   "OTEL_BSP_SCHEDULE_DELAY": "100"})
+        config = {
+            "otel.traces.exporter": "otlp",
+            "otel.metrics.exporter": "otlp",
+            "otel.spans.export-delay": "100ms",
+            "otel.spans.poll-interval": "50ms",
+        }
+        with spilling_cluster(config) as (cluster, client):
+            for name in ("first", "second"):
+                with span(name):
+                    client.gather(client.map(inc, range(10)))
+
+            def exemplars(r: OTLPReceiver) -> set[str]:
+                return {
+                    trace
+                    for p in r.metric_points("dask.activity.time")
+                    if p.attributes.get("dask.task.prefix") == "inc"
+                    for trace, _ in p.exemplars
+                }
+
+            traces = receiver.wait_for(
+                lambda r: (e := exemplars(r)) and e <= {s.trace_id for s in r.spans()} and e,
+                timeout=30,
+            )
+    # Exemplars point at the TaskGroup spans of the prefix
+    inc_spans = {(s.trace_id, s.span_id) for s in receiver.spans() if s.name.startswith("inc")}
+    pairs = {pair for p in receiver.metric_points("dask.activity.time") for pair in p.exemplars}
+    assert traces and pairs and pairs <= inc_spans
+    # A series without a task prefix (no TaskGroup span contributed) has none
+    assert not any(p.exemplars for p in receiver.metric_points("dask.activity.time")
+                   if "dask.task.prefix" not in p.attributes)

@@ -37,8 +37,9 @@ GAUGE = "gauge"
 COUNTER = "counter"
 
 #: What a MetricSpec reads from one attached server: ``[(value, attributes)]``,
-#: added to the attributes that name the server
-Reading = Iterable[tuple[float, Mapping[str, Any]]]
+#: added to the attributes that name the server; or ``(value, attributes,
+#: context)``, the context (with a sampled span) an exemplar is taken from
+Reading = Iterable[tuple[Any, ...]]
 
 
 @dataclass(frozen=True)
@@ -191,8 +192,8 @@ class ProcessInstruments:
     def _observe(self, spec: MetricSpec, server: Attached) -> list[Observation]:
         try:
             return [
-                Observation(value, {**server.attributes, **attributes})
-                for value, attributes in spec.read(server)
+                Observation(reading[0], {**server.attributes, **reading[1]}, *reading[2:])
+                for reading in spec.read(server)
             ]
         except RuntimeError:
             # "dictionary changed size during iteration": the server is busy; it
@@ -221,3 +222,26 @@ def copy_mapping(mapping: Mapping[Hashable, float]) -> dict[Hashable, float]:
     if isinstance(mapping, dict):
         return dict.copy(mapping)
     return dict(mapping)
+
+
+#: OpenTelemetry's Prometheus unit suffixes of the units the tables use;
+#: annotations (``{task}``) add none
+_UNIT_SUFFIX = {"s": "_seconds", "By": "_bytes"}
+
+
+def prometheus_name(spec: MetricSpec) -> str:
+    """The name OpenTelemetry's Prometheus translation gives ``spec``: Dask's
+    name on its /metrics (the tests check it with the real exporter)"""
+    name = spec.name.replace(".", "_")
+    suffix = _UNIT_SUFFIX.get(spec.unit, "")
+    if not name.endswith(suffix):  # prometheus_client appends a unit once
+        name += suffix
+    return name + "_total" if spec.kind == COUNTER else name
+
+
+def families_wanted(own: Any) -> bool:
+    """``otel.metrics.dask``, unless metrics also go to the prometheus exporter:
+    its endpoint is Dask's own /metrics, which serves these families already
+    (twice the same name on one endpoint is an invalid exposition)"""
+    config = own.config
+    return bool(config.dask_families) and "prometheus" not in config.metrics_exporters

@@ -111,7 +111,7 @@ def _fine_metrics(dask_unit: str):
                 own = getattr(span, "_cumulative_worker_metrics", None)
                 if own:
                     out += _readings(own, dask_unit, {SPAN_NAME: tuple(span.name)})
-        return _bounded(out)
+        return observed.with_exemplars(dask_unit, _bounded(out))
 
     return read
 
@@ -124,7 +124,7 @@ def _bounded(readings: list[_Raw]) -> Reading:
     out: list[tuple[float, Mapping[str, Any]]] = []
     for value, key, extra in readings[:MAX_SERIES]:
         attributes = _attributes(key)
-        out.append((value, {**attributes, **extra} if extra else attributes))
+        out.append((value, {**attributes, **extra} if extra else attributes))  # type: ignore[arg-type]
     if len(readings) > MAX_SERIES:
         out.append((sum(value for value, _, _ in readings[MAX_SERIES:]), OVERFLOW))
     return out
@@ -253,5 +253,43 @@ class SchedulerMetrics(Attached):
         self.telemetry = own.telemetry
         self.plugin = plugin
         self.span_label = own.config.span_label
+        #: Dask unit -> {attributes: value at the previous collection}: a series
+        #: that grew since carries an exemplar
+        self._previous: dict[str, dict[tuple, float]] = {}
         assert self.telemetry.meter_provider is not None
         SchedulerInstruments.of(self.telemetry.meter_provider).attach(self)
+
+    def with_exemplars(self, dask_unit: str, readings: Reading) -> Reading:
+        """``readings`` of one fine-metrics instrument, those of a task prefix
+        that grew since the previous collection with the context of the latest
+        sampled TaskGroup span of that prefix: the SDK's exemplar filter
+        (OTEL_METRICS_EXEMPLAR_FILTER, default trace_based) takes an exemplar
+        from it. The span was exported before the metric grew past it or
+        shortly after: close enough to find a representative trace."""
+        mirror = self.plugin.mirror
+        latest = mirror.latest_by_prefix if mirror is not None else {}
+        previous, now = self._previous.get(dask_unit, {}), {}
+        out = []
+        for value, attributes in readings:
+            prefix = attributes.get(TASK_PREFIX)
+            if prefix is None or not latest:
+                out.append((value, attributes))
+                continue
+            # what tells the series of a prefix apart (cheaper than all items)
+            key = (prefix, attributes.get(CONTEXT), attributes.get(ACTIVITY),
+                   attributes.get(SPAN_NAME))
+            now[key] = value
+            context = latest.get(prefix)
+            if context is not None and value > previous.get(key, 0):
+                out.append((value, attributes, _span_context(context)))
+            else:
+                out.append((value, attributes))
+        self._previous[dask_unit] = now
+        return out
+
+
+def _span_context(span_context: Any) -> Any:
+    """An OTel Context whose current span is ``span_context`` (not recording)"""
+    from opentelemetry.trace import NonRecordingSpan, set_span_in_context
+
+    return set_span_in_context(NonRecordingSpan(span_context))

@@ -62,6 +62,8 @@ class OtelSchedulerPlugin(SchedulerPlugin):
         self.server_telemetry = None
         self.mirror = None
         self.metrics: Any = None
+        #: Dask's own families (otel.metrics.dask)
+        self.families: Any = None
         self._poller: PeriodicCallback | None = None
         self._started = False
         self._closed = False
@@ -90,6 +92,11 @@ class OtelSchedulerPlugin(SchedulerPlugin):
                 from dask_otel.scheduler.metrics import SchedulerMetrics
 
                 self.metrics = SchedulerMetrics(scheduler, own, self)
+                from dask_otel.export.instruments import families_wanted
+                from dask_otel.scheduler.dask_families import SchedulerFamilies
+
+                if families_wanted(own):
+                    self.families = SchedulerFamilies(scheduler, own)
         except ConfigError as e:  # an OTEL_* variable the SDK refused, named
             logger.error("dask_otel is off on scheduler %s: %s", scheduler.address, e)
             self.error = f"ConfigError: {e}"
@@ -194,6 +201,9 @@ class OtelSchedulerPlugin(SchedulerPlugin):
             self.mirror.flush()
 
     def _close_metrics(self) -> None:
+        if self.families is not None:
+            self.families.close()
+            self.families = None
         if self.metrics is not None:
             self.metrics.close()
 

@@ -39,6 +39,8 @@ class WorkerBridge:
         self.telemetry: Telemetry | None = None
         self.server_telemetry: ServerTelemetry | None = None
         self.spill: Any = None
+        #: :class:`~dask_otel.worker.dask_families.WorkerFamilies`, with otel.metrics.dask
+        self.families: Any = None
         #: :class:`~dask_otel.worker.execute_hook.TaskContextHook`; None where it
         #: could not be installed
         self.task_context: Any = None
@@ -51,7 +53,7 @@ class WorkerBridge:
         if own is None:
             return
         self.server_telemetry, self.telemetry = own, own.telemetry
-        for step in (self._start_task_context, self._start_spill):
+        for step in (self._start_task_context, self._start_spill, self._start_families):
             try:
                 step(worker, own)
             except Exception as e:
@@ -77,7 +79,19 @@ class WorkerBridge:
             return
         self.spill = SpillInstruments.observe(worker, own)
 
+    def _start_families(self, worker: Worker, own: ServerTelemetry) -> None:
+        from dask_otel.export.instruments import families_wanted
+
+        if own.telemetry.meter_provider is None or not families_wanted(own):
+            return
+        from dask_otel.worker.dask_families import WorkerFamilies
+
+        self.families = WorkerFamilies(worker, own)
+
     async def teardown(self, worker: Worker) -> None:
+        if self.families is not None:
+            self.families.close()
+            self.families = None
         if self.task_context is not None:
             self.task_context.uninstall()
             self.task_context = None

@@ -57,11 +57,15 @@ def query_variable(name: str, label: str, query: str, *, multi: bool = False) ->
     return variable
 
 
-def target(expr: str, legend: str = "", *, instant: bool = False) -> dict[str, Any]:
-    return {
+def target(expr: str, legend: str = "", *, instant: bool = False,
+           exemplar: bool = False) -> dict[str, Any]:
+    out = {
         "datasource": PROMETHEUS, "expr": expr, "legendFormat": legend,
         "range": not instant, "instant": instant, "editorMode": "code",
     }
+    if exemplar:  # dask.activity.* carry exemplars: a dot links to the trace
+        out["exemplar"] = True
+    return out
 
 
 def timeseries(title: str, description: str, unit: str, targets: list[dict],
@@ -287,7 +291,7 @@ def spans_dashboard() -> dict[str, Any]:
         "s",
         [target(f"sum by (dask_task_prefix, dask_activity_name) "
                 f"({rate('dask_activity_time_seconds_total', execute)})",
-                "{{dask_task_prefix}} {{dask_activity_name}}")],
+                "{{dask_task_prefix}} {{dask_activity_name}}", exemplar=True)],
         stack=True,
     )
     by_context = timeseries(
@@ -298,7 +302,7 @@ def spans_dashboard() -> dict[str, Any]:
         "s",
         [target(f"sum by (dask_activity_context, dask_activity_name) "
                 f"({rate('dask_activity_time_seconds_total', CLUSTER)})",
-                "{{dask_activity_context}} {{dask_activity_name}}")],
+                "{{dask_activity_context}} {{dask_activity_name}}", exemplar=True)],
         stack=True,
     )
     bytes_by_context = timeseries(
@@ -308,7 +312,7 @@ def spans_dashboard() -> dict[str, Any]:
         "Bps",
         [target(f"sum by (dask_activity_context, dask_activity_name) "
                 f"({rate('dask_activity_size_bytes_total', CLUSTER)})",
-                "{{dask_activity_context}} {{dask_activity_name}}")],
+                "{{dask_activity_context}} {{dask_activity_name}}", exemplar=True)],
         stack=True,
     )
     operations_by_context = timeseries(
@@ -317,7 +321,7 @@ def spans_dashboard() -> dict[str, Any]:
         "ops",
         [target(f"sum by (dask_activity_context, dask_activity_name) "
                 f"({rate('dask_activity_count_total', CLUSTER)})",
-                "{{dask_activity_context}} {{dask_activity_name}}")],
+                "{{dask_activity_context}} {{dask_activity_name}}", exemplar=True)],
         stack=True,
     )
     top_prefixes = {

@@ -168,6 +168,8 @@ class ReceivedPoint:
     explicit_bounds: tuple[float, ...] | None = None
     min: float | None = None
     max: float | None = None
+    #: ``(trace id, span id)`` in hex of each exemplar of the point
+    exemplars: tuple[tuple[str | None, str | None], ...] = ()
 
 
 # --------------------------------------------------------------------------
@@ -286,6 +288,10 @@ def decode_metrics_request(request: metrics_service_pb2.ExportMetricsServiceRequ
                 )
                 for dp in data.data_points:
                     extra: dict[str, Any] = {}
+                    if kind != "summary":
+                        extra["exemplars"] = tuple(
+                            (_hex_or_none(e.trace_id), _hex_or_none(e.span_id)) for e in dp.exemplars
+                        )
                     if kind in ("sum", "gauge"):
                         which = dp.WhichOneof("value")
                         value = getattr(dp, which) if which else None
