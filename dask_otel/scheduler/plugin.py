@@ -61,6 +61,8 @@ class OtelSchedulerPlugin(SchedulerPlugin):
         self.server_telemetry = None
         self.mirror = None
         self.metrics: Any = None
+        #: Dask's events out as log records and span events (None: neither is on)
+        self.events: Any = None
         self._poller: PeriodicCallback | None = None
         self._started = False
         self._closed = False
@@ -89,6 +91,14 @@ class OtelSchedulerPlugin(SchedulerPlugin):
                 from dask_otel.scheduler.metrics import SchedulerMetrics
 
                 self.metrics = SchedulerMetrics(scheduler, own, self)
+            logs = own.telemetry.logs
+            if logs is not None or self.mirror is not None:
+                from dask_otel.scheduler.events import DaskEvents
+
+                self.events = DaskEvents(
+                    scheduler, self.mirror, logs.provider if logs is not None else None,
+                    config.event_topics,
+                )
         except ConfigError as e:  # an OTEL_* variable the SDK refused, named
             logger.error("dask_otel is off on scheduler %s: %s", scheduler.address, e)
             self.error = f"ConfigError: {e}"
@@ -134,6 +144,14 @@ class OtelSchedulerPlugin(SchedulerPlugin):
                 self.mirror.observe_erred(key, failed, started)
             except Exception:
                 logger.exception("dask_otel: could not count erred task")
+
+    def log_event(self, topic: str, msg: Any) -> None:
+        # Every event on every topic (Dask's broker calls it): one test when off
+        if self.events is not None:
+            try:
+                self.events.observe(topic, msg)
+            except Exception:
+                logger.exception("dask_otel: could not export event %r", topic)
 
     async def close(self) -> None:
         """Export what is still open and flush, within otel.flush-timeout"""

@@ -68,6 +68,9 @@ class SpanRecord:
     #: The subtree totals of its sub-spans exported so far, summed: a pipeline of
     #: 10,000 steps is summed as it goes, not walked when it ends
     folded: Totals | None
+    #: Span events to export with it (``dask.worker.lost``,
+    #: :mod:`dask_otel.scheduler.events`); None: none
+    events: list | None
 
     def __init__(self, span: Span):
         self.span = span
@@ -79,6 +82,7 @@ class SpanRecord:
         self.carrier_read = False
         self.links = None
         self.folded = None
+        self.events = None
 
     @property
     def leaf(self) -> bool:
