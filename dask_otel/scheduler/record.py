@@ -34,7 +34,7 @@ class SpanRecord:
     when it is exported (or dropped by the sampler)."""
 
     __slots__ = (
-        "carrier_read", "end", "entered", "erred", "error_type", "folded", "links",
+        "carrier_read", "end", "entered", "erred", "error_type", "events", "folded", "links",
         "open_children", "open_groups", "remote_parent", "span",
     )
 
