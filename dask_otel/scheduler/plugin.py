@@ -146,8 +146,9 @@ class OtelSchedulerPlugin(SchedulerPlugin):
                 logger.exception("dask_otel: could not count erred task")
 
     def log_event(self, topic: str, msg: Any) -> None:
-        # Every event on every topic (Dask's broker calls it): one test when off
-        if self.events is not None:
+        # Every event on every topic (Dask's broker calls it): one test when off.
+        # None after close: the workers' closing events would meet a shut provider
+        if self.events is not None and not self._closed:
             try:
                 self.events.observe(topic, msg)
             except Exception:
