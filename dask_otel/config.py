@@ -129,6 +129,18 @@ def _level(key: str) -> int:
     raise ConfigError(key, value, "a logging level like INFO or WARNING")
 
 
+def _topics(key: str) -> frozenset[str]:
+    """Event topic names: a list, or a comma-separated string"""
+    value = get(key)
+    if isinstance(value, str):
+        value = [v for v in (v.strip() for v in value.split(",")) if v]
+    if not isinstance(value, (list, tuple)) or not all(
+        isinstance(v, str) and v.strip() for v in value
+    ):
+        raise ConfigError(key, value, "a list of event topic names")
+    return frozenset(v.strip() for v in value)
+
+
 def _exporters(
     key: str, signal: str, known: Sequence[str], env_default: str = "otlp"
 ) -> tuple[str, ...]:
@@ -230,6 +242,8 @@ class OtelConfig:
     )
     #: a logging level number
     logs_level: int = _key("otel.logs.level", _level, SCHEDULER, WORKERS)
+    #: the Dask events exported as log records (dask_otel.scheduler.events)
+    event_topics: frozenset[str] = _key("otel.events.topics", _topics, SCHEDULER)
 
     def effective(self, process: str) -> dict[str, Any]:
         """The values of the keys that ``process`` (:data:`SCHEDULER` or
@@ -241,6 +255,8 @@ class OtelConfig:
                 value = getattr(self, f.name)
                 if f.name == "logs_level":
                     value = logging.getLevelName(value)
+                if isinstance(value, frozenset):
+                    value = sorted(value)
                 values[f.metadata["key"]] = list(value) if isinstance(value, tuple) else value
         return values
 

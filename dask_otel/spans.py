@@ -59,6 +59,7 @@ if TYPE_CHECKING:
     from distributed.scheduler import TaskGroup, TaskState
     from distributed.spans import Span, SpansSchedulerExtension
     from opentelemetry.sdk.trace import ReadableSpan
+    from opentelemetry.trace import SpanContext
 
     from dask_otel.config import OtelConfig
     from dask_otel.export.sink import SpanSink
@@ -440,7 +441,7 @@ class SpanMirror:
             parent_context = record.remote_parent
         readable = builder.dask_span(
             self.sink, self.config, span, head, parent_context, end, own, subtree,
-            record.erred, record.links, unfinished, record.error_type,
+            record.erred, record.links, unfinished, record.error_type, record.events,
         )
         if self.config.export_code and not self.told_no_code:
             self.told_no_code = builder.told_no_code(readable)
@@ -500,6 +501,20 @@ class SpanMirror:
             self.sink, str(tags[i]), context, parent,
             span_id, tuple(tags[: i + 1]), start, exited,
         )
+    def context_of(self, span_id: str) -> SpanContext | None:
+        """The OTel SpanContext of a Dask span, open or exported, as its OTel span
+        has or will have it; None if unknown or its trace is sampled out. Not
+        cached: called for Dask's rare events (:mod:`dask_otel.scheduler.events`)."""
+        ext = self.extension
+        span = ext.spans.get(span_id) if ext is not None else None
+        if span is None:
+            return None
+        root = root_span(span)
+        context = dask_span_context(
+            root.id, span.id, str(root.name[0]), self.ledger.remote_parent(root.id),
+            self.sink.sampler, is_remote=False,
+        )
+        return context if context.trace_flags.sampled else None
 
     def _span_metrics(self, span: Span) -> SpanMetrics:
         """:class:`SpanMetrics` of a Dask span, read once per poll"""

@@ -94,6 +94,12 @@ def erred_status(
         return None
     attributes["dask.tasks.erred"] = erred
     attributes["error.type"] = error_type or OTHER_ERROR
+    if error_type == "KilledWorker":  # say why: no exception of the task's own
+        return Status(
+            StatusCode.ERROR,
+            f"{erred} tasks erred: KilledWorker, the workers running them died "
+            "(see the dask.worker.lost span events)",
+        )
     return Status(StatusCode.ERROR, f"{erred} tasks erred")
 
 
@@ -110,6 +116,7 @@ def dask_span(
     links: Mapping[str, Link] | None,
     unfinished: bool = False,
     error_type: str | None = None,
+    dask_events: list[Event] | None = None,
 ) -> ReadableSpan:
     """The OTel span of a Dask span (``head.context`` must be sampled), from
     ``head.start`` to ``end``, with its ``own`` or ``subtree`` totals as
@@ -135,6 +142,12 @@ def dask_span(
         if first_task
         else ()
     )
+    if dask_events:  # dask.worker.lost (dask_otel.scheduler.events), bounded there
+        count = sink.limits.max_event_attributes
+        events += tuple(
+            Event(e.name, sink.event_attributes(dict(e.attributes), count), e.timestamp)
+            for e in dask_events
+        )
     return sink.span(
         span.name[-1], head.context, parent, start, end, attributes, status, events,
         bounded_links(sink, links),

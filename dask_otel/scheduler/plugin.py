@@ -64,6 +64,8 @@ class OtelSchedulerPlugin(SchedulerPlugin):
         self.metrics: Any = None
         #: Dask's own families (otel.metrics.dask)
         self.families: Any = None
+        #: Dask's events out as log records and span events (None: neither is on)
+        self.events: Any = None
         self._poller: PeriodicCallback | None = None
         self._started = False
         self._closed = False
@@ -89,14 +91,22 @@ class OtelSchedulerPlugin(SchedulerPlugin):
                 self._poller = PeriodicCallback(self._poll, config.poll_interval * 1000)
                 self._poller.start()
             if own.telemetry.meter_provider is not None:
+                from dask_otel.export.instruments import families_wanted
                 from dask_otel.scheduler.metrics import SchedulerMetrics
 
                 self.metrics = SchedulerMetrics(scheduler, own, self)
-                from dask_otel.export.instruments import families_wanted
-                from dask_otel.scheduler.dask_families import SchedulerFamilies
-
                 if families_wanted(own):
+                    from dask_otel.scheduler.dask_families import SchedulerFamilies
+
                     self.families = SchedulerFamilies(scheduler, own)
+            logs = own.telemetry.logs
+            if logs is not None or self.mirror is not None:
+                from dask_otel.scheduler.events import DaskEvents
+
+                self.events = DaskEvents(
+                    scheduler, self.mirror, logs.provider if logs is not None else None,
+                    config.event_topics,
+                )
         except ConfigError as e:  # an OTEL_* variable the SDK refused, named
             logger.error("dask_otel is off on scheduler %s: %s", scheduler.address, e)
             self.error = f"ConfigError: {e}"
@@ -160,12 +170,21 @@ class OtelSchedulerPlugin(SchedulerPlugin):
                 logger.exception("dask_otel: could not count erred task")
 
     def log_event(self, topic: Any, msg: Any) -> None:
+        # Every event on every topic (Dask's broker calls it): a test or two when off.
         # A client left a dask_otel.span block (dask_otel.client)
-        if topic == BLOCK_EXIT and self.mirror is not None:
+        if topic == BLOCK_EXIT:
+            if self.mirror is not None:
+                try:
+                    self.mirror.observe_exit(msg)
+                except Exception:
+                    logger.exception("dask_otel: could not read a block's exit")
+            return
+        # None after close: the workers' closing events would meet a shut provider
+        if self.events is not None and not self._closed:
             try:
-                self.mirror.observe_exit(msg)
+                self.events.observe(topic, msg)
             except Exception:
-                logger.exception("dask_otel: could not read a block's exit")
+                logger.exception("dask_otel: could not export event %r", topic)
 
     def remove_client(self, scheduler: Scheduler, client: str) -> None:
         if self.mirror is not None:

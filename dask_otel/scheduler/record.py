@@ -35,8 +35,8 @@ class SpanRecord:
     when it is exported (or dropped by the sampler)."""
 
     __slots__ = (
-        "block_client", "carrier_read", "end", "entered", "erred", "error_type", "exited",
-        "folded", "links", "open_children", "open_groups", "remote_parent", "span",
+        "block_client", "carrier_read", "end", "entered", "erred", "error_type", "events",
+        "exited", "folded", "links", "open_children", "open_groups", "remote_parent", "span",
     )
 
     #: The Dask span (``SpansSchedulerExtension.spans[id]``)
@@ -76,6 +76,9 @@ class SpanRecord:
     #: The subtree totals of its sub-spans exported so far, summed: a pipeline of
     #: 10,000 steps is summed as it goes, not walked when it ends
     folded: Totals | None
+    #: Span events to export with it (``dask.worker.lost``,
+    #: :mod:`dask_otel.scheduler.events`); None: none
+    events: list | None
 
     def __init__(self, span: Span):
         self.span = span
@@ -89,6 +92,7 @@ class SpanRecord:
         self.carrier_read = False
         self.links = None
         self.folded = None
+        self.events = None
 
     @property
     def leaf(self) -> bool:

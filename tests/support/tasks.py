@@ -221,3 +221,34 @@ def fetch_and_score(item: int, catalog: str) -> dict:
     price = requests.get(f"{catalog}/items/{item}", timeout=10).json()["price"]
     time.sleep(0.05)  # scoring
     return {"item": item, "score": price * 2, "task_span_id": f"{task_context.span_id:016x}"}
+
+
+# --- Dask's events (tests/test_events.py) ---------------------------------------------
+
+
+def exit_once(marker: str, x: int) -> int:
+    """Kills its worker process (os._exit) the first time it runs, as a segfault in
+    native code would; the rerun elsewhere returns ``x``"""
+    if not os.path.exists(marker):
+        open(marker, "w").close()
+        os._exit(1)
+    return x
+
+
+def allocate_past(limit: int) -> int:
+    """Grows its worker's resident memory to twice ``limit`` bytes, 16 MiB at a
+    time, and holds it: its nanny terminates the worker on the way"""
+    held = []
+    while sum(map(len, held)) < 2 * limit:
+        held.append(b"\x01" * (16 << 20))  # written: resident, unlike bytearray(n)
+        time.sleep(0.02)
+    time.sleep(30)
+    return len(held)
+
+
+def print_in_task(x: int) -> int:
+    """distributed.print: logged as a ``print`` event on the scheduler"""
+    import distributed
+
+    distributed.print("scored partition", x)
+    return x

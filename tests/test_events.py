@@ -1,0 +1,154 @@
+"""Dask's events as OTel log records and span events (dask_otel.scheduler.events):
+a worker killed by its task, a worker its nanny restarts over its memory limit,
+distributed.print in a task, users' topics; worker processes under nannies, log
+records read back from a real OTLP receiver."""
+
+from __future__ import annotations
+
+import distributed
+import pytest
+from distributed import KilledWorker, span
+from packaging.version import Version
+
+from dask_otel.config import ConfigError, read_config
+from dask_otel.scheduler.events import (
+    DASK_EVENTS,
+    MAX_KEYS,
+    event_name,
+    topics_to_export,
+)
+from tests.support.cluster import dask_span_ids, otel_cluster
+from tests.support.otlp_receiver import OTLPReceiver, set_otel_env
+from tests.support.tasks import allocate_past, exit_once, print_in_task
+
+#: Log records exported as soon as they are emitted: tests read them while the
+#: cluster runs
+FAST_LOGS = {"OTEL_BLRP_SCHEDULE_DELAY": "100"}
+#: The nanny logs worker-restart-memory since distributed 2024.4.2 (dask/distributed#8617)
+NANNY_RESTART_EVENT = Version(distributed.__version__) >= Version("2024.4.2")
+LOGS = {"otel.logs.exporter": "otlp", "otel.flush-timeout": "2s"}
+
+
+def events(receiver: OTLPReceiver, topic: str) -> list:
+    return [g for g in receiver.logs() if g.attributes.get("dask.event.topic") == topic]
+
+
+def ids(dask_id: str) -> tuple[str, str]:
+    trace_id, span_id = dask_span_ids(dask_id)
+    return f"{trace_id:032x}", f"{span_id:016x}"
+
+
+def lost_events(span) -> list:
+    return [e for e in span.events if e.name == "dask.worker.lost"]
+
+
+def test_a_task_that_kills_its_worker_once(monkeypatch, tmp_path):
+    """The workflow's span gets dask.worker.lost naming the worker, and the
+    remove-worker record arrives with the Dask span's ids"""
+    with OTLPReceiver("grpc") as receiver:
+        set_otel_env(monkeypatch, {**receiver.env(), **FAST_LOGS})
+        with otel_cluster(LOGS, processes=True, n_workers=2) as (client, mirrored):
+            with span("nightly scoring") as sid:
+                assert client.submit(exit_once, str(tmp_path / "died"), 7).result() == 7
+            exported = mirrored.by_dask_id(sid)
+            (record,) = receiver.wait_for(lambda r: events(r, "remove-worker"))
+    (lost,) = lost_events(exported)
+    address = lost.attributes["dask.worker.address"]
+    assert address.startswith("tcp://127.0.0.1:")
+    assert lost.attributes["dask.tasks.processing"] == 1
+    assert exported.start_time <= lost.timestamp <= exported.end_time
+    assert (record.trace_id, record.span_id) == ids(sid)
+    assert record.severity_text == "WARNING"
+    assert record.attributes["dask.worker.address"] == address
+    assert record.attributes["dask.event.processing_tasks.count"] == 1
+    assert record.attributes["dask.event.processing_tasks"][0].startswith("exit_once-")
+    assert record.attributes["dask.span.tasks.processing"] == 1
+    assert record.attributes["dask.span.id"] == sid
+    assert record.resource["service.name"] == "dask"
+
+
+def test_a_worker_over_its_memory_limit_restarted_by_its_nanny(monkeypatch):
+    """worker-restart-memory is a WARNING record; the lost worker's span event
+    gives that reason; the task, allowed no failure, ends erred with KilledWorker
+    and its spans say so. Before distributed 2024.4.2 the nanny logs no event:
+    the worker is lost all the same, without a reason"""
+    limit = 300 << 20
+    config = {**LOGS, "distributed.scheduler.allowed-failures": 0}
+    with OTLPReceiver("grpc") as receiver:
+        set_otel_env(monkeypatch, {**receiver.env(), **FAST_LOGS})
+        with otel_cluster(config, processes=True, n_workers=1, memory_limit=limit) as (
+            client,
+            mirrored,
+        ):
+            with span("big join") as sid, pytest.raises(KilledWorker):
+                client.submit(allocate_past, limit).result(timeout=60)
+            exported = mirrored.by_dask_id(sid)
+            (removed,) = receiver.wait_for(lambda r: events(r, "remove-worker"), timeout=30)
+            if NANNY_RESTART_EVENT:
+                (restart,) = receiver.wait_for(
+                    lambda r: events(r, "worker-restart-memory"), timeout=30
+                )
+    assert (removed.trace_id, removed.span_id) == ids(sid)
+    (lost,) = lost_events(exported)
+    if NANNY_RESTART_EVENT:
+        assert restart.severity_text == "WARNING"
+        assert restart.attributes["dask.event.rss"] > 0.9 * limit
+        assert removed.attributes["dask.worker.lost.reason"].startswith("worker-restart-memory")
+        assert lost.attributes["dask.worker.lost.reason"].startswith("worker-restart-memory")
+    assert exported.attributes["error.type"] == "KilledWorker"
+    assert "KilledWorker" in exported.status.description
+    (group,) = [s for s in mirrored.spans() if s.name == "allocate_past"]
+    assert "KilledWorker, the workers running them died" in group.status.description
+
+
+def test_distributed_print_in_a_task_carries_its_dask_span(monkeypatch):
+    with OTLPReceiver("grpc") as receiver:
+        set_otel_env(monkeypatch, {**receiver.env(), **FAST_LOGS})
+        with otel_cluster(LOGS, processes=True, n_workers=1) as (client, _):
+            with span("scoring") as sid:
+                client.submit(print_in_task, 5).result()
+            (record,) = receiver.wait_for(lambda r: events(r, "print"))
+    assert record.body == "scored partition 5"
+    assert record.severity_text == "INFO"
+    assert (record.trace_id, record.span_id) == ids(sid)
+    assert record.attributes["dask.worker.address"].startswith("tcp://127.0.0.1:")
+
+
+def test_users_topics_are_exported_only_when_listed(monkeypatch):
+    config = {**LOGS, "otel.events.topics": "dask, inventory"}
+    with OTLPReceiver("grpc") as receiver:
+        set_otel_env(monkeypatch, {**receiver.env(), **FAST_LOGS})
+        with otel_cluster(config, processes=True, n_workers=1) as (client, _):
+            client.log_event("chatter", {"note": "not listed"})
+            client.log_event("inventory", {"sku": "a1", "count": 3})
+            (record,) = receiver.wait_for(lambda r: events(r, "inventory"))
+            client.log_event("chatter", "still not listed")
+            client.submit(print_in_task, 1).result()  # after the chatter, on the same path
+            receiver.wait_for(lambda r: events(r, "print"))
+    assert record.attributes["dask.event.sku"] == "a1"
+    assert record.attributes["dask.event.count"] == 3
+    assert record.severity_text == "INFO"
+    assert record.trace_id is None
+    assert not events(receiver, "chatter")
+
+
+def test_event_names_and_topics():
+    assert topics_to_export(["dask", "mine"]) == DASK_EVENTS | {"mine"}
+    assert event_name("all", {"action": "remove-worker"}) == "remove-worker"
+    assert event_name("all", {"action": "add-worker"}) is None
+    # the address copy of remove-worker is not counted twice
+    assert event_name("tcp://127.0.0.1:1", {"action": "remove-worker"}) is None
+    assert event_name("tcp://127.0.0.1:1", {"action": "closing-worker"}) == "closing-worker"
+    assert event_name("stealing", ("request", "x")) == "stealing"
+    assert "stealing" not in topics_to_export(["dask"])
+    assert MAX_KEYS == 20  # docs/events.md says so
+
+
+@pytest.mark.parametrize("value", [5, ["dask", 3], [""], True])
+def test_bad_topics_name_the_key(value):
+    import dask
+
+    with dask.config.set({"otel.events.topics": value}), pytest.raises(
+        ConfigError, match="otel.events.topics"
+    ):
+        read_config()
