@@ -15,7 +15,7 @@ import logging
 import os
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, fields
-from functools import partial
+from functools import cache, partial
 from importlib.metadata import entry_points
 from pathlib import Path
 from typing import Any
@@ -155,7 +155,7 @@ def _exporters(
         value = [v for v in (v.strip() for v in value.split(",")) if v]
     if not isinstance(value, (list, tuple)) or not all(isinstance(v, str) for v in value):
         raise ConfigError(source, value, "a list of exporter names")
-    installed = {ep.name for ep in entry_points(group=group)}
+    installed = installed_entry_points(group)
     for name in value:
         if name not in known and name not in installed:
             raise ConfigError(source, name, f"one of {', '.join(known)}")
@@ -163,6 +163,19 @@ def _exporters(
     if "otlp" in names:
         otlp_entry_point(signal)  # validates OTEL_EXPORTER_OTLP_*PROTOCOL now
     return tuple(n for n in names if n != "none")
+
+
+@cache
+def installed_entry_points(group: str) -> dict[str, Any]:
+    """The entry points of ``group`` by name, looked up once per process.
+
+    Each ``importlib.metadata.entry_points`` call reads every installed
+    distribution's metadata (tens of ms in a large environment), and every Dask
+    server that starts reads its config and builds its exporters: a cluster
+    started again and again would pay it each time (issue 18). What is installed
+    does not change under a running process in any way the bridge supports.
+    """
+    return {ep.name: ep for ep in entry_points(group=group)}
 
 
 def otlp_entry_point(signal: str) -> str:

@@ -4,11 +4,14 @@ and no thread of the bridge outlives the last Dask server of its process."""
 
 from __future__ import annotations
 
+import asyncio
+import statistics
 import threading
 import time
 
+import dask
 import pytest
-from distributed import span
+from distributed import LocalCluster, span
 
 from tests.support.cluster import seconds_to_close, wait_until
 from tests.support.otlp_receiver import BlackHole, OTLPReceiver, closed_port, set_otel_env
@@ -145,3 +148,94 @@ def test_ctrl_c_on_dask_scheduler_and_dask_worker_within_flush_timeout(protocol)
         without = stop_time(False, env)
         with_bridge = stop_time(True, env)
     assert with_bridge - without <= FLUSH_TIMEOUT + 1.0, (with_bridge, without)
+
+
+# --- start and close cost with a healthy collector (issue 18, 3a) -------------------
+
+
+class Lookups:
+    """Counts the metadata scans of every installed distribution (what each
+    ``entry_points()`` call does, the stdlib's and the ``importlib_metadata``
+    backport's the SDK uses) and the SDK's resource detections"""
+
+    def __init__(self, monkeypatch):
+        import importlib.metadata
+
+        from opentelemetry.sdk.resources import Resource
+
+        self.counts = {"distribution scans": 0, "Resource.create": 0}
+        modules = [importlib.metadata]
+        try:
+            import importlib_metadata
+
+            modules.append(importlib_metadata)
+        except ImportError:
+            pass
+        for module in modules:
+            self._count(monkeypatch, module.Distribution, "discover", "distribution scans")
+        self._count(monkeypatch, Resource, "create", "Resource.create")
+
+    def _count(self, monkeypatch, owner, name, label):
+        original = getattr(owner, name)  # a bound classmethod / staticmethod
+
+        def counted(*args, **kwargs):
+            self.counts[label] += 1
+            return original(*args, **kwargs)
+
+        monkeypatch.setattr(owner, name, counted)
+
+
+def start_and_close(bridge: bool) -> None:
+    with dask.config.set({"distributed.scheduler.preload": ["dask_otel"] if bridge else []}):
+        with LocalCluster(n_workers=2, processes=False, threads_per_worker=1,
+                          dashboard_address=None):
+            pass
+
+
+def test_a_cluster_started_again_looks_no_entry_point_up_and_detects_no_resource(monkeypatch):
+    """The bridge's config and exporters find their entry points, and its servers
+    their SDK resource, once per process: each lookup read every installed
+    distribution's metadata (~15 ms each in a large environment, several per server),
+    which every cluster a test suite or notebook starts paid again"""
+    with OTLPReceiver("grpc") as receiver:
+        set_otel_env(monkeypatch, {**receiver.env(), "OTEL_TRACES_EXPORTER": "otlp",
+                                   "OTEL_METRICS_EXPORTER": "otlp"})
+        start_and_close(bridge=True)  # the process's first: looks up, detects
+        lookups = Lookups(monkeypatch)
+        start_and_close(bridge=True)
+        assert lookups.counts == {"distribution scans": 0, "Resource.create": 0}
+        # a changed OTEL_* variable is detected again, as the SDK would
+        monkeypatch.setenv("OTEL_RESOURCE_ATTRIBUTES", "deployment.environment=ci")
+        start_and_close(bridge=True)
+        assert lookups.counts["Resource.create"] == 1
+
+
+def test_close_goes_on_as_soon_as_the_flush_and_shutdown_are_done():
+    """The release waits for its thread without polling: the old 10 ms polls (one for
+    the flush, one for the shutdown) added ~20 ms to every close with a healthy
+    collector. Median of 20 waits for a function that returns at once."""
+    from dask_otel.export.lifecycle import _in_thread, _wait
+
+    async def waits() -> list[float]:
+        out = []
+        for _ in range(20):
+            start = time.perf_counter()
+            assert await _wait(_in_thread(lambda: None, "dask_otel-test"), time.monotonic() + 5)
+            out.append(time.perf_counter() - start)
+        return out
+
+    assert statistics.median(asyncio.run(waits())) < 0.005
+
+
+def test_a_wait_that_times_out_leaves_the_thread_to_finish():
+    from dask_otel.export.lifecycle import _in_thread, _wait
+
+    release = threading.Event()
+
+    async def wait() -> tuple[bool, bool]:
+        done = _in_thread(release.wait, "dask_otel-test")
+        timed_out = not await _wait(done, time.monotonic() + 0.05)
+        release.set()
+        return timed_out, await _wait(done, time.monotonic() + 5)
+
+    assert asyncio.run(wait()) == (True, True)

@@ -11,10 +11,9 @@ import logging
 import os
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
-from importlib.metadata import entry_points
 from typing import Any
 
-from dask_otel.config import ConfigError, otlp_entry_point
+from dask_otel.config import ConfigError, installed_entry_points, otlp_entry_point
 from dask_otel.export.accounting import HELD_EXPORTER_LOGS, accounted_metric_exporter
 
 logger = logging.getLogger("dask_otel")
@@ -29,7 +28,7 @@ def _build_exporter(group: str, name: str, **kwargs: Any) -> Any:
     SDK's own warning about a malformed one (which quotes it) is replaced by one
     that names the variable.
     """
-    (ep,) = (ep for ep in entry_points(group=group) if ep.name == name)
+    ep = installed_entry_points(group)[name]
     try:
         cls = ep.load()
         with _header_warnings_named():

@@ -119,12 +119,38 @@ def build_resource(**attributes: Any):
         "process.pid": os.getpid(),
         **attributes,
     }
-    resource = Resource.create(ours).merge(OTELResourceDetector().detect())
+    # Resource.create(ours) is the detected resource with ours on top (ours names
+    # the service, so the SDK's unknown_service default never shows)
+    resource = detected_resource().merge(Resource(ours)).merge(OTELResourceDetector().detect())
     if "service.instance.id" not in resource.attributes:
         # opentelemetry-sdk 1.45+ sets one per process (the global provider's
         # too); before, this process's own, so every signal still names its process
         resource = resource.merge(Resource({"service.instance.id": _process_instance_id()}))
     return resource
+
+
+#: (pid, OTEL_* variables) -> the SDK's detected resource, see detected_resource()
+_detected: tuple[tuple, Any] | None = None
+
+
+def detected_resource():
+    """``Resource.create({})``: the SDK's default resource and its detectors'
+    (``OTEL_EXPERIMENTAL_RESOURCE_DETECTORS``), detected once per process and
+    ``OTEL_*`` variables.
+
+    Every Dask server builds its resource when it starts, and the SDK looks its
+    detectors up by entry point and runs them on a new thread pool each time: a
+    few ms per server, paid by every cluster a test suite or notebook starts
+    (issue 18). What they detect (host, process, the SDK) does not change while
+    the process and its variables do not.
+    """
+    from opentelemetry.sdk.resources import Resource
+
+    global _detected
+    key = (os.getpid(), tuple(sorted(otel_environment().items())))
+    if _detected is None or _detected[0] != key:
+        _detected = (key, Resource.create({}))
+    return _detected[1]
 
 
 _instance_id: tuple[int, str] | None = None
