@@ -187,6 +187,30 @@ def test_collector_down_close_does_not_wait_for_a_first_export(fault, monkeypatc
     assert with_bridge - without < 0.75, (with_bridge, without)
 
 
+def test_hung_collector_close_waits_no_longer_than_the_stall_that_makes_it_an_outage(
+    monkeypatch,
+):
+    """A collector that accepts TCP and never answers, the flush's export the first:
+    once it has had no answer for STALLED_AFTER (1 s) it is an outage, and the close
+    stops waiting for the flush instead of waiting 80 % of half of
+    otel.flush-timeout (4 s here)"""
+    from dask_otel.export.accounting import STALLED_AFTER
+
+    config = {**OTLP_CONFIG, "otel.flush-timeout": "10s"}
+
+    def close_time(config: dict) -> float:
+        return seconds_to_close(config, lambda client: run_spans(client, 3), settle=0.5,
+                                n_workers=1)
+
+    with BlackHole() as hole:
+        set_env(monkeypatch, {**hole.env(protocol="grpc"), "OTEL_BSP_SCHEDULE_DELAY": "5000",
+                              "OTEL_EXPORTER_OTLP_TIMEOUT": "30"})
+        without = close_time({**config, "distributed.scheduler.preload": []})
+        with_bridge = close_time(config)
+        assert hole.connections >= 1
+    assert with_bridge - without < STALLED_AFTER + 1, (with_bridge, without)
+
+
 def test_black_hole_collector_and_shutdown_is_bounded_by_flush_timeout(monkeypatch):
     """A collector that accepts TCP and never answers: the workload runs at full
     speed and closing the cluster waits at most otel.flush-timeout for it"""

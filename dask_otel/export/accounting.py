@@ -157,15 +157,16 @@ class ExportOutage:
     @property
     def in_outage(self) -> bool:
         """True while the collector is not answering, as far as can be told now:
-        the last export failed, or the one under way is retrying or has had no
-        answer for :data:`STALLED_AFTER` seconds. Read from other threads (on
+        the last export failed, or the one under way is retrying (only with
+        ``otel.export.retry-during-outage``) or has had no answer for
+        :data:`STALLED_AFTER` seconds. Read from other threads (on
         shutdown, to not wait for what would not arrive)."""
         started = self._started
         return bool(
             self.failing
             or (started is not None and (
                 time.monotonic() - started > STALLED_AFTER
-                or any(r.levelno >= logging.WARNING for r in self._held)
+                or any(RETRYING.match(str(r.msg)) for r in self._held)
             ))
         )
 

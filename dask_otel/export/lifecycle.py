@@ -53,12 +53,20 @@ async def release_telemetry(telemetry: Telemetry) -> None:
                 "(what was still queued is dropped and counted)"
             )
         elif await _in_thread(
-            telemetry.force_flush, "dask_otel-flush", deadline - (1 - FLUSH_SHARE) * budget
+            telemetry.force_flush, "dask_otel-flush", deadline - (1 - FLUSH_SHARE) * budget,
+            # A flush whose export meets an outage (a collector that has not
+            # answered for STALLED_AFTER) cannot complete: stop waiting for it
+            give_up=lambda: telemetry.outage,
         ):
             # Flushed: the shutdown is quick, and ends the SDK's threads before
             # the server reports itself closed
             await _in_thread(telemetry.shutdown, "dask_otel-shutdown", deadline)
             return
+        elif telemetry.outage:
+            logger.warning(
+                "dask_otel: exports started failing during the close; not waiting for "
+                "them (what was still queued is dropped and counted)"
+            )
         else:
             logger.warning(
                 "dask_otel: telemetry not flushed within %.3gs (half of "
@@ -75,9 +83,12 @@ async def release_telemetry(telemetry: Telemetry) -> None:
     threading.Thread(target=telemetry.shutdown, name="dask_otel-shutdown", daemon=True).start()
 
 
-async def _in_thread(function: Any, name: str, deadline: float) -> bool:
+async def _in_thread(
+    function: Any, name: str, deadline: float, give_up: Any = lambda: False
+) -> bool:
     """Run ``function`` in a daemon thread; wait for it until ``deadline``
-    (``time.monotonic()``) without blocking the event loop. True if it finished."""
+    (``time.monotonic()``), or until ``give_up()`` is true, without blocking the
+    event loop. True if it finished."""
 
     def run() -> None:
         try:
@@ -87,7 +98,7 @@ async def _in_thread(function: Any, name: str, deadline: float) -> bool:
 
     thread = threading.Thread(target=run, name=name, daemon=True)
     thread.start()
-    while thread.is_alive() and time.monotonic() < deadline:
+    while thread.is_alive() and time.monotonic() < deadline and not give_up():
         await asyncio.sleep(0.01)
     return not thread.is_alive()
 
