@@ -136,7 +136,7 @@ class ExportOutage:
         self._last_request = float("-inf")
         #: items the collector accepted
         self.exported = 0
-        #: items lost because an export failed after the SDK's retries
+        #: items lost because an export failed, or was not tried during an outage
         self.failed = 0
         #: failed export calls
         self.export_failures = 0
