@@ -177,6 +177,10 @@ class ReceiverProcess:
     def clear(self) -> None:
         self._ask("clear")
 
+    def set_mode(self, mode: str) -> None:
+        """The receiver's fault mode: ``ok``, ``unavailable`` (gRPC UNAVAILABLE)"""
+        self._ask(f"mode {mode}")
+
     def close(self) -> None:
         with contextlib.suppress(Exception):
             self.proc.stdin.write("quit\n")  # type: ignore[union-attr]

@@ -4,7 +4,7 @@ sends does not count as scheduler CPU.
 Run by :class:`benchmarks.harness.ReceiverProcess` (``python -m benchmarks.receiver``). Prints one JSON line (the ``OTEL_*``
 variables that point an exporter at it), then answers commands read from stdin,
 one per line: ``count`` (prints the number of spans received so far), ``clear``,
-``quit``.
+``mode <ok|unavailable|reject>`` (the receiver's fault mode), ``quit``.
 """
 
 from __future__ import annotations
@@ -24,6 +24,9 @@ def main() -> None:
                 print(len(receiver.spans()), flush=True)
             elif command == "clear":
                 receiver.clear()
+                print("ok", flush=True)
+            elif command.startswith("mode "):
+                receiver.mode = command.split()[1]
                 print("ok", flush=True)
             elif command == "quit":
                 break

@@ -211,6 +211,10 @@ class OtelConfig:
     enabled: bool = _key("otel.enabled", _bool, CLIENT, SCHEDULER, WORKERS)
     #: seconds
     flush_timeout: float = _key("otel.flush-timeout", _seconds, SCHEDULER, WORKERS)
+    #: the SDK's retries for every batch during an outage, instead of probes
+    retry_during_outage: bool = _key(
+        "otel.export.retry-during-outage", _bool, SCHEDULER, WORKERS
+    )
     #: resolved against OTEL_TRACES_EXPORTER
     traces_exporters: tuple[str, ...] = _key(
         "otel.traces.exporter",

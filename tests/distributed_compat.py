@@ -1,6 +1,6 @@
 """distributed's own tests with the bridge switched on by the preload variable alone.
 
-    python -m tests.distributed_compat /path/to/distributed-checkout [up|down]   # from the repository root
+    python -m tests.distributed_compat /path/to/distributed-checkout [up|down|off]   # from the repository root
 
 The checkout must be of the installed distributed version: its tests are in
 neither the wheel nor the sdist, so CI (which reaches only package registries)
@@ -10,7 +10,8 @@ the repository's ``conftest.py`` are copied to a temporary directory and run
 unchanged against the installed distributed, with
 ``DASK_DISTRIBUTED__SCHEDULER__PRELOAD=dask_otel`` and the bridge exporting spans
 and metrics over OTLP/gRPC to a real receiver on 127.0.0.1 (``up``) or to a closed
-port on 127.0.0.1 (``down``). Exits with pytest's code.
+port on 127.0.0.1 (``down``); ``off`` runs the same files without the preload, the
+baseline for the time they take. Exits with pytest's code.
 """
 
 from __future__ import annotations
@@ -37,14 +38,14 @@ def closed_port_env() -> dict[str, str]:
             "OTEL_EXPORTER_OTLP_INSECURE": "true"}
 
 
-def run(src: Path, env: dict[str, str]) -> int:
+def run(src: Path, env: dict[str, str], preload: str = "dask_otel") -> int:
     with tempfile.TemporaryDirectory() as work:
         for name in FILES:
             shutil.copy(src / name, Path(work) / Path(name).name)
         env = {
             **os.environ,
             **env,
-            "DASK_DISTRIBUTED__SCHEDULER__PRELOAD": "dask_otel",
+            "DASK_DISTRIBUTED__SCHEDULER__PRELOAD": preload,
             "OTEL_METRIC_EXPORT_INTERVAL": "1000",
         }
         return subprocess.call(
@@ -59,6 +60,8 @@ def main() -> int:
     collector = sys.argv[2] if len(sys.argv) > 2 else "up"
     if collector == "down":
         return run(src, closed_port_env())
+    if collector == "off":
+        return run(src, closed_port_env(), preload="[]")
     with OTLPReceiver("grpc") as receiver:
         code = run(src, receiver.env())
         print(f"the receiver got {len(receiver.spans())} spans", flush=True)

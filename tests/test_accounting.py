@@ -7,13 +7,14 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 
 import pytest
 from distributed import span
 
 import dask_otel
 from tests.support.cluster import MEMORY_CONFIG, otel_cluster, wait_until
-from tests.support.otlp_receiver import OTLPReceiver
+from tests.support.otlp_receiver import OTLPReceiver, closed_port
 
 #: Spans, metrics and logs over OTLP, metrics every 200 ms
 OTLP_CONFIG = {
@@ -75,3 +76,131 @@ def test_a_signal_the_collector_does_not_serve_is_reported_once_with_the_setting
     # Not an outage: nothing waits for the collector to answer again, and the
     # close still flushes
     assert not [m for m in messages if "cannot export" in m or "exports are failing" in m]
+
+
+# -- The outage policy: real SDK exporters, the harness receiver, no cluster ----------
+
+#: Spans exported every 300 ms: probes at most every 240 ms (PROBE_AFTER)
+PROBE_ENV = {"OTEL_BSP_SCHEDULE_DELAY": "300", "OTEL_EXPORTER_OTLP_TIMEOUT": "10"}
+
+
+def finished_spans(n: int) -> list:
+    from opentelemetry.sdk.trace import TracerProvider
+    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+    memory = InMemorySpanExporter()
+    provider = TracerProvider()
+    provider.add_span_processor(SimpleSpanProcessor(memory))
+    for i in range(n):
+        provider.get_tracer("test").start_span(f"span {i}").end()
+    return list(memory.get_finished_spans())
+
+
+def accounted_otlp_exporter(env: dict, monkeypatch, retry_during_outage: bool = False):
+    """The SDK's OTLP span exporter, as the bridge builds and wraps it"""
+    from dask_otel.export.accounting import HELD_EXPORTER_LOGS, AccountedSpanExporter
+    from dask_otel.export.exporters import span_exporters
+
+    for key in [k for k in os.environ if k.startswith("OTEL_")]:
+        monkeypatch.delenv(key)
+    for key, value in {**env, **PROBE_ENV}.items():
+        monkeypatch.setenv(key, value)
+    (exporter,) = span_exporters(["otlp"])
+    HELD_EXPORTER_LOGS.attach()
+    return AccountedSpanExporter(exporter, retry_during_outage)
+
+
+def timed_export(exporter, spans) -> tuple[bool, float]:
+    from opentelemetry.sdk.trace.export import SpanExportResult
+
+    start = time.monotonic()
+    ok = exporter.export(spans) is SpanExportResult.SUCCESS
+    return ok, time.monotonic() - start
+
+
+@pytest.mark.parametrize("protocol", ["grpc", "http/protobuf"])
+def test_an_unavailable_collector_is_an_outage_at_once_probed_once_per_interval(
+    protocol, monkeypatch, caplog
+):
+    """UNAVAILABLE (503) on the first export: FAILURE at once instead of the SDK's
+    retries for up to OTEL_EXPORTER_OTLP_TIMEOUT (10 s here); then no request until
+    the probe interval has passed; the first probe that succeeds ends the outage"""
+    spans = finished_spans(3)
+    with OTLPReceiver(protocol, mode="unavailable") as receiver:
+        exporter = accounted_otlp_exporter(receiver.env(), monkeypatch)
+        with caplog.at_level(logging.DEBUG):
+            try:
+                ok, seconds = timed_export(exporter, spans)
+                assert not ok
+                assert seconds < 0.5  # the SDK alone: retries after ~1 s, ~2 s, ~4 s
+                assert receiver.requests == 1
+                assert exporter.outage.in_outage
+                # Between probes: dropped and counted without a request
+                for _ in range(5):
+                    ok, seconds = timed_export(exporter, spans)
+                    assert not ok and seconds < 0.05
+                assert receiver.requests == 1
+                assert exporter.spans_failed == 6 * 3
+                assert exporter.export_failures == 1
+                # A probe once the interval has passed, still failing
+                time.sleep(0.3)
+                assert timed_export(exporter, spans)[0] is False
+                assert receiver.requests == 2
+                # The collector is back: the next probe succeeds and export resumes
+                receiver.mode = "ok"
+                assert timed_export(exporter, spans)[0] is False  # too early: no request
+                time.sleep(0.3)
+                assert timed_export(exporter, spans)[0] is True
+                assert timed_export(exporter, spans)[0] is True  # no wait after recovery
+                assert not exporter.outage.in_outage
+            finally:
+                exporter.shutdown()
+    assert receiver.requests == 4
+    assert len(receiver.spans()) == 2 * 3
+    assert exporter.spans_exported == 2 * 3
+    messages = dask_otel_messages(caplog)
+    (warning,) = [m for m in messages if "cannot export spans" in m]
+    assert "unavailable" in warning.lower(), warning  # gRPC's code, HTTP's reason
+    assert "retrying" not in warning  # the reason, not the SDK's announcement
+    assert [m for m in messages if "export recovered" in m]
+    # the SDK's retry announcements were held back
+    assert not [r for r in caplog.records if r.name.startswith("opentelemetry.exporter")]
+
+
+@pytest.mark.parametrize("protocol", ["grpc", "http/protobuf"])
+def test_a_refused_connection_is_an_outage_at_once(protocol, monkeypatch):
+    spans = finished_spans(2)
+    env = {
+        "OTEL_EXPORTER_OTLP_ENDPOINT": f"http://127.0.0.1:{closed_port()}",
+        "OTEL_EXPORTER_OTLP_PROTOCOL": protocol,
+        "OTEL_EXPORTER_OTLP_INSECURE": "true",
+    }
+    exporter = accounted_otlp_exporter(env, monkeypatch)
+    try:
+        ok, seconds = timed_export(exporter, spans)
+        assert not ok and seconds < 0.5, seconds
+        assert exporter.outage.in_outage
+        assert exporter.spans_failed == 2
+    finally:
+        exporter.shutdown()
+
+
+def test_retry_during_outage_gives_the_sdk_its_retries_back(monkeypatch):
+    """otel.export.retry-during-outage: true: the SDK retries the batch (its first
+    retry after about 1 s), and every batch is sent"""
+    spans = finished_spans(1)
+    with OTLPReceiver("grpc", mode="unavailable") as receiver:
+        receiver.retry_after = 0.2  # the SDK's backoff, made short by the collector
+        exporter = accounted_otlp_exporter(
+            {**receiver.env(), "OTEL_EXPORTER_OTLP_TIMEOUT": "1"}, monkeypatch,
+            retry_during_outage=True,
+        )
+        try:
+            assert timed_export(exporter, spans)[0] is False
+            assert receiver.requests >= 3  # retried within its 1 s
+            before = receiver.requests
+            assert timed_export(exporter, spans)[0] is False  # sent again, no probe wait
+            assert receiver.requests > before
+        finally:
+            exporter.shutdown()

@@ -98,17 +98,15 @@ def test_collector_answers_unavailable_then_recovers(protocol, monkeypatch, capl
 
 
 def test_collector_killed_mid_run_and_restarted(monkeypatch, caplog):
-    """The first spans after the restart arrive: the SDK's retries carry them.
+    """The first spans after the restart arrive: the first probe that reaches the
+    collector carries them.
 
     After a refused connection a gRPC channel fails every call at once (UNAVAILABLE,
-    with the stale "Connection refused") until its reconnect backoff, 1 s +-20 %, has
-    passed, even when the collector is back by then. The exporter gets a batch past
-    that by retrying after 1 s +-20 % on a new channel, but only if the retry fits in
-    OTEL_EXPORTER_OTLP_TIMEOUT: FAST_EXPORT_ENV's 1 s leaves no room for it, and the
-    batch that meets the backoff is then dropped (and counted) as documented.
+    with the stale "Connection refused") until its reconnect backoff has passed; the
+    SDK's exporter replaces its channel on a first UNAVAILABLE, so each probe of the
+    outage policy connects afresh.
     """
     with OTLPReceiver("grpc") as receiver:
-        # room for the SDK's retries at about 1 s and 3 s into an export
         set_env(monkeypatch, {**receiver.env(), "OTEL_EXPORTER_OTLP_TIMEOUT": "5"})
         with caplog.at_level(logging.INFO):
             with otel_cluster(OTLP_CONFIG) as (client, mirrored):
@@ -129,6 +127,88 @@ def test_collector_killed_mid_run_and_restarted(monkeypatch, caplog):
     assert len(outage_warnings(caplog)) == 1
     assert any("export recovered" in r.getMessage() for r in caplog.records)
     no_unresponsive_loop(caplog)
+
+
+@pytest.mark.parametrize("protocol", ["grpc", "http/protobuf"])
+def test_collector_restarted_spans_made_after_arrive_within_export_and_probe_intervals(
+    protocol, monkeypatch
+):
+    """Spans made after the collector is back arrive within one export interval
+    plus the probe interval (the policy's bound), after the mirror's own export
+    delay; what was made during the outage is dropped and counted at once"""
+    interval = 1.0
+    with OTLPReceiver(protocol) as receiver:
+        set_env(monkeypatch, {**receiver.env(), "OTEL_BSP_SCHEDULE_DELAY": "1000",
+                              "OTEL_EXPORTER_OTLP_TIMEOUT": "10"})
+        with otel_cluster(OTLP_CONFIG) as (client, mirrored):
+            run_spans(client, 2, "first")
+            receiver.wait_for(lambda r: len(r.spans()) >= 4, timeout=30)
+            receiver.stop()
+            run_spans(client, 3, "during")
+            # Counted at once: not after the SDK's retries for up to 10 s
+            wait_until(lambda: dask_otel.status(client)["scheduler"]["spans_failed"] > 0,
+                       timeout=interval + 2)
+            receiver.start()  # same port
+            last = run_spans(client, 3, "last")
+            made = time.monotonic()
+            receiver.wait_for(
+                lambda r: {s.attributes.get("dask.span.id") for s in r.spans()} >= set(last),
+                timeout=30,
+            )
+            arrived = time.monotonic() - made
+    # export-delay 200 ms and poll 100 ms (MEMORY_CONFIG), one export interval, one
+    # probe interval, and 1 s for a loaded machine
+    assert arrived < 0.3 + interval + interval + 1.0, arrived
+
+
+@pytest.mark.parametrize("fault", ["refused", "unavailable"])
+def test_collector_down_close_does_not_wait_for_a_first_export(fault, monkeypatch):
+    """Nothing exported yet when the cluster closes (the SDK's 5 s schedule): the
+    flush's export is the first, and a refused or UNAVAILABLE answer ends it at once
+    instead of the SDK's retries until the flush's share of otel.flush-timeout"""
+    config = {**OTLP_CONFIG, "otel.flush-timeout": "5s"}
+
+    def close_time(config: dict) -> float:
+        return seconds_to_close(config, lambda client: run_spans(client, 3), settle=0.5,
+                                n_workers=1)
+
+    with OTLPReceiver("grpc", mode="unavailable") as receiver:
+        env = receiver.env()
+        if fault == "refused":
+            env["OTEL_EXPORTER_OTLP_ENDPOINT"] = f"http://127.0.0.1:{closed_port()}"
+        set_env(monkeypatch, {**env, "OTEL_BSP_SCHEDULE_DELAY": "5000",
+                              "OTEL_EXPORTER_OTLP_TIMEOUT": "10"})
+        without = close_time({**config, "distributed.scheduler.preload": []})
+        with_bridge = close_time(config)
+        if fault == "unavailable":
+            assert receiver.rejected >= 1  # the flush did send its first export
+    # Before the outage policy: about 2 s (the SDK retrying until 80 % of half of
+    # otel.flush-timeout)
+    assert with_bridge - without < 0.75, (with_bridge, without)
+
+
+def test_hung_collector_close_waits_no_longer_than_the_stall_that_makes_it_an_outage(
+    monkeypatch,
+):
+    """A collector that accepts TCP and never answers, the flush's export the first:
+    once it has had no answer for STALLED_AFTER (1 s) it is an outage, and the close
+    stops waiting for the flush instead of waiting 80 % of half of
+    otel.flush-timeout (4 s here)"""
+    from dask_otel.export.accounting import STALLED_AFTER
+
+    config = {**OTLP_CONFIG, "otel.flush-timeout": "10s"}
+
+    def close_time(config: dict) -> float:
+        return seconds_to_close(config, lambda client: run_spans(client, 3), settle=0.5,
+                                n_workers=1)
+
+    with BlackHole() as hole:
+        set_env(monkeypatch, {**hole.env(protocol="grpc"), "OTEL_BSP_SCHEDULE_DELAY": "5000",
+                              "OTEL_EXPORTER_OTLP_TIMEOUT": "30"})
+        without = close_time({**config, "distributed.scheduler.preload": []})
+        with_bridge = close_time(config)
+        assert hole.connections >= 1
+    assert with_bridge - without < STALLED_AFTER + 1, (with_bridge, without)
 
 
 def test_black_hole_collector_and_shutdown_is_bounded_by_flush_timeout(monkeypatch):

@@ -1,13 +1,20 @@
 """Export accounting: what each exporter shipped and lost, and one log line per
-outage instead of one per failed batch and retry.
+outage instead of one per failed batch and retry; and the outage policy.
 
-The wrappers run in the SDK's export threads; they add counting and nothing else
-(batching, retries and timeouts stay the SDK's).
+The wrappers run in the SDK's export threads. Batching and timeouts stay the
+SDK's. The outage policy (:class:`ExportOutage`): a refused connection, an
+UNAVAILABLE answer or a timeout ends the export under way at once (the SDK's
+exporters would retry it with backoff for up to their timeout) and makes the
+outage known; while it is, one export per export interval is sent as a probe and
+the other batches are dropped and counted without a request; the first probe that
+succeeds ends the outage. ``otel.export.retry-during-outage: true`` restores the
+SDK's own retries for every batch.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import re
 import threading
 import time
@@ -22,6 +29,43 @@ logger = logging.getLogger("dask_otel")
 #: collector answers within milliseconds, and shutdown should not wait for one
 #: that does not
 STALLED_AFTER = 1.0
+
+#: How the SDK's OTLP exporters (gRPC and HTTP, opentelemetry 1.41 to 1.45)
+#: announce a retry: "Transient error StatusCode.UNAVAILABLE encountered while
+#: exporting traces to 127.0.0.1:4317, retrying in 1.04s." It is logged in the
+#: export thread just before the backoff wait, for a refused connection, an
+#: UNAVAILABLE (503) answer or another retryable error: the one place where the
+#: retry loop can be ended the same way in every version (the loop, its
+#: ``_MAX_RETRYS`` and its deadline are private and differ between versions).
+RETRYING = re.compile(r"^Transient error .* retrying in ")
+
+#: The export interval of each signal (the SDK's variable, its default in
+#: milliseconds): during an outage one export per interval is a probe
+EXPORT_INTERVAL = {
+    "spans": ("OTEL_BSP_SCHEDULE_DELAY", 5000),
+    "metrics": ("OTEL_METRIC_EXPORT_INTERVAL", 60000),
+    "logs": ("OTEL_BLRP_SCHEDULE_DELAY", 1000),
+}
+#: Share of the export interval after which the next export is a probe: the SDK's
+#: scheduled exports drift by a few milliseconds, and a probe missed by that much
+#: would delay recovery by a whole interval
+PROBE_AFTER = 0.8
+
+
+class RetryCut(Exception):
+    """Raised, by :class:`_HeldExporterLogs`, into an SDK exporter that announces a
+    retry during a dask_otel export under the outage policy: the export ends
+    there, failed, and the batch is dropped and counted"""
+
+
+def export_interval(signal: str) -> float:
+    """Seconds between the SDK's scheduled exports of ``signal``, as it reads them"""
+    variable, default = EXPORT_INTERVAL[signal]
+    try:
+        milliseconds = float(os.environ.get(variable, "").strip() or default)
+    except ValueError:  # the SDK warns about it and uses its default
+        milliseconds = default
+    return max(milliseconds, 0.0) / 1000
 
 
 class _HeldExporterLogs(logging.Filter):
@@ -38,6 +82,10 @@ class _HeldExporterLogs(logging.Filter):
         if held is None:
             return True
         held.append(record)
+        if getattr(self.local, "cut_retries", False) and RETRYING.match(str(record.msg)):
+            # Propagates out of the exporter's logger call, ending its retry loop
+            # before the backoff wait: the outage is known at once
+            raise RetryCut(record.getMessage())
         return False
 
     def attach(self) -> None:
@@ -75,11 +123,20 @@ class ExportOutage:
     (:data:`SILENCED_BY`), and it does not count as failing (shutdown still
     flushes). Runs in the SDK's export thread."""
 
-    def __init__(self, signal: str):
+    def __init__(self, signal: str, retry_during_outage: bool = False):
         self.signal = signal
+        #: ``otel.export.retry-during-outage``: the SDK's retries for every batch,
+        #: no probes
+        self.retry_during_outage = retry_during_outage
+        #: seconds between probes during an outage
+        self.probe_interval = PROBE_AFTER * export_interval(signal)
+        #: batches dropped without a request during an outage
+        self.skipped = 0
+        #: when the last request was sent (``time.monotonic()``)
+        self._last_request = float("-inf")
         #: items the collector accepted
         self.exported = 0
-        #: items lost because an export failed after the SDK's retries
+        #: items lost because an export failed, or was not tried during an outage
         self.failed = 0
         #: failed export calls
         self.export_failures = 0
@@ -100,15 +157,16 @@ class ExportOutage:
     @property
     def in_outage(self) -> bool:
         """True while the collector is not answering, as far as can be told now:
-        the last export failed, or the one under way is retrying or has had no
-        answer for :data:`STALLED_AFTER` seconds. Read from other threads (on
+        the last export failed, or the one under way is retrying (only with
+        ``otel.export.retry-during-outage``) or has had no answer for
+        :data:`STALLED_AFTER` seconds. Read from other threads (on
         shutdown, to not wait for what would not arrive)."""
         started = self._started
         return bool(
             self.failing
             or (started is not None and (
                 time.monotonic() - started > STALLED_AFTER
-                or any(r.levelno >= logging.WARNING for r in self._held)
+                or any(RETRYING.match(str(r.msg)) for r in self._held)
             ))
         )
 
@@ -116,15 +174,34 @@ class ExportOutage:
         if self.closed:
             self.failed += items
             return False
-        HELD_EXPORTER_LOGS.local.held = held = self._held = []
-        self._started = time.monotonic()
+        now = time.monotonic()
+        if (
+            self.failing
+            and not self.retry_during_outage
+            and now - self._last_request < self.probe_interval
+        ):
+            # A known outage, and not yet time for the next probe: no request
+            self.failed += items
+            self.skipped += 1
+            return False
+        self._last_request = now
+        local = HELD_EXPORTER_LOGS.local
+        local.held = held = self._held = []
+        local.cut_retries = not self.retry_during_outage
+        self._started = now
         try:
             ok = bool(export())
+        except RetryCut as e:
+            # The SDK's announcement of the retry is the reason (it names the
+            # error); it was held like the exporter's other lines
+            held[-1] = logging.makeLogRecord({"msg": _retry_reason(str(e))})
+            ok = False
         except Exception as e:
             held.append(logging.makeLogRecord({"msg": f"{type(e).__name__}: {e}"}))
             ok = False
         finally:
-            HELD_EXPORTER_LOGS.local.held = None
+            local.held = None
+            local.cut_retries = False
             self._started = None
         if ok:
             self.exported += items
@@ -162,12 +239,17 @@ class ExportOutage:
         return False
 
 
-class AccountedSpanExporter(SpanExporter):
-    """A SpanExporter with :class:`ExportOutage` accounting"""
+def _retry_reason(announcement: str) -> str:
+    """The error in the SDK's retry announcement, without the retry it announces"""
+    return re.sub(r"^Transient error |, retrying in [0-9.]+s\.?", "", announcement).strip()
 
-    def __init__(self, exporter: SpanExporter):
+
+class AccountedSpanExporter(SpanExporter):
+    """A SpanExporter with :class:`ExportOutage` accounting and outage policy"""
+
+    def __init__(self, exporter: SpanExporter, retry_during_outage: bool = False):
         self.exporter = exporter
-        self.outage = ExportOutage("spans")
+        self.outage = ExportOutage("spans", retry_during_outage)
 
     def export(self, spans):
         ok = self.outage.export(
@@ -191,8 +273,8 @@ class AccountedSpanExporter(SpanExporter):
     export_failures = property(lambda self: self.outage.export_failures)
 
 
-def accounted_metric_exporter(exporter: Any) -> Any:
-    """The metric exporter wrapped with :class:`ExportOutage` accounting"""
+def accounted_metric_exporter(exporter: Any, retry_during_outage: bool = False) -> Any:
+    """The metric exporter wrapped with :class:`ExportOutage` accounting and policy"""
     from opentelemetry.sdk.metrics.export import MetricExporter, MetricExportResult
 
     class AccountedMetricExporter(MetricExporter):
@@ -202,7 +284,7 @@ def accounted_metric_exporter(exporter: Any) -> Any:
                 preferred_aggregation=exporter._preferred_aggregation,
             )
             self.exporter = exporter
-            self.outage = ExportOutage("metrics")
+            self.outage = ExportOutage("metrics", retry_during_outage)
 
         def export(self, metrics_data, timeout_millis: float = 10_000, **kwargs):
             ok = self.outage.export(
@@ -224,8 +306,9 @@ def accounted_metric_exporter(exporter: Any) -> Any:
     return AccountedMetricExporter()
 
 
-def accounted_log_exporter(exporter: Any) -> Any:
-    """The log record exporter wrapped with :class:`ExportOutage` accounting"""
+def accounted_log_exporter(exporter: Any, retry_during_outage: bool = False) -> Any:
+    """The log record exporter wrapped with :class:`ExportOutage` accounting and
+    policy"""
     from opentelemetry.sdk._logs import export as sdk
 
     # Renamed in SDK 1.39 (LogExporter -> LogRecordExporter); older names still work
@@ -235,7 +318,7 @@ def accounted_log_exporter(exporter: Any) -> Any:
     class AccountedLogExporter(base):  # type: ignore[valid-type,misc]
         def __init__(self) -> None:
             self.exporter = exporter
-            self.outage = ExportOutage("logs")
+            self.outage = ExportOutage("logs", retry_during_outage)
 
         def export(self, batch):
             ok = self.outage.export(

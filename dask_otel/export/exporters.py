@@ -136,10 +136,13 @@ def span_exporters(names: Sequence[str], meter_provider: Any = None) -> list:
     return out
 
 
-def metric_readers(names: Sequence[str], accounted: list | None = None) -> list:
+def metric_readers(
+    names: Sequence[str], accounted: list | None = None, retry_during_outage: bool = False
+) -> list:
     """MetricReaders for ``otel.metrics.exporter`` names; each reads its own OTEL_*.
-    The pushing exporters are wrapped with export accounting and appended to
-    ``accounted``, for the self-metrics and for shutdown.
+    The pushing exporters are wrapped with export accounting and the outage policy
+    (``otel.export.retry-during-outage``) and appended to ``accounted``, for the
+    self-metrics and for shutdown.
 
     ``prometheus`` registers with prometheus_client's default registry, which is
     what Dask's own ``/metrics`` endpoint serves on every scheduler and worker.
@@ -171,7 +174,8 @@ def metric_readers(names: Sequence[str], accounted: list | None = None) -> list:
             if name == "otlp":
                 name = otlp_entry_point("METRICS")
             exporter = accounted_metric_exporter(
-                _build_exporter("opentelemetry_metrics_exporter", name)
+                _build_exporter("opentelemetry_metrics_exporter", name),
+                retry_during_outage,
             )
             if accounted is not None:
                 accounted.append(exporter)

@@ -64,16 +64,29 @@ async def release_telemetry(telemetry: Telemetry) -> None:
                 telemetry.shutdown()
 
             done = _in_thread(flush_then_shut_down, "dask_otel-close")
-            if await _wait(done, deadline - (1 - FLUSH_SHARE) * budget) or flushed.is_set():
+            # A flush whose export meets an outage (a refused or UNAVAILABLE
+            # collector, or one that has not answered for STALLED_AFTER) cannot
+            # complete: stop waiting for it
+            flush_deadline = deadline - (1 - FLUSH_SHARE) * budget
+            if (
+                await _wait(done, flush_deadline, give_up=lambda: telemetry.outage)
+                or flushed.is_set()
+            ):
                 # Flushed: the shutdown is quick
                 await _wait(done, deadline)
                 return
-            logger.warning(
-                "dask_otel: telemetry not flushed within %.3gs (half of "
-                "otel.flush-timeout=%ss); what was still queued is dropped",
-                FLUSH_SHARE * budget,
-                timeout,
-            )
+            if telemetry.outage:
+                logger.warning(
+                    "dask_otel: exports started failing during the close; not waiting "
+                    "for them (what was still queued is dropped and counted)"
+                )
+            else:
+                logger.warning(
+                    "dask_otel: telemetry not flushed within %.3gs (half of "
+                    "otel.flush-timeout=%ss); what was still queued is dropped",
+                    FLUSH_SHARE * budget,
+                    timeout,
+                )
     except asyncio.CancelledError:
         # `dask worker` cancels its tasks on a second Ctrl-C; re-raising here would
         # abandon Dask's own close half-way (the worker then hangs).
@@ -112,19 +125,29 @@ def _in_thread(function: Any, name: str) -> asyncio.Future:
     return done
 
 
-async def _wait(done: asyncio.Future, deadline: float) -> bool:
-    """Wait for :func:`_in_thread`'s future until ``deadline`` (``time.monotonic()``)
-    without blocking the event loop; True if the function returned.
+#: How often a wait with ``give_up`` asks it (only while the flush is under way:
+#: a healthy close is woken by its thread, not by this)
+GIVE_UP_EVERY = 0.05
+
+
+async def _wait(done: asyncio.Future, deadline: float, give_up: Any = None) -> bool:
+    """Wait for :func:`_in_thread`'s future until ``deadline`` (``time.monotonic()``),
+    or until ``give_up()`` is true, without blocking the event loop; True if the
+    function returned.
 
     Its thread ends right after (it only wakes the loop), so that no thread of
     the bridge outlives its last server.
     """
-    try:
-        # shield: a timeout leaves the future to the thread, which sets it later
-        await asyncio.wait_for(asyncio.shield(done), max(0.0, deadline - time.monotonic()))
-    except asyncio.TimeoutError:
-        return False
-    return True
+    while True:
+        remaining = max(0.0, deadline - time.monotonic())
+        step = remaining if give_up is None else min(remaining, GIVE_UP_EVERY)
+        try:
+            # shield: a timeout leaves the future to the thread, which sets it later
+            await asyncio.wait_for(asyncio.shield(done), step)
+            return True
+        except asyncio.TimeoutError:
+            if time.monotonic() >= deadline or (give_up is not None and give_up()):
+                return False
 
 
 def start_telemetry(server: str, **resource: Any) -> tuple[ServerTelemetry | None, str | None]:

@@ -172,7 +172,7 @@ class LogExport:
             if type(exporter).__name__.startswith("InMemoryLog"):
                 self.provider.add_log_record_processor(SimpleLogRecordProcessor(exporter))
             else:
-                accounted = accounted_log_exporter(exporter)
+                accounted = accounted_log_exporter(exporter, config.retry_during_outage)
                 self.accounted_exporters.append(accounted)
                 self.provider.add_log_record_processor(BatchLogRecordProcessor(accounted))
         self.handlers = {}

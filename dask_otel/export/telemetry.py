@@ -219,7 +219,8 @@ class Telemetry:
         self.logs = None
         self._shut_down = False
         self.metric_readers = metric_readers(
-            config.metrics_exporters, self.accounted_metric_exporters
+            config.metrics_exporters, self.accounted_metric_exporters,
+            config.retry_during_outage,
         )
         if self.metric_readers:
             self.meter_provider = MeterProvider(
@@ -262,7 +263,7 @@ class Telemetry:
             if isinstance(exporter, InMemorySpanExporter):
                 processor = SimpleSpanProcessor(exporter)
             else:
-                accounted = AccountedSpanExporter(exporter)
+                accounted = AccountedSpanExporter(exporter, self.config.retry_during_outage)
                 self.accounted_span_exporters.append(accounted)
                 processor = BatchSpanProcessor(accounted, **self._sdk_metrics)
             self.tracer_provider.add_span_processor(processor)

@@ -215,12 +215,12 @@ SCHEDULER_METRICS: tuple[MetricSpec, ...] = (
     ),
     MetricSpec(
         "dask.otel.span.dropped", COUNTER, "{span}",
-        "Spans lost because their export failed after the SDK's retries",
+        "Spans lost because their export failed, or was not tried during an outage",
         _export_stat("spans_failed"), per_process=True,
     ),
     MetricSpec(
         "dask.otel.export.failures", COUNTER, "{request}",
-        "Export requests that failed after the SDK's retries, of spans and metrics",
+        "Export requests that failed (an outage's probes included), of spans and metrics",
         _export_failures, per_process=True,
     ),
 )
