@@ -222,3 +222,36 @@ def test_a_command_line_preload_needs_dask_otel_named_too(tmp_path):
         assert "dask-otel" in scheduler_plugins([])
         assert "dask-otel" not in scheduler_plugins([str(other)])
         assert "dask-otel" in scheduler_plugins(["dask_otel", str(other)])
+
+
+def test_the_readme_stays_a_manual():
+    """The README is the user's manual, at most 250 lines (issue 20): what grows
+    goes to docs/, figures to benchmarks/README.md, history to CHANGELOG.md"""
+    assert len(README.read_text().splitlines()) <= 250
+
+
+def test_relative_links_in_the_documents_resolve():
+    """Every relative link in the README and docs/ names a file that exists, and
+    an anchor that is one of its headings"""
+    import re
+
+    def anchors(path):
+        # GitHub's rule: lower case, punctuation but - and _ dropped, spaces -> -
+        return {
+            re.sub(r"[^\w\- ]", "", line.lstrip("#").strip().lower()).replace(" ", "-")
+            for line in path.read_text().splitlines()
+            if line.startswith("#")
+        }
+
+    broken = []
+    for doc in [README, *sorted((ROOT / "docs").glob("*.md")), ROOT / "benchmarks" / "README.md"]:
+        for target in re.findall(r"\]\(([^)\s]+)\)", doc.read_text()):
+            if target.startswith(("http://", "https://", "mailto:")):
+                continue
+            path, _, anchor = target.partition("#")
+            file = (doc.parent / path).resolve() if path else doc
+            if not file.exists():
+                broken.append(f"{doc.name}: {target}")
+            elif anchor and file.suffix == ".md" and anchor not in anchors(file):
+                broken.append(f"{doc.name}: {target}")
+    assert not broken, broken
