@@ -33,14 +33,8 @@ from typing import TYPE_CHECKING, Any
 
 from distributed.metrics import time
 
-from dask_otel.annotation import (
-    ANNOTATION,
-    entered_times,
-    read_block_exit,
-    remote_parent,
-    root_carrier,
-)
-from dask_otel.scheduler import builder
+from dask_otel.annotation import ANNOTATION, entered_times
+from dask_otel.scheduler import blocks, builder
 from dask_otel.scheduler.builder import SpanHead
 from dask_otel.scheduler.ledger import Ledger
 from dask_otel.scheduler.links import producer_links
@@ -269,30 +263,14 @@ class SpanMirror:
             batch.received = time()
 
     def observe_exit(self, msg: Any) -> None:
-        """A client left a ``dask_otel.span`` block (its ``BLOCK_EXIT`` event):
-        its open spans may finish; the exit of a span not seen is kept until its
-        graph comes, or exported as an empty block once it is
-        ``otel.spans.export-delay`` old (:meth:`poll`)"""
-        block = read_block_exit(msg)
-        if block is None:
-            return
+        """A client left a ``dask_otel.span`` block (:mod:`dask_otel.scheduler.blocks`)"""
         self.observe_new_spans()
-        ids, _, own, _, exited = block
-        ledger, ext = self.ledger, self.extension
-        for span_id in ids[-own:]:
-            record = ledger.records.get(span_id)
-            if record is not None:
-                record.exited = max(record.exited, exited)
-            elif ext is None or span_id not in ext.spans:
-                ledger.pend_exit(span_id, time(), block)
+        ext = self.extension
+        blocks.observe_exit(self.ledger, ext.spans if ext is not None else {}, msg, time())
 
     def observe_client_gone(self, client: str) -> None:
-        """A client left the scheduler: the blocks it had open are over (it will
-        announce no exit). Walks the open spans: once per client."""
-        now = time()
-        for record in self.ledger.records.values():
-            if record.block_client == client and not record.exited:
-                record.exited = now
+        """A client left the scheduler: the blocks it had open are over"""
+        blocks.observe_client_gone(self.ledger, client, time())
 
     # --- when to export ------------------------------------------------------------
 
@@ -361,16 +339,11 @@ class SpanMirror:
         )
 
     def _export_empty_blocks(self, heard_before: float) -> None:
-        """Export the blocks whose exit was heard before ``heard_before`` and whose
-        Dask span never reached the scheduler: they ran no task"""
-        pending = self.ledger.pending_exits
         ext = self.extension
-        for span_id, (heard, block) in list(pending.items()):
-            if heard >= heard_before:
-                break  # oldest first
-            del pending[span_id]
-            if ext is None or span_id not in ext.spans:
-                self._export(self.empty_block_of, span_id, block)
+        for span_id, block in blocks.due_empty_blocks(
+            self.ledger, ext.spans if ext is not None else {}, heard_before
+        ):
+            self._export(self.empty_block_of, span_id, block)
 
     def flush(self) -> None:
         """Export everything still open, finished or not (the scheduler is closing)"""
@@ -472,35 +445,9 @@ class SpanMirror:
         )
 
     def empty_block_of(self, span_id: str, block: Any) -> ReadableSpan | bool:
-        """The OTel span of a ``dask_otel.span`` block that ran no task, from its
-        entry to its exit, with its tags, a child of its enclosing Dask span or
-        of the caller's span; False if the sampler drops its trace"""
-        ids, tags, _, otel, exited = block
-        i = ids.index(span_id)
-        root = ids[0]
-        caller = (
-            self.ledger.remote_parent(root) if root in self.ledger.records
-            else None
-        ) or _caller_of(otel, root)
-        context = dask_span_context(
-            root, span_id, str(tags[0]), caller, self.sink.sampler, is_remote=False
-        )
-        if not context.trace_flags.sampled:
-            return False
-        parent = (
-            dask_span_context(root, ids[i - 1], str(tags[0]), caller, self.sink.sampler,
-                              is_remote=False)
-            if i else caller
-        )
-        entered = entered_times(otel) or {}
-        start = entered.get(span_id)
-        start = start if isinstance(start, (int, float)) else exited
-        if i and (parent_record := self.ledger.records.get(ids[i - 1])) is not None:
-            parent_record.end_no_earlier(exited)  # the enclosing span covers it
-        return builder.empty_block_span(
-            self.sink, str(tags[i]), context, parent,
-            span_id, tuple(tags[: i + 1]), start, exited,
-        )
+        """The OTel span of a block that ran no task (:mod:`dask_otel.scheduler.blocks`)"""
+        return blocks.empty_block_span(self.ledger, self.sink, span_id, block)
+
     def context_of(self, span_id: str) -> SpanContext | None:
         """The OTel SpanContext of a Dask span, open or exported, as its OTel span
         has or will have it; None if unknown or its trace is sampled out. Not
@@ -540,11 +487,6 @@ class SpanMirror:
                 tuple(span.name),
             )
         return head
-
-
-def _caller_of(otel: Any, root_id: str) -> Any:
-    """The caller's span a root continues, from a block's ``otel`` annotation"""
-    return remote_parent(root_carrier(otel, root_id))
 
 
 def _fold(record: SpanRecord, totals: Totals, end: float) -> None:

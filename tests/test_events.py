@@ -5,6 +5,8 @@ records read back from a real OTLP receiver."""
 
 from __future__ import annotations
 
+import time
+
 import distributed
 import pytest
 from distributed import KilledWorker, span
@@ -17,7 +19,7 @@ from dask_otel.scheduler.events import (
     event_name,
     topics_to_export,
 )
-from tests.support.cluster import dask_span_ids, otel_cluster
+from tests.support.cluster import dask_span_ids, otel_cluster, wait_until
 from tests.support.otlp_receiver import OTLPReceiver, set_otel_env
 from tests.support.tasks import allocate_past, exit_once, print_in_task
 
@@ -152,3 +154,30 @@ def test_bad_topics_name_the_key(value):
         ConfigError, match="otel.events.topics"
     ):
         read_config()
+
+
+
+def test_event_records_below_the_logs_level_are_not_exported(monkeypatch, tmp_path):
+    """otel.logs.level holds for Dask's events as for Python's log records: at
+    WARNING, the closing-worker records (INFO) of a cluster's close are not
+    exported, a lost worker with a task processing (WARNING) is; the span event
+    is not a log record and stays"""
+    config = {**LOGS, "otel.logs.level": "WARNING"}
+    with OTLPReceiver("grpc") as receiver:
+        set_otel_env(monkeypatch, {**receiver.env(), **FAST_LOGS})
+        with otel_cluster(config, processes=True, n_workers=2) as (client, mirrored):
+            with span("nightly scoring") as sid:
+                assert client.submit(exit_once, str(tmp_path / "died"), 7).result() == 7
+            exported = mirrored.by_dask_id(sid)
+            receiver.wait_for(lambda r: events(r, "remove-worker"))
+            # A worker retired on purpose: its closing-worker and remove-worker
+            # records are INFO, and would arrive within the export delay (100 ms)
+            client.cluster.scale(1)
+            wait_until(lambda: len(client.scheduler_info()["workers"]) == 1)
+            time.sleep(1.0)
+    assert lost_events(exported)
+    records = [g for g in receiver.logs() if "dask.event.topic" in g.attributes]
+    assert {g.attributes["dask.event.topic"] for g in records} >= {"remove-worker"}
+    assert all(g.severity_number >= 13 for g in records), [
+        (g.attributes["dask.event.topic"], g.severity_text) for g in records
+    ]

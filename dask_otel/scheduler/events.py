@@ -97,10 +97,13 @@ class DaskEvents:
         mirror: SpanMirror | None,
         logger_provider: Any,
         topics: Collection[str],
+        level: int = logging.NOTSET,
     ):
         self.scheduler = scheduler
         self.mirror = mirror
         self.topics = topics_to_export(topics)
+        #: otel.logs.level: the records' lowest level, as for Python's log records
+        self.level = level
         self.logger = (
             logger_provider.get_logger("dask_otel.events") if logger_provider is not None else None
         )
@@ -266,7 +269,7 @@ class DaskEvents:
         context: SpanContext | None = None,
         timestamp: int | None = None,
     ) -> None:
-        if self.logger is None:
+        if self.logger is None or logging.getLevelName(severity) < self.level:
             return
         from opentelemetry._logs import LogRecord, SeverityNumber
         from opentelemetry.trace import NonRecordingSpan, set_span_in_context

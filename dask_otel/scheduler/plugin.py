@@ -105,7 +105,7 @@ class OtelSchedulerPlugin(SchedulerPlugin):
 
                 self.events = DaskEvents(
                     scheduler, self.mirror, logs.provider if logs is not None else None,
-                    config.event_topics,
+                    config.event_topics, config.logs_level,
                 )
         except ConfigError as e:  # an OTEL_* variable the SDK refused, named
             logger.error("dask_otel is off on scheduler %s: %s", scheduler.address, e)
