@@ -16,6 +16,8 @@ what they read. They copy what they read, skip a server for one round on
 
 from __future__ import annotations
 
+import functools
+
 import logging
 import threading
 from collections.abc import Callable, Hashable, Iterable, Mapping
@@ -245,3 +247,37 @@ def families_wanted(own: Any) -> bool:
     (twice the same name on one endpoint is an invalid exposition)"""
     config = own.config
     return bool(config.dask_families) and "prometheus" not in config.metrics_exporters
+
+
+# --- readings both servers' Dask families share -----------------------------------
+
+
+@functools.cache
+def dask_at_least(version: str) -> bool:
+    """Whether the installed distributed is ``version`` or newer: the families
+    follow what it serves"""
+    import distributed
+    from packaging.version import Version
+
+    return Version(distributed.__version__) >= Version(version)
+
+
+def gil_contention(monitor: Any) -> Reading:
+    """A server's SystemMonitor GIL contention, as Dask serves it: only when it
+    measures it"""
+    if not getattr(monitor, "monitor_gil_contention", False):
+        return []
+    # a private attribute before distributed 2024.8
+    value = getattr(monitor, "cumulative_gil_contention", None)
+    if value is None:
+        value = monitor._cumulative_gil_contention
+    return [(value, {})]
+
+
+def gc_collection(observed: Any) -> Reading:
+    """The process's time in garbage collection (Dask serves it from 2024.8.0)"""
+    if not dask_at_least("2024.8.0"):
+        return []
+    from distributed.gc import gc_collect_duration
+
+    return [(gc_collect_duration(), {})]

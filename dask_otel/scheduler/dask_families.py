@@ -26,6 +26,9 @@ from dask_otel.export.instruments import (
     ProcessInstruments,
     Reading,
     copy_mapping,
+    dask_at_least,
+    gc_collection,
+    gil_contention,
 )
 
 if TYPE_CHECKING:
@@ -56,16 +59,9 @@ def _per_prefix(read):
     return reading
 
 
-def _dask_at_least(version: str) -> bool:
-    import distributed
-    from packaging.version import Version
-
-    return Version(distributed.__version__) >= Version(version)
-
-
 def _workers(observed: SchedulerFamilies) -> Reading:
     s = observed.scheduler
-    if not _dask_at_least("2024.7.1"):  # one state for both before
+    if not dask_at_least("2024.7.1"):  # one state for both before
         return [
             (len(s.idle), {"state": "idle"}),
             (len(s.running) - len(s.idle) - len(s.saturated), {"state": "partially_saturated"}),
@@ -109,23 +105,8 @@ def _prefix_state_totals(observed: SchedulerFamilies) -> Reading:
     ]
 
 
-def _gil(observed: SchedulerFamilies) -> Reading:
-    monitor = observed.scheduler.monitor
-    if not getattr(monitor, "monitor_gil_contention", False):
-        return []  # Dask serves the family only when it measures it
-    # a private attribute before distributed 2024.8
-    value = getattr(monitor, "cumulative_gil_contention", None)
-    if value is None:
-        value = monitor._cumulative_gil_contention
-    return [(value, {})]
-
-
-def _gc(observed: Any) -> Reading:
-    if not _dask_at_least("2024.8.0"):  # Dask serves it from 2024.8.0
-        return []
-    from distributed.gc import gc_collect_duration
-
-    return [(gc_collect_duration(), {})]
+def _gil(observed: Any) -> Reading:
+    return gil_contention(observed.scheduler.monitor)
 
 
 def _tick_maximum(observed: SchedulerFamilies) -> Reading:
@@ -186,7 +167,7 @@ SCHEDULER_FAMILIES: tuple[MetricSpec, ...] = (
     MetricSpec("dask.scheduler.gil_contention", COUNTER, "s",
                "GIL contention metric", _gil),
     MetricSpec("dask.scheduler.gc_collection", COUNTER, "s",
-               "Total time spent on garbage collection", _gc, per_process=True),
+               "Total time spent on garbage collection", gc_collection, per_process=True),
     MetricSpec("dask.scheduler.last_time", COUNTER, "{time}",
                "SystemMonitor last time", _one(lambda s: s.monitor.last_time)),
     MetricSpec("dask.scheduler.tasks", GAUGE, "{task}",
@@ -201,7 +182,7 @@ SCHEDULER_FAMILIES: tuple[MetricSpec, ...] = (
     MetricSpec("dask.scheduler.task_groups", GAUGE, "{group}",
                "Number of task groups known by scheduler",
                lambda o: [(len(o.scheduler.task_groups), {})]
-               if _dask_at_least("2024.6.0") else []),  # served from 2024.6.0
+               if dask_at_least("2024.6.0") else []),  # served from 2024.6.0
     MetricSpec("dask.scheduler.tasks_compute", COUNTER, "s",
                "Total amount of compute time spent in each prefix",
                _per_prefix(lambda tp: tp.all_durations["compute"])),

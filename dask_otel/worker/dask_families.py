@@ -23,6 +23,9 @@ from dask_otel.export.instruments import (
     ProcessInstruments,
     Reading,
     copy_mapping,
+    dask_at_least,
+    gc_collection,
+    gil_contention,
 )
 
 #: The attribute that names the worker (as on the spill metrics)
@@ -45,17 +48,10 @@ def _one(read):
     return reading
 
 
-def _dask_at_least(version: str) -> bool:
-    import distributed
-    from packaging.version import Version
-
-    return Version(distributed.__version__) >= Version(version)
-
-
 def _served_until(version: str, reading):
     """``reading`` before distributed ``version``, none from then on: a family
     Dask stopped serving in ``version``"""
-    return (lambda observed: []) if _dask_at_least(version) else reading
+    return (lambda observed: []) if dask_at_least(version) else reading
 
 
 def _tasks(observed: WorkerFamilies) -> Reading:
@@ -74,23 +70,8 @@ def _tasks(observed: WorkerFamilies) -> Reading:
     return out
 
 
-def _gil(observed: WorkerFamilies) -> Reading:
-    monitor = observed.worker.monitor
-    if not getattr(monitor, "monitor_gil_contention", False):
-        return []
-    # a private attribute before distributed 2024.8
-    value = getattr(monitor, "cumulative_gil_contention", None)
-    if value is None:
-        value = monitor._cumulative_gil_contention
-    return [(value, {})]
-
-
-def _gc(observed: Any) -> Reading:
-    if not _dask_at_least("2024.8.0"):  # Dask serves it from 2024.8.0
-        return []
-    from distributed.gc import gc_collect_duration
-
-    return [(gc_collect_duration(), {})]
+def _gil(observed: Any) -> Reading:
+    return gil_contention(observed.worker.monitor)
 
 
 def _memory(observed: WorkerFamilies) -> Reading:
@@ -146,7 +127,7 @@ WORKER_FAMILIES: tuple[MetricSpec, ...] = (
                _served_until("2026.6.0", _one(lambda w: w.state.transfer_incoming_count))),
     MetricSpec("dask.worker.gil_contention", COUNTER, "s", "GIL contention metric", _gil),
     MetricSpec("dask.worker.gc_collection", COUNTER, "s",
-               "Total time spent on garbage collection", _gc, per_process=True),
+               "Total time spent on garbage collection", gc_collection, per_process=True),
     MetricSpec("dask.worker.threads", GAUGE, "{thread}", "Number of worker threads",
                _one(lambda w: w.state.nthreads)),
     MetricSpec("dask.worker.latency", GAUGE, "s", "Latency of worker connection",
