@@ -17,7 +17,7 @@ import subprocess
 import sys
 import time
 from collections import Counter
-from importlib.metadata import entry_points
+from importlib.metadata import entry_points, version
 from pathlib import Path
 
 import dask
@@ -57,6 +57,15 @@ def entry_point_installed() -> bool:
 
 def distro_installed() -> bool:
     return any(entry_points(group="opentelemetry_distro"))
+
+
+def children_instrumented() -> bool:
+    """opentelemetry-instrumentation 0.63b0+ instruments the processes the command
+    starts (Nanny-spawned workers); 0.62b0 (opentelemetry 1.41) takes its
+    sitecustomize out of their PYTHONPATH (docs/zero-code.md)"""
+    from packaging.version import Version
+
+    return Version(version("opentelemetry-instrumentation")) >= Version("0.63b0")
 
 
 needs_entry_point = pytest.mark.skipif(
@@ -215,6 +224,11 @@ def zero_code_env(receiver: OTLPReceiver, preload_variable: bool) -> dict[str, s
     })
     if preload_variable:
         env.update(PRELOAD_ENV)
+    if not children_instrumented():
+        # A Nanny's worker runs without the SDK's global providers: its task
+        # code exports through the bridge's, named as the rule says (`dask`), and
+        # only OTEL_SERVICE_NAME gives every process one name
+        env["OTEL_SERVICE_NAME"] = "zero-code"
     return env
 
 
@@ -319,7 +333,10 @@ def test_opentelemetry_instrument_dask_scheduler_and_workers(tmp_path, preload_v
         # no OTEL_SERVICE_NAME: the name the SDK's global providers have, everywhere
         # (the distro sets them up; without it there are none, and the rule says dask)
         service = status["scheduler"]["service_name"]
-        assert service["from"] == ("the global TracerProvider" if distro_installed() else "default")
+        assert service["from"] == (
+            "OTEL_SERVICE_NAME" if not children_instrumented()
+            else "the global TracerProvider" if distro_installed() else "default"
+        )
         assert {w["service_name"]["name"] for w in status["workers"].values()} == {service["name"]}
 
         dask_spans = [s for s in receiver.spans() if "dask.span.id" in s.attributes]
