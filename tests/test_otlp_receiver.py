@@ -36,6 +36,7 @@ from tests.support.otlp_receiver import (
     BlackHole,
     OTLPReceiver,
     _generate_tls_files,
+    _HTTPServer,
     decode_attributes,
 )
 
@@ -303,6 +304,15 @@ def test_stop_and_restart_on_same_port(protocol):
         exporter.shutdown()
     finally:
         receiver.stop()
+
+
+def test_http_close_after_the_accept_loop_already_left():
+    """close() may find serve() gone: serve() saw ``_closed`` when an accept woke it
+    and closed its end of the wake pipe (CI once failed here with BrokenPipeError)."""
+    server = _HTTPServer(("127.0.0.1", 0), OTLPReceiver("http/protobuf"), None)
+    server._closed = True  # the first half of close(), seen by the loop on its own
+    server.serve()  # returns at once, closing the listener and its end of the wake pipe
+    server.close()  # must not raise
 
 
 @pytest.mark.parametrize("protocol", PROTOCOLS)

@@ -1109,7 +1109,10 @@ class _HTTPServer:
             self._closed = True
             connections = list(self._connections)
             self._connections.clear()
-        self._wake_w.send(b"x")
+        try:
+            self._wake_w.send(b"x")
+        except OSError:
+            pass  # serve() saw _closed on its own (an accept woke it) and closed _wake_r
         self._wake_w.close()
         for conn in connections:
             try:
