@@ -100,6 +100,14 @@ class WorkerBridge:
             self.spill = None
         if self.telemetry is not None:
             telemetry, self.telemetry, self.server_telemetry = self.telemetry, None, None
+            if _closing(worker):
+                # Dask stops these right after its plugins' teardowns, and ours may
+                # wait up to half of otel.flush-timeout: a heartbeat started meanwhile
+                # to a scheduler that is gone keeps retrying its connection, and
+                # Dask's close waits for it (up to 30 s on distributed 2024.1 under
+                # Python 3.10, whose wait_for can lose the cancellation)
+                for callback in worker.periodic_callbacks.values():
+                    callback.stop()
             await release_telemetry(telemetry)
 
     def status(self) -> dict[str, Any]:
@@ -122,3 +130,10 @@ class WorkerBridge:
             # the otel.* keys a worker reads, as this one uses them (None: off)
             "config": self.telemetry.config.effective(WORKERS) if self.telemetry else None,
         }
+
+
+def _closing(worker: Worker) -> bool:
+    """True in Worker.close (a plugin is also torn down when a client unregisters it)"""
+    from distributed.core import Status
+
+    return worker.status in (Status.closing, Status.closed)
