@@ -13,7 +13,11 @@ from typing import TYPE_CHECKING, Any
 
 from dask_otel.config import WORKERS
 from dask_otel.export.global_provider import adopt_global_tracer_provider
-from dask_otel.export.lifecycle import release_telemetry, start_telemetry
+from dask_otel.export.lifecycle import (
+    release_telemetry,
+    release_telemetry_in_background,
+    start_telemetry,
+)
 from dask_otel.export.telemetry import service_name_status
 from dask_otel.spill import SpillInstruments
 from dask_otel.worker.execute_hook import TaskContextHook
@@ -101,14 +105,10 @@ class WorkerBridge:
         if self.telemetry is not None:
             telemetry, self.telemetry, self.server_telemetry = self.telemetry, None, None
             if _closing(worker):
-                # Dask stops these right after its plugins' teardowns, and ours may
-                # wait up to half of otel.flush-timeout: a heartbeat started meanwhile
-                # to a scheduler that is gone keeps retrying its connection, and
-                # Dask's close waits for it (up to 30 s on distributed 2024.1 under
-                # Python 3.10, whose wait_for can lose the cancellation)
-                for callback in worker.periodic_callbacks.values():
-                    callback.stop()
-            await release_telemetry(telemetry)
+                # Not inside Dask's close: see release_telemetry_in_background
+                release_telemetry_in_background(telemetry)
+            else:  # a client unregistered the plugin: the worker goes on
+                await release_telemetry(telemetry)
 
     def status(self) -> dict[str, Any]:
         hook = self.task_context
