@@ -105,12 +105,11 @@ def release_telemetry_in_background(telemetry: Telemetry) -> None:
     """:func:`release_telemetry` in a thread of its own, for a worker's close: the
     process's exit (not the caller) waits for it, within the same bound.
 
-    A worker's close must not wait for the collector: `dask worker --no-nanny`
-    cancels every task on Ctrl-C, and a close cut short there (the scheduler's
-    close message arrived first) leaves Dask's next close waiting forever on the
-    first; a heartbeat started during the wait kept Dask's close waiting for its
-    connection to a scheduler that is gone (issue 18 item 4: 30 s, 3 to 8 in 60
-    Ctrl-Cs on distributed 2024.1 with a hung collector).
+    A worker's close must not wait for the collector: Dask stops a worker's
+    heartbeat only after its plugins' teardowns, and a heartbeat begun during the
+    wait, to a scheduler that is gone, held Dask's close until its connection timed
+    out (30 s on distributed 2024.1: issue 18 item 4, 4 Ctrl-Cs in 60 with a hung
+    collector).
     """
     if not Telemetry.detach(telemetry):
         return
@@ -118,7 +117,8 @@ def release_telemetry_in_background(telemetry: Telemetry) -> None:
         target=asyncio.run, args=(_flush_and_shut_down(telemetry),),
         name="dask_otel-release", daemon=True,
     )
-    # _flush_and_shut_down returns within its share of otel.flush-timeout
+    # _flush_and_shut_down returns within its share of otel.flush-timeout; the
+    # second is for the thread's start and event loop
     deadline = time.monotonic() + PROCESS_SHARE * telemetry.config.flush_timeout + 1.0
     with _background_lock:
         if not _background:
