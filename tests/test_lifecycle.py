@@ -127,7 +127,7 @@ def test_no_bridge_thread_outlives_the_cluster(state, protocol, monkeypatch):
 
 @pytest.mark.parametrize("protocol", ["grpc", "http/protobuf"])
 def test_ctrl_c_on_dask_scheduler_and_dask_worker_within_flush_timeout(protocol):
-    """SIGINT to `dask worker` and `dask scheduler` processes, as a user's Ctrl-C,
+    """SIGINT to `dask worker` and then `dask scheduler` processes, as a user's Ctrl-C,
     with a hung collector: they exit at most otel.flush-timeout later than the same
     processes without the bridge"""
 

@@ -112,17 +112,24 @@ class DaskProcesses:
 
     def stop(self) -> None:
         """SIGINT, as a user's Ctrl-C or an orchestrator's stop: the scheduler closes
-        cleanly, running dask_teardown and flushing pending spans"""
-        for name in sorted(self.procs, key=lambda n: n == "scheduler"):
-            proc = self.procs[name]
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGINT)
-        for proc in self.procs.values():
-            try:
-                proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
+        cleanly, running dask_teardown and flushing pending spans.
+
+        The workers first, then the scheduler once they are gone: a `dask worker
+        --no-nanny` that gets its SIGINT just after its scheduler's close message can
+        hang for ever, with or without the bridge (Dask's CLI cancels the close that
+        message started, and Worker.close then waits on it: 6 of 19 simultaneous
+        Ctrl-Cs on distributed 2026.8 without the bridge)."""
+        workers = [p for name, p in self.procs.items() if name != "scheduler"]
+        for group in (workers, [self.procs["scheduler"]] if "scheduler" in self.procs else []):
+            for proc in group:
+                if proc.poll() is None:
+                    proc.send_signal(signal.SIGINT)
+            for proc in group:
+                try:
+                    proc.wait(timeout=30)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    proc.wait()
 
     def __enter__(self) -> DaskProcesses:
         try:
