@@ -277,19 +277,20 @@ def test_a_closing_worker_does_not_wait_for_the_collector_its_process_exit_does(
         assert receiver.requests > before  # the final export arrived
 
 
+@pytest.mark.parametrize("nanny", [False, True], ids=["no-nanny", "nanny"])
 @pytest.mark.parametrize("protocol", ["grpc", "http/protobuf"])
-def test_a_dask_worker_process_exits_after_its_last_export(protocol):
-    """Ctrl-C on a `dask worker --no-nanny` process: its last metric export (the only
-    one: the export interval is a minute) is answered before the process is gone,
-    though the collector takes 0.6 s to answer it (under the 1 s that makes an outage)"""
+def test_a_dask_worker_process_exits_after_its_last_export(protocol, nanny):
+    """Ctrl-C on a `dask worker` process: its last metric export (the only one: the
+    export interval is a minute) is answered before the process is gone, though the
+    collector takes 0.6 s to answer it (under the 1 s that makes an outage)"""
     env = {"OTEL_METRIC_EXPORT_INTERVAL": "60000", "DASK_OTEL__FLUSH_TIMEOUT": "6s"}
     with OTLPReceiver(protocol) as receiver, dask_processes(
-            {**receiver.env(), **env}, n_workers=1) as cluster:
-        with cluster.client() as client:
+            {**receiver.env(), **env}, n_workers=0) as cluster:
+        worker = cluster.add_worker("worker-0", nanny=nanny)
+        with cluster.client(n_workers=1) as client:
             assert client.submit(inc, 1).result() == 2
         assert not receiver.metric_points("dask.spill.count")
         receiver.delay = 0.6
-        worker = cluster.procs["worker-0"]
         start = time.monotonic()
         worker.send_signal(signal.SIGINT)
         worker.wait(30)

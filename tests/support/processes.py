@@ -83,11 +83,12 @@ class DaskProcesses:
         return self
 
     def add_worker(
-        self, name: str, env: dict[str, str] | None = None, without_dask_otel: bool = False
+        self, name: str, env: dict[str, str] | None = None, without_dask_otel: bool = False,
+        nanny: bool = False,
     ) -> subprocess.Popen:
         cmd = _dask("worker", "--scheduler-file", self.scheduler_file, "--nthreads", "1",
                     "--host", "127.0.0.1", "--dashboard-address", "127.0.0.1:0",
-                    "--no-nanny", "--name", name, *self.worker_args,
+                    "--nanny" if nanny else "--no-nanny", "--name", name, *self.worker_args,
                     without_dask_otel=without_dask_otel)
         if env is None:
             return self._spawn(name, cmd)
