@@ -22,8 +22,10 @@ see :func:`require_binary` and :func:`require_phoenix`.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import random
 import shutil
 import signal
 import socket
@@ -112,10 +114,22 @@ def require_phoenix() -> Path:
 
 
 def free_port() -> int:
-    """A TCP port on 127.0.0.1 that was free a moment ago."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+    """A TCP port on 127.0.0.1 that was free a moment ago, below the kernel's
+    ephemeral range when it can: an outgoing connection or a port-0 bind of another
+    test cannot take it before its user binds it, or binds it again (a worker
+    restarted on a fixed port once found it taken: "Address already in use")."""
+    low = 32768
+    with contextlib.suppress(OSError, ValueError):
+        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    for _ in range(50):
+        port = random.randrange(20000, low) if low > 21000 else 0
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+            return s.getsockname()[1]
+    raise OSError("no free TCP port on 127.0.0.1")
 
 
 def wait_until(
