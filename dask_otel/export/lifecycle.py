@@ -121,8 +121,8 @@ def release_telemetry_in_background(telemetry: Telemetry) -> None:
     # second is for the thread's start and event loop
     deadline = time.monotonic() + PROCESS_SHARE * telemetry.config.flush_timeout + 1.0
     with _background_lock:
-        if not _background:
-            atexit.register(_join_background_releases)
+        # A process that closes many workers keeps only the releases under way
+        _background[:] = [(t, d) for t, d in _background if t.is_alive()]
         _background.append((thread, deadline))
     thread.start()
 
@@ -139,6 +139,10 @@ def _join_background_releases() -> None:
         _background.clear()
     for thread, deadline in pending:
         thread.join(max(0.0, deadline - time.monotonic()))
+
+
+# Once per process: a no-op where no worker closed
+atexit.register(_join_background_releases)
 
 
 def _in_thread(function: Any, name: str) -> asyncio.Future:
