@@ -22,10 +22,9 @@ from tornado.ioloop import IOLoop, PeriodicCallback
 from dask_otel.annotation import BLOCK_EXIT
 from dask_otel.config import SCHEDULER, ConfigError
 from dask_otel.export.lifecycle import release_telemetry, start_telemetry
-from dask_otel.export.telemetry import service_name_status
 from dask_otel.scheduler.totals import failure_time
 from dask_otel.spans import SpanMirror
-from dask_otel.worker.plugin import PLUGIN_NAME, dumps_by_value
+from dask_otel.worker.plugin import PLUGIN_NAME, dumps_by_value, server_status
 
 if TYPE_CHECKING:
     from distributed import Scheduler
@@ -231,27 +230,22 @@ class OtelSchedulerPlugin(SchedulerPlugin):
         mirror = self.mirror
         telemetry = self.telemetry
         exporters = telemetry.accounted_span_exporters if telemetry is not None else []
-        own = self.server_telemetry
-        return {
-            "error": self.error,
+        return server_status(
+            self.error,
+            self.server_telemetry,
+            SCHEDULER,
             # who turned it on (first), and who asked again and found it there
-            "paths": list(getattr(self, "paths", ["client"])),
-            "service_name": service_name_status(telemetry),
-            # the scheduler whose exporters and metric resource this one shares
-            # (two clusters in one process), None when they are its own
-            "shared_with": own.shared_with if own is not None else None,
-            "traces": mirror is not None,
-            "metrics": self.metrics is not None,
-            "open_spans": len(mirror.ledger.records) if mirror else 0,
-            "open_groups": len(mirror.ledger.groups) if mirror else 0,
-            "mirrored_spans": mirror.mirrored if mirror else 0,
-            "sampled_out_spans": mirror.sampled_out if mirror else 0,
-            "spans_delivered": sum(e.spans_exported for e in exporters),
-            "spans_failed": sum(e.spans_failed for e in exporters),
-            "export_failures": sum(e.export_failures for e in exporters),
-            # the otel.* keys the scheduler reads, as it uses them (None: off)
-            "config": telemetry.config.effective(SCHEDULER) if telemetry is not None else None,
-        }
+            paths=list(getattr(self, "paths", ["client"])),
+            traces=mirror is not None,
+            metrics=self.metrics is not None,
+            open_spans=len(mirror.ledger.records) if mirror else 0,
+            open_groups=len(mirror.ledger.groups) if mirror else 0,
+            mirrored_spans=mirror.mirrored if mirror else 0,
+            sampled_out_spans=mirror.sampled_out if mirror else 0,
+            spans_delivered=sum(e.spans_exported for e in exporters),
+            spans_failed=sum(e.spans_failed for e in exporters),
+            export_failures=sum(e.export_failures for e in exporters),
+        )
 
 
 def add_bridge(scheduler: Scheduler, path: str) -> OtelSchedulerPlugin:

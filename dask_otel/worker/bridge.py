@@ -11,16 +11,15 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING, Any
 
-from dask_otel.config import WORKERS
 from dask_otel.export.global_provider import adopt_global_tracer_provider
 from dask_otel.export.lifecycle import (
     release_telemetry,
     release_telemetry_in_background,
     start_telemetry,
 )
-from dask_otel.export.telemetry import service_name_status
 from dask_otel.spill import SpillInstruments
 from dask_otel.worker.execute_hook import TaskContextHook
+from dask_otel.worker.plugin import worker_status
 from dask_otel.worker.task_context import TaskContexts, default_sampler
 from dask_otel.worker.task_spans import TaskSpans
 
@@ -111,25 +110,7 @@ class WorkerBridge:
                 await release_telemetry(telemetry)
 
     def status(self) -> dict[str, Any]:
-        hook = self.task_context
-        task_spans = hook.task_spans if hook is not None else None
-        own = self.server_telemetry
-        return {
-            "error": self.error,
-            "service_name": service_name_status(self.telemetry),
-            # the scheduler whose exporters and metric resource this worker shares
-            # (two clusters in one process), None when they are its own
-            "shared_with": own.shared_with if own is not None else None,
-            "metrics": self.spill is not None,
-            # whether tasks run in their OTel context (False: hook not installed)
-            "task_context": hook is not None,
-            # tasks that ran without context because building it failed
-            "task_context_errors": hook.errors if hook is not None else 0,
-            # task spans exported by this worker; None when otel.tasks.spans is off
-            "task_spans": task_spans.exported if task_spans is not None else None,
-            # the otel.* keys a worker reads, as this one uses them (None: off)
-            "config": self.telemetry.config.effective(WORKERS) if self.telemetry else None,
-        }
+        return worker_status(self.error, self.server_telemetry, self.task_context, self.spill)
 
 
 def _closing(worker: Worker) -> bool:

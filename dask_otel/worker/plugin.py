@@ -55,8 +55,63 @@ class OtelWorkerPlugin(WorkerPlugin):
     def status(self) -> dict[str, Any]:
         if self.bridge is not None:
             return self.bridge.status()
-        return {"error": self.error, "service_name": None, "metrics": False, "task_context": False,
-                "task_context_errors": 0, "task_spans": None, "config": None}
+        return worker_status(self.error)
+
+
+def server_status(
+    error: str | None, telemetry: Any, process: str, **features: Any
+) -> dict[str, Any]:
+    """What :func:`dask_otel.status` shows of one Dask server, scheduler or worker.
+
+    The one builder of a status: the scheduler plugin, the worker bridge and, on a
+    worker without ``dask_otel``, :class:`OtelWorkerPlugin` call it (it lives here
+    because this module travels by value), so every server's status carries these
+    keys. ``telemetry`` is the server's
+    :class:`~dask_otel.export.telemetry.ServerTelemetry`, None where the bridge is
+    off; ``process`` names the keys of ``config`` (``dask_otel.config.SCHEDULER``
+    or ``WORKERS``); ``features`` are the server's own keys.
+    """
+    if telemetry is None:
+        service_name = shared_with = config = None
+    else:  # dask_otel is installed here
+        from dask_otel.export.telemetry import service_name_status
+
+        service_name = service_name_status(telemetry.telemetry)
+        shared_with = telemetry.shared_with
+        config = telemetry.telemetry.config.effective(process)
+    return {
+        # why the bridge is off on this server (None: it is on)
+        "error": error,
+        # the service.name its spans carry, and which rule gave it
+        "service_name": service_name,
+        # the scheduler whose exporters and metric resource it shares (two clusters
+        # in one process), None when they are its own
+        "shared_with": shared_with,
+        **features,
+        # the otel.* keys this kind of server reads, as it uses them (None: off)
+        "config": config,
+    }
+
+
+def worker_status(
+    error: str | None, telemetry: Any = None, hook: Any = None, spill: Any = None
+) -> dict[str, Any]:
+    """A worker's :func:`server_status`, from its bridge's parts (None: not running):
+    its :class:`~dask_otel.export.telemetry.ServerTelemetry`, its
+    :class:`~dask_otel.worker.execute_hook.TaskContextHook` and its spill instruments"""
+    task_spans = hook.task_spans if hook is not None else None
+    return server_status(
+        error,
+        telemetry,
+        "workers",  # dask_otel.config.WORKERS: nothing of dask_otel is imported here
+        metrics=spill is not None,
+        # whether tasks run in their OTel context (False: hook not installed)
+        task_context=hook is not None,
+        # tasks that ran without context because building it failed
+        task_context_errors=hook.errors if hook is not None else 0,
+        # task spans exported by this worker; None when otel.tasks.spans is off
+        task_spans=task_spans.exported if task_spans is not None else None,
+    )
 
 
 def dumps_by_value() -> bytes:
