@@ -19,7 +19,6 @@ from dask_otel.export.lifecycle import (
 )
 from dask_otel.spill import SpillInstruments
 from dask_otel.worker.execute_hook import TaskContextHook
-from dask_otel.worker.plugin import worker_status
 from dask_otel.worker.task_context import TaskContexts, default_sampler
 from dask_otel.worker.task_spans import TaskSpans
 
@@ -108,9 +107,6 @@ class WorkerBridge:
                 release_telemetry_in_background(telemetry)
             else:  # a client unregistered the plugin: the worker goes on
                 await release_telemetry(telemetry)
-
-    def status(self) -> dict[str, Any]:
-        return worker_status(self.error, self.server_telemetry, self.task_context, self.spill)
 
 
 def _closing(worker: Worker) -> bool:

@@ -53,9 +53,10 @@ class OtelWorkerPlugin(WorkerPlugin):
         return None
 
     def status(self) -> dict[str, Any]:
-        if self.bridge is not None:
-            return self.bridge.status()
-        return worker_status(self.error)
+        bridge = self.bridge
+        if bridge is None:
+            return worker_status(self.error)
+        return worker_status(bridge.error, bridge.server_telemetry, bridge.task_context, bridge.spill)
 
 
 def server_status(
