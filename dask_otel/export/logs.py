@@ -85,36 +85,33 @@ def _file_config_logger_names(path: str) -> list[str]:
 
 
 def _otel_handler_classes() -> tuple[type, ...]:
-    """Every handler class that exports to OTel: the recommended one, when installed,
-    and the SDK's"""
-    from opentelemetry.sdk._logs import LoggingHandler as SDKLoggingHandler
-
+    """Every handler class that exports to OTel in this environment, the preferred
+    first: opentelemetry-instrumentation-logging's, which the SDK recommends, and
+    the SDK's own (deprecated: opentelemetry-sdk 1.41 and 1.45 warn), where present"""
+    classes: list[type] = []
     try:
         from opentelemetry.instrumentation.logging.handler import LoggingHandler
-    except ImportError:
-        return (SDKLoggingHandler,)
-    return (LoggingHandler, SDKLoggingHandler)
 
-
-def _new_handler(level: int, provider: Any) -> logging.Handler:
-    try:
-        from opentelemetry.instrumentation.logging.handler import LoggingHandler
+        classes.append(LoggingHandler)
     except ImportError:
         pass
-    else:
-        # code.* attributes (where the line was logged), as the SDK's handler adds
-        return LoggingHandler(level=level, logger_provider=provider, log_code_attributes=True)
     try:
         from opentelemetry.sdk._logs import LoggingHandler as SDKLoggingHandler
+
+        classes.append(SDKLoggingHandler)
     except ImportError:  # an SDK that dropped it
-        raise ConfigError(
-            "otel.logs.exporter needs opentelemetry-instrumentation-logging: "
-            "pip install 'dask-otel[logs]'"
-        ) from None
+        pass
+    return tuple(classes)
+
+
+def _new_handler(handler_class: type, level: int, provider: Any) -> logging.Handler:
+    if handler_class.__module__.startswith("opentelemetry.instrumentation"):
+        # code.* attributes (where the line was logged), as the SDK's handler adds
+        return handler_class(level=level, logger_provider=provider, log_code_attributes=True)
     with warnings.catch_warnings():
         # deprecated for opentelemetry-instrumentation-logging's, preferred above
         warnings.simplefilter("ignore", DeprecationWarning)
-        return SDKLoggingHandler(level=level, logger_provider=provider)
+        return handler_class(level=level, logger_provider=provider)
 
 
 class _WhereRecordsStop(logging.Filter):
@@ -163,6 +160,15 @@ class LogExport:
 
         from dask_otel.export.accounting import accounted_log_exporter
 
+        # before anything is built: nothing to shut down when it raises
+        otel_classes = _otel_handler_classes()
+        if not otel_classes:
+            raise ConfigError(
+                "otel.logs.exporter",
+                list(config.logs_exporters),
+                "none, or opentelemetry-instrumentation-logging installed "
+                "(pip install 'dask-otel[logs]'): this SDK has no LoggingHandler",
+            )
         self.exporters = log_exporters(config.logs_exporters)
         self.accounted_exporters = []
         # We own the lifecycle (flush bounded by otel.flush-timeout), as for spans
@@ -176,14 +182,13 @@ class LogExport:
                 self.accounted_exporters.append(accounted)
                 self.provider.add_log_record_processor(BatchLogRecordProcessor(accounted))
         self.handlers = {}
-        otel_classes = _otel_handler_classes()
         root = logging.getLogger()
         loggers = [logging.getLogger(name) for name in dask_logger_names()]
         if not any(isinstance(h, otel_classes) for h in root.handlers):
             loggers.append(root)
         ours: list[logging.Handler] = []
         for target in loggers:
-            handler = _new_handler(config.logs_level, self.provider)
+            handler = _new_handler(otel_classes[0], config.logs_level, self.provider)
             handler.addFilter(_WhereRecordsStop(target, ours, otel_classes))
             ours.append(handler)
             self.handlers[target] = handler
