@@ -1,5 +1,7 @@
-"""The ``otel:`` dask config namespace: defaults, validation, and the choice of
-exporters by name.
+"""The ``otel:`` dask config namespace: validation, which processes read each key,
+and the choice of exporters by name. Defaults are in ``otel.yaml``, what each key
+means in ``otel-schema.yaml`` (the README's configuration table is the two and
+:func:`read_in` put together).
 
 Everything about *where* telemetry goes (endpoint, protocol, headers, certificate,
 timeouts, batching, resource attributes, service name) is read by the OpenTelemetry
@@ -192,8 +194,8 @@ def otlp_entry_point(signal: str) -> str:
     return OTLP_PROTOCOLS["grpc"]
 
 
-#: The processes that read a key, by where it takes effect: the README's config
-#: table says the same in its "read in" column (tests/test_docs.py compares them)
+#: The processes that read a key, by where it takes effect: the "read in" column of
+#: the README's config table
 CLIENT, SCHEDULER, WORKERS = "client", "scheduler", "workers"
 
 

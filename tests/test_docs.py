@@ -1,8 +1,8 @@
 """The documents' tables say what the code does: they are compared with otel.yaml and
 with what a real cluster emits, so that they cannot drift.
 
-README.md: the config table (otel.yaml), the resource attributes, and the
-``--preload`` rule. docs/traces.md: the span attribute table and the task span
+README.md: the config table (put together from otel-schema.yaml, otel.yaml and
+config.py), the resource attributes, and the ``--preload`` rule. docs/traces.md: the span attribute table and the task span
 attribute table (what a real cluster emits). docs/metrics.md's instrument table is
 checked by tests/test_metrics.py."""
 
@@ -11,10 +11,12 @@ from __future__ import annotations
 import ast
 import asyncio
 import dataclasses
+import logging
 import re
 from pathlib import Path
 
 import dask
+import pytest
 import yaml
 from distributed import Scheduler, span, wait
 
@@ -45,21 +47,67 @@ def code(cell: str) -> str:
     return re.fullmatch(r"`([^`]*)`", cell).group(1)
 
 
-def test_config_table_matches_otel_yaml():
-    rows = markdown_table(README.read_text(), "config-table")
-    documented = {code(key): code(default) for key, default, _, _ in rows}
-    defaults = dotted(dask_otel.config.DEFAULTS)
-    assert set(documented) == set(defaults)
-    for key, value in defaults.items():
-        assert documented[key] == yaml.safe_dump(value).splitlines()[0].removesuffix(" ..."), key
+SCHEMA = ROOT / "dask_otel" / "otel-schema.yaml"
 
 
-def test_config_table_says_which_processes_read_each_key():
-    """The "read in" column is what the bridge reads where (``OtelConfig``'s fields),
-    which is also what ``status`` shows of each process (tests/test_status.py)"""
-    rows = markdown_table(README.read_text(), "config-table")
-    documented = {code(key): tuple(read_in.split(", ")) for key, _, read_in, _ in rows}
-    assert documented == dask_otel.config.read_in()
+def schema_descriptions(node: dict, prefix: str = "") -> dict[str, str]:
+    """Each key of otel-schema.yaml, dotted, with its description on one line"""
+    out = {}
+    for name, entry in node["properties"].items():
+        key = f"{prefix}{name}"
+        if "properties" in entry:
+            out.update(schema_descriptions(entry, key + "."))
+        else:
+            out[key] = " ".join(entry["description"].split())
+    return out
+
+
+def config_table() -> list[str]:
+    """The README's config table, put together from the one copy of each fact: the
+    key's meaning (otel-schema.yaml), its default (otel.yaml) and the processes
+    that read it (dask_otel/config.py)"""
+    meanings = schema_descriptions(yaml.safe_load(SCHEMA.read_text()))
+    read_in = dask_otel.config.read_in()
+    lines = ["| key | default | read in | meaning |", "|---|---|---|---|"]
+    for key, value in dotted(dask_otel.config.DEFAULTS).items():
+        default = yaml.safe_dump(value).splitlines()[0].removesuffix(" ...")
+        lines.append(f"| `{key}` | `{default}` | {', '.join(read_in[key])} | {meanings[key]} |")
+    return lines
+
+
+def test_the_schema_describes_every_key_of_otel_yaml_and_no_other():
+    meanings = schema_descriptions(yaml.safe_load(SCHEMA.read_text()))
+    assert set(meanings) == set(dotted(dask_otel.config.DEFAULTS))
+    assert set(meanings) == set(dask_otel.config.read_in())
+    assert all(meanings.values())
+
+
+def test_the_readme_config_table_is_the_schema_the_defaults_and_read_in():
+    """Every key, default, "read in" and meaning of the README's table is the one
+    in otel.yaml, config.py and otel-schema.yaml. To mend the README, paste the
+    table this test prints."""
+    text = README.read_text().split("<!-- config-table", 1)[1].splitlines()[1:]
+    documented = [line for line in text[: text.index("")]] if "" in text else text
+    expected = config_table()
+    assert documented == expected, "the README's config table should be:\n" + "\n".join(expected)
+
+
+@pytest.mark.parametrize(
+    "key, given, field, read",
+    [
+        ("otel.traces.exporter", "console, memory", "traces_exporters", ("console", "memory")),
+        ("otel.metrics.exporter", "memory,none", "metrics_exporters", ("memory",)),
+        ("otel.logs.exporter", "console , memory", "logs_exporters", ("console", "memory")),
+        ("otel.events.topics", "dask, my-topic", "event_topics", frozenset({"dask", "my-topic"})),
+        ("otel.logs.level", 30, "logs_level", logging.WARNING),
+        ("otel.logs.level", "warning", "logs_level", logging.WARNING),
+    ],
+)
+def test_the_config_tables_value_forms_are_read(key, given, field, read):
+    """The table's "a list or a comma-separated string" and "a logging level name or
+    number", read as the bridge uses them"""
+    with dask.config.set({key: given}):
+        assert getattr(dask_otel.config.read_config(), field) == read
 
 
 def sides_using(attribute: str) -> set[str]:
