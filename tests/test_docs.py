@@ -278,9 +278,19 @@ def test_the_readme_stays_a_manual():
     assert len(README.read_text().splitlines()) <= 250
 
 
+def test_contributing_lists_every_benchmark():
+    """CONTRIBUTING's benchmark table names every script of benchmarks/ (but the
+    shared harness and receiver) by its command, and no other"""
+    rows = markdown_table((ROOT / "CONTRIBUTING.md").read_text(), "benchmarks")
+    listed = {m.group(1) for row in rows if (m := re.match(r"`python -m benchmarks\.(\w+)", row[0]))}
+    scripts = {p.stem for p in (ROOT / "benchmarks").glob("*.py")} - {"__init__", "harness", "receiver"}
+    assert listed == scripts
+
+
 def test_relative_links_in_the_documents_resolve():
-    """Every relative link in the README and docs/ names a file that exists, and
-    an anchor that is one of its headings"""
+    """Every relative link in the README, docs/, CONTRIBUTING, the CHANGELOG and
+    benchmarks/README.md names a file that exists, and an anchor that is one of its
+    headings"""
     import re
 
     def anchors(path):
@@ -292,7 +302,8 @@ def test_relative_links_in_the_documents_resolve():
         }
 
     broken = []
-    for doc in [README, *sorted((ROOT / "docs").glob("*.md")), ROOT / "benchmarks" / "README.md"]:
+    documents = [ROOT / "CONTRIBUTING.md", ROOT / "CHANGELOG.md", ROOT / "benchmarks" / "README.md"]
+    for doc in [README, *sorted((ROOT / "docs").glob("*.md")), *documents]:
         for target in re.findall(r"\]\(([^)\s]+)\)", doc.read_text()):
             if target.startswith(("http://", "https://", "mailto:")):
                 continue
