@@ -1,19 +1,13 @@
-"""Mirror a Dask distributed cluster into OpenTelemetry.
+"""Mirror a Dask distributed cluster into OpenTelemetry: what Dask already measures
+(its spans, fine performance metrics, SpillBuffer counters, events and log lines),
+handed to the OpenTelemetry SDK.
 
-Turn it on with one dask config key, before the scheduler starts::
-
-    distributed.scheduler.preload: [dask_otel]
-    # or: export DASK_DISTRIBUTED__SCHEDULER__PRELOAD=dask_otel
-
-or zero-code, ``opentelemetry-instrument dask scheduler`` (the ``dask`` entry
-point of ``opentelemetry_instrumentor``: :mod:`dask_otel.instrumentor`), or, for a
-cluster that is already running, ``dask_otel.instrument(client)``; any of them
-together still give one bridge.
-On the client, ``dask_otel.span`` (a drop-in for ``distributed.span``) joins a
-Dask workflow to the caller's OpenTelemetry trace; it needs only
-``opentelemetry-api``.
-Where the telemetry goes is set by the standard ``OTEL_*`` environment variables;
-the ``otel:`` dask config namespace holds the rest (see ``otel.yaml``).
+The public API: the preload hooks :func:`dask_setup` and :func:`dask_teardown`
+(``distributed.scheduler.preload: [dask_otel]``), :func:`instrument` for a running
+cluster, :func:`status`, :func:`span` and :class:`ConfigError`. Importing the package
+loads the ``otel:`` config defaults and nothing of the SDK, so that a client that
+only calls :func:`span` needs opentelemetry-api alone (``tests/test_layout.py``).
+The manual: README.md; zero-code, the third way on: :mod:`dask_otel.instrumentor`.
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""``dask-otel`` command line: ``dask-otel demo [--endpoint URL]``"""
+"""``dask-otel`` command line: ``dask-otel demo [--endpoint URL [--metrics]]
+[--protocol grpc|http/protobuf]`` (:mod:`dask_otel.demo`)"""
 
 from __future__ import annotations
 

@@ -1,36 +1,17 @@
-"""Client side: a Dask span that continues the caller's OpenTelemetry trace.
+"""Client side: :func:`span`, a drop-in for ``distributed.span`` that continues the
+caller's OpenTelemetry trace.
 
-``dask_otel.span(*tags)`` is a drop-in for ``distributed.span``: same signature,
-same yield (the Dask span's UUID), same nesting, and it opens a real Dask span.
-It adds two things:
-
-- The caller's current OTel context travels with the graph, as the task
-  annotation ``otel`` (:mod:`dask_otel.annotation`), so that the scheduler
-  parents the root Dask span under the caller's span, in the caller's trace, and
-  samples it as a parent-based sampler would.
-- Inside the ``with`` block the current OTel span is the Dask span itself (a
-  ``NonRecordingSpan`` with the ids the scheduler exports it with), so that
-  client-side instrumented calls (HTTP, database) nest under it. The caller's
-  baggage stays in the context.
-- On leaving the block it tells the scheduler, with one event sent without
-  waiting (:data:`dask_otel.annotation.BLOCK_EXIT`), so that the Dask span covers
-  the block as well as its tasks, and a block that ran no task is exported too.
-  Without a client, with a closed one or with a scheduler without the bridge,
-  nothing changes and nothing is raised.
-
-Usage::
-
-    from opentelemetry import trace
-    import dask_otel
-
-    tracer = trace.get_tracer("my-service")
-    with tracer.start_as_current_span("POST /reports"):
-        with dask_otel.span("nightly report") as sid:
-            df.map_partitions(score).compute()
-
-How the trace id is chosen and how the trace is sampled: docs/traces.md.
-
-Needs only ``opentelemetry-api``: nothing here imports the SDK or the scheduler.
+It owns the client's half of the wire contract (:mod:`dask_otel.annotation`): the
+caller's context written into the block's graphs as the ``otel`` task annotation,
+and one event when the block exits (:data:`~dask_otel.annotation.BLOCK_EXIT`), sent
+on the client's event loop without waiting. Invariants: it opens real Dask spans and
+yields the innermost one's id, as ``distributed.span`` does; inside the block the
+current OTel span is the Dask span, with the ids the scheduler exports it with
+(:mod:`dask_otel.span_context`), the caller's baggage kept; with no client, a
+closed one or a scheduler without the bridge, nothing changes and nothing is
+raised. It imports opentelemetry-api only, never the SDK or the scheduler's side
+(``tests/test_layout.py``). The manual: README.md, "One trace from the request to
+the task", and docs/traces.md, "A dask_otel.span block".
 """
 
 from __future__ import annotations

@@ -1,41 +1,20 @@
-"""Zero-code: ``opentelemetry-instrument dask scheduler`` turns the bridge on.
+"""Zero-code: :class:`DaskInstrumentor`, the ``dask`` entry point of
+``opentelemetry_instrumentor``, which ``opentelemetry-instrument`` loads in the
+processes it starts.
 
-:class:`DaskInstrumentor` is the ``dask`` entry point of the
-``opentelemetry_instrumentor`` group, so ``opentelemetry-instrument`` loads it in
-every process it starts (Nanny-spawned workers too, through ``sitecustomize``)::
-
-    pip install dask-otel opentelemetry-distro
-    OTEL_SERVICE_NAME=dask opentelemetry-instrument dask scheduler
-    OTEL_SERVICE_NAME=dask opentelemetry-instrument dask worker tcp://scheduler:8786
-
-or by hand, before the cluster starts::
-
-    from dask_otel.instrumentor import DaskInstrumentor
-    DaskInstrumentor().instrument()
-
-Every :class:`distributed.Scheduler` built in the process then carries the
-scheduler plugin, added right after ``Scheduler.__init__`` as contrib
-instrumentations wrap a server's ``__init__``: no dask config is read for it, so
-``dask scheduler --preload my_plugin`` keeps it, unlike the
-``distributed.scheduler.preload`` key. Workers get their side as with the preload:
-the scheduler hands them the worker plugin. With the preload key or
-``dask_otel.instrument(client)`` as well, the cluster still has one bridge
-(:func:`dask_otel.scheduler.plugin.add_bridge`); ``dask_otel.status(client)`` names
-the paths that asked for it.
-
-``instrument(tracer_provider=...)``: the bridge's spans take that provider's
-``service.name`` (see :func:`dask_otel.export.telemetry.service_name`), the one
-application spans made with it carry. The bridge still exports through providers of
-its own: it owns their shutdown (bounded by ``otel.flush-timeout``) and their
-export accounting, and its workers live in processes a provider object cannot
-reach. ``meter_provider`` is not used, for the same reasons.
-
-A worker started with the instrumentor on logs one WARNING if its scheduler
-handed it no bridge (a scheduler started without either, e.g. the ``--preload``
-trap). ``uninstrument()`` restores ``Scheduler.__init__`` and
-``Worker.start_unsafe``; schedulers built before keep their bridge until they
-close. The other instrumentations ``opentelemetry-instrument`` loads, and what they
-cost on Dask servers: docs/zero-code.md.
+It owns two wraps, made when distributed's module is imported (at once if it
+is), so that a process that never imports distributed pays nothing:
+``Scheduler.__init__``, after which the scheduler plugin is added
+(:func:`dask_otel.scheduler.plugin.add_bridge`: one bridge whatever else asks for
+it; no dask config is read, so a ``--preload`` of something else does not drop it),
+and ``Worker.start_unsafe``, after which a worker whose scheduler handed it no
+bridge logs one WARNING. Neither raises into Dask. ``uninstrument()`` undoes both;
+the import hooks cannot be unregistered, so they do nothing once it has run.
+``instrument(tracer_provider=...)`` lends the bridge that provider's
+``service.name`` only: the bridge keeps its own providers (it owns their shutdown
+and export accounting). The manual, and which processes the instrumentation
+reaches on which version (Nanny-spawned workers from opentelemetry-instrumentation
+0.63b0): docs/zero-code.md.
 """
 
 from __future__ import annotations

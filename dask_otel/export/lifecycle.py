@@ -3,8 +3,11 @@
 :func:`start_telemetry` reads the server's config and attaches it to its process's
 :class:`~dask_otel.export.telemetry.Telemetry`; it never raises into Dask.
 :func:`release_telemetry` detaches it, and the last server of a process flushes
-and shuts the SDK down, within ``otel.flush-timeout`` whatever the collector does;
-a closing worker does it in the background (:func:`release_telemetry_in_background`).
+and shuts the SDK down within half of ``otel.flush-timeout``, whatever the
+collector does, in one thread that wakes the event loop when done; a closing
+worker does it in the background (:func:`release_telemetry_in_background`), and
+its process's exit waits for it. What shutdown costs and how an outage shortens it:
+docs/deploy.md, "When telemetry fails".
 """
 
 from __future__ import annotations

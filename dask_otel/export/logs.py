@@ -1,32 +1,19 @@
-"""Python log records of the scheduler and workers as OpenTelemetry logs.
+"""Python log records of the scheduler and workers as OpenTelemetry logs: the
+process's ``LoggerProvider`` (batched exporters wrapped in the bridge's export
+accounting) and the handlers that feed it.
 
-Off unless asked for (``OTEL_LOGS_EXPORTER`` or ``otel.logs.exporter``). Then each
-Dask server process feeds a ``LoggerProvider``, whose batched exporters are wrapped
-in the bridge's export accounting (a collector outage is logged once, not once per
-batch), from the handler that the SDK recommends: ``LoggingHandler`` of
-``opentelemetry-instrumentation-logging`` (``pip install 'dask-otel[logs]'``), or,
-where that package is absent, the SDK's own (the same handler, deprecated:
-opentelemetry-sdk 1.41 and 1.45 warn). The handler takes each record's trace and
-span ids from the current OTel context: in a task, its Dask span's.
-
-Where the handlers sit, and why each record is exported once:
-
-- distributed configures its loggers from dask config's ``logging`` (or
-  ``logging-file-config``): each named logger gets distributed's stream handler and
-  ``propagate = False`` (``distributed/config.py``, ``initialize_logging``), so
-  ``distributed.*`` records never reach the root logger. A handler of ours therefore
-  sits on each of :func:`dask_logger_names` as well as on the root logger.
-- A record passes the handlers of its logger and its ancestors up to the first one
-  that does not propagate. Each handler of ours exports only the records that stop
-  at its logger (:class:`_WhereRecordsStop`), read when the record arrives: a record
-  is exported by one of them at most, also after someone sets ``propagate = True``.
-- Where a logger already has a handler exporting to OTel (the user's, or the one that
-  ``opentelemetry-instrument`` adds with the logging instrumentation), ours on it
-  stands aside; on the root logger none of ours is added at all.
-
-Records of the ``opentelemetry.*`` loggers are not exported: exporting an exporter's
-complaint about exporting would feed back. What is exported, and at which levels:
-docs/traces.md, "Logs".
+Invariants: off unless a log exporter is named; each record is exported once at
+most. distributed's loggers do not propagate, so a handler of ours sits on each of
+:func:`dask_logger_names` as well as on the root logger, and each exports only the
+records that stop at its logger (:class:`_WhereRecordsStop`, read as each record
+arrives, so ``propagate = True`` set later changes nothing); where another OTel
+handler is on a logger (the user's, ``opentelemetry-instrument``'s) ours stands
+aside, and on the root none of ours is added. Records of the ``opentelemetry.*``
+loggers are never exported (an exporter's complaint about exporting would feed
+back). The handler is opentelemetry-instrumentation-logging's, which the SDK
+recommends (extra ``logs``), else the SDK's own; with neither, log export is a
+:class:`~dask_otel.config.ConfigError`. Cost: one filter call per record per handler
+it reaches. What is exported, at which levels: docs/logs.md.
 """
 
 from __future__ import annotations

@@ -1,22 +1,17 @@
 """The per-process :class:`Telemetry`: the SDK providers every Dask server of a
 process shares, and the :class:`~dask_otel.export.sink.SpanSink` the bridge hands
-its spans to.
+its spans to; and :class:`ServerTelemetry`, one server's view of it.
 
-One Telemetry exists per process at a time: a LocalCluster with
-``processes=False`` runs a scheduler and several workers in one process, and they
-share one TracerProvider and one MeterProvider (a Prometheus registry can hold the
-bridge's collector only once). It is created by the first Dask server that attaches
-and shut down, flushing, when the last one detaches.
-
-Each server attaches with its own ``otel.*`` values and identity
-(:class:`ServerTelemetry`): its spans carry its own resource and its scheduler
-reads its own span settings, also when two clusters share a process. What belongs
-to the providers cannot differ between them (:data:`PROCESS_WIDE`, the ``OTEL_*``
-variables, the MeterProvider's resource): a server of another scheduler than the
-first gets them from the first, which a WARNING and ``status()`` say.
-
-The bridge never replaces an application's global OpenTelemetry providers (see
-:mod:`dask_otel.export.global_provider` for the one exception).
+Invariants: one Telemetry per process at a time (a LocalCluster with
+``processes=False`` runs a scheduler and its workers in one process; a Prometheus
+registry can hold the bridge's collector only once), created by the first server
+that attaches and flushed and shut down by the last that detaches
+(:mod:`dask_otel.export.lifecycle`). Each server keeps its own ``otel.*`` values and
+resource; what belongs to the providers (:data:`PROCESS_WIDE`, the ``OTEL_*``
+variables, the metric resource) is the first server's, which a WARNING and
+``status()`` say (docs/traces.md, "Two clusters in one process"). The bridge never
+replaces an application's global providers (the one exception:
+:mod:`dask_otel.export.global_provider`).
 """
 
 from __future__ import annotations

@@ -2,8 +2,10 @@
 (:mod:`dask_otel.worker.plugin`), it attaches the worker to its process's
 telemetry and starts the worker-side features: the OTel context tasks run in
 (:mod:`~dask_otel.worker.execute_hook`), task spans
-(:mod:`~dask_otel.worker.task_spans`, opt-in) and the SpillBuffer instruments
-(:mod:`dask_otel.spill`). Nothing here imports the scheduler's side.
+(:mod:`~dask_otel.worker.task_spans`, opt-in), the SpillBuffer instruments
+(:mod:`dask_otel.spill`) and Dask's own families. A feature that fails to start is
+logged and shown in ``status()``; the others run. Nothing here imports the
+scheduler's side.
 """
 
 from __future__ import annotations

@@ -1,11 +1,13 @@
-"""The worker plugin, as Dask registers it on every worker.
+"""The worker plugin, as Dask registers it on every worker, and the one builder of
+a server's status (:func:`server_status`).
 
 The scheduler plugin ships it pickled *by value*, so that a worker without
 ``dask_otel`` installed can still unpickle it: a worker plugin that fails to
 unpickle makes the worker fail to start (distributed 2026.8). It is plain
 distributed code; on the worker it starts the :class:`~dask_otel.worker.bridge.WorkerBridge`,
 or logs one clear error and lets the worker compute without telemetry.
-Keep this module free of imports from ``dask_otel``.
+Keep this module free of imports from ``dask_otel`` at module level
+(``tests/test_layout.py``).
 """
 
 from __future__ import annotations
