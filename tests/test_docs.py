@@ -1,10 +1,12 @@
-"""The documents' tables say what the code does: they are compared with otel.yaml and
-with what a real cluster emits, so that they cannot drift.
+"""The documents say what the code does: their tables are compared with the code
+and with what a real cluster emits, so that they cannot drift.
 
 README.md: the config table (put together from otel-schema.yaml, otel.yaml and
-config.py), the resource attributes, and the ``--preload`` rule. docs/traces.md: the span attribute table and the task span
-attribute table (what a real cluster emits). docs/metrics.md's instrument table is
-checked by tests/test_metrics.py."""
+config.py) and its value forms, the resource attributes, the ``--preload`` rule and
+what ``instrument`` does not export. CONTRIBUTING.md: every benchmark.
+docs/traces.md: the span attribute table and the task span attribute table (what a
+real cluster emits). docs/metrics.md's instrument table is checked by
+tests/test_metrics.py."""
 
 from __future__ import annotations
 
@@ -13,15 +15,23 @@ import asyncio
 import dataclasses
 import logging
 import re
+import time
 from pathlib import Path
 
 import dask
 import pytest
 import yaml
-from distributed import Scheduler, span, wait
+from distributed import Client, LocalCluster, Scheduler, span, wait
 
+import dask_otel
 import dask_otel.config
-from tests.support.cluster import otel_cluster, wait_until
+from tests.support.cluster import (
+    UNINSTRUMENTED_CONFIG,
+    Mirrored,
+    cluster_kwargs,
+    otel_cluster,
+    wait_until,
+)
 from tests.support.deploy_checks import dotted
 from tests.support.tasks import fail, inc
 
@@ -270,6 +280,24 @@ def test_a_command_line_preload_needs_dask_otel_named_too(tmp_path):
         assert "dask-otel" in scheduler_plugins([])
         assert "dask-otel" not in scheduler_plugins([str(other)])
         assert "dask-otel" in scheduler_plugins(["dask_otel", str(other)])
+
+
+def test_instrument_exports_no_dask_span_that_finished_before_it():
+    """README, "`instrument` and `status`": Dask spans that finished before the call
+    are not exported; those after it are"""
+    with dask.config.set(UNINSTRUMENTED_CONFIG):
+        with LocalCluster(**cluster_kwargs(n_workers=1)) as cluster, Client(cluster) as client:
+            with span("before") as before:
+                client.gather(client.map(inc, range(2), key=["before-0", "before-1"]))
+            dask_otel.instrument(client)
+            with span("after") as after:
+                client.gather(client.map(inc, range(2), key=["after-0", "after-1"]))
+            mirrored = Mirrored(cluster)
+            mirrored.by_dask_id(after)
+            time.sleep(1)  # several polls: a span found late would be exported by now
+            exported = {s.attributes.get("dask.span.id") for s in mirrored.spans()}
+            assert before in cluster.scheduler.extensions["spans"].spans  # Dask has it
+    assert after in exported and before not in exported
 
 
 def test_the_readme_stays_a_manual():
