@@ -19,6 +19,7 @@ it reaches. What is exported, at which levels: docs/logs.md.
 from __future__ import annotations
 
 import configparser
+import inspect
 import logging
 import warnings
 from typing import Any
@@ -92,8 +93,9 @@ def _otel_handler_classes() -> tuple[type, ...]:
 
 
 def _new_handler(handler_class: type, level: int, provider: Any) -> logging.Handler:
-    if handler_class.__module__.startswith("opentelemetry.instrumentation"):
-        # code.* attributes (where the line was logged), as the SDK's handler adds
+    if "log_code_attributes" in inspect.signature(handler_class).parameters:
+        # instrumentation-logging's: code.* attributes (where the line was logged),
+        # as the SDK's handler adds them
         return handler_class(level=level, logger_provider=provider, log_code_attributes=True)
     with warnings.catch_warnings():
         # deprecated for opentelemetry-instrumentation-logging's, preferred above
