@@ -284,6 +284,26 @@ def test_a_bridge_collection_does_not_sample_the_system_monitor():
         provider.shutdown()
 
 
+def test_a_closed_server_is_reported_once_more_then_forgotten():
+    """As every instrument of the bridge: the collection after close() (usually
+    the flush when the process's last server closes) still has its values"""
+    reader = InMemoryMetricReader()
+    provider = MeterProvider(metric_readers=[reader])
+    try:
+        with otel_cluster(processes=False, n_workers=1) as (_, mirrored):
+            cluster = mirrored.cluster
+            worker = next(iter(cluster.workers.values()))
+            attached = [SchedulerFamilies(cluster.scheduler, own_of(provider)),
+                        WorkerFamilies(worker, own_of(provider))]
+            assert {"dask.scheduler.workers", "dask.worker.threads"} <= set(collect(reader))
+            for a in attached:
+                a.close()
+            assert {"dask.scheduler.workers", "dask.worker.threads"} <= set(collect(reader))
+            assert not {n for n in collect(reader) if n.startswith(OTEL_PREFIXES)}
+    finally:
+        provider.shutdown()
+
+
 def received_shape(receiver: OTLPReceiver) -> dict[str, set[frozenset]]:
     """The Prometheus names (the collector's translation) and label names of the
     Dask families that arrived over OTLP"""

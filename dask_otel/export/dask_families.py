@@ -38,8 +38,10 @@ from __future__ import annotations
 import copy
 import logging
 import threading
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
+
+from opentelemetry.metrics import CallbackOptions, Observation
 
 from dask_otel.export.instruments import (
     COUNTER,
@@ -47,7 +49,6 @@ from dask_otel.export.instruments import (
     Attached,
     MetricSpec,
     ProcessInstruments,
-    Reading,
 )
 
 if TYPE_CHECKING:
@@ -116,14 +117,8 @@ def family_spec(family: Metric, prefix: str, beside_gauge: bool) -> MetricSpec |
     if beside_gauge:
         base, _, last = rest.rpartition("_")
         rest = f"{base}.{last}" if base else rest
-    return MetricSpec(head + rest, kind, unit, family.documentation, _reading(head + rest))
-
-
-def _reading(name: str):
-    def read(observed: DaskFamilies) -> Reading:
-        return observed.reading(name)
-
-    return read
+    # read: the rounds of FamilyInstruments read all families at once
+    return MetricSpec(head + rest, kind, unit, family.documentation, lambda observed: [])
 
 
 class MonitorView:
@@ -168,7 +163,13 @@ class ServerView:
 
 class FamilyInstruments(ProcessInstruments):
     """The instruments of Dask's families on one MeterProvider: those the
-    collections of this process's servers have yielded so far"""
+    collections of this process's servers have yielded so far.
+
+    A collection round runs every attached server's collectors once, when the
+    first instrument is read, and builds every Observation of the round; the
+    other instruments' callbacks return their share. An instrument read twice
+    starts the next round, whatever order the SDK reads them in.
+    """
 
     table = ()
 
@@ -176,11 +177,43 @@ class FamilyInstruments(ProcessInstruments):
     specs: dict[tuple[str, str, str, bool], MetricSpec | None]
     #: Rows yielded by a collection, not yet given an instrument
     pending: dict[str, MetricSpec]
+    #: ``{instrument name: [Observation]}`` of the latest round
+    round: dict[str, list[Observation]]
+    #: Instruments that read :attr:`round` already; None: no round yet
+    read_by: set[str] | None
+    #: Serializes rounds (two readers of one provider may collect at once)
+    round_lock: threading.Lock
 
     def __init__(self, meter: Any):
         super().__init__(meter)
-        self.specs = {}
-        self.pending = {}
+        self.specs, self.pending, self.round, self.read_by = {}, {}, {}, None
+        self.round_lock = threading.Lock()
+
+    def _callback(self, spec: MetricSpec) -> Callable[[CallbackOptions], list[Observation]]:
+        def callback(options: CallbackOptions) -> list[Observation]:
+            with self.round_lock:
+                if self.read_by is None or spec.name in self.read_by:
+                    self.round, self.read_by = self.collect_round(), set()
+                self.read_by.add(spec.name)
+                return self.round.get(spec.name, [])
+
+        return callback
+
+    def collect_round(self) -> dict[str, list[Observation]]:
+        out: dict[str, list[Observation]] = {}
+        for server in self.attached:
+            if server.last_round is not None:  # closed: reported once more
+                with self._lock:
+                    self._attached.pop(server, None)
+            elif not server.active:
+                continue
+            assert isinstance(server, DaskFamilies)
+            for name, series in server.collect().items():
+                out.setdefault(name, []).extend(
+                    Observation(value, {**server.attributes, **labels})
+                    for value, labels in series
+                )
+        return out
 
     def spec_of(self, family: Metric, prefix: str, beside_gauge: bool) -> MetricSpec | None:
         key = (family.name, family.type, family.unit, beside_gauge)
@@ -214,17 +247,11 @@ class DaskFamilies(Attached):
     collectors: list[Any]
     #: Families not exported (another instrument of the bridge carries them)
     excluded: frozenset[str]
-    #: ``{instrument name: [(value, Dask's labels)]}`` of the latest collection
-    snapshot: dict[str, list[tuple[float, dict[str, str]]]]
-    #: Instruments that read :attr:`snapshot` already: the next read of any of
-    #: them starts a new collection round; None: the snapshot is stale
-    read_by: set[str] | None
     #: Collectors whose failure was logged at WARNING; DEBUG from then on
     failed: set[str]
     #: The instruments this server's families are observed by (kept after
     #: :meth:`close`: the last round still collects)
     family_instruments: FamilyInstruments
-    lock: threading.Lock
 
     def __init__(
         self,
@@ -239,8 +266,7 @@ class DaskFamilies(Attached):
         view = ServerView(server)
         self.collectors = [collector(view) for collector in collector_types]
         self.excluded = frozenset(excluded)
-        self.snapshot, self.read_by, self.failed = {}, None, set()
-        self.lock = threading.Lock()
+        self.failed = set()
         assert own.telemetry.meter_provider is not None
         instruments = FamilyInstruments.of(own.telemetry.meter_provider)
         assert isinstance(instruments, FamilyInstruments)
@@ -251,16 +277,8 @@ class DaskFamilies(Attached):
         instruments.create_pending()
         instruments.attach(self)
 
-    def reading(self, name: str) -> list[tuple[float, dict[str, str]]]:
-        """The series of instrument ``name`` in this round's collection: the
-        first instrument that reads twice starts the next round"""
-        with self.lock:
-            if self.read_by is None or name in self.read_by:
-                self.snapshot, self.read_by = self.collect(), set()
-            self.read_by.add(name)
-            return self.snapshot.get(name, [])
-
     def collect(self) -> dict[str, list[tuple[float, dict[str, str]]]]:
+        """``{instrument name: [(value, Dask's labels)]}``: one run of the collectors"""
         instruments = self.family_instruments
         out: dict[str, list[tuple[float, dict[str, str]]]] = {}
         for collector in self.collectors:
