@@ -7,6 +7,7 @@ distributed lacks is expected nowhere, one it adds is expected everywhere."""
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import os
 import re
@@ -14,6 +15,7 @@ import subprocess
 import sys
 import time
 import urllib.request
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
@@ -222,6 +224,26 @@ def test_spill_counters_are_exported_once(live):
     assert not {n for n in live.otel if "spill" in n}
 
 
+@contextlib.contextmanager
+def families_of_one_worker(**config: Any) -> Iterator[tuple[Any, Any, InMemoryMetricReader, list]]:
+    """An in-process cluster of one worker, whose scheduler's and worker's
+    families are attached to an in-memory reader: (cluster, worker, reader,
+    the attached handles)"""
+    reader = InMemoryMetricReader()
+    provider = MeterProvider(metric_readers=[reader])
+    try:
+        with dask.config.set(config), otel_cluster(processes=False, n_workers=1) as (_, mirrored):
+            cluster = mirrored.cluster
+            worker = next(iter(cluster.workers.values()))
+            attached = [SchedulerFamilies(cluster.scheduler, own_of(provider)),
+                        WorkerFamilies(worker, own_of(provider))]
+            yield cluster, worker, reader, attached
+            for a in attached:
+                a.close()
+    finally:
+        provider.shutdown()
+
+
 def tick_maximum(samples: Samples, prefix: str) -> float:
     (value,) = [v for (name, _), v in samples.items()
                 if name == f"{prefix}_tick_duration_maximum_seconds"]
@@ -232,76 +254,45 @@ def test_dask_scrapes_see_the_tick_maximum_a_bridge_collection_leaves():
     """Dask's collectors reset what they read of ``digests_max`` (the scheduler's
     clears it, the worker's pops the tick maximum): a collection of the bridge in
     between must leave Dask's next scrape what it would have seen without it"""
-    reader = InMemoryMetricReader()
-    provider = MeterProvider(metric_readers=[reader])
-    try:
-        with otel_cluster(processes=False, n_workers=1) as (_, mirrored):
-            cluster = mirrored.cluster
-            worker = next(iter(cluster.workers.values()))
-            attached = [SchedulerFamilies(cluster.scheduler, own_of(provider)),
-                        WorkerFamilies(worker, own_of(provider))]
-            for prefix, server in (("dask_scheduler", cluster.scheduler), ("dask_worker", worker)):
-                port = server.http_server.port
-                scrape_text(port)  # Dask's scrape starts a new maximum
-                # Where Dask's collectors read the maximum (the servers record
-                # their ticks under "tick-duration": distributed's own mismatch)
-                server.digests_max["tick_duration"] = 3600.0
-                kept = dict(server.digests_max)
-                ours = collect(reader)[f"{prefix.replace('_', '.')}.tick_duration_maximum"]
-                assert [p.value for p in ours] == [3600.0]
-                # nothing cleared (a tick may raise a maximum meanwhile)
-                assert set(kept) <= set(server.digests_max)
-                assert server.digests_max["tick_duration"] == 3600.0
-                assert tick_maximum(dask_scrape(port, (prefix,)), prefix) == 3600.0
-                # Dask's own scrape did reset it (so the check above could fail)
-                assert tick_maximum(dask_scrape(port, (prefix,)), prefix) < 3600.0
-            for a in attached:
-                a.close()
-    finally:
-        provider.shutdown()
+    with families_of_one_worker() as (cluster, worker, reader, _):
+        for prefix, server in (("dask_scheduler", cluster.scheduler), ("dask_worker", worker)):
+            port = server.http_server.port
+            scrape_text(port)  # Dask's scrape starts a new maximum
+            # Where Dask's collectors read the maximum (the servers record
+            # their ticks under "tick-duration": distributed's own mismatch)
+            server.digests_max["tick_duration"] = 3600.0
+            kept = dict(server.digests_max)
+            ours = collect(reader)[f"{prefix.replace('_', '.')}.tick_duration_maximum"]
+            assert [p.value for p in ours] == [3600.0]
+            # nothing cleared (a tick may raise a maximum meanwhile)
+            assert set(kept) <= set(server.digests_max)
+            assert server.digests_max["tick_duration"] == 3600.0
+            assert tick_maximum(dask_scrape(port, (prefix,)), prefix) == 3600.0
+            # Dask's own scrape did reset it (so the check above could fail)
+            assert tick_maximum(dask_scrape(port, (prefix,)), prefix) < 3600.0
 
 
 def test_a_bridge_collection_does_not_sample_the_system_monitor():
     """Dask's collectors call ``SystemMonitor.update()`` (from distributed
     2024.8), which adds a sample to the history the dashboard plots: the bridge's
     collections must not"""
-    reader = InMemoryMetricReader()
-    provider = MeterProvider(metric_readers=[reader])
     config = {"distributed.admin.system-monitor.interval": "1h"}
-    try:
-        with dask.config.set(config), otel_cluster(processes=False, n_workers=1) as (_, mirrored):
-            cluster = mirrored.cluster
-            worker = next(iter(cluster.workers.values()))
-            attached = [SchedulerFamilies(cluster.scheduler, own_of(provider)),
-                        WorkerFamilies(worker, own_of(provider))]
-            before = cluster.scheduler.monitor.count, worker.monitor.count
-            for _ in range(3):
-                assert "dask.worker.threads" in collect(reader)
-            assert (cluster.scheduler.monitor.count, worker.monitor.count) == before
-            for a in attached:
-                a.close()
-    finally:
-        provider.shutdown()
+    with families_of_one_worker(**config) as (cluster, worker, reader, _):
+        before = cluster.scheduler.monitor.count, worker.monitor.count
+        for _ in range(3):
+            assert "dask.worker.threads" in collect(reader)
+        assert (cluster.scheduler.monitor.count, worker.monitor.count) == before
 
 
 def test_a_closed_server_is_reported_once_more_then_forgotten():
     """As every instrument of the bridge: the collection after close() (usually
     the flush when the process's last server closes) still has its values"""
-    reader = InMemoryMetricReader()
-    provider = MeterProvider(metric_readers=[reader])
-    try:
-        with otel_cluster(processes=False, n_workers=1) as (_, mirrored):
-            cluster = mirrored.cluster
-            worker = next(iter(cluster.workers.values()))
-            attached = [SchedulerFamilies(cluster.scheduler, own_of(provider)),
-                        WorkerFamilies(worker, own_of(provider))]
-            assert {"dask.scheduler.workers", "dask.worker.threads"} <= set(collect(reader))
-            for a in attached:
-                a.close()
-            assert {"dask.scheduler.workers", "dask.worker.threads"} <= set(collect(reader))
-            assert not {n for n in collect(reader) if n.startswith(OTEL_PREFIXES)}
-    finally:
-        provider.shutdown()
+    with families_of_one_worker() as (_, _, reader, attached):
+        assert {"dask.scheduler.workers", "dask.worker.threads"} <= set(collect(reader))
+        for a in attached:
+            a.close()
+        assert {"dask.scheduler.workers", "dask.worker.threads"} <= set(collect(reader))
+        assert not {n for n in collect(reader) if n.startswith(OTEL_PREFIXES)}
 
 
 def received_shape(receiver: OTLPReceiver) -> dict[str, set[frozenset]]:
