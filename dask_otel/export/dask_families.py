@@ -4,11 +4,9 @@ family.
 
 At each collection, the collectors of each attached server run once, and every
 family they yield becomes one observable instrument by one rule
-(:func:`family_spec`): Dask's name with its prefix dotted, its kind (counter or
-gauge), the unit that prometheus_client appended to the name (``seconds`` -> ``s``,
-``bytes`` -> ``By``), Dask's labels as attributes, Dask's help text. So a family a
-new distributed adds, renames or drops follows without a change here, and the
-bridge reads no attribute of Dask for them: the collectors do.
+(:func:`family_spec`): so a family a new distributed adds, renames or drops
+follows without a change here, and the bridge reads no attribute of Dask for
+them: the collectors do.
 
 Invariants:
 
@@ -35,6 +33,7 @@ docs/metrics.md#dasks-own-families.
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import logging
 import threading
@@ -294,7 +293,8 @@ class DaskFamilies(Attached):
                 out[spec.name] = [(s.value, s.labels) for s in family.samples if s.name == sample]
         if instruments.pending:
             # not from the reader's thread: it holds the SDK's collection lock
-            self.server.io_loop.add_callback(instruments.create_pending)
+            with contextlib.suppress(RuntimeError):  # the loop is closed: too late
+                self.server.io_loop.add_callback(instruments.create_pending)
         return out
 
     def _families(self, collector: Any) -> list[Metric]:
