@@ -51,8 +51,13 @@ from dask_otel.export.instruments import (
 )
 
 if TYPE_CHECKING:
+    from collections import defaultdict
+    from collections.abc import Hashable
+
     from distributed.core import Server
+    from distributed.http.prometheus import PrometheusCollector
     from distributed.system_monitor import SystemMonitor
+    from opentelemetry.metrics import Meter
     from prometheus_client import Metric
 
     from dask_otel.export.telemetry import ServerTelemetry
@@ -68,7 +73,7 @@ UNITS = {"seconds": "s", "bytes": "By"}
 ATTEMPTS = 3
 
 
-def families_wanted(own: Any) -> bool:
+def families_wanted(own: ServerTelemetry) -> bool:
     """``otel.metrics.dask``, unless metrics also go to the prometheus exporter:
     its endpoint is Dask's own /metrics, which serves these families already
     (twice the same name on one endpoint is an invalid exposition); and only
@@ -148,7 +153,7 @@ class ServerView:
         self.server = server
 
     @property
-    def digests_max(self) -> Any:
+    def digests_max(self) -> defaultdict[Hashable, float]:
         # a defaultdict's copy is made in C, holding the GIL: consistent
         return copy.copy(self.server.digests_max)
 
@@ -183,7 +188,7 @@ class FamilyInstruments(ProcessInstruments):
     #: Serializes rounds (two readers of one provider may collect at once)
     round_lock: threading.Lock
 
-    def __init__(self, meter: Any):
+    def __init__(self, meter: Meter):
         super().__init__(meter)
         self.specs, self.pending, self.round, self.read_by = {}, {}, {}, None
         self.round_lock = threading.Lock()
@@ -243,7 +248,7 @@ class DaskFamilies(Attached):
     #: The scheduler or worker
     server: Server
     #: Dask's collectors of this server, on its :class:`ServerView`
-    collectors: list[Any]
+    collectors: list[PrometheusCollector]
     #: Families not exported (another instrument of the bridge carries them)
     excluded: frozenset[str]
     #: Collectors whose failure was logged at WARNING; DEBUG from then on
@@ -297,7 +302,7 @@ class DaskFamilies(Attached):
                 self.server.io_loop.add_callback(instruments.create_pending)
         return out
 
-    def _families(self, collector: Any) -> list[Metric]:
+    def _families(self, collector: PrometheusCollector) -> list[Metric]:
         for attempt in range(ATTEMPTS):
             try:
                 return [f for f in collector.collect() if f.name not in self.excluded]
