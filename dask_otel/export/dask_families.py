@@ -249,8 +249,6 @@ class DaskFamilies(Attached):
     server: Server
     #: Dask's collectors of this server, on its :class:`ServerView`
     collectors: list[PrometheusCollector]
-    #: Families not exported (another instrument of the bridge carries them)
-    excluded: frozenset[str]
     #: Collectors whose failure was logged at WARNING; DEBUG from then on
     failed: set[str]
     #: The instruments this server's families are observed by (kept after
@@ -263,13 +261,11 @@ class DaskFamilies(Attached):
         collector_types: Iterable[type],
         attributes: dict[str, Any],
         own: ServerTelemetry,
-        excluded: Iterable[str] = (),
     ):
         super().__init__(attributes)
         self.server = server
         view = ServerView(server)
         self.collectors = [collector(view) for collector in collector_types]
-        self.excluded = frozenset(excluded)
         self.failed = set()
         assert own.telemetry.meter_provider is not None
         instruments = FamilyInstruments.of(own.telemetry.meter_provider)
@@ -305,7 +301,7 @@ class DaskFamilies(Attached):
     def _families(self, collector: PrometheusCollector) -> list[Metric]:
         for attempt in range(ATTEMPTS):
             try:
-                return [f for f in collector.collect() if f.name not in self.excluded]
+                return list(collector.collect())
             except RuntimeError:  # a dict changed size during iteration
                 if attempt + 1 < ATTEMPTS:
                     continue

@@ -2,12 +2,15 @@
 collectors its ``/metrics`` serves from (Dask's ``COLLECTORS``: the scheduler's,
 the semaphores', work stealing's), exported by the adapter
 :mod:`dask_otel.export.dask_families`, with the attributes that name the
-scheduler. docs/metrics.md#dasks-own-families
+scheduler. Imported only where prometheus_client is installed, as Dask's
+``/metrics`` handler is. docs/metrics.md#dasks-own-families
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING
+
+from distributed.http.scheduler.prometheus.core import COLLECTORS
 
 from dask_otel.export.dask_families import DaskFamilies
 
@@ -21,8 +24,5 @@ class SchedulerFamilies(DaskFamilies):
     """Exports one scheduler's Dask families from now until :meth:`close`"""
 
     def __init__(self, scheduler: Scheduler, own: ServerTelemetry):
-        # needs prometheus_client, as Dask's /metrics does
-        from distributed.http.scheduler.prometheus.core import COLLECTORS
-
         # Dask's label sets exactly, beside the resource names the scheduler
         super().__init__(scheduler, COLLECTORS, dict(own.metric_attributes), own)

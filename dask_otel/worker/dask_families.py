@@ -4,23 +4,36 @@ collector its ``/metrics`` serves from, exported by the adapter
 beside Dask's labels.
 
 Dask's SpillBuffer families (what the collector's ``collect_spillbuffer``
-yields) are left out: the bridge's spill instruments (:mod:`dask_otel.spill`)
-export the same counters, always on. docs/metrics.md#dasks-own-families
+yields) are left out, not even built: the bridge's spill instruments
+(:mod:`dask_otel.spill`) export the same counters, always on.
+Imported only where prometheus_client is installed, as Dask's ``/metrics``
+handler is. docs/metrics.md#dasks-own-families
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import TYPE_CHECKING
 
-from dask_otel.export.dask_families import DaskFamilies, ServerView
+from distributed.http.worker.prometheus.core import WorkerMetricCollector
+
+from dask_otel.export.dask_families import DaskFamilies
 
 #: The attribute that names the worker (as on the spill metrics)
 WORKER_ADDRESS = "dask.worker.address"
 
 if TYPE_CHECKING:
     from distributed import Worker
+    from prometheus_client import Metric
 
     from dask_otel.export.telemetry import ServerTelemetry
+
+
+class WorkerCollector(WorkerMetricCollector):
+    """Dask's worker collector, but for the SpillBuffer's families"""
+
+    def collect_spillbuffer(self) -> Iterator[Metric]:
+        return iter(())
 
 
 class WorkerFamilies(DaskFamilies):
@@ -32,12 +45,6 @@ class WorkerFamilies(DaskFamilies):
     """
 
     def __init__(self, worker: Worker, own: ServerTelemetry):
-        # needs prometheus_client, as Dask's /metrics does
-        from distributed.http.worker.prometheus.core import WorkerMetricCollector
-
-        spill = WorkerMetricCollector(ServerView(worker)).collect_spillbuffer()
         super().__init__(
-            worker, [WorkerMetricCollector],
-            {**own.metric_attributes, WORKER_ADDRESS: worker.address}, own,
-            excluded={family.name for family in spill},
+            worker, [WorkerCollector], {**own.metric_attributes, WORKER_ADDRESS: worker.address}, own
         )
