@@ -9,7 +9,8 @@ per export. S: the same for the spill instruments (:mod:`dask_otel.spill`) of ev
 worker. B (without dask_otel): Dask's own Prometheus collectors of the same
 servers (``COLLECTORS``, one ``WorkerMetricCollector`` per worker), their
 families built, as Prometheus scraping every endpoint would have them. A, S and B
-alternate, ``--repeat`` times each; medians with min-max.
+alternate, ``--repeat`` times each; medians with min-max, of the collecting
+thread's CPU time (what a loaded machine disturbs least) and of wall time.
 
 ``--before DIR`` runs the same measurement, in fresh processes, alternately on
 the dask_otel of DIR (a worktree of an older commit) and on this one,
@@ -41,8 +42,8 @@ def inc(x: int) -> int:
 
 
 def measure(workers: list[int], repeat: int) -> dict[str, dict[str, list[float]]]:
-    """``{workers: {"A"|"S"|"B": [ms], "A points"|...: [n]}}`` on the dask_otel
-    this process imports"""
+    """``{workers: {"A"|"S"|"B": [wall ms], "A cpu"|...: [thread CPU ms],
+    "A points"|...: [n]}}`` on the dask_otel this process imports"""
     import dask
     from distributed import Client, LocalCluster
     from distributed.http.scheduler.prometheus.core import COLLECTORS
@@ -94,9 +95,11 @@ def measure(workers: list[int], repeat: int) -> dict[str, dict[str, list[float]]
                 row: dict[str, list[float]] = {}
                 for _ in range(repeat):
                     for side, fn in fns.items():
-                        t0 = time.perf_counter()
+                        t0, c0 = time.perf_counter(), time.thread_time()
                         count = fn()
-                        row.setdefault(side, []).append((time.perf_counter() - t0) * 1000)
+                        c1, t1 = time.thread_time(), time.perf_counter()
+                        row.setdefault(side, []).append((t1 - t0) * 1000)
+                        row.setdefault(f"{side} cpu", []).append((c1 - c0) * 1000)
                         row.setdefault(f"{side} points", []).append(count)
                 for x in attached:
                     x.close()
@@ -119,17 +122,21 @@ def per_series(ms: list[float], points: list[float]) -> list[float]:
 def report(results: dict[str, dict[str, list[float]]]) -> None:
     from benchmarks.harness import median, print_table
 
-    rows = []
-    for n, row in results.items():
-        rows.append([
-            n, int(median(row["A points"])), cell(row["A"]),
-            cell(per_series(row["A"], row["A points"]), "{:.1f}"),
-            int(median(row["S points"])), cell(row["S"]),
-            cell(per_series(row["S"], row["S points"]), "{:.1f}"),
-            int(median(row["B points"])), cell(row["B"]),
-        ])
-    print_table(["workers", "A points", "A: families ms", "A us/series", "S points",
-                 "S: spill ms", "S us/series", "B samples", "B: Dask's collectors ms"], rows)
+    for clock, suffix in (("thread CPU time", " cpu"), ("wall time", "")):
+        print(f"-- {clock}")
+        rows = []
+        for n, row in results.items():
+            a, s, b = (row[side + suffix] for side in "ASB")
+            rows.append([
+                n, int(median(row["A points"])), cell(a),
+                cell(per_series(a, row["A points"]), "{:.1f}"),
+                int(median(row["S points"])), cell(s),
+                cell(per_series(s, row["S points"]), "{:.1f}"),
+                int(median(row["B points"])), cell(b),
+            ])
+        print_table(["workers", "A points", "A: families ms", "A us/series", "S points",
+                     "S: spill ms", "S us/series", "B samples", "B: Dask's collectors ms"],
+                    rows)
 
 
 def compare(before: Path, workers: list[int], repeat: int, rounds: int) -> None:
