@@ -132,7 +132,8 @@ def translated(data: Any) -> Samples:
                 kind = "sum" if monotonic is not None else "gauge"
                 name = collector_prometheus_name(m.name, m.unit, kind, monotonic)
                 for p in m.data.data_points:
-                    labels = frozenset((k.replace(".", "_"), str(v)) for k, v in p.attributes.items())
+                    labels = frozenset(
+                        (k.replace(".", "_"), str(v)) for k, v in p.attributes.items())
                     out[(name, labels)] = p.value
     return {k: v for k, v in out.items() if k[0].startswith(DASK_PREFIXES)}
 
@@ -147,7 +148,8 @@ def live() -> Live:
     readers: list[Any] = [memory := InMemoryMetricReader()]
     if "registry" in accepted:  # else it would register in Dask's registry
         options = {"disable_target_info": True, "scope_info_enabled": False, "registry": registry}
-        readers.append(PrometheusMetricReader(**{k: v for k, v in options.items() if k in accepted}))
+        options = {k: v for k, v in options.items() if k in accepted}
+        readers.append(PrometheusMetricReader(**options))
     provider = MeterProvider(metric_readers=readers)
     try:
         with otel_cluster(processes=False, n_workers=1) as (client, mirrored):
@@ -190,8 +192,9 @@ def live() -> Live:
 
 def test_prometheus_names_labels_and_values_equal_dasks_own(live):
     ours_s = {k: v for k, v in live.ours.items() if k[0].startswith(SCHEDULER_PREFIXES)}
+    address = ("dask_worker_address", live.worker_address)
     ours_w = {
-        (name, frozenset(kv for kv in labels if kv != ("dask_worker_address", live.worker_address))): v
+        (name, frozenset(kv for kv in labels if kv != address)): v
         for (name, labels), v in live.ours.items() if name.startswith("dask_worker_")
     }
     assert "dask_semaphore_active_leases" in shape(live.dask_s)
@@ -322,7 +325,8 @@ def test_families_arrive_over_otlp_with_dasks_names(monkeypatch):
                                  SCHEDULER_PREFIXES)
             for port in ports.values():
                 names |= family_names(scrape_text(port), ("dask_worker_",))
-                for name, labels in shape(without_spill(dask_scrape(port, ("dask_worker_",)))).items():
+                worker_shape = shape(without_spill(dask_scrape(port, ("dask_worker_",))))
+                for name, labels in worker_shape.items():
                     dask_shape.setdefault(name, set()).update(labels)
             # Over OTLP the workers share their scheduler's resource: the
             # attribute tells them apart, where Prometheus has its instance label

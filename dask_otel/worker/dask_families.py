@@ -45,6 +45,5 @@ class WorkerFamilies(DaskFamilies):
     """
 
     def __init__(self, worker: Worker, own: ServerTelemetry):
-        super().__init__(
-            worker, [WorkerCollector], {**own.metric_attributes, WORKER_ADDRESS: worker.address}, own
-        )
+        attributes = {**own.metric_attributes, WORKER_ADDRESS: worker.address}
+        super().__init__(worker, [WorkerCollector], attributes, own)
