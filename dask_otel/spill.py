@@ -5,10 +5,11 @@ serializing and compressing it has cost since the worker started.
 Nothing is sampled or recorded in between collections: the values are read from
 ``Worker.data`` when the metric reader asks (every ``OTEL_METRIC_EXPORT_INTERVAL``
 ms with OTLP, at each scrape in Prometheus pull mode). ``Worker.data`` may be a
-``SpillBuffer`` of either shape (``cumulative_metrics`` since distributed
-2023.3.2, ``get_metrics()`` before, mapped to the same names), a plain dict
-(spilling disabled: levels only), or a third-party buffer, of which whatever it
-has is read. On with the preload, on every worker; nothing to call.
+``SpillBuffer`` (its ``cumulative_metrics``), a plain dict (spilling disabled:
+levels only), or a third-party buffer, of which whatever it has is read. On
+with the preload, on every worker; nothing to call. With ``otel.metrics.dask``,
+these counters are the only export of the SpillBuffer's: Dask's own spill
+families are left out of Dask's families (:mod:`dask_otel.worker.dask_families`).
 
 The instruments (:data:`SPILL_METRICS`, the only place their names are spelled),
 their attributes, Prometheus names and the formulas for cache hit ratio and
@@ -44,11 +45,6 @@ WORKER_NAME = "dask.worker.name"
 ACTIVITY = "dask.activity.name"
 THRESHOLD = "dask.threshold"
 
-#: Activity labels of ``SpillBuffer.get_metrics()`` (2022.12.1 to 2023.3.1) that
-#: were renamed when ``cumulative_metrics`` replaced it (in 2023.3.2)
-OLD_ACTIVITIES = {"pickle": "serialize", "unpickle": "deserialize"}
-#: Unit suffixes of ``get_metrics()`` keys -> units of ``cumulative_metrics`` keys
-OLD_UNITS = {"count": "count", "bytes": "bytes", "time": "seconds"}
 #: What the current SpillBuffer records in ``cumulative_metrics``, exported as 0
 #: until it happens: Prometheus' rate() loses the first increase of a series
 #: that appears with a value above 0
@@ -117,41 +113,18 @@ def spill_levels(worker: Worker) -> dict[str, float]:
 
 
 def spill_totals(worker: Worker) -> dict[tuple[str, str], float]:
-    """Cumulative ``{(activity, unit): value}`` of the worker's data, in the labels
-    and units of ``SpillBuffer.cumulative_metrics``, whichever generation it is.
+    """Cumulative ``{(activity, unit): value}`` of the worker's data: its
+    ``cumulative_metrics`` (a SpillBuffer, or a third-party buffer that has them).
     Empty when spilling is disabled.
     """
-    data = worker.data
-    current = getattr(data, "cumulative_metrics", None)
-    if isinstance(current, Mapping):
-        out = dict.fromkeys(SPILLBUFFER_TOTALS, 0.0)
-        out.update(
-            ((str(label), str(unit)), value)
-            for (label, unit), value in copy_mapping(current).items()
-        )
-        return out
-    get_metrics = getattr(data, "get_metrics", None)
-    if callable(get_metrics):
-        return old_generation_totals(get_metrics())
-    return {}
-
-
-def old_generation_totals(metrics: Mapping[str, float]) -> dict[tuple[str, str], float]:
-    """``SpillBuffer.get_metrics()`` of 2022.12.1 to 2023.3.1 as
-    ``{(activity, unit): value}``: ``disk_write_time_total`` becomes
-    ``("disk-write", "seconds")``, ``pickle_time_total`` ``("serialize", "seconds")``.
-    Its levels (``memory_count``...) are left out: :func:`spill_levels` reads them.
-    """
-    out: dict[tuple[str, str], float] = {}
-    for name, value in metrics.items():
-        if not name.endswith("_total"):
-            continue
-        activity, _, unit = name[: -len("_total")].rpartition("_")
-        if unit not in OLD_UNITS or not activity:
-            continue
-        activity = OLD_ACTIVITIES.get(activity, activity.replace("_", "-"))
-        key = (activity, OLD_UNITS[unit])
-        out[key] = out.get(key, 0) + value
+    current = getattr(worker.data, "cumulative_metrics", None)
+    if not isinstance(current, Mapping):
+        return {}
+    out = dict.fromkeys(SPILLBUFFER_TOTALS, 0.0)
+    out.update(
+        ((str(label), str(unit)), value)
+        for (label, unit), value in copy_mapping(current).items()
+    )
     return out
 
 

@@ -1,36 +1,52 @@
 """Dask's own metric families over OpenTelemetry (``otel.metrics.dask``,
-:mod:`dask_otel.scheduler.dask_families`, :mod:`dask_otel.worker.dask_families`):
-on a live cluster, what Dask serves on its /metrics and what the bridge exports,
-through the Prometheus exporter and over OTLP, have the same names and labels.
-The expected set is read from the live /metrics, not listed here: a family that
-the installed distributed lacks is expected nowhere."""
+:mod:`dask_otel.export.dask_families`): on a live cluster, what Dask serves on
+its /metrics and what the bridge exports, through the Prometheus exporter and
+over OTLP, have the same names, labels and values. The expected set is read from
+the live /metrics, not listed here nor in the bridge: a family that the installed
+distributed lacks is expected nowhere, one it adds is expected everywhere."""
 
 from __future__ import annotations
 
+import contextlib
 import inspect
+import os
 import re
+import subprocess
+import sys
+import time
 import urllib.request
+from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
+import dask
 import pytest
 from distributed import Semaphore
 from opentelemetry.exporter.prometheus import PrometheusMetricReader
 from opentelemetry.sdk.metrics import MeterProvider
+from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from dask_otel.export.instruments import prometheus_name
-from dask_otel.scheduler.dask_families import SCHEDULER_FAMILIES, SchedulerFamilies
-from dask_otel.worker.dask_families import WORKER_FAMILIES, WorkerFamilies
+import dask_otel
+from dask_otel.scheduler.dask_families import SchedulerFamilies
+from dask_otel.worker.dask_families import WorkerFamilies
 from tests.support.cluster import otel_cluster, wait_until
+from tests.support.deploy_checks import collector_prometheus_name
+from tests.support.metrics import collect
 from tests.support.otlp_receiver import OTLPReceiver, set_otel_env
 from tests.support.tasks import make_chunk
 
 pytestmark = pytest.mark.timeout(120)
 
+PACKAGE = Path(dask_otel.__file__).parent
 DASK_PREFIXES = ("dask_scheduler_", "dask_semaphore_", "dask_stealing_", "dask_worker_")
+OTEL_PREFIXES = tuple(p.replace("_", ".") for p in DASK_PREFIXES)
+SCHEDULER_PREFIXES = DASK_PREFIXES[:3]
+#: Dask's SpillBuffer families: the bridge's dask.spill.* instruments carry them
+SPILL_FAMILIES = re.compile(r"dask_worker_spill_(bytes|count|time_seconds)_total")
 #: Series whose value moves between two reads (clocks, process memory, GC)
 MOVING = re.compile(r"tick|last_time|gc_collection|gil|latency|memory_bytes|median")
 
@@ -47,20 +63,22 @@ def parse(text: str, prefixes: tuple[str, ...]) -> Samples:
     }
 
 
+def scrape_text(port: int) -> str:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
+        return r.read().decode()
+
+
 def dask_scrape(port: int, prefixes: tuple[str, ...]) -> Samples:
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
-        return parse(r.read().decode(), prefixes)
+    return parse(scrape_text(port), prefixes)
 
 
-def served(port: int, prefixes: tuple[str, ...]) -> set[str]:
-    """Sample names of every family Dask serves, also those with no series now
-    (``dask_worker_tasks`` while the worker holds no task)"""
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
-        families = text_string_to_metric_families(r.read().decode())
-        return {
-            f.name + "_total" if f.type == "counter" else f.name
-            for f in families if f.name.startswith(prefixes)
-        }
+def family_names(text: str, prefixes: tuple[str, ...]) -> set[str]:
+    """Sample names of every family in an exposition, also those with no series
+    now (``dask_worker_tasks`` while the worker holds no task)"""
+    return {
+        f.name + "_total" if f.type == "counter" else f.name
+        for f in text_string_to_metric_families(text) if f.name.startswith(prefixes)
+    }
 
 
 def shape(samples: Samples) -> dict[str, set[frozenset]]:
@@ -71,6 +89,10 @@ def shape(samples: Samples) -> dict[str, set[frozenset]]:
     return out
 
 
+def without_spill(samples: Samples) -> Samples:
+    return {k: v for k, v in samples.items() if not SPILL_FAMILIES.fullmatch(k[0])}
+
+
 def assert_same(dask: Samples, ours: Samples) -> None:
     assert shape(ours) == shape(dask)
     assert set(ours) == set(dask)  # the same series (label values too)
@@ -79,17 +101,56 @@ def assert_same(dask: Samples, ours: Samples) -> None:
             assert ours[key] == pytest.approx(value), key
 
 
-def test_prometheus_names_and_labels_equal_dasks_own():
+def own_of(provider: MeterProvider) -> Any:
+    return SimpleNamespace(metric_attributes={}, telemetry=SimpleNamespace(meter_provider=provider))
+
+
+@dataclass
+class Live:
+    """One in-process cluster, scraped by Dask and collected by the bridge"""
+
+    dask_s: Samples
+    dask_w: Samples
+    #: the sample names of every family Dask served, scheduler and worker
+    served: set[str]
+    #: what the bridge's instruments gave the Prometheus exporter
+    ours: Samples
+    #: the bridge's OpenTelemetry instruments (an in-memory reader's view):
+    #: ``{name: (kind, unit)}``
+    otel: dict[str, tuple[str, str]]
+    worker_address: str
+
+
+def translated(data: Any) -> Samples:
+    """An in-memory reader's points as a Prometheus exporter names them (the
+    collector's translation): for an exporter without a registry of its own"""
+    out: Samples = {}
+    for rm in data.resource_metrics:
+        for sm in rm.scope_metrics:
+            for m in sm.metrics:
+                monotonic = getattr(m.data, "is_monotonic", None)
+                kind = "sum" if monotonic is not None else "gauge"
+                name = collector_prometheus_name(m.name, m.unit, kind, monotonic)
+                for p in m.data.data_points:
+                    labels = frozenset(
+                        (k.replace(".", "_"), str(v)) for k, v in p.attributes.items())
+                    out[(name, labels)] = p.value
+    return {k: v for k, v in out.items() if k[0].startswith(DASK_PREFIXES)}
+
+
+@pytest.fixture(scope="module")
+def live() -> Live:
     """The bridge's instruments, on a MeterProvider of the project's Prometheus
-    exporter (its own registry: Dask's default one serves Dask's families)"""
+    exporter (its own registry: Dask's default one serves Dask's families), and
+    of an in-memory reader"""
     registry = CollectorRegistry()
     accepted = inspect.signature(PrometheusMetricReader).parameters
-    if "registry" not in accepted:  # it would register in Dask's registry
-        pytest.skip("this opentelemetry-exporter-prometheus has no registry argument")
-    options = {"disable_target_info": True, "scope_info_enabled": False, "registry": registry}
-    reader = PrometheusMetricReader(**{k: v for k, v in options.items() if k in accepted})
-    provider = MeterProvider(metric_readers=[reader])
-    own = SimpleNamespace(metric_attributes={}, telemetry=SimpleNamespace(meter_provider=provider))
+    readers: list[Any] = [memory := InMemoryMetricReader()]
+    if "registry" in accepted:  # else it would register in Dask's registry
+        options = {"disable_target_info": True, "scope_info_enabled": False, "registry": registry}
+        options = {k: v for k, v in options.items() if k in accepted}
+        readers.append(PrometheusMetricReader(**options))
+    provider = MeterProvider(metric_readers=readers)
     try:
         with otel_cluster(processes=False, n_workers=1) as (client, mirrored):
             cluster = mirrored.cluster
@@ -98,38 +159,155 @@ def test_prometheus_names_and_labels_equal_dasks_own():
                 futures = client.map(make_chunk, range(4))
                 client.gather(futures)
                 worker = next(iter(cluster.workers.values()))
-                attached = [SchedulerFamilies(cluster.scheduler, own), WorkerFamilies(worker, own)]
-                scheduler_prefixes = DASK_PREFIXES[:3]
+                attached = [
+                    SchedulerFamilies(cluster.scheduler, own_of(provider)),
+                    WorkerFamilies(worker, own_of(provider)),
+                ]
                 # Idle cluster: nothing but clocks moves between the two reads
-                dask_s = dask_scrape(cluster.scheduler.http_server.port, scheduler_prefixes)
-                dask_w = dask_scrape(worker.http_server.port, ("dask_worker_",))
-                ours_all = parse(generate_latest(registry).decode(), DASK_PREFIXES)
+                s_text = scrape_text(cluster.scheduler.http_server.port)
+                w_text = scrape_text(worker.http_server.port)
+                data = memory.get_metrics_data()
+                if len(readers) > 1:
+                    ours = parse(generate_latest(registry).decode(), DASK_PREFIXES)
+                else:
+                    ours = translated(data)
+                otel = {
+                    m.name: ("counter" if type(m.data).__name__ == "Sum" else "gauge", m.unit)
+                    for rm in data.resource_metrics for sm in rm.scope_metrics
+                    for m in sm.metrics if m.name.startswith(OTEL_PREFIXES)
+                }
                 for a in attached:
                     a.close()
     finally:
         provider.shutdown()
-    ours_s = {k: v for k, v in ours_all.items() if k[0].startswith(scheduler_prefixes)}
+    return Live(
+        dask_s=parse(s_text, SCHEDULER_PREFIXES),
+        dask_w=parse(w_text, ("dask_worker_",)),
+        served=family_names(s_text, SCHEDULER_PREFIXES) | family_names(w_text, ("dask_worker_",)),
+        ours=ours,
+        otel=otel,
+        worker_address=worker.address,
+    )
+
+
+def test_prometheus_names_labels_and_values_equal_dasks_own(live):
+    ours_s = {k: v for k, v in live.ours.items() if k[0].startswith(SCHEDULER_PREFIXES)}
+    address = ("dask_worker_address", live.worker_address)
     ours_w = {
-        (name, frozenset(kv for kv in labels if kv != ("dask_worker_address", worker.address))): v
-        for (name, labels), v in ours_all.items() if name.startswith("dask_worker_")
+        (name, frozenset(kv for kv in labels if kv != address)): v
+        for (name, labels), v in live.ours.items() if name.startswith("dask_worker_")
     }
-    assert "dask_semaphore_active_leases" in shape(dask_s)
-    assert "dask_stealing_request_count_total" in shape(dask_s)
-    assert_same(dask_s, ours_s)
-    assert_same(dask_w, ours_w)
+    assert "dask_semaphore_active_leases" in shape(live.dask_s)
+    assert "dask_stealing_request_count_total" in shape(live.dask_s)
+    assert_same(live.dask_s, ours_s)
+    assert_same(without_spill(live.dask_w), ours_w)
 
 
-def received_shape(receiver: OTLPReceiver, table: tuple) -> dict[str, set[frozenset]]:
-    """The Prometheus names and label names of what arrived over OTLP, by the
-    table's naming rule, checked against each point's kind and unit"""
-    specs = {spec.name: spec for spec in table}
+def test_every_family_dask_serves_is_exported_though_the_bridge_names_none(live):
+    """The bridge follows Dask's collectors: each family Dask serves arrives (but
+    the SpillBuffer's, see the next test), and no module of the bridge spells its
+    name, as Dask or as OpenTelemetry names it: a family a new distributed adds
+    arrives the same way"""
+    served = {n for n in live.served if not SPILL_FAMILIES.fullmatch(n)}
+    exported = {name for name, _ in live.ours}
+    assert served == exported
+    assert len(live.otel) == len(served) > 30
+    source = "\n".join(p.read_text() for p in PACKAGE.rglob("*.py"))
+    names = {n.removesuffix("_total") for n in served} | served | set(live.otel)
+    spelled = {n for n in names if re.search(rf"(?<![\w.]){re.escape(n)}(?![\w.])", source)}
+    assert spelled == set()
+
+
+def test_spill_counters_are_exported_once(live):
+    """Dask serves its SpillBuffer counters as families of its own; with the
+    families on, the bridge exports them once, as its dask.spill.* instruments"""
+    spill = {n for n in live.served if SPILL_FAMILIES.fullmatch(n)}
+    assert len(spill) == 3  # the exclusion below is not vacuous
+    assert not spill & {name for name, _ in live.ours}
+    assert not {n for n in live.otel if "spill" in n}
+
+
+@contextlib.contextmanager
+def families_of_one_worker(**config: Any) -> Iterator[tuple[Any, Any, InMemoryMetricReader, list]]:
+    """An in-process cluster of one worker, whose scheduler's and worker's
+    families are attached to an in-memory reader: (cluster, worker, reader,
+    the attached handles)"""
+    reader = InMemoryMetricReader()
+    provider = MeterProvider(metric_readers=[reader])
+    try:
+        with dask.config.set(config), otel_cluster(processes=False, n_workers=1) as (_, mirrored):
+            cluster = mirrored.cluster
+            worker = next(iter(cluster.workers.values()))
+            attached = [SchedulerFamilies(cluster.scheduler, own_of(provider)),
+                        WorkerFamilies(worker, own_of(provider))]
+            yield cluster, worker, reader, attached
+            for a in attached:
+                a.close()
+    finally:
+        provider.shutdown()
+
+
+def tick_maximum(samples: Samples, prefix: str) -> float:
+    (value,) = [v for (name, _), v in samples.items()
+                if name == f"{prefix}_tick_duration_maximum_seconds"]
+    return value
+
+
+def test_dask_scrapes_see_the_tick_maximum_a_bridge_collection_leaves():
+    """Dask's collectors reset what they read of ``digests_max`` (the scheduler's
+    clears it, the worker's pops the tick maximum): a collection of the bridge in
+    between must leave Dask's next scrape what it would have seen without it"""
+    with families_of_one_worker() as (cluster, worker, reader, _):
+        for prefix, server in (("dask_scheduler", cluster.scheduler), ("dask_worker", worker)):
+            port = server.http_server.port
+            scrape_text(port)  # Dask's scrape starts a new maximum
+            # Where Dask's collectors read the maximum (the servers record
+            # their ticks under "tick-duration": distributed's own mismatch)
+            server.digests_max["tick_duration"] = 3600.0
+            kept = dict(server.digests_max)
+            ours = collect(reader)[f"{prefix.replace('_', '.')}.tick_duration_maximum"]
+            assert [p.value for p in ours] == [3600.0]
+            # nothing cleared (a tick may raise a maximum meanwhile)
+            assert set(kept) <= set(server.digests_max)
+            assert server.digests_max["tick_duration"] == 3600.0
+            assert tick_maximum(dask_scrape(port, (prefix,)), prefix) == 3600.0
+            # Dask's own scrape did reset it (so the check above could fail)
+            assert tick_maximum(dask_scrape(port, (prefix,)), prefix) < 3600.0
+
+
+def test_a_bridge_collection_does_not_sample_the_system_monitor():
+    """Dask's collectors call ``SystemMonitor.update()`` (from distributed
+    2024.8), which adds a sample to the history the dashboard plots: the bridge's
+    collections must not"""
+    config = {"distributed.admin.system-monitor.interval": "1h"}
+    with families_of_one_worker(**config) as (cluster, worker, reader, _):
+        before = cluster.scheduler.monitor.count, worker.monitor.count
+        for _ in range(3):
+            assert "dask.worker.threads" in collect(reader)
+        assert (cluster.scheduler.monitor.count, worker.monitor.count) == before
+
+
+def test_a_closed_server_is_reported_once_more_then_forgotten():
+    """As every instrument of the bridge: the collection after close() (usually
+    the flush when the process's last server closes) still has its values"""
+    with families_of_one_worker() as (_, _, reader, attached):
+        assert {"dask.scheduler.workers", "dask.worker.threads"} <= set(collect(reader))
+        for a in attached:
+            a.close()
+        assert {"dask.scheduler.workers", "dask.worker.threads"} <= set(collect(reader))
+        assert not {n for n in collect(reader) if n.startswith(OTEL_PREFIXES)}
+
+
+def received_shape(receiver: OTLPReceiver) -> dict[str, set[frozenset]]:
+    """The Prometheus names (the collector's translation) and label names of the
+    Dask families that arrived over OTLP"""
     out: dict[str, set[frozenset]] = {}
-    for name, spec in specs.items():
-        for p in receiver.metric_points(name):
-            assert (p.kind, p.unit) == ("sum" if spec.kind == "counter" else "gauge", spec.unit)
+    for p in receiver.metric_points():
+        if p.name.startswith(OTEL_PREFIXES):
             labels = frozenset(k.replace(".", "_") for k in p.attributes
                                if k != "dask.worker.address")
-            out.setdefault(prometheus_name(spec), set()).add(labels)
+            name = collector_prometheus_name(p.name, p.unit, p.kind, p.monotonic)
+            out.setdefault(name, set()).add(labels)
     return out
 
 
@@ -141,55 +319,82 @@ def test_families_arrive_over_otlp_with_dasks_names(monkeypatch):
         with otel_cluster(config, processes=True, n_workers=2) as (client, mirrored):
             cluster = mirrored.cluster
             client.gather(client.map(make_chunk, range(4)))
-            dask_s = shape(dask_scrape(cluster.scheduler.http_server.port, DASK_PREFIXES[:3]))
+            dask_shape = shape(dask_scrape(cluster.scheduler.http_server.port, SCHEDULER_PREFIXES))
             ports = client.run(lambda dask_worker: dask_worker.http_server.port)
-            dask_w: dict[str, set[frozenset]] = {}
-            names = served(cluster.scheduler.http_server.port, DASK_PREFIXES[:3])
+            names = family_names(scrape_text(cluster.scheduler.http_server.port),
+                                 SCHEDULER_PREFIXES)
             for port in ports.values():
-                names |= served(port, ("dask_worker_",))
-                for name, labels in shape(dask_scrape(port, ("dask_worker_",))).items():
-                    dask_w.setdefault(name, set()).update(labels)
+                names |= family_names(scrape_text(port), ("dask_worker_",))
+                worker_shape = shape(without_spill(dask_scrape(port, ("dask_worker_",))))
+                for name, labels in worker_shape.items():
+                    dask_shape.setdefault(name, set()).update(labels)
             # Over OTLP the workers share their scheduler's resource: the
             # attribute tells them apart, where Prometheus has its instance label
             wait_until(
-                lambda: set(received_shape(receiver, SCHEDULER_FAMILIES)) >= set(dask_s)
-                and set(received_shape(receiver, WORKER_FAMILIES)) >= set(dask_w)
+                lambda: set(received_shape(receiver)) >= set(dask_shape)
                 and {p.attributes["dask.worker.address"]
                      for p in receiver.metric_points("dask.worker.threads")} == set(ports),
                 timeout=30, what="every Dask family over OTLP, from each worker",
             )
     # Every name exported is one Dask serves; a family with no series at Dask's
     # scrape (no task held then) may have some later. Label names are Dask's.
-    for ours, dasks in ((received_shape(receiver, SCHEDULER_FAMILIES), dask_s),
-                        (received_shape(receiver, WORKER_FAMILIES), dask_w)):
-        assert set(ours) <= names
-        assert {n: labels for n, labels in ours.items() if n in dasks} == dasks
+    ours = received_shape(receiver)
+    assert set(ours) <= names
+    assert {n: labels for n, labels in ours.items() if n in dask_shape} == dask_shape
+    # The SpillBuffer's counters arrive once: as the bridge's, not as Dask's
+    assert {n for n in names if SPILL_FAMILIES.fullmatch(n)}
+    assert not {n for n in ours if SPILL_FAMILIES.fullmatch(n)}
+    assert receiver.metric_points("dask.spill.count")
 
 
-def test_families_are_off_by_default_and_with_the_prometheus_exporter():
-    from dask_otel.export.instruments import families_wanted
+def test_families_are_off_by_default():
+    """The shipped default (otel.yaml, as a user's process reads it: no dask
+    config of its own, no DASK_OTEL__* variable) does not export the families"""
+    env = {k: v for k, v in os.environ.items()
+           if not k.startswith(("DASK_", "OTEL_"))}
+    env["DASK_CONFIG"] = str(Path(__file__).parent / "no-such-dask-config")
+    code = (
+        "from types import SimpleNamespace\n"
+        "from dask_otel.config import read_config\n"
+        "from dask_otel.export.dask_families import families_wanted\n"
+        "config = read_config()\n"
+        "print(config.dask_families, config.metrics_exporters,"
+        " families_wanted(SimpleNamespace(config=config)))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], env=env, check=True,
+                         capture_output=True, text=True).stdout.split()
+    # metrics are exported by default, so only the key keeps the families off
+    assert out == ["False", "('otlp',)", "False"]
+
+
+def test_families_are_on_when_asked_and_off_with_the_prometheus_exporter():
+    from dask_otel.export.dask_families import families_wanted
 
     def own(**config: Any) -> Any:
-        defaults = {"dask_families": False, "metrics_exporters": ("otlp",)}
-        return SimpleNamespace(config=SimpleNamespace(**{**defaults, **config}))
+        return SimpleNamespace(config=SimpleNamespace(**config))
 
-    assert not families_wanted(own())
-    assert families_wanted(own(dask_families=True))
+    assert families_wanted(own(dask_families=True, metrics_exporters=("otlp",)))
+    assert not families_wanted(own(dask_families=False, metrics_exporters=("otlp",)))
     assert not families_wanted(own(dask_families=True, metrics_exporters=("otlp", "prometheus")))
 
 
-def test_docs_table_matches_the_code():
-    """docs/metrics.md's table of Dask's families lists each row's OTel name,
-    kind, unit and Prometheus name, in the table's order"""
+def test_docs_table_matches_what_arrives(live):
+    """docs/metrics.md's table of Dask's families gives each family's OTel name,
+    kind, unit and Prometheus name; a row without a condition (its last column)
+    is exported by every supported distributed"""
     doc = (Path(__file__).parent.parent / "docs" / "metrics.md").read_text()
     section = doc.split("## Dask's own families", 1)[1].split("\n## ", 1)[0]
-    rows = [
-        tuple(cell.strip().strip("`") for cell in line.strip("|").split("|"))[:4]
-        for line in section.splitlines()
-        if line.startswith("| `")
-    ]
-    expected = [
-        (spec.name, spec.kind, spec.unit, prometheus_name(spec))
-        for spec in SCHEDULER_FAMILIES + WORKER_FAMILIES
-    ]
-    assert rows == expected
+    rows = {}
+    for line in section.splitlines():
+        if line.startswith("| `"):
+            cells = [cell.strip().strip("`") for cell in line.strip().strip("|").split("|")]
+            rows[cells[0]] = cells
+    for name, (_, kind, unit, prometheus, when) in rows.items():
+        monotonic = kind == "counter"
+        assert prometheus == collector_prometheus_name(
+            name, unit, "sum" if monotonic else "gauge", monotonic), name
+        if name in live.otel:
+            assert live.otel[name] == (kind, unit), name
+        elif not when:
+            raise AssertionError(f"{name} is documented unconditionally; not exported")
+    assert set(live.otel) <= set(rows)

@@ -4,18 +4,15 @@ through the bridge's InMemoryMetricReader on real in-process clusters."""
 from __future__ import annotations
 
 import logging
-import pickle
 from collections.abc import Mapping
-from dataclasses import dataclass
 from typing import Any
 
 import pytest
-import zict
 from dask.sizeof import sizeof
 from distributed import wait
 from distributed.spill import SpillBuffer
 
-from dask_otel.spill import SpillInstruments, old_generation_totals
+from dask_otel.spill import SpillInstruments
 from tests.support.cluster import MEMORY_LIMIT, spilling_cluster
 from tests.support.metrics import by_worker, collect, metric_reader, value
 from tests.support.tasks import make_chunk, sum_chunks
@@ -31,7 +28,7 @@ LEVELS = (
 )
 
 
-# --- the current SpillBuffer (distributed >= 2023.3.2) -------------------------------
+# --- distributed's SpillBuffer -------------------------------------------------------
 
 
 def test_spilled_bytes_are_exported():
@@ -213,148 +210,6 @@ def test_a_broken_worker_is_skipped_and_the_others_still_report():
         assert set(by_worker(points, "dask.spill.count")) == {b.address}
         # levels of the busy worker are still read
         assert set(by_worker(points, "dask.spill.memory.count")) == {a.address, b.address}
-
-
-# --- the SpillBuffer of distributed 2022.12.1 to 2023.3.1: get_metrics() ------------
-
-
-@dataclass
-class FastMetrics:
-    """Shaped as distributed.spill.FastMetrics of 2022.12.1 to 2023.3.1"""
-
-    read_count_total: int = 0
-    read_bytes_total: int = 0
-
-
-@dataclass
-class SlowMetrics:
-    """Shaped as distributed.spill.SlowMetrics of 2022.12.1 to 2023.3.1"""
-
-    read_count_total: int = 0
-    read_bytes_total: int = 0
-    read_time_total: float = 0
-    write_count_total: int = 0
-    write_bytes_total: int = 0
-    write_time_total: float = 0
-    pickle_time_total: float = 0
-    unpickle_time_total: float = 0
-
-
-class OldSlow(zict.Func):
-    """Shaped as distributed.spill.Slow of 2022.12.1 to 2023.3.1, in memory"""
-
-    def __init__(self):
-        super().__init__(pickle.dumps, pickle.loads, {})
-        self.weight_by_key: dict = {}
-        self.total_weight = (0, 0)
-        self.metrics = SlowMetrics()
-
-    def __setitem__(self, key, value):
-        pickled = self.dump(value)
-        self.d[key] = pickled
-        weight = (sizeof(value), len(pickled))
-        self.weight_by_key[key] = weight
-        self.total_weight = tuple(map(sum, zip(self.total_weight, weight)))
-        m = self.metrics
-        m.write_count_total += 1
-        m.write_bytes_total += len(pickled)
-        m.pickle_time_total += 0.001
-        m.write_time_total += 0.002
-
-    def __getitem__(self, key):
-        pickled = self.d[key]
-        m = self.metrics
-        m.read_count_total += 1
-        m.read_bytes_total += len(pickled)
-        m.read_time_total += 0.003
-        m.unpickle_time_total += 0.004
-        return self.load(pickled)
-
-    def __delitem__(self, key):
-        del self.d[key]
-        weight = self.weight_by_key.pop(key)
-        self.total_weight = tuple(a - b for a, b in zip(self.total_weight, weight))
-
-
-class OldSpillBuffer(zict.Buffer):
-    """Shaped as distributed.spill.SpillBuffer of 2022.12.1 to 2023.3.1: no
-    cumulative_metrics, but get_metrics() over FastMetrics and SlowMetrics"""
-
-    def __init__(self, target: int = 10_000_000):
-        super().__init__(fast={}, slow=OldSlow(), n=target, weight=lambda k, v: sizeof(v))
-        self.fast_metrics = FastMetrics()
-
-    def __getitem__(self, key):
-        if key in self.fast:
-            self.fast_metrics.read_count_total += 1
-            self.fast_metrics.read_bytes_total += self.fast.weights[key]
-        return super().__getitem__(key)
-
-    def evict(self) -> int:
-        _, _, weight = self.fast.evict()
-        return weight
-
-    @property
-    def spilled_total(self):
-        return self.slow.total_weight
-
-    def get_metrics(self) -> dict[str, float]:
-        # As in distributed 2023.3.1
-        out = {
-            "memory_count": len(self.fast),
-            "memory_bytes": self.fast.total_weight,
-            "disk_count": len(self.slow),
-            "disk_bytes": self.slow.total_weight[1],
-        }
-        for k, v in self.fast_metrics.__dict__.items():
-            out[f"memory_{k}"] = v
-        for k, v in self.slow.metrics.__dict__.items():
-            out[k if "pickle" in k else f"disk_{k}"] = v
-        return out
-
-
-def test_old_generation_keys_map_to_current_labels():
-    buffer = OldSpillBuffer()
-    assert old_generation_totals(buffer.get_metrics()) == {
-        ("memory-read", "count"): 0,
-        ("memory-read", "bytes"): 0,
-        ("disk-read", "count"): 0,
-        ("disk-read", "bytes"): 0,
-        ("disk-read", "seconds"): 0,
-        ("disk-write", "count"): 0,
-        ("disk-write", "bytes"): 0,
-        ("disk-write", "seconds"): 0,
-        ("serialize", "seconds"): 0,
-        ("deserialize", "seconds"): 0,
-    }
-
-
-def test_old_generation_get_metrics_is_exported_under_the_same_names():
-    with spilling_cluster(data=OldSpillBuffer) as (cluster, client):
-        (worker,) = cluster.workers.values()
-        assert isinstance(worker.data, OldSpillBuffer)
-        assert not hasattr(worker.data, "cumulative_metrics")
-        chunks = client.map(make_chunk, range(6))
-        wait(chunks)
-        client.submit(sum_chunks, chunks).result()
-        points = collect(metric_reader(cluster))
-
-        slow = worker.data.slow.metrics
-        count = lambda activity: value(points, "dask.spill.count", dask_activity_name=activity)
-        seconds = lambda activity: value(points, "dask.spill.time", dask_activity_name=activity)
-        assert count("disk-write") == slow.write_count_total > 0
-        assert count("disk-read") == slow.read_count_total > 0
-        assert count("memory-read") == worker.data.fast_metrics.read_count_total > 0
-        assert value(points, "dask.spill.size", dask_activity_name="disk-write") == (
-            slow.write_bytes_total
-        )
-        assert seconds("serialize") == pytest.approx(slow.pickle_time_total)
-        assert seconds("deserialize") == pytest.approx(slow.unpickle_time_total)
-        assert seconds("disk-write") == pytest.approx(slow.write_time_total)
-        assert value(points, "dask.spill.disk.size") == worker.data.get_metrics()["disk_bytes"] > 0
-        assert value(points, "dask.spill.memory.size") == worker.data.get_metrics()["memory_bytes"]
-        activities = {p.attributes["dask.activity.name"] for p in points["dask.spill.time"]}
-        assert activities == {"disk-read", "disk-write", "serialize", "deserialize"}
 
 
 # --- a third-party buffer (ManualEvictProto, as dask-cuda's ProxifyHostFile) ----------

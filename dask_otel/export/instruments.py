@@ -16,8 +16,6 @@ what they read. They copy what they read, skip a server for one round on
 
 from __future__ import annotations
 
-import functools
-
 import logging
 import threading
 from collections.abc import Callable, Hashable, Iterable, Mapping
@@ -116,23 +114,37 @@ class ProcessInstruments:
     _lock: threading.Lock
     #: Rows whose read failed once already: logged at WARNING once, then DEBUG
     _failed: set[str]
+    #: Where :meth:`add` creates instruments
+    _meter: Meter
+    #: The name of every row with an instrument: the table's, then those added
+    names: list[str]
 
     def __init__(self, meter: Meter):
         self._attached = {}
         self._lock = threading.Lock()
         self._failed = set()
+        self._meter = meter
+        self.names = []
         for spec in self.table:
-            create = (
-                meter.create_observable_gauge
-                if spec.kind == GAUGE
-                else meter.create_observable_counter
-            )
-            create(
-                spec.name,
-                callbacks=[self._callback(spec)],
-                unit=spec.unit,
-                description=spec.description,
-            )
+            self.add(spec)
+
+    def add(self, spec: MetricSpec) -> None:
+        """One more row, observed from the next collection on. Never from inside
+        a callback: the SDK registers an instrument under the lock its
+        collection holds."""
+        create = (
+            self._meter.create_observable_gauge
+            if spec.kind == GAUGE
+            else self._meter.create_observable_counter
+        )
+        create(
+            spec.name,
+            callbacks=[self._callback(spec)],
+            unit=spec.unit,
+            description=spec.description,
+        )
+        with self._lock:
+            self.names.append(spec.name)
 
     @classmethod
     def of(cls, meter_provider: MeterProvider) -> ProcessInstruments:
@@ -155,7 +167,7 @@ class ProcessInstruments:
         """Report ``attached`` at the next collection of each row, then forget it"""
         with self._lock:
             if attached in self._attached:
-                attached.last_round = {spec.name for spec in self.table}
+                attached.last_round = set(self.names)
 
     def _reported(self, attached: Attached, spec: MetricSpec) -> None:
         with self._lock:
@@ -224,60 +236,3 @@ def copy_mapping(mapping: Mapping[Hashable, float]) -> dict[Hashable, float]:
     if isinstance(mapping, dict):
         return dict.copy(mapping)
     return dict(mapping)
-
-
-#: OpenTelemetry's Prometheus unit suffixes of the units the tables use;
-#: annotations (``{task}``) add none
-_UNIT_SUFFIX = {"s": "_seconds", "By": "_bytes"}
-
-
-def prometheus_name(spec: MetricSpec) -> str:
-    """The name OpenTelemetry's Prometheus translation gives ``spec``: Dask's
-    name on its /metrics (the tests check it with the real exporter)"""
-    name = spec.name.replace(".", "_")
-    suffix = _UNIT_SUFFIX.get(spec.unit, "")
-    if not name.endswith(suffix):  # prometheus_client appends a unit once
-        name += suffix
-    return name + "_total" if spec.kind == COUNTER else name
-
-
-def families_wanted(own: Any) -> bool:
-    """``otel.metrics.dask``, unless metrics also go to the prometheus exporter:
-    its endpoint is Dask's own /metrics, which serves these families already
-    (twice the same name on one endpoint is an invalid exposition)"""
-    config = own.config
-    return bool(config.dask_families) and "prometheus" not in config.metrics_exporters
-
-
-# --- readings both servers' Dask families share -----------------------------------
-
-
-@functools.cache
-def dask_at_least(version: str) -> bool:
-    """Whether the installed distributed is ``version`` or newer: the families
-    follow what it serves"""
-    import distributed
-    from packaging.version import Version
-
-    return Version(distributed.__version__) >= Version(version)
-
-
-def gil_contention(monitor: Any) -> Reading:
-    """A server's SystemMonitor GIL contention, as Dask serves it: only when it
-    measures it"""
-    if not getattr(monitor, "monitor_gil_contention", False):
-        return []
-    # a private attribute before distributed 2024.8
-    value = getattr(monitor, "cumulative_gil_contention", None)
-    if value is None:
-        value = monitor._cumulative_gil_contention
-    return [(value, {})]
-
-
-def gc_collection(observed: Any) -> Reading:
-    """The process's time in garbage collection (Dask serves it from 2024.8.0)"""
-    if not dask_at_least("2024.8.0"):
-        return []
-    from distributed.gc import gc_collect_duration
-
-    return [(gc_collect_duration(), {})]

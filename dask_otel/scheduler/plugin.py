@@ -90,7 +90,7 @@ class OtelSchedulerPlugin(SchedulerPlugin):
                 self._poller = PeriodicCallback(self._poll, config.poll_interval * 1000)
                 self._poller.start()
             if own.telemetry.meter_provider is not None:
-                from dask_otel.export.instruments import families_wanted
+                from dask_otel.export.dask_families import families_wanted
                 from dask_otel.scheduler.metrics import SchedulerMetrics
 
                 self.metrics = SchedulerMetrics(scheduler, own, self)

@@ -84,7 +84,7 @@ class WorkerBridge:
         self.spill = SpillInstruments.observe(worker, own)
 
     def _start_families(self, worker: Worker, own: ServerTelemetry) -> None:
-        from dask_otel.export.instruments import families_wanted
+        from dask_otel.export.dask_families import families_wanted
 
         if own.telemetry.meter_provider is None or not families_wanted(own):
             return

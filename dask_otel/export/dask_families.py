@@ -1,0 +1,315 @@
+"""Dask's own Prometheus families as OpenTelemetry instruments (``otel.metrics.dask``):
+an adapter over the collectors Dask serves its ``/metrics`` from, which names no
+family.
+
+At each collection, the collectors of each attached server run once, and every
+family they yield becomes one observable instrument by one rule
+(:func:`family_spec`): so a family a new distributed adds, renames or drops
+follows without a change here, and the bridge reads no attribute of Dask for
+them: the collectors do.
+
+Invariants:
+
+- Dask's own scrapes see what they would see without the bridge. The collectors
+  run on a :class:`ServerView`: its ``digests_max`` is a copy (a collection clears
+  or pops the tick-duration maximum) and its ``monitor.update()`` does nothing (a
+  scrape samples the SystemMonitor: the bridge reads the latest sample, taken by
+  the server's own periodic update or by a scrape). The bridge's tick maximum is
+  therefore the maximum since Dask's last scrape, or since the server started.
+- An instrument is created the first time a collection of any server of the
+  process yields its family: when a server is attached (its first collection
+  runs then, on its event loop), or, for a family that shows up later, on that
+  server's event loop, observed from the next collection on (the SDK registers
+  an instrument under the lock its collection holds).
+- The collectors run in the metric reader's thread while the event loop changes
+  what they read: a ``RuntimeError`` (a dict changed size) is retried, then that
+  collector is skipped for the round.
+
+Cost: one run of Dask's collectors per server and collection (what one
+``/metrics`` scrape of that server costs), then one Observation per series;
+figures in benchmarks/README.md. What is exported and the exceptions to the rule:
+docs/metrics.md#dasks-own-families.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import logging
+import threading
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING, Any
+
+from opentelemetry.metrics import CallbackOptions, Observation
+
+from dask_otel.export.instruments import (
+    COUNTER,
+    GAUGE,
+    Attached,
+    MetricSpec,
+    ProcessInstruments,
+)
+
+if TYPE_CHECKING:
+    from collections import defaultdict
+    from collections.abc import Hashable
+
+    from distributed.core import Server
+    from distributed.http.prometheus import PrometheusCollector
+    from distributed.system_monitor import SystemMonitor
+    from opentelemetry.metrics import Meter
+    from prometheus_client import Metric
+
+    from dask_otel.export.telemetry import ServerTelemetry
+
+logger = logging.getLogger("dask_otel")
+
+#: Kinds of the prometheus_client family types an observable instrument can carry
+KINDS = {"counter": COUNTER, "gauge": GAUGE}
+#: The unit words prometheus_client appends to a family's name, as OTel units:
+#: OpenTelemetry's Prometheus translation appends the same words back
+UNITS = {"seconds": "s", "bytes": "By"}
+#: Attempts at a collector while the event loop changes what it iterates
+ATTEMPTS = 3
+
+
+def families_wanted(own: ServerTelemetry) -> bool:
+    """``otel.metrics.dask``, unless metrics also go to the prometheus exporter:
+    its endpoint is Dask's own /metrics, which serves these families already
+    (twice the same name on one endpoint is an invalid exposition); and only
+    where prometheus_client is installed, as for Dask's /metrics"""
+    config = own.config
+    if not config.dask_families or "prometheus" in config.metrics_exporters:
+        return False
+    try:
+        import prometheus_client  # noqa: F401
+    except ImportError:
+        logger.warning(
+            "dask_otel: otel.metrics.dask needs prometheus_client, which Dask's "
+            "collectors use; Dask's families are not exported"
+        )
+        return False
+    return True
+
+
+def family_spec(family: Metric, prefix: str, beside_gauge: bool) -> MetricSpec | None:
+    """The instrument of a Dask family, named so that OpenTelemetry's Prometheus
+    translation gives Dask's name back; None for a type an observable instrument
+    cannot carry (Dask serves none today).
+
+    ``prefix`` is the collector's (``dask_scheduler_``): its ``_`` become dots.
+    ``beside_gauge``: a counter whose name a gauge of the same collection also
+    has (Prometheus tells them apart by the counter's ``_total``; an OTel name is
+    unique per meter whatever the kind): the counter's last ``_`` becomes a dot.
+    """
+    kind = KINDS.get(family.type)
+    if kind is None:
+        return None
+    name = family.name
+    rest = name[len(prefix):] if name.startswith(prefix) else name
+    head = name[: len(name) - len(rest)].replace("_", ".")
+    unit = ""
+    for word, otel_unit in UNITS.items():
+        if rest.endswith("_" + word):
+            unit = otel_unit
+            if not beside_gauge:
+                rest = rest[: -len(word) - 1]
+            break
+    else:
+        if family.unit:  # a unit of Dask's own (``s``): the name keeps it
+            unit = "{%s}" % family.unit
+    if beside_gauge:
+        base, _, last = rest.rpartition("_")
+        rest = f"{base}.{last}" if base else rest
+    # read: the rounds of FamilyInstruments read all families at once
+    return MetricSpec(head + rest, kind, unit, family.documentation, lambda observed: [])
+
+
+class MonitorView:
+    """A server's SystemMonitor as Dask's collectors see it through the bridge:
+    everything but ``update()``, which would add a sample to its history"""
+
+    #: The server's SystemMonitor
+    monitor: SystemMonitor
+
+    def __init__(self, monitor: SystemMonitor):
+        self.monitor = monitor
+
+    def update(self) -> dict[str, Any]:
+        return {}
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.monitor, name)
+
+
+class ServerView:
+    """A Dask server as its collectors see it through the bridge: the server,
+    except what a collection resets (see the module docstring)"""
+
+    #: The scheduler or worker
+    server: Server
+
+    def __init__(self, server: Server):
+        self.server = server
+
+    @property
+    def digests_max(self) -> defaultdict[Hashable, float]:
+        # a defaultdict's copy is made in C, holding the GIL: consistent
+        return copy.copy(self.server.digests_max)
+
+    @property
+    def monitor(self) -> MonitorView:
+        return MonitorView(self.server.monitor)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.server, name)
+
+
+class FamilyInstruments(ProcessInstruments):
+    """The instruments of Dask's families on one MeterProvider: those the
+    collections of this process's servers have yielded so far.
+
+    A collection round runs every attached server's collectors once, when the
+    first instrument is read, and builds every Observation of the round; the
+    other instruments' callbacks return their share. An instrument read twice
+    starts the next round, whatever order the SDK reads them in.
+    """
+
+    table = ()
+
+    #: Dask family (name, type, unit, beside_gauge) -> its instrument's row
+    specs: dict[tuple[str, str, str, bool], MetricSpec | None]
+    #: Rows yielded by a collection, not yet given an instrument
+    pending: dict[str, MetricSpec]
+    #: ``{instrument name: [Observation]}`` of the latest round
+    round: dict[str, list[Observation]]
+    #: Instruments that read :attr:`round` already; None: no round yet
+    read_by: set[str] | None
+    #: Serializes rounds (two readers of one provider may collect at once)
+    round_lock: threading.Lock
+
+    def __init__(self, meter: Meter):
+        super().__init__(meter)
+        self.specs, self.pending, self.round, self.read_by = {}, {}, {}, None
+        self.round_lock = threading.Lock()
+
+    def _callback(self, spec: MetricSpec) -> Callable[[CallbackOptions], list[Observation]]:
+        def callback(options: CallbackOptions) -> list[Observation]:
+            with self.round_lock:
+                if self.read_by is None or spec.name in self.read_by:
+                    self.round, self.read_by = self.collect_round(), set()
+                self.read_by.add(spec.name)
+                return self.round.get(spec.name, [])
+
+        return callback
+
+    def collect_round(self) -> dict[str, list[Observation]]:
+        out: dict[str, list[Observation]] = {}
+        for server in self.attached:
+            if server.last_round is not None:  # closed: reported once more
+                with self._lock:
+                    self._attached.pop(server, None)
+            elif not server.active:
+                continue
+            assert isinstance(server, DaskFamilies)
+            for name, series in server.collect().items():
+                out.setdefault(name, []).extend(
+                    Observation(value, {**server.attributes, **labels})
+                    for value, labels in series
+                )
+        return out
+
+    def spec_of(self, family: Metric, prefix: str, beside_gauge: bool) -> MetricSpec | None:
+        key = (family.name, family.type, family.unit, beside_gauge)
+        try:
+            return self.specs[key]
+        except KeyError:
+            pass
+        spec = self.specs[key] = family_spec(family, prefix, beside_gauge)
+        if spec is not None:
+            with self._lock:
+                if spec.name not in self.names:
+                    self.pending[spec.name] = spec
+        return spec
+
+    def create_pending(self) -> None:
+        """An instrument for each family yielded since the last call"""
+        with self._lock:
+            new, self.pending = list(self.pending.values()), {}
+        for spec in new:
+            if spec.name not in self.names:
+                self.add(spec)
+
+
+class DaskFamilies(Attached):
+    """Exports the families of one Dask server's collectors from now until
+    :meth:`close`"""
+
+    #: The scheduler or worker
+    server: Server
+    #: Dask's collectors of this server, on its :class:`ServerView`
+    collectors: list[PrometheusCollector]
+    #: Collectors whose failure was logged at WARNING; DEBUG from then on
+    failed: set[str]
+    #: The instruments this server's families are observed by (kept after
+    #: :meth:`close`: the last round still collects)
+    family_instruments: FamilyInstruments
+
+    def __init__(
+        self,
+        server: Server,
+        collector_types: Iterable[type],
+        attributes: dict[str, Any],
+        own: ServerTelemetry,
+    ):
+        super().__init__(attributes)
+        self.server = server
+        view = ServerView(server)
+        self.collectors = [collector(view) for collector in collector_types]
+        self.failed = set()
+        assert own.telemetry.meter_provider is not None
+        instruments = FamilyInstruments.of(own.telemetry.meter_provider)
+        assert isinstance(instruments, FamilyInstruments)
+        self.family_instruments = instruments
+        # Here, on the event loop, the instruments of what Dask yields now are
+        # made before the first collection round
+        self.collect()
+        instruments.create_pending()
+        instruments.attach(self)
+
+    def collect(self) -> dict[str, list[tuple[float, dict[str, str]]]]:
+        """``{instrument name: [(value, Dask's labels)]}``: one run of the collectors"""
+        instruments = self.family_instruments
+        out: dict[str, list[tuple[float, dict[str, str]]]] = {}
+        for collector in self.collectors:
+            prefix = collector.build_name("")
+            families = self._families(collector)
+            gauges = {f.name for f in families if f.type == "gauge"}
+            for family in families:
+                beside_gauge = family.type == "counter" and family.name in gauges
+                spec = instruments.spec_of(family, prefix, beside_gauge)
+                if spec is None:
+                    continue
+                sample = family.name + "_total" if family.type == "counter" else family.name
+                out[spec.name] = [(s.value, s.labels) for s in family.samples if s.name == sample]
+        if instruments.pending:
+            # not from the reader's thread: it holds the SDK's collection lock
+            with contextlib.suppress(RuntimeError):  # the loop is closed: too late
+                self.server.io_loop.add_callback(instruments.create_pending)
+        return out
+
+    def _families(self, collector: PrometheusCollector) -> list[Metric]:
+        for attempt in range(ATTEMPTS):
+            try:
+                return list(collector.collect())
+            except RuntimeError:  # a dict changed size during iteration
+                if attempt + 1 < ATTEMPTS:
+                    continue
+                return []
+            except Exception:
+                what = type(collector).__name__
+                level = logging.DEBUG if what in self.failed else logging.WARNING
+                self.failed.add(what)
+                logger.log(level, "dask_otel: Dask's %s failed; skipped", what, exc_info=True)
+                return []
+        return []
