@@ -39,10 +39,20 @@ full one costs in proportion to the whole heap, here a scheduler and its workers
 To compare two versions of ``dask_otel/``, alternate runs with each one first
 on the path: ``PYTHONPATH=<copy>:. python -P -m benchmarks.metrics_collection``.
 
+``--sdk-variants`` compares settings of the SDK within one process instead,
+immune to a shared machine's slow periods: the bridge's scheduler and spill
+instruments (not Dask's families) are created again on one fresh MeterProvider
+per variant, attached to the same servers, and the variants' collections
+alternate. Variants: the SDK's defaults; a View giving the bridge's observable
+instruments a reservoir that is passed over when nothing was offered to it
+(:class:`LazyExemplarReservoir`); the ``always_off`` exemplar filter (no
+exemplars: what they cost).
+
 Usage::
 
     python -m benchmarks.metrics_collection                    # 2 workers, 4,000 tasks
     python -m benchmarks.metrics_collection --grow --dask-families --export
+    python -m benchmarks.metrics_collection --sdk-variants [--grow]
 """
 
 from __future__ import annotations
@@ -58,7 +68,17 @@ from collections.abc import Callable, Iterable
 import dask
 from distributed import Client, LocalCluster
 from opentelemetry.metrics import CallbackOptions, Observation
-from opentelemetry.sdk.metrics import Meter
+from opentelemetry.sdk.metrics import (
+    AlwaysOffExemplarFilter,
+    Meter,
+    MeterProvider,
+    ObservableCounter,
+    ObservableGauge,
+    ObservableUpDownCounter,
+    SimpleFixedSizeExemplarReservoir,
+)
+from opentelemetry.sdk.metrics.export import InMemoryMetricReader
+from opentelemetry.sdk.metrics.view import View
 
 from benchmarks.harness import (
     GCClock,
@@ -167,6 +187,86 @@ def grow(scheduler) -> None:
             metrics[key] += 1.0
 
 
+class LazyExemplarReservoir(SimpleFixedSizeExemplarReservoir):
+    """The SDK's default reservoir, passed over at collection when it was
+    offered nothing (the SDK calls every series' reservoir at every collection)"""
+
+    offered = False
+
+    def offer(self, value, time_unix_nano, attributes, context) -> None:
+        super().offer(value, time_unix_nano, attributes, context)
+        self.offered = True
+
+    def collect(self, point_attributes):
+        if not self.offered:
+            return []
+        self.offered = False
+        return super().collect(point_attributes)
+
+
+def sdk_variants() -> dict[str, tuple[MeterProvider, InMemoryMetricReader]]:
+    lazy = [
+        View(meter_name="dask_otel", instrument_type=kind,
+             exemplar_reservoir_factory=lambda _: LazyExemplarReservoir)
+        for kind in (ObservableCounter, ObservableGauge, ObservableUpDownCounter)
+    ]
+    settings: dict[str, dict] = {
+        "SDK defaults": {},
+        "lazy reservoir view": {"views": lazy},
+        "exemplar filter always_off": {"exemplar_filter": AlwaysOffExemplarFilter()},
+    }
+    out = {}
+    for name, kwargs in settings.items():
+        reader = InMemoryMetricReader()
+        out[name] = (MeterProvider([reader], shutdown_on_exit=False, **kwargs), reader)
+    return out
+
+
+def compare_sdk_variants(cluster: LocalCluster, bridge_provider, args) -> None:
+    from dask_otel.scheduler.metrics import SchedulerInstruments
+    from dask_otel.spill import SpillInstruments
+
+    variants = sdk_variants()
+    readers = {}
+    for name, (provider, reader) in variants.items():
+        for cls in (SchedulerInstruments, SpillInstruments):
+            instruments = cls.of(provider)
+            for server in cls.of(bridge_provider).attached:
+                instruments.attach(server)
+        provider.get_meter("benchmark").create_observable_gauge(
+            MARKER, callbacks=[lambda options: []])
+        readers[name] = reader
+    parts: dict[str, dict[str, list[float]]] = {
+        name: defaultdict(list) for name in variants}
+    points: dict[str, int] = {}
+    exemplars: dict[str, int] = {}
+    for n in range(args.repeat + 1):
+        for name, reader in readers.items():
+            if args.grow:
+                cluster.sync(_on_loop, grow, cluster.scheduler)
+            split, pts, ex, collect_cpu, _ = collect_once(reader)
+            if n == 0:
+                continue
+            points[name], exemplars[name] = sum(pts.values()), sum(ex.values())
+            parts[name]["bridge"].append(sum(b for b, _ in split.values()))
+            parts[name]["consume"].append(sum(c for _, c in split.values()))
+            parts[name]["collect"].append(collect_cpu)
+            parts[name]["total"].append(sum(b + c for b, c in split.values()) + collect_cpu)
+    print(f"\n== SDK variants in one process, collections alternating; fine metrics "
+          f"{'grow' if args.grow else 'unchanged'}; median of {args.repeat} each; "
+          f"us per exported point ==")
+    base = median(parts["SDK defaults"]["total"])
+    rows = []
+    for name in variants:
+        per = max(points[name], 1)
+        cells = [f"{median(v) * 1e6 / per:.2f} ({spread([x * 1e6 / per for x in v], '{:.2f}')})"
+                 for v in (parts[name][k] for k in ("bridge", "consume", "collect", "total"))]
+        rows.append([name, f"{points[name]:,}", f"{exemplars[name]:,}", *cells,
+                     f"x{median(parts[name]['total']) / base:.3f}"])
+    print_table(["variant", "points", "exemplars", "bridge", "SDK consume", "SDK collect",
+                 "collection", "vs defaults"], rows)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--workers", type=int, default=2)
@@ -178,6 +278,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--grow", action="store_true",
                         help="every fine-metrics series grows between collections")
     parser.add_argument("--dask-families", action="store_true", help="otel.metrics.dask on")
+    parser.add_argument("--sdk-variants", action="store_true",
+                        help="compare SDK settings in this process (see the docstring)")
     parser.add_argument("--export", action="store_true",
                         help="also send each collection to an OTLP/gRPC receiver process")
     args = parser.parse_args(argv)
@@ -203,6 +305,9 @@ def main(argv: list[str] | None = None) -> int:
         plugin = cluster.scheduler.plugins["dask-otel"]
         (reader,) = plugin.telemetry.metric_readers
         provider = plugin.telemetry.meter_provider
+        if args.sdk_variants:
+            compare_sdk_variants(cluster, provider, args)
+            return 0
         provider.get_meter("benchmark").create_observable_gauge(
             MARKER, callbacks=[lambda options: []])
         exporter = None
