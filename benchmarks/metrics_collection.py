@@ -14,7 +14,8 @@ A collection is split without reading a private name: every observable
 instrument's callbacks are wrapped when they are created (the public
 ``Meter.create_observable_*``), and one last observable gauge of this script,
 created after all of the bridge's, marks the end of the callbacks. The SDK
-calls each instrument's callbacks and then consumes its measurements (exemplar
+calls each instrument's callbacks and then consumes its measurements (a
+Measurement per observation with its attributes checked and copied, the exemplar
 filter, attribute hashing, aggregation, exemplar reservoir) before it calls the
 next instrument's, so per instrument:
 
@@ -40,7 +41,7 @@ To compare two versions of ``dask_otel/``, alternate runs with each one first
 on the path: ``PYTHONPATH=<copy>:. python -P -m benchmarks.metrics_collection``.
 
 ``--sdk-variants`` compares settings of the SDK within one process instead,
-immune to a shared machine's slow periods: the bridge's scheduler and spill
+where a shared machine's slow periods hit every variant alike: the bridge's scheduler and spill
 instruments (not Dask's families) are created again on one fresh MeterProvider
 per variant, attached to the same servers, and the variants' collections
 alternate. Variants: the SDK's defaults; a View giving the bridge's observable
