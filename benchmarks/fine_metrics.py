@@ -28,7 +28,7 @@ import tracemalloc
 
 import dask
 from distributed import LocalCluster
-from opentelemetry.sdk.metrics._internal.exceptions import MetricsTimeoutError
+from opentelemetry.sdk.metrics import MetricsTimeoutError
 from benchmarks.harness import median, print_machine, print_table, quiet_logs, spread
 
 #: What a worker's context_meter reports for the tasks of one prefix, as
