@@ -24,6 +24,13 @@ from typing import TYPE_CHECKING, Any, ClassVar
 from weakref import WeakKeyDictionary
 
 from opentelemetry.metrics import CallbackOptions, Observation
+from opentelemetry.sdk.metrics import (
+    ObservableCounter,
+    ObservableGauge,
+    ObservableUpDownCounter,
+    SimpleFixedSizeExemplarReservoir,
+)
+from opentelemetry.sdk.metrics.view import View
 
 from dask_otel._version import __version__
 
@@ -93,6 +100,34 @@ class Attached:
         if self.instruments is not None:
             self.instruments.retire(self)
             self.instruments = None
+
+
+class LazyExemplarReservoir(SimpleFixedSizeExemplarReservoir):
+    """The SDK's default reservoir, passed over at collection when it was offered
+    nothing: the SDK looks into every series' reservoir at every collection, and
+    only a fine-metrics series that grew carries a sampled span"""
+
+    #: An exemplar was offered since the last collection
+    offered = False
+
+    def offer(self, value, time_unix_nano, attributes, context) -> None:
+        super().offer(value, time_unix_nano, attributes, context)
+        self.offered = True
+
+    def collect(self, point_attributes):
+        if not self.offered:
+            return []
+        self.offered = False
+        return super().collect(point_attributes)
+
+
+#: The bridge's observable instruments with :class:`LazyExemplarReservoir`: the
+#: same streams (one view per kind, so that no instrument matches two)
+EXEMPLAR_VIEWS = [
+    View(meter_name="dask_otel", instrument_type=kind,
+         exemplar_reservoir_factory=lambda _: LazyExemplarReservoir)
+    for kind in (ObservableCounter, ObservableGauge, ObservableUpDownCounter)
+]
 
 
 # provider -> {ProcessInstruments subclass: its instance}. Weak, so that a
@@ -204,9 +239,13 @@ class ProcessInstruments:
         return callback
 
     def _observe(self, spec: MetricSpec, server: Attached) -> list[Observation]:
+        base = server.attributes
         try:
+            # The SDK copies the attributes it is given: no merge when there is
+            # nothing to merge (a scheduler's are empty)
             return [
-                Observation(reading[0], {**server.attributes, **reading[1]}, *reading[2:])
+                Observation(reading[0], {**base, **reading[1]} if base else reading[1],
+                            *reading[2:])
                 for reading in spec.read(server)
             ]
         except RuntimeError:

@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 from dask_otel.config import OtelConfig
 from dask_otel.export.accounting import HELD_EXPORTER_LOGS, AccountedSpanExporter
 from dask_otel.export.exporters import metric_readers, span_exporters
+from dask_otel.export.instruments import EXEMPLAR_VIEWS
 from dask_otel.export.sink import SpanSink, span_limits
 
 if TYPE_CHECKING:
@@ -222,6 +223,7 @@ class Telemetry:
                 metric_readers=self.metric_readers,
                 resource=self.resource,
                 shutdown_on_exit=False,
+                views=EXEMPLAR_VIEWS,
             )
         if config.traces_exporters:
             self.span_sink = self._build_span_sink()
