@@ -73,13 +73,8 @@ from opentelemetry.sdk.metrics import (
     AlwaysOffExemplarFilter,
     Meter,
     MeterProvider,
-    ObservableCounter,
-    ObservableGauge,
-    ObservableUpDownCounter,
-    SimpleFixedSizeExemplarReservoir,
 )
 from opentelemetry.sdk.metrics.export import InMemoryMetricReader
-from opentelemetry.sdk.metrics.view import View
 
 from benchmarks.harness import (
     GCClock,
@@ -188,32 +183,12 @@ def grow(scheduler) -> None:
             metrics[key] += 1.0
 
 
-class LazyExemplarReservoir(SimpleFixedSizeExemplarReservoir):
-    """The SDK's default reservoir, passed over at collection when it was
-    offered nothing (the SDK calls every series' reservoir at every collection)"""
-
-    offered = False
-
-    def offer(self, value, time_unix_nano, attributes, context) -> None:
-        super().offer(value, time_unix_nano, attributes, context)
-        self.offered = True
-
-    def collect(self, point_attributes):
-        if not self.offered:
-            return []
-        self.offered = False
-        return super().collect(point_attributes)
-
-
 def sdk_variants() -> dict[str, tuple[MeterProvider, InMemoryMetricReader]]:
-    lazy = [
-        View(meter_name="dask_otel", instrument_type=kind,
-             exemplar_reservoir_factory=lambda _: LazyExemplarReservoir)
-        for kind in (ObservableCounter, ObservableGauge, ObservableUpDownCounter)
-    ]
+    from dask_otel.export.instruments import EXEMPLAR_VIEWS
+
     settings: dict[str, dict] = {
         "SDK defaults": {},
-        "lazy reservoir view": {"views": lazy},
+        "lazy reservoir view": {"views": EXEMPLAR_VIEWS},
         "exemplar filter always_off": {"exemplar_filter": AlwaysOffExemplarFilter()},
     }
     out = {}
