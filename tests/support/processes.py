@@ -73,8 +73,10 @@ class DaskProcesses:
                   "--dashboard-address", "127.0.0.1:0",
                   "--scheduler-file", self.scheduler_file),
         )
+        # The file appears before its JSON is written (Dask opens it, then dumps
+        # into it): wait until it parses, not merely until it exists
         deadline = time.monotonic() + 60
-        while not os.path.exists(self.scheduler_file):
+        while self._read_address() is None:
             if time.monotonic() > deadline or self.procs["scheduler"].poll() is not None:
                 raise RuntimeError(f"scheduler did not start:\n{self.log('scheduler')}")
             time.sleep(0.1)
@@ -98,10 +100,20 @@ class DaskProcesses:
         finally:
             self.env = old
 
+    def _read_address(self) -> str | None:
+        """The scheduler's address from its file; None while the file is missing,
+        empty or half written"""
+        try:
+            with open(self.scheduler_file) as f:
+                return json.load(f)["address"]
+        except (FileNotFoundError, json.JSONDecodeError, KeyError):
+            return None
+
     @property
     def address(self) -> str:
-        with open(self.scheduler_file) as f:
-            return json.load(f)["address"]
+        address = self._read_address()
+        assert address is not None, f"{self.scheduler_file} holds no address"
+        return address
 
     def client(self, n_workers: int | None = None) -> Client:
         client = Client(self.address, timeout=30)
