@@ -20,13 +20,17 @@ from tests.support.cluster import (
     otel_cluster,
     wait_until,
 )
+from tests.support.otlp_receiver import OTLPReceiver, set_otel_env
 from tests.support.span_tree import assert_span_tree
 from tests.support.tasks import (
+    current_ids,
     die_once,
     double,
     fail,
     fail_slowly,
     inc,
+    log_in_task,
+    print_in_task,
     slow,
     total,
     wait_for_event,
@@ -437,11 +441,81 @@ def test_bad_otlp_protocol_names_the_variable(monkeypatch):
     assert "OTEL_EXPORTER_OTLP_PROTOCOL" in error and "http/json" in error
 
 
-def test_disabled_does_nothing():
-    with otel_cluster({"otel.enabled": False}) as (client, _):
-        status = dask_otel.status(client)
-        assert status["scheduler"]["traces"] is False
-        assert client.submit(inc, 1).result() == 2
+#: Every signal the bridge can emit switched on, exported over OTLP (the Dask spans,
+#: task spans, scheduler and worker metrics with Dask's families, log records, Dask's
+#: events and a user's topic): what ``otel.enabled: false`` must keep silent
+EVERY_SIGNAL = {
+    "otel.traces.exporter": "otlp",
+    "otel.metrics.exporter": "otlp",
+    "otel.metrics.dask": True,
+    "otel.logs.exporter": "otlp",
+    "otel.tasks.spans": True,
+    "otel.events.topics": "dask, inventory",
+    "otel.flush-timeout": "2s",
+}
+#: Batches and collections sent as soon as they are made
+FAST_EXPORT = {
+    "OTEL_BSP_SCHEDULE_DELAY": "100",
+    "OTEL_BLRP_SCHEDULE_DELAY": "100",
+    "OTEL_METRIC_EXPORT_INTERVAL": "300",
+}
+
+
+def signals_emitted(monkeypatch, enabled: bool) -> dict[str, object]:
+    """Run a workload that gives every signal a reason to be emitted, on a cluster
+    of worker processes with ``otel.enabled`` set to ``enabled``, and return what
+    reached the collector or the tasks, by signal (empty values: nothing)"""
+    with OTLPReceiver("grpc") as receiver:
+        set_otel_env(monkeypatch, {**receiver.env(), **FAST_EXPORT})
+        config = {**EVERY_SIGNAL, "otel.enabled": enabled}
+        with otel_cluster(config, processes=True, n_workers=1) as (client, _):
+            with span("workflow"):
+                in_task = client.submit(current_ids, "in a task").result()
+                client.submit(log_in_task, 3).result()  # the root logger, in a task
+                client.submit(print_in_task, 4).result()  # a Dask event
+            client.log_event("inventory", {"sku": "a1"})
+            time.sleep(1.0)  # a few export intervals (300 ms) with the cluster up
+            status = dask_otel.status(client)
+        time.sleep(0.5)  # the last requests of the close, if any, arrive
+        logs = receiver.logs()
+        return {
+            "spans": receiver.span_names(),
+            "metrics": receiver.metric_names(),
+            "log records": [str(g.body) for g in logs if "dask.event.topic" not in g.attributes],
+            "events": [g.attributes["dask.event.topic"] for g in logs
+                       if "dask.event.topic" in g.attributes],
+            "task context": in_task if in_task[0] else None,
+            "requests": receiver.requests,
+            "status": {
+                "scheduler": status["scheduler"]["traces"],
+                "workers": [w and w["task_context"] for w in status["workers"].values()],
+            },
+        }
+
+
+def test_disabled_does_nothing(monkeypatch):
+    """otel.enabled: false on the scheduler: no span, metric point, log record or
+    event reaches the collector, tasks run in no OTel context, and no request is
+    sent at all, although every signal is configured to be exported"""
+    emitted = signals_emitted(monkeypatch, enabled=False)
+    leaked = {name: what for name, what in emitted.items() if what and name != "status"}
+    assert leaked == {}, f"leaked with otel.enabled false: {leaked}"
+    assert emitted["status"] == {"scheduler": False, "workers": [None]}
+
+
+def test_the_disabled_workload_emits_every_signal_when_enabled(monkeypatch):
+    """The control of test_disabled_does_nothing: the same workload with the bridge
+    on emits each signal it checks, so an empty one there means 'not emitted'"""
+    emitted = signals_emitted(monkeypatch, enabled=True)
+    assert {"workflow", "log_in_task", "current_ids"} <= set(emitted["spans"])
+    metrics = set(emitted["metrics"])
+    assert "dask.spill.memory.count" in metrics  # a worker's
+    assert "dask.otel.span.mirrored" in metrics  # the scheduler's
+    assert "dask.scheduler.tasks" in metrics  # Dask's own families
+    assert "scored partition 3" in emitted["log records"]
+    assert {"print", "inventory"} <= set(emitted["events"])
+    assert emitted["task context"] is not None
+    assert emitted["status"] == {"scheduler": True, "workers": [True]}
 
 
 def test_default_settings_export_within_5_seconds_of_completion():
