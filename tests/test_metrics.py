@@ -7,6 +7,7 @@ from __future__ import annotations
 import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +24,7 @@ from tests.support.cluster import spilling_cluster, wait_until
 from tests.support.metrics import collect, metric_reader, value
 from tests.support.otlp_receiver import OTLPReceiver, set_otel_env
 from tests.support.processes import dask_processes
-from tests.support.tasks import inc, make_chunk, sum_chunks, total
+from tests.support.tasks import double, inc, make_chunk, sum_chunks, total
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -493,3 +494,44 @@ def test_activity_metrics_carry_exemplars_of_exported_traces(monkeypatch):
     # A series without a task prefix (no TaskGroup span contributed) has none
     assert not any(p.exemplars for p in receiver.metric_points("dask.activity.time")
                    if "dask.task.prefix" not in p.attributes)
+
+
+def test_a_series_that_did_not_grow_carries_no_exemplar(monkeypatch):
+    """The exemplar rule at the value that shows it: an `inc` series still exported
+    (its cumulative value unchanged) after `double` ran carries no exemplar, where
+    `double`'s, which grew, does. The first collection after a prefix's work
+    cannot tell 'grew' from 'always'; a later one can."""
+    with OTLPReceiver("grpc") as receiver:
+        set_otel_env(monkeypatch, {**receiver.env(), "OTEL_METRIC_EXPORT_INTERVAL": "300",
+                                   "OTEL_BSP_SCHEDULE_DELAY": "100"})
+        config = {
+            "otel.traces.exporter": "otlp",
+            "otel.metrics.exporter": "otlp",
+            "otel.spans.export-delay": "100ms",
+            "otel.spans.poll-interval": "50ms",
+        }
+
+        def with_exemplar(r: OTLPReceiver, prefix: str) -> list:
+            return [p for p in r.metric_points("dask.activity.time")
+                    if p.attributes.get("dask.task.prefix") == prefix and p.exemplars]
+
+        with spilling_cluster(config) as (cluster, client):
+            with span("first"):
+                client.gather(client.map(inc, range(10)))
+            receiver.wait_for(lambda r: with_exemplar(r, "inc"), timeout=30)
+            with span("second"):
+                client.gather(client.map(double, range(10)))
+            receiver.wait_for(lambda r: with_exemplar(r, "double"), timeout=30)
+            time.sleep(0.5)  # inc's last heartbeat metrics are in
+            receiver.clear()
+            receiver.wait_for(lambda r: len({p.time for p in r.metric_points("dask.activity.time")
+                                             if p.attributes.get("dask.task.prefix") == "inc"}) >= 3,
+                              timeout=30)
+    later = [p for p in receiver.metric_points("dask.activity.time")
+             if p.attributes.get("dask.task.prefix") == "inc"]
+    # The premise: inc's series did not grow over these collections
+    values: dict[tuple, set] = {}
+    for p in later:
+        values.setdefault(tuple(sorted(p.attributes.items())), set()).add(p.value)
+    assert all(len(v) == 1 for v in values.values()), values
+    assert [p.exemplars for p in later if p.exemplars] == []
