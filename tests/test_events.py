@@ -9,7 +9,7 @@ import time
 
 import distributed
 import pytest
-from distributed import KilledWorker, span
+from distributed import KilledWorker, span, wait
 from packaging.version import Version
 
 from dask_otel.config import ConfigError, read_config
@@ -21,7 +21,13 @@ from dask_otel.scheduler.events import (
 )
 from tests.support.cluster import dask_span_ids, otel_cluster, wait_until
 from tests.support.otlp_receiver import OTLPReceiver, set_otel_env
-from tests.support.tasks import allocate_past, exit_once, print_in_task
+from tests.support.tasks import (
+    allocate_past,
+    exit_once,
+    exit_process,
+    inc,
+    print_in_task,
+)
 
 #: Log records exported as soon as they are emitted: tests read them while the
 #: cluster runs
@@ -181,3 +187,34 @@ def test_event_records_below_the_logs_level_are_not_exported(monkeypatch, tmp_pa
     assert all(g.severity_number >= 13 for g in records), [
         (g.attributes["dask.event.topic"], g.severity_text) for g in records
     ]
+
+
+@pytest.mark.parametrize(
+    "lost, severity", [("scattered", "ERROR"), ("computed", "WARNING")]
+)
+def test_a_worker_lost_holding_data_is_logged_at_its_severity(monkeypatch, lost, severity):
+    """remove-worker of a worker that ran nothing but held 25 keys: scattered data
+    (gone for good) is ERROR, computed results (Dask recomputes them) WARNING; the
+    record lists the first 20 keys and counts all 25. Nothing was processing, so
+    neither severity comes from the processing rule."""
+    with OTLPReceiver("grpc") as receiver:
+        set_otel_env(monkeypatch, {**receiver.env(), **FAST_LOGS})
+        with otel_cluster(LOGS, processes=True, n_workers=2) as (client, _):
+            doomed = sorted(client.scheduler_info()["workers"])[0]
+            if lost == "scattered":
+                held = client.scatter(list(range(1000, 1025)), workers=[doomed])
+            else:
+                held = client.map(inc, range(25), workers=[doomed])
+                wait(held)
+            client.run(exit_process, workers=[doomed], wait=False)
+            records = receiver.wait_for(lambda r: [
+                g for g in events(r, "remove-worker")
+                if g.attributes["dask.worker.address"] == doomed
+            ])
+    field = f"dask.event.lost_{lost}_tasks"
+    for record in records:
+        assert record.severity_text == severity
+        assert record.attributes["dask.event.processing_tasks.count"] == 0
+        assert record.attributes[f"{field}.count"] == 25
+        assert len(record.attributes[field]) == 20
+        assert set(record.attributes[field]) <= {str(f.key) for f in held}

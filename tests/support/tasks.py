@@ -235,6 +235,12 @@ def exit_once(marker: str, x: int) -> int:
     return x
 
 
+async def exit_process(code: int = 1) -> None:
+    """Kills the worker process it runs in, for ``Client.run(..., wait=False)``
+    (which takes coroutine functions only): a worker lost with no task running"""
+    os._exit(code)
+
+
 def allocate_past(limit: int) -> int:
     """Grows its worker's resident memory to twice ``limit`` bytes, 16 MiB at a
     time, and holds it: its nanny terminates the worker on the way"""
