@@ -9,7 +9,7 @@ import time
 
 import distributed
 import pytest
-from distributed import KilledWorker, span, wait
+from distributed import Event, KilledWorker, span, wait
 from packaging.version import Version
 
 from dask_otel.config import ConfigError, read_config
@@ -27,6 +27,7 @@ from tests.support.tasks import (
     exit_process,
     inc,
     print_in_task,
+    wait_for_event,
 )
 
 #: Log records exported as soon as they are emitted: tests read them while the
@@ -120,6 +121,25 @@ def test_distributed_print_in_a_task_carries_its_dask_span(monkeypatch):
     assert record.severity_text == "INFO"
     assert (record.trace_id, record.span_id) == ids(sid)
     assert record.attributes["dask.worker.address"].startswith("tcp://127.0.0.1:")
+
+
+def test_a_print_while_tasks_of_two_spans_run_on_its_worker_carries_no_ids(monkeypatch):
+    """Which task printed is ambiguous when the worker runs tasks of two Dask spans:
+    the record carries no trace, span or dask.span.id (one span's would be a guess)"""
+    with OTLPReceiver("grpc") as receiver:
+        set_otel_env(monkeypatch, {**receiver.env(), **FAST_LOGS})
+        with otel_cluster(LOGS, n_workers=1, threads_per_worker=2) as (client, _):
+            with span("holding"):
+                held = client.submit(wait_for_event, "two-spans-go", key="held-0")
+            wait_until(lambda: client.processing()[next(iter(client.processing()))])
+            with span("printing"):
+                client.submit(print_in_task, 6, key="printing-0").result()
+            (record,) = receiver.wait_for(lambda r: events(r, "print"))
+            Event("two-spans-go").set()
+            held.result()
+    assert record.body == "scored partition 6"
+    assert (record.trace_id, record.span_id) == (None, None)
+    assert "dask.span.id" not in record.attributes
 
 
 def test_users_topics_are_exported_only_when_listed(monkeypatch):
