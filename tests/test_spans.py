@@ -136,6 +136,25 @@ def test_erred_tasks_set_error_status(cluster):
     assert mirrored.by_dask_id(ok_id).status.status_code is StatusCode.UNSET
 
 
+def test_erred_tasks_forgotten_before_the_export_are_still_counted(cluster):
+    """dask.tasks.erred counts every task that erred, even if since forgotten
+    (docs/traces.md, the attribute table): Dask's state counts have let the
+    erred tasks go by the time the span is exported"""
+    client, mirrored = cluster
+    with span("fails and forgets") as sid:
+        futures = client.map(fail, range(3), key=[f"forgot-{i}" for i in range(3)])
+        wait(futures)
+    del futures  # released: the scheduler forgets the erred tasks
+    wait_until(lambda: not any(str(k).startswith("forgot-")
+                               for k in mirrored.cluster.scheduler.tasks))
+    s = mirrored.by_dask_id(sid)
+    (group,) = wait_until(lambda: mirrored.children(s))
+    for each in (s, group):
+        assert each.attributes["dask.tasks.erred"] == 3, each.name
+        assert each.status.status_code is StatusCode.ERROR
+        assert each.status.description == "3 tasks erred"
+
+
 def test_error_type_of_a_task_that_erred_because_its_dependency_did(cluster):
     client, mirrored = cluster
     with span("upstream"):
