@@ -238,3 +238,52 @@ def test_a_worker_lost_holding_data_is_logged_at_its_severity(monkeypatch, lost,
         assert record.attributes[f"{field}.count"] == 25
         assert len(record.attributes[field]) == 20
         assert set(record.attributes[field]) <= {str(f.key) for f in held}
+
+
+def remove_worker_event(address: str, computed: list[str]) -> dict:
+    """Dask's remove-worker event (``Scheduler.remove_worker``, topic ``all``) for a
+    worker that held ``computed`` results and nothing else"""
+    return {
+        "action": "remove-worker", "processing-tasks": {}, "lost-computed-tasks": computed,
+        "lost-scattered-tasks": [], "stimulus_id": "test", "expected": False,
+        "worker": address,
+    }
+
+
+def test_a_lost_worker_is_told_to_at_most_16_spans_and_a_span_gets_at_most_16_events(
+    monkeypatch,
+):
+    """docs/events.md: one remove-worker record per Dask span the lost tasks belong
+    to, at most 16; at most 16 dask.worker.lost events per span. Dask's own event,
+    as Scheduler.remove_worker logs it, for results of 17 open Dask spans, then 17
+    lost workers holding results of one span (a real cluster would need 17 worker
+    deaths)"""
+    config = {**LOGS, "otel.spans.export-delay": "60s"}  # open until the close
+    with OTLPReceiver("grpc") as receiver:
+        set_otel_env(monkeypatch, {**receiver.env(), **FAST_LOGS})
+        with otel_cluster(config, n_workers=1) as (client, mirrored):
+            keys = []
+            for i in range(17):
+                with span(f"part {i}"):
+                    keys.append(client.submit(inc, i, key=f"part{i}-0"))
+            wait(keys)
+            names = [str(f.key) for f in keys]
+
+            def lose(dask_scheduler, names=names):
+                dask_scheduler.log_event("all", remove_worker_event("tcp://127.0.0.1:1", names))
+                for n in range(17):
+                    dask_scheduler.log_event(
+                        "all", remove_worker_event(f"tcp://127.0.0.1:{100 + n}", names[:1])
+                    )
+
+            client.run_on_scheduler(lose)
+            receiver.wait_for(lambda r: len(events(r, "remove-worker")) >= 16 + 17)
+            time.sleep(0.3)
+        spans = [s for s in mirrored.spans() if s.name.startswith("part ")]
+    one_worker = [g for g in events(receiver, "remove-worker")
+                  if g.attributes["dask.worker.address"] == "tcp://127.0.0.1:1"]
+    assert len(one_worker) == 16
+    assert len({g.attributes["dask.span.id"] for g in one_worker}) == 16
+    assert all(g.attributes["dask.event.lost_computed_tasks.count"] == 17 for g in one_worker)
+    by_name = {s.name: s for s in spans}
+    assert len(lost_events(by_name["part 0"])) == 16
