@@ -194,6 +194,12 @@ def log_info_in_task(x):
     return x
 
 
+def warn_to(logger_name: str, message: str) -> str:
+    """A WARNING to the logger ``logger_name``, from a task"""
+    logging.getLogger(logger_name).warning(message)
+    return message
+
+
 def log_and_trace_in_task(*_):
     logging.getLogger("report").warning("inside the task")
     return user_work()
