@@ -28,6 +28,7 @@ from tests.support.tasks import (
     inc,
     print_in_task,
     wait_for_event,
+    warn_in_task,
 )
 
 #: Log records exported as soon as they are emitted: tests read them while the
@@ -142,6 +143,19 @@ def test_a_print_while_tasks_of_two_spans_run_on_its_worker_carries_no_ids(monke
     assert "dask.span.id" not in record.attributes
 
 
+def test_distributed_warn_in_a_task_is_a_warning_with_its_message(monkeypatch):
+    with OTLPReceiver("grpc") as receiver:
+        set_otel_env(monkeypatch, {**receiver.env(), **FAST_LOGS})
+        with otel_cluster(LOGS, n_workers=1) as (client, _):
+            with span("skew check") as sid:
+                client.submit(warn_in_task, 3).result()
+            (record,) = receiver.wait_for(lambda r: events(r, "warn"))
+    assert record.severity_text == "WARNING"
+    assert record.body == "partition 3 is skewed"
+    assert record.attributes["dask.event.category"] == "UserWarning"
+    assert (record.trace_id, record.span_id) == ids(sid)
+
+
 def test_users_topics_are_exported_only_when_listed(monkeypatch):
     config = {**LOGS, "otel.events.topics": "dask, inventory"}
     with OTLPReceiver("grpc") as receiver:
@@ -210,18 +224,21 @@ def test_event_records_below_the_logs_level_are_not_exported(monkeypatch, tmp_pa
 
 
 @pytest.mark.parametrize(
-    "lost, severity", [("scattered", "ERROR"), ("computed", "WARNING")]
+    "lost, severity", [("scattered", "ERROR"), ("computed", "WARNING"), ("nothing", "INFO")]
 )
 def test_a_worker_lost_holding_data_is_logged_at_its_severity(monkeypatch, lost, severity):
     """remove-worker of a worker that ran nothing but held 25 keys: scattered data
     (gone for good) is ERROR, computed results (Dask recomputes them) WARNING; the
     record lists the first 20 keys and counts all 25. Nothing was processing, so
-    neither severity comes from the processing rule."""
+    neither severity comes from the processing rule. A worker that held nothing:
+    INFO."""
     with OTLPReceiver("grpc") as receiver:
         set_otel_env(monkeypatch, {**receiver.env(), **FAST_LOGS})
         with otel_cluster(LOGS, processes=True, n_workers=2) as (client, _):
             doomed = sorted(client.scheduler_info()["workers"])[0]
-            if lost == "scattered":
+            if lost == "nothing":
+                held = []
+            elif lost == "scattered":
                 held = client.scatter(list(range(1000, 1025)), workers=[doomed])
             else:
                 held = client.map(inc, range(25), workers=[doomed])
@@ -235,6 +252,10 @@ def test_a_worker_lost_holding_data_is_logged_at_its_severity(monkeypatch, lost,
     for record in records:
         assert record.severity_text == severity
         assert record.attributes["dask.event.processing_tasks.count"] == 0
+        if lost == "nothing":
+            assert record.attributes["dask.event.lost_computed_tasks.count"] == 0
+            assert record.attributes["dask.event.lost_scattered_tasks.count"] == 0
+            continue
         assert record.attributes[f"{field}.count"] == 25
         assert len(record.attributes[field]) == 20
         assert set(record.attributes[field]) <= {str(f.key) for f in held}

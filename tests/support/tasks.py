@@ -264,3 +264,12 @@ def print_in_task(x: int) -> int:
 
     distributed.print("scored partition", x)
     return x
+
+
+def warn_in_task(x: int) -> int:
+    """distributed.warn: logged as a ``warn`` event on the scheduler"""
+    import distributed
+
+    distributed.warn(f"partition {x} is skewed", UserWarning)
+    return x
+
