@@ -107,9 +107,17 @@ def test_span_timing_and_first_task_event(cluster):
 def test_span_attributes_carry_counts_bytes_and_fine_metrics(cluster):
     client, mirrored = cluster
     with span("work") as sid:
-        client.gather(client.map(slow, range(4), delay=0.05))
-    attrs = mirrored.by_dask_id(sid).attributes
+        futures = client.map(slow, range(4), delay=0.05)
+        client.gather(futures)
+    exported = mirrored.by_dask_id(sid)
+    attrs = exported.attributes
     assert attrs["dask.tasks.total"] == 4
+    # Counts by state: the non-zero ones only (the futures are held: in memory)
+    (group,) = wait_until(lambda: mirrored.children(exported))
+    for each in (attrs, group.attributes):
+        states = {k: v for k, v in each.items()
+                  if k.startswith("dask.tasks.") and k != "dask.tasks.total"}
+        assert states == {"dask.tasks.memory": 4}
     assert attrs["dask.output.bytes"] > 0
     assert attrs["dask.duration"] >= 0.2
     assert attrs["dask.active_cpu_seconds"] > 0
