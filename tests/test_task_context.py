@@ -272,7 +272,7 @@ def test_under_a_ratio_sampler_tasks_and_the_mirror_make_the_same_decision(monke
     exported, and only those have task spans."""
     monkeypatch.setenv("OTEL_TRACES_SAMPLER", "traceidratio")
     monkeypatch.setenv("OTEL_TRACES_SAMPLER_ARG", "0.5")
-    n = 40
+    n = 24
     with otel_cluster({"otel.tasks.spans": True}) as (client, mirrored):
         in_task = {}
         for i in range(n):
