@@ -472,20 +472,24 @@ def test_spill_and_fine_metrics_arrive_over_otlp(protocol):
 
 # --- exemplars ----------------------------------------------------------------------
 
+#: Metrics collected every 300 ms and spans sent every 100 ms, over OTLP
+EXEMPLARS_ENV = {"OTEL_METRIC_EXPORT_INTERVAL": "300", "OTEL_BSP_SCHEDULE_DELAY": "100"}
+#: Spans and metrics to the OTLP receiver, spans exported 100 ms after they finish
+EXEMPLARS_CONFIG = {
+    "otel.traces.exporter": "otlp",
+    "otel.metrics.exporter": "otlp",
+    "otel.spans.export-delay": "100ms",
+    "otel.spans.poll-interval": "50ms",
+}
+
 
 def test_activity_metrics_carry_exemplars_of_exported_traces(monkeypatch):
     """A dask.activity.* series that grew carries an exemplar of the latest
     sampled TaskGroup span of its task prefix (SDK's default exemplar filter,
     trace_based); its trace is one the receiver got"""
     with OTLPReceiver("grpc") as receiver:
-        set_otel_env(monkeypatch, {**receiver.env(), "OTEL_METRIC_EXPORT_INTERVAL": "300",
-                                   "OTEL_BSP_SCHEDULE_DELAY": "100"})
-        config = {
-            "otel.traces.exporter": "otlp",
-            "otel.metrics.exporter": "otlp",
-            "otel.spans.export-delay": "100ms",
-            "otel.spans.poll-interval": "50ms",
-        }
+        set_otel_env(monkeypatch, {**receiver.env(), **EXEMPLARS_ENV})
+        config = EXEMPLARS_CONFIG
         with spilling_cluster(config) as (cluster, client):
             for name in ("first", "second"):
                 with span(name):
@@ -518,14 +522,8 @@ def test_a_series_that_did_not_grow_carries_no_exemplar(monkeypatch):
     `double`'s, which grew, does. The first collection after a prefix's work
     cannot tell 'grew' from 'always'; a later one can."""
     with OTLPReceiver("grpc") as receiver:
-        set_otel_env(monkeypatch, {**receiver.env(), "OTEL_METRIC_EXPORT_INTERVAL": "300",
-                                   "OTEL_BSP_SCHEDULE_DELAY": "100"})
-        config = {
-            "otel.traces.exporter": "otlp",
-            "otel.metrics.exporter": "otlp",
-            "otel.spans.export-delay": "100ms",
-            "otel.spans.poll-interval": "50ms",
-        }
+        set_otel_env(monkeypatch, {**receiver.env(), **EXEMPLARS_ENV})
+        config = EXEMPLARS_CONFIG
 
         def with_exemplar(r: OTLPReceiver, prefix: str) -> list:
             return [p for p in r.metric_points("dask.activity.time")
