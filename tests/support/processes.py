@@ -42,6 +42,16 @@ def _dask(*args: str, without_dask_otel: bool = False) -> list[str]:
     return [sys.executable, "-m", "distributed.cli.dask_" + args[0], *args[1:]]
 
 
+def scheduler_address(scheduler_file: str | Path) -> str | None:
+    """The scheduler's address from its ``--scheduler-file``; None while the file is
+    missing, empty or half written (Dask opens it, then dumps its JSON into it)"""
+    try:
+        with open(scheduler_file) as f:
+            return json.load(f)["address"]
+    except (FileNotFoundError, json.JSONDecodeError, KeyError):
+        return None
+
+
 class DaskProcesses:
     """``dask scheduler`` + ``dask worker`` subprocesses on 127.0.0.1"""
 
@@ -73,8 +83,7 @@ class DaskProcesses:
                   "--dashboard-address", "127.0.0.1:0",
                   "--scheduler-file", self.scheduler_file),
         )
-        # The file appears before its JSON is written (Dask opens it, then dumps
-        # into it): wait until it parses, not merely until it exists
+        # The file exists before its JSON is written: wait until it parses
         deadline = time.monotonic() + 60
         while self._read_address() is None:
             if time.monotonic() > deadline or self.procs["scheduler"].poll() is not None:
@@ -101,13 +110,7 @@ class DaskProcesses:
             self.env = old
 
     def _read_address(self) -> str | None:
-        """The scheduler's address from its file; None while the file is missing,
-        empty or half written"""
-        try:
-            with open(self.scheduler_file) as f:
-                return json.load(f)["address"]
-        except (FileNotFoundError, json.JSONDecodeError, KeyError):
-            return None
+        return scheduler_address(self.scheduler_file)
 
     @property
     def address(self) -> str:
