@@ -519,8 +519,8 @@ def test_activity_metrics_carry_exemplars_of_exported_traces(monkeypatch):
 def test_a_series_that_did_not_grow_carries_no_exemplar(monkeypatch):
     """The exemplar rule at the value that shows it: an `inc` series still exported
     (its cumulative value unchanged) after `double` ran carries no exemplar, where
-    `double`'s, which grew, does. The first collection after a prefix's work
-    cannot tell 'grew' from 'always'; a later one can."""
+    `double`'s, which grew, got one. The collections while a prefix's work runs
+    cannot tell 'grew' from 'always'; later ones can."""
     with OTLPReceiver("grpc") as receiver:
         set_otel_env(monkeypatch, {**receiver.env(), **EXEMPLARS_ENV})
         config = EXEMPLARS_CONFIG
@@ -530,12 +530,14 @@ def test_a_series_that_did_not_grow_carries_no_exemplar(monkeypatch):
                     if p.attributes.get("dask.task.prefix") == prefix and p.exemplars]
 
         with spilling_cluster(config) as (cluster, client):
-            with span("first"):
-                client.gather(client.map(inc, range(10)))
-            receiver.wait_for(lambda r: with_exemplar(r, "inc"), timeout=30)
-            with span("second"):
-                client.gather(client.map(double, range(10)))
-            receiver.wait_for(lambda r: with_exemplar(r, "double"), timeout=30)
+            # Each prefix twice: the second run grows series whose prefix has an
+            # exported span already (the first run's span may be exported only
+            # after its metrics grew for the last time)
+            for prefix, task in (("inc", inc), ("double", double)):
+                for run in ("first", "second"):
+                    with span(f"{prefix} {run}"):
+                        client.gather(client.map(task, range(10)))
+                receiver.wait_for(lambda r, prefix=prefix: with_exemplar(r, prefix), timeout=30)
             time.sleep(0.5)  # inc's last heartbeat metrics are in
             receiver.clear()
             receiver.wait_for(lambda r: len({p.time for p in r.metric_points("dask.activity.time")
