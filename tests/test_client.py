@@ -12,6 +12,8 @@ import subprocess
 import sys
 import textwrap
 import time
+from collections import deque
+from collections.abc import Sized
 
 import dask
 import dask.bag as db
@@ -159,7 +161,28 @@ def test_a_trace_the_sampler_drops_drops_its_dask_spans(cluster, caller):
     assert not mirrored.plugin.mirror.ledger.records  # nor their entries and callers
 
 
+def containers_of(*objects: object) -> dict[str, Sized]:
+    """Every dict, list, set and deque held by ``objects``, by ``Class.attribute``"""
+    return {
+        f"{type(o).__name__}.{name}": value
+        for o in objects
+        for name, value in vars(o).items()
+        if isinstance(value, (dict, list, set, deque))
+    }
+
+
 def test_memory_of_the_mirror_is_bounded_by_open_spans(cluster):
+    """Once everything is exported, the mirror keeps nothing per span: every
+    container of the mirror and its ledger is empty, but for the two bounded by
+    a constant (roots' callers for work that comes after their export, and the
+    exemplar context per task prefix).
+
+    Read through the scheduler plugin's ``mirror`` and ``mirror.ledger`` (no public
+    API shows them): all their containers, found by type, so that one added
+    later is checked too."""
+    from dask_otel.scheduler.ledger import MAX_REOPENED_ROOTS
+    from dask_otel.spans import MAX_EXEMPLAR_PREFIXES
+
     client, mirrored = cluster
     _, tracer = app_tracer()
     with tracer.start_as_current_span("app"):
@@ -167,10 +190,32 @@ def test_memory_of_the_mirror_is_bounded_by_open_spans(cluster):
             with dask_otel.span(f"wf-{i}") as sid:
                 # A key prefix per workflow: Dask puts a prefix's tasks on one span
                 client.submit(inc, i, key=f"wf{i}-inc").result()
+                with dask_otel.span("sub"):
+                    # One TaskGroup for all: batches after its first export
+                    client.submit(double, i, pure=False).result()
+                with dask_otel.span("client-side only"):
+                    pass  # a block that runs no task: its exit waits for its graph
     mirrored.by_dask_id(sid)
-    wait_until(lambda: not mirrored.plugin.mirror.ledger.records, what="every span exported")
     mirror = mirrored.plugin.mirror
-    assert (mirror.ledger.records, mirror.ledger.leaves) == ({}, {})
+    ledger = mirror.ledger
+
+    def nothing_open():
+        return not (ledger.records or ledger.groups or ledger.pending_exits)
+
+    wait_until(nothing_open, what="every span, batch and block exported")
+    time.sleep(0.3)  # a few more polls
+    bounded = {
+        "Ledger.reopened_parents": MAX_REOPENED_ROOTS,
+        "SpanMirror.latest_by_prefix": min(MAX_EXEMPLAR_PREFIXES, 21),  # 20 + double
+    }
+    containers = containers_of(mirror, ledger)
+    assert {"Ledger.records", "Ledger.groups", "Ledger.leaves",
+            "Ledger.pending_exits", "Ledger.reopened_parents"} <= set(containers)
+    kept = {
+        name: len(c) for name, c in containers.items() if len(c) > bounded.get(name, 0)
+    }
+    assert kept == {}, f"kept after every span was exported: {kept}"
+    assert len(mirrored.spans()) == 20 * 5  # 3 Dask spans and 2 TaskGroups a workflow
 
 
 # --- dask scheduler + dask worker processes, switched on by the preload variable --

@@ -9,7 +9,7 @@ import time
 
 import distributed
 import pytest
-from distributed import KilledWorker, span
+from distributed import Event, KilledWorker, span, wait
 from packaging.version import Version
 
 from dask_otel.config import ConfigError, read_config
@@ -21,7 +21,15 @@ from dask_otel.scheduler.events import (
 )
 from tests.support.cluster import dask_span_ids, otel_cluster, wait_until
 from tests.support.otlp_receiver import OTLPReceiver, set_otel_env
-from tests.support.tasks import allocate_past, exit_once, print_in_task
+from tests.support.tasks import (
+    allocate_past,
+    exit_once,
+    exit_process,
+    inc,
+    print_in_task,
+    wait_for_event,
+    warn_in_task,
+)
 
 #: Log records exported as soon as they are emitted: tests read them while the
 #: cluster runs
@@ -116,6 +124,38 @@ def test_distributed_print_in_a_task_carries_its_dask_span(monkeypatch):
     assert record.attributes["dask.worker.address"].startswith("tcp://127.0.0.1:")
 
 
+def test_a_print_while_tasks_of_two_spans_run_on_its_worker_carries_no_ids(monkeypatch):
+    """Which task printed is ambiguous when the worker runs tasks of two Dask spans:
+    the record carries no trace, span or dask.span.id (one span's would be a guess)"""
+    with OTLPReceiver("grpc") as receiver:
+        set_otel_env(monkeypatch, {**receiver.env(), **FAST_LOGS})
+        with otel_cluster(LOGS, n_workers=1, threads_per_worker=2) as (client, _):
+            with span("holding"):
+                held = client.submit(wait_for_event, "two-spans-go", key="held-0")
+            wait_until(lambda: client.processing()[next(iter(client.processing()))])
+            with span("printing"):
+                client.submit(print_in_task, 6, key="printing-0").result()
+            (record,) = receiver.wait_for(lambda r: events(r, "print"))
+            Event("two-spans-go").set()
+            held.result()
+    assert record.body == "scored partition 6"
+    assert (record.trace_id, record.span_id) == (None, None)
+    assert "dask.span.id" not in record.attributes
+
+
+def test_distributed_warn_in_a_task_is_a_warning_with_its_message(monkeypatch):
+    with OTLPReceiver("grpc") as receiver:
+        set_otel_env(monkeypatch, {**receiver.env(), **FAST_LOGS})
+        with otel_cluster(LOGS, n_workers=1) as (client, _):
+            with span("skew check") as sid:
+                client.submit(warn_in_task, 3).result()
+            (record,) = receiver.wait_for(lambda r: events(r, "warn"))
+    assert record.severity_text == "WARNING"
+    assert record.body == "partition 3 is skewed"
+    assert record.attributes["dask.event.category"] == "UserWarning"
+    assert (record.trace_id, record.span_id) == ids(sid)
+
+
 def test_users_topics_are_exported_only_when_listed(monkeypatch):
     config = {**LOGS, "otel.events.topics": "dask, inventory"}
     with OTLPReceiver("grpc") as receiver:
@@ -181,3 +221,90 @@ def test_event_records_below_the_logs_level_are_not_exported(monkeypatch, tmp_pa
     assert all(g.severity_number >= 13 for g in records), [
         (g.attributes["dask.event.topic"], g.severity_text) for g in records
     ]
+
+
+@pytest.mark.parametrize(
+    "lost, severity", [("scattered", "ERROR"), ("computed", "WARNING"), ("nothing", "INFO")]
+)
+def test_a_worker_lost_holding_data_is_logged_at_its_severity(monkeypatch, lost, severity):
+    """remove-worker of a worker that ran nothing but held 25 keys: scattered data
+    (gone for good) is ERROR, computed results (Dask recomputes them) WARNING; the
+    record lists the first 20 keys and counts all 25. Nothing was processing, so
+    neither severity comes from the processing rule. A worker that held nothing:
+    INFO."""
+    with OTLPReceiver("grpc") as receiver:
+        set_otel_env(monkeypatch, {**receiver.env(), **FAST_LOGS})
+        with otel_cluster(LOGS, processes=True, n_workers=2) as (client, _):
+            doomed = sorted(client.scheduler_info()["workers"])[0]
+            if lost == "nothing":
+                held = []
+            elif lost == "scattered":
+                held = client.scatter(list(range(1000, 1025)), workers=[doomed])
+            else:
+                held = client.map(inc, range(25), workers=[doomed])
+                wait(held)
+            client.run(exit_process, workers=[doomed], wait=False)
+            records = receiver.wait_for(lambda r: [
+                g for g in events(r, "remove-worker")
+                if g.attributes["dask.worker.address"] == doomed
+            ])
+    field = f"dask.event.lost_{lost}_tasks"
+    for record in records:
+        assert record.severity_text == severity
+        assert record.attributes["dask.event.processing_tasks.count"] == 0
+        if lost == "nothing":
+            assert record.attributes["dask.event.lost_computed_tasks.count"] == 0
+            assert record.attributes["dask.event.lost_scattered_tasks.count"] == 0
+            continue
+        assert record.attributes[f"{field}.count"] == 25
+        assert len(record.attributes[field]) == 20
+        assert set(record.attributes[field]) <= {str(f.key) for f in held}
+
+
+def remove_worker_event(address: str, computed: list[str]) -> dict:
+    """Dask's remove-worker event (``Scheduler.remove_worker``, topic ``all``) for a
+    worker that held ``computed`` results and nothing else"""
+    return {
+        "action": "remove-worker", "processing-tasks": {}, "lost-computed-tasks": computed,
+        "lost-scattered-tasks": [], "stimulus_id": "test", "expected": False,
+        "worker": address,
+    }
+
+
+def test_a_lost_worker_is_told_to_at_most_16_spans_and_a_span_gets_at_most_16_events(
+    monkeypatch,
+):
+    """docs/events.md: one remove-worker record per Dask span the lost tasks belong
+    to, at most 16; at most 16 dask.worker.lost events per span. Dask's own event,
+    as Scheduler.remove_worker logs it, for results of 17 open Dask spans, then 17
+    lost workers holding results of one span (a real cluster would need 17 worker
+    deaths)"""
+    config = {**LOGS, "otel.spans.export-delay": "60s"}  # open until the close
+    with OTLPReceiver("grpc") as receiver:
+        set_otel_env(monkeypatch, {**receiver.env(), **FAST_LOGS})
+        with otel_cluster(config, n_workers=1) as (client, mirrored):
+            keys = []
+            for i in range(17):
+                with span(f"part {i}"):
+                    keys.append(client.submit(inc, i, key=f"part{i}-0"))
+            wait(keys)
+            names = [str(f.key) for f in keys]
+
+            def lose(dask_scheduler, names=names):
+                dask_scheduler.log_event("all", remove_worker_event("tcp://127.0.0.1:1", names))
+                for n in range(17):
+                    dask_scheduler.log_event(
+                        "all", remove_worker_event(f"tcp://127.0.0.1:{100 + n}", names[:1])
+                    )
+
+            client.run_on_scheduler(lose)
+            receiver.wait_for(lambda r: len(events(r, "remove-worker")) >= 16 + 17)
+            time.sleep(0.3)
+        spans = [s for s in mirrored.spans() if s.name.startswith("part ")]
+    one_worker = [g for g in events(receiver, "remove-worker")
+                  if g.attributes["dask.worker.address"] == "tcp://127.0.0.1:1"]
+    assert len(one_worker) == 16
+    assert len({g.attributes["dask.span.id"] for g in one_worker}) == 16
+    assert all(g.attributes["dask.event.lost_computed_tasks.count"] == 17 for g in one_worker)
+    by_name = {s.name: s for s in spans}
+    assert len(lost_events(by_name["part 0"])) == 16

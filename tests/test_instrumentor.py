@@ -35,7 +35,7 @@ from tests.support.cluster import (
     cluster_kwargs,
 )
 from tests.support.otlp_receiver import OTLPReceiver
-from tests.support.processes import FAST_ENV, PRELOAD_ENV, REPO
+from tests.support.processes import FAST_ENV, PRELOAD_ENV, REPO, scheduler_address
 from tests.support.tasks import inc, user_work
 
 #: ``opentelemetry-instrument``, as its console script runs it, with this interpreter
@@ -259,13 +259,12 @@ def instrumented_processes(
               "--dashboard-address", "127.0.0.1:0", "--scheduler-file", str(scheduler_file),
               "--preload", str(preload))
         deadline = time.monotonic() + 60
-        while not scheduler_file.exists():
+        while (address := scheduler_address(scheduler_file)) is None:  # written, not just there
             if time.monotonic() > deadline or procs["scheduler"].poll() is not None:
                 raise RuntimeError(f"scheduler did not start:\n{logs['scheduler'].read_text()}")
             time.sleep(0.1)
         for name in workers:
             spawn(name, *worker, *(["--no-nanny"] if name == "no-nanny" else []), "--name", name)
-        address = json.loads(scheduler_file.read_text())["address"]
         yield address, logs
     finally:
         for name in sorted(procs, key=lambda n: n == "scheduler"):  # the scheduler last

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 from distributed import span, wait
 
-from dask_otel.scheduler.links import MAX_LINKS
 from tests.support.cluster import otel_cluster
 from tests.support.tasks import inc, total
 
@@ -36,6 +35,11 @@ def test_producers_in_the_same_trace_are_not_linked():
                 assert client.submit(total, parts, key="summed-0").result() == 10
         mirrored.by_dask_id(root_id)
         assert not mirrored.by_dask_id(consumer_id).links
+
+
+#: docs/traces.md, "Links": at most 16 per Dask span (the number written there, not
+#: the code's constant, which a change would move with it)
+MAX_LINKS = 16
 
 
 def test_links_per_span_are_bounded():

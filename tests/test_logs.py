@@ -19,7 +19,12 @@ from distributed import span
 from tests.support.cluster import dask_span_ids, otel_cluster, wait_until
 from tests.support.otlp_receiver import OTLPReceiver, set_otel_env
 from tests.support.processes import REPO, dask_processes
-from tests.support.tasks import log_in_task, log_info_in_task, warn_to_distributed_worker
+from tests.support.tasks import (
+    log_in_task,
+    log_info_in_task,
+    warn_to,
+    warn_to_distributed_worker,
+)
 
 #: Exported as soon as a record is logged: tests read them while the cluster runs
 FAST_LOGS = {"OTEL_BLRP_SCHEDULE_DELAY": "100"}
@@ -83,6 +88,22 @@ def test_log_level_threshold_and_task_spans_context(monkeypatch):
     assert (record.trace_id, record.span_id) == (task_span.trace_id, task_span.span_id)
     assert not [g for g in receiver.logs() if g.body == "quiet detail 8"]
     assert all(g.severity_number >= 13 for g in receiver.logs())  # WARN and above
+
+
+def test_the_exporters_and_the_bridges_own_records_are_not_exported(monkeypatch):
+    """docs/logs.md, "Not": a WARNING to an ``opentelemetry.*`` logger (an exporter's
+    complaint would feed back) or to ``dask_otel`` (not named in dask config's
+    ``logging``) is not exported; the same WARNING to an application logger is"""
+    config = {"otel.logs.exporter": "otlp", "otel.flush-timeout": "2s"}
+    with OTLPReceiver("grpc") as receiver:
+        set_otel_env(monkeypatch, {**receiver.env(), **FAST_LOGS})
+        with otel_cluster(config, processes=True, n_workers=1) as (client, _):
+            for logger_name in ("opentelemetry.exporter.fake", "dask_otel", "myapp"):
+                client.submit(warn_to, logger_name, f"a line to {logger_name}").result()
+            receiver.wait_for(lambda r: records(r, "a line to myapp"))
+            time.sleep(0.5)  # the same batch, or the next
+    assert records(receiver, "a line to opentelemetry") == []
+    assert records(receiver, "a line to dask_otel") == []
 
 
 def test_log_export_is_off_by_default():

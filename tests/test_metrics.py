@@ -7,6 +7,7 @@ from __future__ import annotations
 import re
 import subprocess
 import sys
+import time
 from pathlib import Path
 from typing import Any
 
@@ -15,7 +16,6 @@ import prometheus_client
 import pytest
 from distributed import LocalCluster, span, wait
 
-import dask_otel.scheduler.metrics
 from dask_otel.export.instruments import COUNTER, GAUGE
 from dask_otel.scheduler.metrics import SCHEDULER_METRICS, fine_metric_attributes
 from dask_otel.spill import SPILL_METRICS
@@ -23,7 +23,7 @@ from tests.support.cluster import spilling_cluster, wait_until
 from tests.support.metrics import collect, metric_reader, value
 from tests.support.otlp_receiver import OTLPReceiver, set_otel_env
 from tests.support.processes import dask_processes
-from tests.support.tasks import inc, make_chunk, sum_chunks, total
+from tests.support.tasks import double, inc, make_chunk, sum_chunks, total
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -99,27 +99,44 @@ def test_fine_metrics_equal_the_schedulers_totals():
                  dask_activity_name="memory-read") >= 1
 
 
+#: docs/metrics.md, "Attributes": past 2000 series per instrument the rest is one
+#: overflow series (the number written there, not the code's constant)
+MAX_SERIES = 2000
+
+
+def kept_series(points: list) -> dict[tuple, float]:
+    return {tuple(sorted(p.attributes.items())): p.value
+            for p in points if p.attributes != {"otel.metric.overflow": True}}
+
+
 def test_past_the_cardinality_limit_the_rest_is_one_overflow_series():
     """800 task prefixes make over 3,000 time-series of seconds (thread-cpu,
     thread-noncpu, executor, other...): the first 2,000 are exported as they are,
     the rest summed into one ``otel.metric.overflow`` series, so that nothing is
-    lost from the total and a collection stays bounded."""
+    lost from the total and a collection stays bounded. The first 2,000 stay the
+    same when more prefixes come (each keeps a monotonic counter)."""
     with spilling_cluster() as (cluster, client):
         futures = [client.submit(inc, i, key=f"p{i}-0") for i in range(800)]
         wait(futures)
         heartbeats_carried(cluster, ("execute", "p799", "thread-cpu", "seconds"))
         expected = fine_metrics_by_unit(dict(cluster.scheduler.cumulative_worker_metrics))
-        points = collect(metric_reader(cluster))
+        reader = metric_reader(cluster)
+        points = collect(reader)
+        # More prefixes, all past the limit: the kept series do not change
+        wait([client.submit(inc, i, key=f"later{i}-0") for i in range(50)])
+        heartbeats_carried(cluster, ("execute", "later49", "thread-cpu", "seconds"))
+        later = collect(reader)
 
     seconds = expected["seconds"]
-    assert len(seconds) > dask_otel.scheduler.metrics.MAX_SERIES + 100
+    assert len(seconds) > MAX_SERIES + 100
     exported = points["dask.activity.time"]
-    assert len(exported) == dask_otel.scheduler.metrics.MAX_SERIES + 1
+    assert len(exported) == MAX_SERIES + 1
     overflow = [p for p in exported if p.attributes == {"otel.metric.overflow": True}]
     assert len(overflow) == 1
-    kept = {tuple(sorted(p.attributes.items())): p.value for p in exported if p not in overflow}
+    kept = kept_series(exported)
     assert all(seconds[attributes] == v for attributes, v in kept.items())
     assert sum(p.value for p in exported) == pytest.approx(sum(seconds.values()))
+    assert kept_series(later["dask.activity.time"]).keys() == kept.keys()
 
 
 def test_no_span_attribute_by_default():
@@ -455,20 +472,24 @@ def test_spill_and_fine_metrics_arrive_over_otlp(protocol):
 
 # --- exemplars ----------------------------------------------------------------------
 
+#: Metrics collected every 300 ms and spans sent every 100 ms, over OTLP
+EXEMPLARS_ENV = {"OTEL_METRIC_EXPORT_INTERVAL": "300", "OTEL_BSP_SCHEDULE_DELAY": "100"}
+#: Spans and metrics to the OTLP receiver, spans exported 100 ms after they finish
+EXEMPLARS_CONFIG = {
+    "otel.traces.exporter": "otlp",
+    "otel.metrics.exporter": "otlp",
+    "otel.spans.export-delay": "100ms",
+    "otel.spans.poll-interval": "50ms",
+}
+
 
 def test_activity_metrics_carry_exemplars_of_exported_traces(monkeypatch):
     """A dask.activity.* series that grew carries an exemplar of the latest
     sampled TaskGroup span of its task prefix (SDK's default exemplar filter,
     trace_based); its trace is one the receiver got"""
     with OTLPReceiver("grpc") as receiver:
-        set_otel_env(monkeypatch, {**receiver.env(), "OTEL_METRIC_EXPORT_INTERVAL": "300",
-                                   "OTEL_BSP_SCHEDULE_DELAY": "100"})
-        config = {
-            "otel.traces.exporter": "otlp",
-            "otel.metrics.exporter": "otlp",
-            "otel.spans.export-delay": "100ms",
-            "otel.spans.poll-interval": "50ms",
-        }
+        set_otel_env(monkeypatch, {**receiver.env(), **EXEMPLARS_ENV})
+        config = EXEMPLARS_CONFIG
         with spilling_cluster(config) as (cluster, client):
             for name in ("first", "second"):
                 with span(name):
@@ -493,3 +514,40 @@ def test_activity_metrics_carry_exemplars_of_exported_traces(monkeypatch):
     # A series without a task prefix (no TaskGroup span contributed) has none
     assert not any(p.exemplars for p in receiver.metric_points("dask.activity.time")
                    if "dask.task.prefix" not in p.attributes)
+
+
+def test_a_series_that_did_not_grow_carries_no_exemplar(monkeypatch):
+    """The exemplar rule at the value that shows it: an `inc` series still exported
+    (its cumulative value unchanged) after `double` ran carries no exemplar, where
+    `double`'s, which grew, got one. The collections while a prefix's work runs
+    cannot tell 'grew' from 'always'; later ones can."""
+    with OTLPReceiver("grpc") as receiver:
+        set_otel_env(monkeypatch, {**receiver.env(), **EXEMPLARS_ENV})
+        config = EXEMPLARS_CONFIG
+
+        def with_exemplar(r: OTLPReceiver, prefix: str) -> list:
+            return [p for p in r.metric_points("dask.activity.time")
+                    if p.attributes.get("dask.task.prefix") == prefix and p.exemplars]
+
+        with spilling_cluster(config) as (cluster, client):
+            # Each prefix twice: the second run grows series whose prefix has an
+            # exported span already (the first run's span may be exported only
+            # after its metrics grew for the last time)
+            for prefix, task in (("inc", inc), ("double", double)):
+                for run in ("first", "second"):
+                    with span(f"{prefix} {run}"):
+                        client.gather(client.map(task, range(10)))
+                receiver.wait_for(lambda r, prefix=prefix: with_exemplar(r, prefix), timeout=30)
+            time.sleep(0.5)  # inc's last heartbeat metrics are in
+            receiver.clear()
+            receiver.wait_for(lambda r: len({p.time for p in r.metric_points("dask.activity.time")
+                                             if p.attributes.get("dask.task.prefix") == "inc"}) >= 3,
+                              timeout=30)
+    later = [p for p in receiver.metric_points("dask.activity.time")
+             if p.attributes.get("dask.task.prefix") == "inc"]
+    # The premise: inc's series did not grow over these collections
+    values: dict[tuple, set] = {}
+    for p in later:
+        values.setdefault(tuple(sorted(p.attributes.items())), set()).add(p.value)
+    assert all(len(v) == 1 for v in values.values()), values
+    assert [p.exemplars for p in later if p.exemplars] == []

@@ -264,3 +264,27 @@ def test_a_failure_to_build_a_context_runs_the_task_without_one_logged_once(monk
     assert status["task_context_errors"] == 3
     told = [r for r in handler.records if r.levelno >= logging.ERROR]
     assert len(told) == 1
+
+def test_under_a_ratio_sampler_tasks_and_the_mirror_make_the_same_decision(monkeypatch):
+    """docs/traces.md, "Sampling": every process asks its own sampler the same
+    question and gets the same answer. At ratio 0.5 some traces are kept and some
+    dropped; a task's context is sampled exactly in the traces the scheduler
+    exported, and only those have task spans."""
+    monkeypatch.setenv("OTEL_TRACES_SAMPLER", "traceidratio")
+    monkeypatch.setenv("OTEL_TRACES_SAMPLER_ARG", "0.5")
+    n = 24
+    with otel_cluster({"otel.tasks.spans": True}) as (client, mirrored):
+        in_task = {}
+        for i in range(n):
+            with span(f"root {i}") as root_id:
+                in_task[root_id] = client.submit(current_ids, i, key=f"ids{i}-0").result()
+        time.sleep(1.5)  # every root exported or dropped (export delay 200 ms)
+        spans = mirrored.spans()
+    sampled_in_task = {dask_span_ids(r)[0] for r, (_, _, sampled) in in_task.items() if sampled}
+    exported_roots = {s.context.trace_id for s in spans if s.name.startswith("root ")}
+    task_spans = {s.context.trace_id for s in spans if "dask.task.key" in s.attributes}
+    assert 0 < len(exported_roots) < n, len(exported_roots)
+    assert sampled_in_task == exported_roots
+    assert task_spans == exported_roots
+    # every task ran in its root's trace, kept or not
+    assert all(trace_id == dask_span_ids(r)[0] for r, (trace_id, _, _) in in_task.items())

@@ -69,6 +69,26 @@ def test_ratio_one_exports_every_task_once_as_child_of_its_dask_span():
         assert_span_tree(mirrored.spans())
 
 
+def test_a_ratio_between_0_and_1_exports_that_fraction_of_the_keys():
+    """otel.tasks.sample-ratio 0.2 over 200 keys: about 40 task spans (a binomial
+    draw: 20 to 60 covers six standard deviations), each a chosen key whose span
+    was the context its code ran in. At 0 and 1 the rule cannot show which way
+    the hash is compared; here 'keep 20%' and 'keep 80%' differ."""
+    config = {**TASK_SPANS, "otel.tasks.sample-ratio": 0.2, "otel.tasks.erred": False}
+    with otel_cluster(config) as (client, mirrored):
+        with span("a fifth") as sid:
+            futures = client.map(current_span_id, range(200))
+            in_task = client.gather(futures)
+        dask_span = mirrored.by_dask_id(sid)
+        time.sleep(0.5)  # the workers' last batches
+        spans = task_spans(mirrored)
+    assert 20 <= len(spans) <= 60, f"{len(spans)} of 200 keys exported at ratio 0.2"
+    assert len({s.attributes["dask.task.key"] for s in spans}) == len(spans)
+    # A chosen task ran in its own span; the others in their Dask span's
+    chosen = {s.context.span_id for s in spans}
+    assert sorted(i for i in in_task if i != dask_span.context.span_id) == sorted(chosen)
+
+
 def test_slower_than_exports_only_slow_tasks():
     # The threshold 1 s above the fast task: with 300 ms, a fresh-clone xdist run on 2
     # cores once exported two task spans here (likely the 10 ms task held past 300 ms;

@@ -42,6 +42,16 @@ def _dask(*args: str, without_dask_otel: bool = False) -> list[str]:
     return [sys.executable, "-m", "distributed.cli.dask_" + args[0], *args[1:]]
 
 
+def scheduler_address(scheduler_file: str | Path) -> str | None:
+    """The scheduler's address from its ``--scheduler-file``; None while the file is
+    missing, empty or half written (Dask opens it, then dumps its JSON into it)"""
+    try:
+        with open(scheduler_file) as f:
+            return json.load(f)["address"]
+    except (FileNotFoundError, json.JSONDecodeError, KeyError):
+        return None
+
+
 class DaskProcesses:
     """``dask scheduler`` + ``dask worker`` subprocesses on 127.0.0.1"""
 
@@ -73,8 +83,9 @@ class DaskProcesses:
                   "--dashboard-address", "127.0.0.1:0",
                   "--scheduler-file", self.scheduler_file),
         )
+        # The file exists before its JSON is written: wait until it parses
         deadline = time.monotonic() + 60
-        while not os.path.exists(self.scheduler_file):
+        while self._read_address() is None:
             if time.monotonic() > deadline or self.procs["scheduler"].poll() is not None:
                 raise RuntimeError(f"scheduler did not start:\n{self.log('scheduler')}")
             time.sleep(0.1)
@@ -98,10 +109,14 @@ class DaskProcesses:
         finally:
             self.env = old
 
+    def _read_address(self) -> str | None:
+        return scheduler_address(self.scheduler_file)
+
     @property
     def address(self) -> str:
-        with open(self.scheduler_file) as f:
-            return json.load(f)["address"]
+        address = self._read_address()
+        assert address is not None, f"{self.scheduler_file} holds no address"
+        return address
 
     def client(self, n_workers: int | None = None) -> Client:
         client = Client(self.address, timeout=30)

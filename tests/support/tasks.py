@@ -194,6 +194,12 @@ def log_info_in_task(x):
     return x
 
 
+def warn_to(logger_name: str, message: str) -> str:
+    """A WARNING to the logger ``logger_name``, from a task"""
+    logging.getLogger(logger_name).warning(message)
+    return message
+
+
 def log_and_trace_in_task(*_):
     logging.getLogger("report").warning("inside the task")
     return user_work()
@@ -235,6 +241,12 @@ def exit_once(marker: str, x: int) -> int:
     return x
 
 
+async def exit_process(code: int = 1) -> None:
+    """Kills the worker process it runs in, for ``Client.run(..., wait=False)``
+    (which takes coroutine functions only): a worker lost with no task running"""
+    os._exit(code)
+
+
 def allocate_past(limit: int) -> int:
     """Grows its worker's resident memory to twice ``limit`` bytes, 16 MiB at a
     time, and holds it: its nanny terminates the worker on the way"""
@@ -252,3 +264,12 @@ def print_in_task(x: int) -> int:
 
     distributed.print("scored partition", x)
     return x
+
+
+def warn_in_task(x: int) -> int:
+    """distributed.warn: logged as a ``warn`` event on the scheduler"""
+    import distributed
+
+    distributed.warn(f"partition {x} is skewed", UserWarning)
+    return x
+
