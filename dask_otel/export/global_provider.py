@@ -38,27 +38,37 @@ class TelemetryTracerProvider(trace.TracerProvider):
         )
 
 
-class TelemetryTracer(trace.ProxyTracer):
-    """A ProxyTracer that follows the current Telemetry's TracerProvider"""
+class TelemetryTracer(trace.Tracer):
+    """A Tracer whose spans start on the current Telemetry's TracerProvider (its
+    tracer for this instrumentation scope, got once per provider), and that does
+    nothing while there is none"""
 
-    #: the provider ``_real_tracer`` came from
-    _provider: Any = None
+    #: what ``trace.get_tracer`` was called with: the instrumentation scope
+    scope: tuple[str, str | None, str | None, Any]
+    #: the current provider's tracer, and that provider
+    _current: tuple[Any, trace.Tracer] | None = None
 
-    @property
-    def _tracer(self) -> trace.Tracer:
+    def __init__(self, *scope: Any):
+        self.scope = scope  # type: ignore[assignment]
+
+    def tracer(self) -> trace.Tracer:
         telemetry = Telemetry._current
         provider = telemetry.tracer_provider if telemetry is not None else None
         if provider is None:
-            return self._noop_tracer
-        if provider is not self._provider:
-            self._real_tracer = provider.get_tracer(
-                self._instrumenting_module_name,
-                self._instrumenting_library_version,
-                self._schema_url,
-                self._attributes,
-            )
-            self._provider = provider
-        return self._real_tracer  # type: ignore[return-value]
+            return _NO_OP
+        current = self._current
+        if current is None or current[0] is not provider:
+            current = self._current = (provider, provider.get_tracer(*self.scope))
+        return current[1]
+
+    def start_span(self, *args: Any, **kwargs: Any) -> trace.Span:
+        return self.tracer().start_span(*args, **kwargs)
+
+    def start_as_current_span(self, *args: Any, **kwargs: Any) -> Any:
+        return self.tracer().start_as_current_span(*args, **kwargs)
+
+
+_NO_OP = trace.NoOpTracer()
 
 
 #: The global TracerProvider this process got from the bridge, if it did

@@ -340,15 +340,18 @@ class Telemetry:
 
     @property
     def outage(self) -> bool:
-        """True while some exporter's collector is not answering (see
-        :attr:`~dask_otel.export.accounting.ExportOutage.in_outage`): flushing
-        would only wait"""
-        return any(e.outage.in_outage for e in self.accounted_exporters)
+        """True while some exporter waits on a collector that is not answering (see
+        :attr:`~dask_otel.export.accounting.ExportOutage.stalled`): flushing would
+        only wait"""
+        return any(e.outage.stalled for e in self.accounted_exporters)
 
     def force_flush(self) -> None:
-        """Export what is queued. Blocks while a collector hangs (the SDK's batch
+        """Export what is queued; what a failing exporter holds is dropped and
+        counted without a probe. Blocks while a collector hangs (the SDK's batch
         processor ignores a flush timeout): :meth:`shutdown` from another thread
         ends it."""
+        for exporter in self.accounted_exporters:
+            exporter.outage.closing = True
         timeout_ms = int(self.config.flush_timeout * 1000)
         if self.tracer_provider:
             self.tracer_provider.force_flush(timeout_ms)
