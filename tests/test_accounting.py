@@ -235,4 +235,4 @@ def test_a_wrapped_metric_exporter_keeps_the_exporters_temporality(monkeypatch):
         finally:
             provider.shutdown()
     assert point.temporality == "delta"
-    assert accounted and accounted[0].outage.exported == 1
+    assert accounted and accounted[0].outage.exported >= 1  # 1.41: one more at shutdown
