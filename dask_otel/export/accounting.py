@@ -6,8 +6,9 @@ One engine for the three signals (:class:`AccountedExporter`, the cut of the SDK
 ``BatchProcessor[T]``) wraps the SDK's exporter and runs in the SDK's export thread;
 batching, queues and timeouts stay the SDK's. Invariants: every item handed to an
 exporter is counted once, as exported or failed; an exporter that the bridge shut
-down is never built again. Costs: nothing per item; a failed request rebuilds the
-SDK's exporter once (its retry was cut by ``shutdown()``, which is final).
+down is never built again. Costs: nothing per item; a request whose retry the
+policy ends builds the SDK's exporter again, once (``shutdown()``, which ends the
+retry, is final).
 
 What the policy does for users, and how to get the SDK's retries back:
 docs/deploy.md, "When telemetry fails". The SDK offers no public way to end its
@@ -290,26 +291,24 @@ class AccountedExporter(Generic[E]):
         self._cut = False
 
     def export(self, batch: Any, *args: Any, **kwargs: Any) -> Any:
-        exporter = self._sender()
-        ok = self.outage.export(
-            lambda: exporter.export(batch, *args, **kwargs) == self.result.SUCCESS,
-            self.items(batch),
-            lambda: self._on_retry(exporter),
-        )
+        def send() -> bool:
+            # Built here, when a request is sent: a failure to build counts as the export's
+            with self._lock:
+                if self._cut and not self.outage.closed:
+                    self.exporter = self.build()
+                    self._cut = False
+                exporter = self.exporter
+            return exporter.export(batch, *args, **kwargs) == self.result.SUCCESS
+
+        ok = self.outage.export(send, self.items(batch), self._on_retry)
         return self.result.SUCCESS if ok else self.result.FAILURE
 
-    def _sender(self) -> E:
-        with self._lock:
-            if self._cut and not self.outage.closed:
-                self._cut = False
-                self.exporter = self.build()
-            return self.exporter
-
-    def _on_retry(self, exporter: E) -> None:
+    def _on_retry(self) -> None:
         if self.outage.retry_during_outage:
             return  # the SDK's retries, within its timeout
         with self._lock:
             self._cut = True
+            exporter = self.exporter
         exporter.shutdown()  # type: ignore[attr-defined]
 
     def force_flush(self, timeout_millis: float = 30_000, **kwargs: Any) -> bool:
