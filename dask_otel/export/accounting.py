@@ -24,6 +24,7 @@ import threading
 import time
 import weakref
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
 
 from dask_otel import _compat
@@ -114,19 +115,18 @@ ADAPTER = _compat.sdk_version() <= _compat.RETRY_ANNOUNCED_UP_TO
 BUILDS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
+@dataclass
 class _Export:
-    """One export under way: when it started, what the exporter logged, and whether
-    it announced a retry"""
+    """One export under way"""
 
-    def __init__(self, on_retry: Callable[[], None]):
-        #: ``time.monotonic()`` when it started
-        self.started = time.monotonic()
-        #: the exporter's log records so far
-        self.held: list[logging.LogRecord] = []
-        #: the record that announced a retry, if one did
-        self.retrying: logging.LogRecord | None = None
-        #: called in the export thread when the SDK announces a retry
-        self.on_retry = on_retry
+    #: called in the export thread when the SDK announces a retry
+    on_retry: Callable[[], None]
+    #: ``time.monotonic()`` when it started
+    started: float = field(default_factory=time.monotonic)
+    #: the exporter's log records so far
+    held: list[logging.LogRecord] = field(default_factory=list)
+    #: the record that announced a retry, if one did
+    retrying: logging.LogRecord | None = None
 
 
 class ExportOutage:
@@ -157,6 +157,10 @@ class ExportOutage:
     closed: bool
     #: True while the bridge flushes before closing: an outage is not probed then
     closing: bool
+    #: when the last request was sent (``time.monotonic()``)
+    _last_request: float
+    #: the export under way, if any
+    _export: _Export | None
 
     def __init__(self, signal: str, retry_during_outage: bool = False):
         self.signal = signal
@@ -165,10 +169,8 @@ class ExportOutage:
         self.exported = self.failed = self.export_failures = 0
         self.skipped = self.failing = 0
         self.closed = self.closing = False
-        #: when the last request was sent (``time.monotonic()``)
         self._last_request = float("-inf")
-        #: the export under way, if any
-        self._export: _Export | None = None
+        self._export = None
 
     @property
     def in_outage(self) -> bool:
@@ -278,6 +280,12 @@ class AccountedExporter(Generic[E]):
     #: the signal's export result: ``SUCCESS``, ``FAILURE``
     result: Any
 
+    #: items in a batch: a metric export is one
+    items: Callable[[Any], int]
+    #: True when the exporter was shut down to end a retry: the next request
+    #: builds a new one
+    _cut: bool
+
     def __init__(
         self, signal: str, exporter: E, result: Any, retry_during_outage: bool = False
     ):
@@ -285,9 +293,8 @@ class AccountedExporter(Generic[E]):
         self.build = BUILDS.get(exporter, type(exporter))
         self.result = result
         self.outage = ExportOutage(signal, retry_during_outage)
-        self.items: Callable[[Any], int] = (lambda batch: 1) if signal == "metrics" else len
+        self.items = (lambda batch: 1) if signal == "metrics" else len
         self._lock = threading.Lock()
-        #: the exporter was shut down to end a retry: build a new one before the next request
         self._cut = False
 
     def export(self, batch: Any, *args: Any, **kwargs: Any) -> Any:
