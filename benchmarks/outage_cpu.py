@@ -9,8 +9,8 @@ healthy collector.
 ``--close N``: N rounds of the close of a 1-worker LocalCluster right after 3 Dask
 spans, the flush's export the first (spans every 5 s, the SDK's 10 s exporter
 timeout), with the collector refused, answering UNAVAILABLE or hung, each against
-the same close without the bridge (as ``tests/test_faults.py`` times them;
-``otel.flush-timeout`` 5 s, 10 s when hung).
+the same close without the bridge (as ``tests/test_faults.py`` times them: spans
+exported 200 ms after they end, ``otel.flush-timeout`` 5 s, 10 s when hung).
 
 Each run: a LocalCluster (scheduler in this process, 2 worker processes) with the
 preload, spans and metrics over OTLP/gRPC (spans every 500 ms, metrics every
@@ -156,7 +156,10 @@ def close_times(rounds: int) -> None:
                 use_otel_env({**env, "OTEL_BSP_SCHEDULE_DELAY": "5000",
                               "OTEL_EXPORTER_OTLP_TIMEOUT": "10", "OTEL_TRACES_EXPORTER": "otlp",
                               "OTEL_METRICS_EXPORTER": "none"})
-                config = {"otel.flush-timeout": "10s" if fault == "hung" else "5s"}
+                # The mirror's export delay and poll of tests/test_faults.py: its spans
+                # are in the SDK's queue when the close starts
+                config = {"otel.flush-timeout": "10s" if fault == "hung" else "5s",
+                          "otel.spans.export-delay": "200ms", "otel.spans.poll-interval": "100ms"}
                 without = close_time({**config, "distributed.scheduler.preload": []})
                 with_bridge = close_time({**config, "distributed.scheduler.preload": ["dask_otel"]})
                 added[fault].append(with_bridge - without)
