@@ -78,6 +78,26 @@ def test_a_signal_the_collector_does_not_serve_is_reported_once_with_the_setting
     assert not [m for m in messages if "exports are failing" in m]
 
 
+def test_a_refused_signal_does_not_keep_the_close_from_flushing_the_others(monkeypatch):
+    """Metrics refused for good are an outage of metrics only: the close still
+    flushes the spans, which only its flush exports here (spans every 30 s)"""
+    with OTLPReceiver("grpc") as receiver:
+        receiver.refuse = {"metrics"}
+        for key in [k for k in os.environ if k.startswith("OTEL_EXPORTER_OTLP")]:
+            monkeypatch.delenv(key)
+        for key, value in {**receiver.env(), **FAST_EXPORT_ENV,
+                           "OTEL_BSP_SCHEDULE_DELAY": "30000"}.items():
+            monkeypatch.setenv(key, value)
+        with otel_cluster({**OTLP_CONFIG, "otel.logs.exporter": None}) as (client, mirrored):
+            with span("flushed at close") as sid:
+                client.submit(inc, 1, key="flushed-1").result()
+            wait_until(lambda: receiver.rejected >= 1, what="metrics refused")
+            wait_until(lambda: mirrored.plugin.mirror.mirrored >= 2, what="the span mirrored")
+            assert not receiver.spans()
+        received = {s.attributes.get("dask.span.id") for s in receiver.spans()}
+    assert sid in received
+
+
 # -- The outage policy: real SDK exporters, the harness receiver, no cluster ----------
 
 #: Spans exported every 300 ms: probes at most every 240 ms (PROBE_AFTER)
