@@ -353,11 +353,13 @@ class Telemetry:
         for exporter in self.accounted_exporters:
             exporter.outage.closing = True
         timeout_ms = int(self.config.flush_timeout * 1000)
-        if self.tracer_provider:
+        # A provider whose every exporter is failing has nothing to flush to (and a
+        # metric collection would cost CPU for nothing)
+        if self.tracer_provider and not _all_failing(self.accounted_span_exporters):
             self.tracer_provider.force_flush(timeout_ms)
-        if self.meter_provider:
+        if self.meter_provider and not _all_failing(self.accounted_metric_exporters):
             self.meter_provider.force_flush(timeout_ms)
-        if self.logs:
+        if self.logs and not _all_failing(self.logs.accounted_exporters):
             self.logs.force_flush(timeout_ms)
 
     def shutdown(self) -> None:
@@ -384,6 +386,10 @@ class Telemetry:
             self.meter_provider.shutdown(timeout_millis=timeout_ms)
         if self.logs:
             self.logs.shutdown()
+
+
+def _all_failing(accounted: list) -> bool:
+    return bool(accounted) and all(e.outage.failing for e in accounted)
 
 
 @dataclass
