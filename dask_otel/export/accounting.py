@@ -181,14 +181,13 @@ class ExportOutage:
 
     @property
     def stalled(self) -> bool:
-        """True while the export under way is a probe of a known outage, has
-        announced a retry, or has had no answer for :data:`STALLED_AFTER` seconds:
-        a flush waiting for it waits on the collector"""
+        """True while the export under way has announced a retry, or has had no
+        answer for :data:`STALLED_AFTER` seconds: a flush waiting for it waits on
+        the collector. (A probe of a collector that refuses the signal for good
+        comes back at once: it does not keep the close from flushing the others.)"""
         export = self._export
         return export is not None and (
-            bool(self.failing)
-            or export.retrying is not None
-            or time.monotonic() - export.started > STALLED_AFTER
+            export.retrying is not None or time.monotonic() - export.started > STALLED_AFTER
         )
 
     def export(self, send: Callable[[], bool], items: int, on_retry: Callable[[], None]) -> bool:
