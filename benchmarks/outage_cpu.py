@@ -159,7 +159,8 @@ def close_times(rounds: int) -> None:
                 # The mirror's export delay and poll of tests/test_faults.py: its spans
                 # are in the SDK's queue when the close starts
                 config = {"otel.flush-timeout": "10s" if fault == "hung" else "5s",
-                          "otel.spans.export-delay": "200ms", "otel.spans.poll-interval": "100ms"}
+                          "otel.spans.export-delay": "200ms", "otel.spans.poll-interval": "100ms",
+                          "otel.traces.exporter": "otlp", "otel.metrics.exporter": "none"}
                 without = close_time({**config, "distributed.scheduler.preload": []})
                 with_bridge = close_time({**config, "distributed.scheduler.preload": ["dask_otel"]})
                 added[fault].append(with_bridge - without)
