@@ -4,6 +4,13 @@
 healthy collector.
 
     python -m benchmarks.outage_cpu [--rounds 2] [--spans 100] [--retry]   # from the repository root
+    python -m benchmarks.outage_cpu --close 5   # close times instead
+
+``--close N``: N rounds of the close of a 1-worker LocalCluster right after 3 Dask
+spans, the flush's export the first (spans every 5 s, the SDK's 10 s exporter
+timeout), with the collector refused, answering UNAVAILABLE or hung, each against
+the same close without the bridge (as ``tests/test_faults.py`` times them: spans
+exported 200 ms after they end, ``otel.flush-timeout`` 5 s, 10 s when hung).
 
 Each run: a LocalCluster (scheduler in this process, 2 worker processes) with the
 preload, spans and metrics over OTLP/gRPC (spans every 500 ms, metrics every
@@ -66,7 +73,12 @@ def main() -> None:
                         help="Dask spans (each with 5 TaskGroups), 10 roots")
     parser.add_argument("--retry", action="store_true",
                         help="also the outages with otel.export.retry-during-outage")
+    parser.add_argument("--close", type=int, metavar="N",
+                        help="time N closes per collector fault instead")
     args = parser.parse_args()
+    if args.close:
+        close_times(args.close)
+        return
     os.environ.update(EXPORT_ENV)
     workload = Workload(spans=args.spans, outer=10, prefixes=5, tasks=20 * args.spans)
     modes = ["up", "refused", "hung", "unavailable"]
@@ -77,6 +89,7 @@ def main() -> None:
     print(f"dask_otel commit {dask_otel_commit()}; workload: {workload.otel_spans} OTel spans, "
           f"{workload.n_tasks} tasks; rounds: {args.rounds}; taken under load (shared machine)")
     with quiet_logs(), ReceiverProcess() as receiver, BlackHole() as hole:
+        _exporter_warnings_on()
         for _ in range(args.rounds):
             for mode in modes:
                 fault, _, retry = mode.partition("+")
@@ -113,6 +126,63 @@ def main() -> None:
     print("CPU seconds per run (median (spread)), workload + 8 s drain:")
     print_table(["collector", "span processor", "metric reader", "gRPC threads",
                  "exited threads", "scheduler process", "spans received"], rows)
+
+
+def _exporter_warnings_on() -> None:
+    """The outage policy ends a retry at the exporter's WARNING that announces it
+    (held, not shown): with the ``opentelemetry`` loggers at CRITICAL, as
+    quiet_logs() sets them, that record is never made and every failed export runs
+    the SDK's retry cycle in this process (the workers' processes are not quieted)"""
+    import logging
+
+    logging.getLogger("opentelemetry").setLevel(logging.WARNING)
+
+
+def close_times(rounds: int) -> None:
+    """Seconds to close, with the bridge minus without, per fault (alternating)"""
+    from distributed import span
+
+    from tests.support.cluster import seconds_to_close
+    from tests.support.otlp_receiver import OTLPReceiver, closed_port
+
+    def workload(client) -> None:
+        for i in range(3):
+            with span(f"stage {i}"):
+                client.gather(client.map(lambda x: x + 1, range(5), key=[f"s{i}-{j}" for j in range(5)]))
+
+    def close_time(config: dict) -> float:
+        return seconds_to_close(config, workload, settle=0.5, n_workers=1)
+
+    print_machine()
+    print(f"dask_otel commit {dask_otel_commit()}; close after 3 Dask spans, 1 worker; "
+          f"rounds: {rounds}; taken under load (shared machine)")
+    faults = ["refused", "unavailable", "hung"]
+    added: dict[str, list[float]] = {f: [] for f in faults}
+    with quiet_logs(), OTLPReceiver("grpc", mode="unavailable") as receiver, BlackHole() as hole:
+        _exporter_warnings_on()
+        for _ in range(rounds):
+            for fault in faults:
+                env = {"refused": unreachable_env(), "unavailable": receiver.env,
+                       "hung": hole.env(protocol="grpc")}[fault]
+                env = env() if callable(env) else env
+                use_otel_env({**env, "OTEL_BSP_SCHEDULE_DELAY": "5000",
+                              "OTEL_EXPORTER_OTLP_TIMEOUT": "10", "OTEL_TRACES_EXPORTER": "otlp",
+                              "OTEL_METRICS_EXPORTER": "none"})
+                # The mirror's export delay and poll of tests/test_faults.py: its spans
+                # are in the SDK's queue when the close starts
+                config = {"otel.flush-timeout": "10s" if fault == "hung" else "5s",
+                          "otel.spans.export-delay": "200ms", "otel.spans.poll-interval": "100ms",
+                          "otel.traces.exporter": "otlp", "otel.metrics.exporter": "none"}
+                without = close_time({**config, "distributed.scheduler.preload": []})
+                with_bridge = close_time({**config, "distributed.scheduler.preload": ["dask_otel"]})
+                added[fault].append(with_bridge - without)
+                print(f"  {fault}: {with_bridge:.2f}s with the bridge, {without:.2f}s without",
+                      flush=True)
+    print()
+    print("Seconds the bridge adds to the close (median (spread)):")
+    print_table(["collector", "added"], [
+        [fault, f"{median(v):.2f} ({spread(v, '{:.2f}')})"] for fault, v in added.items()
+    ])
 
 
 if __name__ == "__main__":

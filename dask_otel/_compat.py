@@ -10,6 +10,9 @@ makes dead; a private name a new release drops fails the tripwire tests in
 
 from __future__ import annotations
 
+import functools
+import logging
+
 
 # --- distributed: versions ------------------------------------------------------
 
@@ -21,5 +24,33 @@ from __future__ import annotations
 
 # --- OpenTelemetry SDK ------------------------------------------------------------
 
+# The outage policy's one adapter (dask_otel/export/accounting.py). The SDK's OTLP
+# exporters (gRPC and HTTP) retry a failed export inside export() until their timeout,
+# and offer no public way to stop that cycle
+# (https://github.com/open-telemetry/opentelemetry-python/issues/3815, /issues/4331).
+# In 1.41 to 1.45 each logs a WARNING on the export thread just before its backoff
+# wait, which its public shutdown() ends ("Shutdown in progress, aborting retry").
+# The adapter is that record's level and logger, never its text; above the versions
+# tested, the policy runs on what is public (the exporter's timeout, FAILURE).
+# tests/test_compat.py::test_sdk_* trips when a release changes it.
+
+
+@functools.cache
+def sdk_version() -> tuple[int, ...]:
+    from opentelemetry.sdk.version import __version__
+
+    return tuple(int(part) for part in __version__.split(".")[:2] if part.isdigit())
+
+
+#: The SDK versions whose exporters announce a retry as above (the floor to 1.45)
+RETRY_ANNOUNCED_UP_TO = (1, 45)
+
+
+def announces_retry(record: logging.LogRecord) -> bool:
+    """An OTLP exporter of opentelemetry-sdk 1.41 to 1.45 is about to wait before
+    retrying the export under way in this thread"""
+    return record.levelno == logging.WARNING and record.name.startswith(
+        "opentelemetry.exporter"
+    )
 
 

@@ -73,9 +73,29 @@ def test_a_signal_the_collector_does_not_serve_is_reported_once_with_the_setting
     assert len(refused) == 1, messages
     assert SETTING[signal] in refused[0]
     assert ("405" if protocol == "http/protobuf" else "UNIMPLEMENTED") in refused[0]
-    # Not an outage: nothing waits for the collector to answer again, and the
-    # close still flushes
-    assert not [m for m in messages if "cannot export" in m or "exports are failing" in m]
+    # The close still flushes (the signal the collector serves): it does not give
+    # up on the exports because one signal is refused
+    assert not [m for m in messages if "exports are failing" in m]
+
+
+def test_a_refused_signal_does_not_keep_the_close_from_flushing_the_others(monkeypatch):
+    """Metrics refused for good are an outage of metrics only: the close still
+    flushes the spans, which only its flush exports here (spans every 30 s)"""
+    with OTLPReceiver("grpc") as receiver:
+        receiver.refuse = {"metrics"}
+        for key in [k for k in os.environ if k.startswith("OTEL_EXPORTER_OTLP")]:
+            monkeypatch.delenv(key)
+        for key, value in {**receiver.env(), **FAST_EXPORT_ENV,
+                           "OTEL_BSP_SCHEDULE_DELAY": "30000"}.items():
+            monkeypatch.setenv(key, value)
+        with otel_cluster({**OTLP_CONFIG, "otel.logs.exporter": None}) as (client, mirrored):
+            with span("flushed at close") as sid:
+                client.submit(inc, 1, key="flushed-1").result()
+            wait_until(lambda: receiver.rejected >= 1, what="metrics refused")
+            wait_until(lambda: mirrored.plugin.mirror.mirrored >= 2, what="the span mirrored")
+            assert not receiver.spans()
+        received = {s.attributes.get("dask.span.id") for s in receiver.spans()}
+    assert sid in received
 
 
 # -- The outage policy: real SDK exporters, the harness receiver, no cluster ----------
@@ -104,7 +124,7 @@ def accounted_otlp_exporter(env: dict, monkeypatch, retry_during_outage: bool = 
 
     for key in [k for k in os.environ if k.startswith("OTEL_")]:
         monkeypatch.delenv(key)
-    for key, value in {**env, **PROBE_ENV}.items():
+    for key, value in {**PROBE_ENV, **env}.items():  # the test's own values win
         monkeypatch.setenv(key, value)
     (exporter,) = span_exporters(["otlp"])
     HELD_EXPORTER_LOGS.attach()
@@ -187,20 +207,52 @@ def test_a_refused_connection_is_an_outage_at_once(protocol, monkeypatch):
 
 
 def test_retry_during_outage_gives_the_sdk_its_retries_back(monkeypatch):
-    """otel.export.retry-during-outage: true: the SDK retries the batch (its first
-    retry after about 1 s), and every batch is sent"""
+    """otel.export.retry-during-outage: true: the SDK retries the batch until its
+    timeout (1 s here) has no room for the next backoff (0.4 s, set by the
+    collector), and every batch is sent"""
     spans = finished_spans(1)
     with OTLPReceiver("grpc", mode="unavailable") as receiver:
-        receiver.retry_after = 0.2  # the SDK's backoff, made short by the collector
+        receiver.retry_after = 0.4  # the SDK's backoff, set by the collector
         exporter = accounted_otlp_exporter(
             {**receiver.env(), "OTEL_EXPORTER_OTLP_TIMEOUT": "1"}, monkeypatch,
             retry_during_outage=True,
         )
         try:
-            assert timed_export(exporter, spans)[0] is False
-            assert receiver.requests >= 3  # retried within its 1 s
+            ok, seconds = timed_export(exporter, spans)
+            assert ok is False
+            # Requests at 0, 0.4 and 0.8 s: retried, and within its 1 s (the SDK's
+            # six attempts would take 2 s)
+            assert receiver.requests == 3, receiver.requests
+            assert 0.8 <= seconds < 1.5, seconds
             before = receiver.requests
             assert timed_export(exporter, spans)[0] is False  # sent again, no probe wait
             assert receiver.requests > before
         finally:
             exporter.shutdown()
+
+
+def test_a_wrapped_metric_exporter_keeps_the_exporters_temporality(monkeypatch):
+    """The SDK's metric reader reads its exporter's preferred temporality: through
+    the accounting wrapper it is still the OTLP exporter's (delta here, as
+    OTEL_EXPORTER_OTLP_METRICS_TEMPORALITY_PREFERENCE says)"""
+    from opentelemetry.sdk.metrics import MeterProvider
+
+    from dask_otel.export.exporters import metric_readers
+
+    with OTLPReceiver("grpc") as receiver:
+        for key in [k for k in os.environ if k.startswith("OTEL_")]:
+            monkeypatch.delenv(key)
+        for key, value in {**receiver.env(),
+                           "OTEL_EXPORTER_OTLP_METRICS_TEMPORALITY_PREFERENCE": "delta"}.items():
+            monkeypatch.setenv(key, value)
+        accounted: list = []
+        provider = MeterProvider(metric_readers=metric_readers(["otlp"], accounted),
+                                 shutdown_on_exit=False)
+        try:
+            provider.get_meter("test").create_counter("wrapped.count").add(3)
+            provider.force_flush()
+            (point,) = receiver.wait_for(lambda r: r.metric_points("wrapped.count"))
+        finally:
+            provider.shutdown()
+    assert point.temporality == "delta"
+    assert accounted and accounted[0].outage.exported >= 1  # 1.41: one more at shutdown

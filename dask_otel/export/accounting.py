@@ -1,14 +1,18 @@
-"""Export accounting: what each exporter shipped and lost, and one log line per
-outage instead of one per failed batch and retry; and the outage policy.
+"""Export accounting and the outage policy: what each batched exporter shipped and
+lost, one WARNING per outage instead of one per failed batch and retry, and no
+export thread waiting on a collector that does not answer.
 
-The wrappers run in the SDK's export threads. Batching and timeouts stay the
-SDK's. The outage policy (:class:`ExportOutage`): a refused connection, an
-UNAVAILABLE answer or a timeout ends the export under way at once (the SDK's
-exporters would retry it with backoff for up to their timeout) and makes the
-outage known; while it is, one export per export interval is sent as a probe and
-the other batches are dropped and counted without a request; the first probe that
-succeeds ends the outage. ``otel.export.retry-during-outage: true`` restores the
-SDK's own retries for every batch.
+One engine for the three signals (:class:`AccountedExporter`, the cut of the SDK's
+``BatchProcessor[T]``) wraps the SDK's exporter and runs in the SDK's export thread;
+batching, queues and timeouts stay the SDK's. Invariants: every item handed to an
+exporter is counted once, as exported or failed; an exporter that the bridge shut
+down is never built again. Costs: nothing per item; a request whose retry the
+policy ends builds the SDK's exporter again, once (``shutdown()``, which ends the
+retry, is final).
+
+What the policy does for users, and how to get the SDK's retries back:
+docs/deploy.md, "When telemetry fails". The SDK offers no public way to end its
+retry cycle early; the one adapter that does is :func:`dask_otel._compat.announces_retry`.
 """
 
 from __future__ import annotations
@@ -18,10 +22,12 @@ import os
 import re
 import threading
 import time
+import weakref
 from collections.abc import Callable
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, Generic, TypeVar
 
-from opentelemetry.sdk.trace.export import SpanExporter, SpanExportResult
+from dask_otel import _compat
 
 logger = logging.getLogger("dask_otel")
 
@@ -29,15 +35,6 @@ logger = logging.getLogger("dask_otel")
 #: collector answers within milliseconds, and shutdown should not wait for one
 #: that does not
 STALLED_AFTER = 1.0
-
-#: How the SDK's OTLP exporters (gRPC and HTTP, opentelemetry 1.41 to 1.45)
-#: announce a retry: "Transient error StatusCode.UNAVAILABLE encountered while
-#: exporting traces to 127.0.0.1:4317, retrying in 1.04s." It is logged in the
-#: export thread just before the backoff wait, for a refused connection, an
-#: UNAVAILABLE (503) answer or another retryable error: the one place where the
-#: retry loop can be ended the same way in every version (the loop, its
-#: ``_MAX_RETRYS`` and its deadline are private and differ between versions).
-RETRYING = re.compile(r"^Transient error .* retrying in ")
 
 #: The export interval of each signal (the SDK's variable, its default in
 #: milliseconds): during an outage one export per interval is a probe
@@ -50,12 +47,14 @@ EXPORT_INTERVAL = {
 #: scheduled exports drift by a few milliseconds, and a probe missed by that much
 #: would delay recovery by a whole interval
 PROBE_AFTER = 0.8
-
-
-class RetryCut(Exception):
-    """Raised, by :class:`_HeldExporterLogs`, into an SDK exporter that announces a
-    retry during a dask_otel export under the outage policy: the export ends
-    there, failed, and the batch is dropped and counted"""
+#: The setting that stops exporting a signal, named in the outage WARNING: a
+#: collector that does not serve a signal (Jaeger and Phoenix take traces only)
+#: fails every export of it, as an outage that never ends
+SILENCED_BY = {
+    "spans": ("OTEL_TRACES_EXPORTER", "otel.traces.exporter"),
+    "metrics": ("OTEL_METRICS_EXPORTER", "otel.metrics.exporter"),
+    "logs": ("OTEL_LOGS_EXPORTER", "otel.logs.exporter"),
+}
 
 
 def export_interval(signal: str) -> float:
@@ -69,23 +68,27 @@ def export_interval(signal: str) -> float:
 
 
 class _HeldExporterLogs(logging.Filter):
-    """Holds back the log records that the SDK's exporters emit while a dask_otel
+    """Holds back the log records that the SDK's exporters emit while an accounted
     export runs in the current thread (one WARNING and one ERROR per failed batch,
-    per retry), so that :class:`ExportOutage` can log once per outage instead."""
+    per retry), so that :class:`ExportOutage` logs once per outage instead, with
+    their reason. Never raises; the only thing it does besides holding is telling
+    the export under way that the SDK announced a retry (:func:`_compat.announces_retry`)."""
 
     def __init__(self) -> None:
         super().__init__()
         self.local = threading.local()
 
     def filter(self, record: logging.LogRecord) -> bool:
-        held = getattr(self.local, "held", None)
-        if held is None:
+        export: _Export | None = getattr(self.local, "export", None)
+        if export is None:
             return True
-        held.append(record)
-        if getattr(self.local, "cut_retries", False) and RETRYING.match(str(record.msg)):
-            # Propagates out of the exporter's logger call, ending its retry loop
-            # before the backoff wait: the outage is known at once
-            raise RetryCut(record.getMessage())
+        export.held.append(record)
+        if export.retrying is None and ADAPTER and _compat.announces_retry(record):
+            export.retrying = record
+            try:
+                export.on_retry()
+            except Exception:  # a filter must never raise into the SDK's logging call
+                logger.debug("dask_otel: ending an export's retry failed", exc_info=True)
         return False
 
     def attach(self) -> None:
@@ -102,170 +105,238 @@ class _HeldExporterLogs(logging.Filter):
 
 HELD_EXPORTER_LOGS = _HeldExporterLogs()
 
-#: How the SDK's OTLP exporters report a collector that does not serve a signal at
-#: all (HTTP 404, 405, 501; gRPC UNIMPLEMENTED), not retried: "Failed to export
-#: metrics batch code: 405, reason: Method Not Allowed", "... error code:
-#: StatusCode.UNIMPLEMENTED". Phoenix and Jaeger, for instance, take traces only.
-REFUSED = re.compile(r"\bcode: (?:40[45]|501)\b|\bStatusCode\.UNIMPLEMENTED\b")
-#: The setting that stops exporting a signal, by ExportOutage.signal
-SILENCED_BY = {
-    "spans": ("OTEL_TRACES_EXPORTER", "otel.traces.exporter"),
-    "metrics": ("OTEL_METRICS_EXPORTER", "otel.metrics.exporter"),
-    "logs": ("OTEL_LOGS_EXPORTER", "otel.logs.exporter"),
-}
+#: The SDK's exporters announce a retry as :func:`_compat.announces_retry` reads it
+#: (the versions tested); above them the SDK retries within its timeout, and an
+#: outage is known when the export returns FAILURE or has stalled
+ADAPTER = _compat.sdk_version() <= _compat.RETRY_ANNOUNCED_UP_TO
+
+#: exporter -> how to build another like it (filled by
+#: :mod:`dask_otel.export.exporters`): a retry the policy ends shuts an exporter down
+BUILDS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+@dataclass
+class _Export:
+    """One export under way"""
+
+    #: called in the export thread when the SDK announces a retry
+    on_retry: Callable[[], None]
+    #: ``time.monotonic()`` when it started
+    started: float = field(default_factory=time.monotonic)
+    #: the exporter's log records so far
+    held: list[logging.LogRecord] = field(default_factory=list)
+    #: the record that announced a retry, if one did
+    retrying: logging.LogRecord | None = None
 
 
 class ExportOutage:
     """Counts what one exporter shipped and lost, and logs an outage once: a WARNING
-    with the exporter's reason when exports start failing, one when they recover.
-    A collector that does not serve the signal at all (:data:`REFUSED`) is no
-    outage: one WARNING says so and names the setting that stops the export
-    (:data:`SILENCED_BY`), and it does not count as failing (shutdown still
-    flushes). Runs in the SDK's export thread."""
+    with the exporter's reason and the setting that stops the signal when exports
+    start failing, one when they recover. Runs in the SDK's export thread; read
+    from others."""
+
+    #: ``spans``, ``metrics`` or ``logs``, as :data:`EXPORT_INTERVAL` names them
+    signal: str
+    #: ``otel.export.retry-during-outage``: the SDK's retries for every batch, no probes
+    retry_during_outage: bool
+    #: seconds between probes during an outage
+    probe_interval: float
+    #: items the collector accepted
+    exported: int
+    #: items lost because an export failed, or was not tried during an outage
+    failed: int
+    #: failed export calls (requests, probes included)
+    export_failures: int
+    #: batches dropped without a request during an outage
+    skipped: int
+    #: failed export calls since the last success
+    failing: int
+    #: True once the bridge shut the exporter down: what the SDK still hands it, or
+    #: what the shutdown cut short (a metric reader's last collection), is lost and
+    #: counted, and no outage logged
+    closed: bool
+    #: True while the bridge flushes before closing: an outage is not probed then
+    closing: bool
+    #: when the last request was sent (``time.monotonic()``)
+    _last_request: float
+    #: the export under way, if any
+    _export: _Export | None
 
     def __init__(self, signal: str, retry_during_outage: bool = False):
         self.signal = signal
-        #: ``otel.export.retry-during-outage``: the SDK's retries for every batch,
-        #: no probes
         self.retry_during_outage = retry_during_outage
-        #: seconds between probes during an outage
         self.probe_interval = PROBE_AFTER * export_interval(signal)
-        #: batches dropped without a request during an outage
-        self.skipped = 0
-        #: when the last request was sent (``time.monotonic()``)
+        self.exported = self.failed = self.export_failures = 0
+        self.skipped = self.failing = 0
+        self.closed = self.closing = False
         self._last_request = float("-inf")
-        #: items the collector accepted
-        self.exported = 0
-        #: items lost because an export failed, or was not tried during an outage
-        self.failed = 0
-        #: failed export calls
-        self.export_failures = 0
-        #: failed export calls since the last success
-        self.failing = 0
-        #: export calls the collector refused for good (:data:`REFUSED`) since
-        #: the last success
-        self.refused = 0
-        #: True once the bridge shut the exporter down: what the SDK still hands
-        #: it, or what the shutdown cut short (a metric reader's last collection,
-        #: on opentelemetry-sdk 1.41), is lost and counted, and no outage logged
-        self.closed = False
-        #: the export under way: when it started (``time.monotonic()``), and the
-        #: exporter's log records held so far (a retry logs one)
-        self._started: float | None = None
-        self._held: list[logging.LogRecord] = []
+        self._export = None
 
     @property
     def in_outage(self) -> bool:
-        """True while the collector is not answering, as far as can be told now:
-        the last export failed, or the one under way is retrying (only with
-        ``otel.export.retry-during-outage``) or has had no answer for
-        :data:`STALLED_AFTER` seconds. Read from other threads (on
-        shutdown, to not wait for what would not arrive)."""
-        started = self._started
-        return bool(
-            self.failing
-            or (started is not None and (
-                time.monotonic() - started > STALLED_AFTER
-                or any(RETRYING.match(str(r.msg)) for r in self._held)
-            ))
+        """True while exports are failing, or the one under way cannot complete
+        (:attr:`stalled`). Read from other threads (on shutdown, to not wait for
+        what would not arrive)."""
+        return bool(self.failing) or self.stalled
+
+    @property
+    def stalled(self) -> bool:
+        """True while the export under way has announced a retry, or has had no
+        answer for :data:`STALLED_AFTER` seconds: a flush waiting for it waits on
+        the collector. (A probe of a collector that refuses the signal for good
+        comes back at once: it does not keep the close from flushing the others.)"""
+        export = self._export
+        return export is not None and (
+            export.retrying is not None or time.monotonic() - export.started > STALLED_AFTER
         )
 
-    def export(self, export: Callable[[], Any], items: int) -> bool:
+    def export(self, send: Callable[[], bool], items: int, on_retry: Callable[[], None]) -> bool:
+        """``send()`` the batch unless the outage policy drops it; True if the
+        collector took it. ``on_retry`` is called (in this thread) if the SDK
+        announces a retry."""
         if self.closed:
             self.failed += items
             return False
         now = time.monotonic()
-        if (
-            self.failing
-            and not self.retry_during_outage
-            and now - self._last_request < self.probe_interval
+        if self.failing and not self.retry_during_outage and (
+            self.closing or now - self._last_request < self.probe_interval
         ):
             # A known outage, and not yet time for the next probe: no request
             self.failed += items
             self.skipped += 1
             return False
         self._last_request = now
-        local = HELD_EXPORTER_LOGS.local
-        local.held = held = self._held = []
-        local.cut_retries = not self.retry_during_outage
-        self._started = now
+        export = self._export = _Export(on_retry)
+        HELD_EXPORTER_LOGS.local.export = export
+        error = None
         try:
-            ok = bool(export())
-        except RetryCut as e:
-            # The SDK's announcement of the retry is the reason (it names the
-            # error); it was held like the exporter's other lines
-            held[-1] = logging.makeLogRecord({"msg": _retry_reason(str(e))})
-            ok = False
+            ok = bool(send())
         except Exception as e:
-            held.append(logging.makeLogRecord({"msg": f"{type(e).__name__}: {e}"}))
-            ok = False
+            error, ok = f"{type(e).__name__}: {e}", False
         finally:
-            local.held = None
-            local.cut_retries = False
-            self._started = None
+            HELD_EXPORTER_LOGS.local.export = None
+            self._export = None
         if ok:
             self.exported += items
-            if self.failing or self.refused:
+            if self.failing:
                 logger.warning(
                     "dask_otel: %s export recovered after %d failed exports",
-                    self.signal, self.failing + self.refused,
+                    self.signal, self.failing,
                 )
-                self.failing = self.refused = 0
+                self.failing = 0
             return True
         self.failed += items
         if self.closed:  # cut short by the bridge's own shutdown: no outage
             return False
         self.export_failures += 1
-        reason = held[-1].getMessage() if held else "the exporter returned FAILURE"
+        reason = error or _reason(export)
         logger.debug("dask_otel: %s export failed: %s", self.signal, reason)
-        if any(REFUSED.search(r.getMessage()) for r in held):
-            if not self.refused:
-                variable, key = SILENCED_BY.get(self.signal, ("", ""))
-                logger.warning(
-                    "dask_otel: the collector does not accept %s (%s): it refuses them "
-                    "for good, so they are dropped; to stop sending them, set %s=none "
-                    "(or %s: none)",
-                    self.signal, reason, variable, key,
-                )
-            self.refused += 1
-            return False
         if not self.failing:
+            variable, key = SILENCED_BY[self.signal]
             logger.warning(
                 "dask_otel: cannot export %s (%s); dropping them until the collector "
-                "answers again (counted in the self-metrics, logged once per outage)",
-                self.signal, reason,
+                "answers again (counted in the self-metrics, logged once per outage). "
+                "A collector that does not accept %s refuses them for good: to stop "
+                "sending them, set %s=none (or %s: none)",
+                self.signal, reason, self.signal, variable, key,
             )
         self.failing += 1
         return False
 
 
-def _retry_reason(announcement: str) -> str:
-    """The error in the SDK's retry announcement, without the retry it announces"""
-    return re.sub(r"^Transient error |, retrying in [0-9.]+s\.?", "", announcement).strip()
+def _reason(export: _Export) -> str:
+    """What the user is shown of the exporter's failure: its retry announcement
+    without the retry it announces, else its last line (shown, never decided on)"""
+    if export.retrying is not None:
+        return re.sub(
+            r"^Transient error |,? retrying in [0-9.]+s\.?", "", export.retrying.getMessage()
+        ).strip()
+    if export.held:
+        return export.held[-1].getMessage()
+    return "the exporter returned FAILURE"
 
 
-class AccountedSpanExporter(SpanExporter):
-    """A SpanExporter with :class:`ExportOutage` accounting and outage policy"""
+E = TypeVar("E")
 
-    def __init__(self, exporter: SpanExporter, retry_during_outage: bool = False):
+
+class AccountedExporter(Generic[E]):
+    """An SDK exporter of any signal with :class:`ExportOutage` accounting and the
+    outage policy: what the SDK's batch processor or metric reader calls
+    (``export``, ``force_flush``, ``shutdown``) goes through it; anything else it
+    reads of an exporter (a metric exporter's preferred temporality and
+    aggregation) is the wrapped exporter's.
+
+    Under the policy, a request whose retry the SDK announces ends there: the
+    exporter is shut down (its public way to end a retry wait) and the next request
+    goes to a new one from ``build``.
+    """
+
+    #: the SDK exporter requests go to now
+    exporter: E
+    #: makes a new exporter like the first, after a retry was cut
+    build: Callable[[], E]
+    outage: ExportOutage
+    #: the signal's export result: ``SUCCESS``, ``FAILURE``
+    result: Any
+
+    #: items in a batch: a metric export is one
+    items: Callable[[Any], int]
+    #: True when the exporter was shut down to end a retry: the next request
+    #: builds a new one
+    _cut: bool
+
+    def __init__(
+        self, signal: str, exporter: E, result: Any, retry_during_outage: bool = False
+    ):
         self.exporter = exporter
-        self.outage = ExportOutage("spans", retry_during_outage)
+        self.build = BUILDS.get(exporter, type(exporter))
+        self.result = result
+        self.outage = ExportOutage(signal, retry_during_outage)
+        self.items = (lambda batch: 1) if signal == "metrics" else len
+        self._lock = threading.Lock()
+        self._cut = False
 
-    def export(self, spans):
-        ok = self.outage.export(
-            lambda: self.exporter.export(spans) is SpanExportResult.SUCCESS, len(spans)
-        )
-        return SpanExportResult.SUCCESS if ok else SpanExportResult.FAILURE
+    def export(self, batch: Any, *args: Any, **kwargs: Any) -> Any:
+        def send() -> bool:
+            # Built here, when a request is sent: a failure to build counts as the export's
+            with self._lock:
+                if self._cut and not self.outage.closed:
+                    self.exporter = self.build()
+                    self._cut = False
+                exporter = self.exporter
+            return exporter.export(batch, *args, **kwargs) == self.result.SUCCESS
 
-    def shutdown(self) -> None:
+        ok = self.outage.export(send, self.items(batch), self._on_retry)
+        return self.result.SUCCESS if ok else self.result.FAILURE
+
+    def _on_retry(self) -> None:
+        if self.outage.retry_during_outage:
+            return  # the SDK's retries, within its timeout
+        with self._lock:
+            self._cut = True
+            exporter = self.exporter
+        exporter.shutdown()  # type: ignore[attr-defined]
+
+    def force_flush(self, timeout_millis: float = 30_000, **kwargs: Any) -> bool:
+        return self.exporter.force_flush(timeout_millis)  # type: ignore[attr-defined]
+
+    def shutdown(self, *args: Any, **kwargs: Any) -> None:
         # Called by the bridge first (to interrupt a waiting export), then by the
-        # span processor: the exporter's own shutdown warns when called twice
-        if not self.outage.closed:
+        # SDK's processor or reader: once is enough (a second call warns)
+        with self._lock:
+            if self.outage.closed:
+                return
             self.outage.closed = True
-            self.exporter.shutdown()
+            cut = self._cut
+        if not cut:
+            self.exporter.shutdown()  # type: ignore[attr-defined]
 
-    def force_flush(self, timeout_millis: int = 30000) -> bool:
-        return self.exporter.force_flush(timeout_millis)
+    def __getattr__(self, name: str) -> Any:
+        # Only for what this class does not define (the SDK's metric reader reads a
+        # metric exporter's preferences when it is built)
+        if name == "exporter":  # not set yet
+            raise AttributeError(name)
+        return getattr(self.exporter, name)
 
     # The self-metrics read these
     spans_exported = property(lambda self: self.outage.exported)
@@ -273,66 +344,25 @@ class AccountedSpanExporter(SpanExporter):
     export_failures = property(lambda self: self.outage.export_failures)
 
 
-def accounted_metric_exporter(exporter: Any, retry_during_outage: bool = False) -> Any:
+class AccountedSpanExporter(AccountedExporter):
+    """A span exporter with :class:`ExportOutage` accounting and policy"""
+
+    def __init__(self, exporter: Any, retry_during_outage: bool = False):
+        from opentelemetry.sdk.trace.export import SpanExportResult
+
+        super().__init__("spans", exporter, SpanExportResult, retry_during_outage)
+
+
+def accounted_metric_exporter(exporter: Any, retry_during_outage: bool = False) -> AccountedExporter:
     """The metric exporter wrapped with :class:`ExportOutage` accounting and policy"""
-    from opentelemetry.sdk.metrics.export import MetricExporter, MetricExportResult
+    from opentelemetry.sdk.metrics.export import MetricExportResult
 
-    class AccountedMetricExporter(MetricExporter):
-        def __init__(self) -> None:
-            super().__init__(
-                preferred_temporality=exporter._preferred_temporality,
-                preferred_aggregation=exporter._preferred_aggregation,
-            )
-            self.exporter = exporter
-            self.outage = ExportOutage("metrics", retry_during_outage)
-
-        def export(self, metrics_data, timeout_millis: float = 10_000, **kwargs):
-            ok = self.outage.export(
-                lambda: self.exporter.export(metrics_data, timeout_millis=timeout_millis)
-                is MetricExportResult.SUCCESS,
-                1,
-            )
-            return MetricExportResult.SUCCESS if ok else MetricExportResult.FAILURE
-
-        def force_flush(self, timeout_millis: float = 10_000) -> bool:
-            return self.exporter.force_flush(timeout_millis=timeout_millis)
-
-        def shutdown(self, timeout_millis: float = 30_000, **kwargs) -> None:
-            # Called by the bridge first, then by the reader: once is enough
-            if not self.outage.closed:
-                self.outage.closed = True
-                self.exporter.shutdown(timeout_millis=timeout_millis)
-
-    return AccountedMetricExporter()
+    return AccountedExporter("metrics", exporter, MetricExportResult, retry_during_outage)
 
 
-def accounted_log_exporter(exporter: Any, retry_during_outage: bool = False) -> Any:
+def accounted_log_exporter(exporter: Any, retry_during_outage: bool = False) -> AccountedExporter:
     """The log record exporter wrapped with :class:`ExportOutage` accounting and
     policy"""
-    from opentelemetry.sdk._logs import export as sdk
+    from opentelemetry.sdk._logs.export import LogRecordExportResult
 
-    # Renamed in SDK 1.39 (LogExporter -> LogRecordExporter); older names still work
-    base = getattr(sdk, "LogRecordExporter", None) or sdk.LogExporter
-    Result = getattr(sdk, "LogRecordExportResult", None) or sdk.LogExportResult
-
-    class AccountedLogExporter(base):  # type: ignore[valid-type,misc]
-        def __init__(self) -> None:
-            self.exporter = exporter
-            self.outage = ExportOutage("logs", retry_during_outage)
-
-        def export(self, batch):
-            ok = self.outage.export(
-                lambda: self.exporter.export(batch) is Result.SUCCESS, len(batch)
-            )
-            return Result.SUCCESS if ok else Result.FAILURE
-
-        def force_flush(self, timeout_millis: int = 30000) -> bool:
-            return self.exporter.force_flush(timeout_millis)
-
-        def shutdown(self) -> None:
-            # Called by the bridge first, then by the log processor: once is enough
-            if not self.outage.closed:
-                self.outage.closed = True
-                self.exporter.shutdown()
-
-    return AccountedLogExporter()
+    return AccountedExporter("logs", exporter, LogRecordExportResult, retry_during_outage)

@@ -1,8 +1,11 @@
 """Exporters and metric readers, built by name from their entry points.
 
 Each reads its own ``OTEL_*`` variables (endpoint, headers, certificate, timeout,
-compression); the only choice made here is which exporter, and gRPC or HTTP for
-``otlp``. Batched exporters are wrapped with :mod:`dask_otel.export.accounting`.
+compression); the only choices made here are which exporter, and gRPC or HTTP for
+``otlp``. Invariant: a header variable's value (a credential) never reaches a log
+line or an error. Batched exporters are wrapped with
+:mod:`dask_otel.export.accounting`, which may build one again after a failed
+export (docs/deploy.md, "When telemetry fails").
 """
 
 from __future__ import annotations
@@ -14,7 +17,7 @@ from contextlib import contextmanager
 from typing import Any
 
 from dask_otel.config import ConfigError, installed_entry_points, otlp_entry_point
-from dask_otel.export.accounting import HELD_EXPORTER_LOGS, accounted_metric_exporter
+from dask_otel.export.accounting import BUILDS, HELD_EXPORTER_LOGS, accounted_metric_exporter
 
 logger = logging.getLogger("dask_otel")
 
@@ -33,11 +36,12 @@ def _build_exporter(group: str, name: str, **kwargs: Any) -> Any:
         cls = ep.load()
         with _header_warnings_named():
             try:
-                return cls(**kwargs)
+                exporter = cls(**kwargs)
             except TypeError:
                 if not kwargs:
                     raise
-                return cls()  # an exporter without SDK metrics (older, third-party)
+                kwargs = {}
+                exporter = cls()  # an exporter without SDK metrics (older, third-party)
     except Exception as e:
         text = _redacted(f"{type(e).__name__}: {e}")
         culprits = [
@@ -52,6 +56,14 @@ def _build_exporter(group: str, name: str, **kwargs: Any) -> Any:
             value,
             f"a value the OpenTelemetry SDK accepts ({text})",
         ) from e
+
+    def build() -> Any:
+        # The same variables again: their complaints were logged once, above
+        with _header_warnings_named(again=True):
+            return cls(**kwargs)
+
+    BUILDS[exporter] = build
+    return exporter
 
 
 #: What is shown instead of the value of a variable that may hold credentials
@@ -102,9 +114,9 @@ _HEADER_WARNING = _HeaderWarningNamed()
 
 
 @contextmanager
-def _header_warnings_named() -> Iterator[None]:
+def _header_warnings_named(again: bool = False) -> Iterator[None]:
     sdk_logger = logging.getLogger("opentelemetry.util.re")
-    _HEADER_WARNING.warned = False
+    _HEADER_WARNING.warned = again
     sdk_logger.addFilter(_HEADER_WARNING)
     try:
         yield
@@ -186,15 +198,17 @@ def metric_readers(
 
 def log_exporters(names: Sequence[str]) -> list:
     """LogRecordExporters for ``otel.logs.exporter`` names; each reads its own OTEL_*"""
-    from opentelemetry.sdk._logs import export as sdk
+    from opentelemetry.sdk._logs.export import (
+        ConsoleLogRecordExporter,
+        InMemoryLogRecordExporter,
+    )
 
     out = []
     for name in names:
-        # Renamed in SDK 1.39 (InMemoryLogExporter -> InMemoryLogRecordExporter ...)
         if name == "memory":
-            out.append((getattr(sdk, "InMemoryLogRecordExporter", None) or sdk.InMemoryLogExporter)())
+            out.append(InMemoryLogRecordExporter())
         elif name == "console":
-            out.append((getattr(sdk, "ConsoleLogRecordExporter", None) or sdk.ConsoleLogExporter)())
+            out.append(ConsoleLogRecordExporter())
         else:
             if name == "otlp":
                 name = otlp_entry_point("LOGS")

@@ -337,21 +337,26 @@ class Telemetry:
 
     @property
     def outage(self) -> bool:
-        """True while some exporter's collector is not answering (see
-        :attr:`~dask_otel.export.accounting.ExportOutage.in_outage`): flushing
-        would only wait"""
-        return any(e.outage.in_outage for e in self.accounted_exporters)
+        """True while some exporter waits on a collector that is not answering (see
+        :attr:`~dask_otel.export.accounting.ExportOutage.stalled`): flushing would
+        only wait"""
+        return any(e.outage.stalled for e in self.accounted_exporters)
 
     def force_flush(self) -> None:
-        """Export what is queued. Blocks while a collector hangs (the SDK's batch
+        """Export what is queued; what a failing exporter holds is dropped and
+        counted without a probe. Blocks while a collector hangs (the SDK's batch
         processor ignores a flush timeout): :meth:`shutdown` from another thread
         ends it."""
+        for exporter in self.accounted_exporters:
+            exporter.outage.closing = True
         timeout_ms = int(self.config.flush_timeout * 1000)
-        if self.tracer_provider:
+        # A provider whose every exporter is failing has nothing to flush to (and a
+        # metric collection would cost CPU for nothing)
+        if self.tracer_provider and not _all_failing(self.accounted_span_exporters):
             self.tracer_provider.force_flush(timeout_ms)
-        if self.meter_provider:
+        if self.meter_provider and not _all_failing(self.accounted_metric_exporters):
             self.meter_provider.force_flush(timeout_ms)
-        if self.logs:
+        if self.logs and not _all_failing(self.logs.accounted_exporters):
             self.logs.force_flush(timeout_ms)
 
     def shutdown(self) -> None:
@@ -378,6 +383,10 @@ class Telemetry:
             self.meter_provider.shutdown(timeout_millis=timeout_ms)
         if self.logs:
             self.logs.shutdown()
+
+
+def _all_failing(accounted: list) -> bool:
+    return bool(accounted) and all(e.outage.failing for e in accounted)
 
 
 @dataclass
