@@ -12,13 +12,22 @@ from collections.abc import Mapping, Sequence
 from itertools import islice
 from typing import TYPE_CHECKING, Any
 
-from dask_otel.annotation import remote_parent, root_carrier
+from dask_otel.annotation import (
+    announces_exits,
+    entered_times,
+    otel_of,
+    remote_parent,
+    root_carrier,
+)
 from dask_otel.scheduler.record import GroupBatch, SpanRecord
+from dask_otel.scheduler.totals import group_done, subtree_totals
 
 if TYPE_CHECKING:
-    from distributed.scheduler import TaskGroup
+    from distributed.scheduler import TaskGroup, TaskState
     from distributed.spans import Span, SpansSchedulerExtension
     from opentelemetry.trace import SpanContext
+
+    from dask_otel.annotation import BlockExit
 
 #: Roots remembered with their caller's span after their export, for work that
 #: comes under them later (each a few hundred bytes)
@@ -53,7 +62,7 @@ class Ledger:
     #: first, at most :data:`MAX_PENDING_EXITS`. A graph may reach the
     #: scheduler after its block's exit (another connection); what is still
     #: here ``otel.spans.export-delay`` later ran no task: an empty block.
-    pending_exits: dict[str, tuple[float, Any]]
+    pending_exits: dict[str, tuple[float, BlockExit]]
 
     def __init__(self) -> None:
         self.records = {}
@@ -72,12 +81,27 @@ class Ledger:
         self.spans_seen = len(ext.spans)
         return list(islice(reversed(ext.spans.values()), new))[::-1]
 
+    def follow_running(self, ext: SpansSchedulerExtension) -> None:
+        """A cluster instrumented while running: open what is still in flight"""
+        self.spans_seen = len(ext.spans)
+        for span in ext.spans.values():
+            if not span.done:  # Dask's own walk, once
+                self.open_span(span)
+                for tg in span.groups:
+                    if not group_done(tg):
+                        self.open_group(tg, GroupBatch(span))
+        # Steps that finished before: walked once, now
+        for record in list(self.records.values()):
+            for child in record.span.children:
+                if child.id not in self.records:
+                    record.fold(subtree_totals(child), child.stop)
+
     # --- spans ---------------------------------------------------------------------
 
     def open_span(self, span: Span) -> SpanRecord:
         record = self.records[span.id] = self.leaves[span.id] = SpanRecord(span)
         if self.pending_exits and (pending := self.pending_exits.pop(span.id, None)):
-            record.exited = pending[1][4]  # its block was left before its graph came
+            record.left_block(pending[1][4])  # its block was left before its graph came
         parent = span.parent
         if parent is not None and (parent_record := self.records.get(parent.id)):
             parent_record.open_children += 1
@@ -125,12 +149,34 @@ class Ledger:
         self.reopened_parents.clear()
         self.pending_exits.clear()
 
-    def pend_exit(self, span_id: str, heard: float, block: Any) -> None:
+    def pend_exit(self, span_id: str, heard: float, block: BlockExit) -> None:
         if len(self.pending_exits) >= MAX_PENDING_EXITS:
             del self.pending_exits[next(iter(self.pending_exits))]
         self.pending_exits[span_id] = (heard, block)
 
     # --- what the client's annotation says ---------------------------------------
+
+    def observe_annotation(self, ts: TaskState, client: str | None = None) -> None:
+        """Read the ``otel`` annotation that ``dask_otel.span`` put on a task of a
+        new graph (of ``client``): when its blocks were entered, and the caller's
+        span its root continues.
+
+        ``ts.annotations["span"]`` is the span of the task's group (Dask moves a
+        task onto the span of the first TaskGroup of its key prefix); the carrier
+        is taken for that root only if the annotation's own blocks include it
+        (:func:`dask_otel.annotation.root_carrier`), so a colliding task cannot
+        bring another workflow's caller.
+        """
+        annotations = ts.annotations
+        otel = otel_of(annotations)
+        entered = entered_times(otel)
+        span_annotation = annotations.get("span") if entered is not None else None
+        if not isinstance(span_annotation, Mapping) or not (ids := span_annotation.get("ids")):
+            return  # none, or an "otel" annotation someone else made: not ours
+        announced = client if announces_exits(otel) else None
+        self.observe_entered(ids, entered, announced)  # type: ignore[arg-type]
+        if ids[0] in entered:  # type: ignore[operator]  # else a distributed.span root
+            self.observe_caller(ids[0], otel)
 
     def observe_entered(
         self, ids: Sequence[str], entered: Mapping[str, Any], client: str | None = None
