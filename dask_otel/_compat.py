@@ -11,6 +11,7 @@ makes dead; a private name a new release drops fails the tripwire tests in
 from __future__ import annotations
 
 from collections.abc import Callable, Hashable, Iterable, Mapping
+from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
 
 import distributed
@@ -49,12 +50,14 @@ def task_function(run_spec: Any) -> Callable | None:
 
 # The span mirror and the scheduler's fine metrics (tests/test_compat.py::test_dask_*)
 
+_NO_METRICS: Mapping[tuple[Hashable, ...], float] = MappingProxyType({})
+
 
 def span_own_metrics(span: Span) -> Mapping[tuple[Hashable, ...], float]:
     """``Span._cumulative_worker_metrics``: a Dask span's own fine performance
     metrics (the public ``cumulative_worker_metrics`` walks and sums its subtree);
     empty if this Dask has none"""
-    return getattr(span, "_cumulative_worker_metrics", None) or {}
+    return getattr(span, "_cumulative_worker_metrics", _NO_METRICS)
 
 
 def span_nthreads_history(span: Span) -> tuple[list[tuple[float, int]], int] | None:

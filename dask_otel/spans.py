@@ -12,7 +12,8 @@ The path of a Dask span through the package, each file once (the files below
 
     Dask hooks (update_graph, transition)      dask_otel.scheduler.plugin
       -> SpanMirror.observe_* / poll / flush     here: what to open, when to export
-        -> Ledger, SpanRecord, GroupBatch          dask_otel.scheduler.ledger / record
+        -> Ledger                                  dask_otel.scheduler.ledger
+        -> SpanRecord, GroupBatch, SpanHead        dask_otel.scheduler.record
         -> totals over Dask's objects              dask_otel.scheduler.totals
         -> dask_span_context (ids, sampling)       dask_otel.span_context
         -> builder: record -> ReadableSpan         dask_otel.scheduler.builder
