@@ -3,8 +3,9 @@
 Read statically from the source (what each module imports at any depth of its
 code), so that a lazy import inside a function counts too: no import loops
 between modules, no module reaching into the package ``__init__``, nothing on
-the workers' side importing the scheduler's, and a client that uses
-``dask_otel.span`` loads no OpenTelemetry SDK module.
+the workers' side importing the scheduler's, a client that uses
+``dask_otel.span`` loads no OpenTelemetry SDK module, and a Dask span's trip to
+the SDK enters each file once (no stop of it imports an earlier one).
 """
 
 from __future__ import annotations
@@ -24,13 +25,24 @@ def module_name(path: Path) -> str:
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
-def imports() -> dict[str, set[str]]:
-    """For each module of the package, the modules of the package it imports"""
+def imports(runtime: bool = False) -> dict[str, set[str]]:
+    """For each module of the package, the modules of the package it imports;
+    with ``runtime``, less those under ``if TYPE_CHECKING:`` (names for
+    annotations, never called)"""
     modules = {module_name(p): p for p in PACKAGE.rglob("*.py")}
     out: dict[str, set[str]] = {}
     for name, path in modules.items():
+        tree = ast.parse(path.read_text())
+        typing_only = {
+            id(n)
+            for node in ast.walk(tree)
+            if runtime and isinstance(node, ast.If) and ast.unparse(node.test) == "TYPE_CHECKING"
+            for n in ast.walk(node)
+        }
         found: set[str] = set()
-        for node in ast.walk(ast.parse(path.read_text())):
+        for node in ast.walk(tree):
+            if id(node) in typing_only:
+                continue
             if isinstance(node, ast.Import):
                 found.update(a.name for a in node.names)
             elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
@@ -92,33 +104,6 @@ def test_a_client_using_dask_otel_span_loads_no_sdk_module():
     assert out.stdout.strip() == "[]", out.stdout
 
 
-def runtime_imports() -> dict[str, set[str]]:
-    """For each module, the modules of the package it imports when it runs: what
-    :func:`imports` finds, less the imports under ``if TYPE_CHECKING:`` (names for
-    annotations, never called)"""
-    modules = {module_name(p): p for p in PACKAGE.rglob("*.py")}
-    out: dict[str, set[str]] = {}
-    for name, path in modules.items():
-        tree = ast.parse(path.read_text())
-        typing_only = {
-            id(n)
-            for node in ast.walk(tree)
-            if isinstance(node, ast.If) and ast.unparse(node.test) == "TYPE_CHECKING"
-            for n in ast.walk(node)
-        }
-        found: set[str] = set()
-        for node in ast.walk(tree):
-            if id(node) in typing_only:
-                continue
-            if isinstance(node, ast.Import):
-                found.update(a.name for a in node.names)
-            elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
-                found.add(node.module)
-                found.update(f"{node.module}.{a.name}" for a in node.names)
-        out[name] = {m for m in found if m in modules and m != name}
-    return out
-
-
 def reachable(graph: dict[str, set[str]], name: str) -> set[str]:
     """Every module ``name`` imports, directly or through others"""
     seen: set[str] = set()
@@ -147,7 +132,7 @@ def test_a_dask_spans_trip_to_the_sdk_enters_each_file_once():
     earlier stop, at any depth, when it runs. So the builder takes what the mirror
     worked out (the record, the figures) and never goes back to the totals, the
     ledger or the mirror; the sink knows nothing of the scheduler."""
-    graph = runtime_imports()
+    graph = imports(runtime=True)
     for i, stop in enumerate(CORRIDOR):
         back = reachable(graph, stop) & set(CORRIDOR[:i])
         assert not back, f"{stop} reaches back to {sorted(back)}"
@@ -165,6 +150,6 @@ def test_the_spans_docstring_draws_the_corridor_the_test_checks():
 def test_the_client_side_needs_only_the_opentelemetry_api():
     """dask_otel.span runs where only opentelemetry-api is installed: the client's
     modules import no attribute table (opentelemetry.semconv comes with the SDK)"""
-    graph = runtime_imports()
+    graph = imports(runtime=True)
     for name in ("dask_otel.client", "dask_otel.annotation", "dask_otel.span_context"):
         assert "dask_otel.attributes" not in reachable(graph, name) | {name}, name
