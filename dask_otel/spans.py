@@ -244,12 +244,9 @@ class SpanMirror:
     # --- when to export ------------------------------------------------------------
 
     def poll(self) -> bool:
-        """Export the open spans and groups that are finished, on the event loop.
-
-        Stops after ``POLL_BUDGET`` seconds so as not to hold the event loop when
-        many spans finish at once; returns True if there is more to do (the plugin
-        then polls again on the next turn of the loop).
-        """
+        """Export the open spans and groups that are finished, on the event loop,
+        for at most ``POLL_BUDGET`` seconds: True if there is more to do (the
+        plugin then polls again on the next turn of the loop)."""
         self.observe_new_spans()
         ledger = self.ledger
         now = time()
@@ -287,9 +284,7 @@ class SpanMirror:
             self._heads.clear()
 
     def _ready(self, stop: float, now: float, heard: float) -> bool:
-        """Done for ``otel.spans.export-delay``, and every worker has sent a
-        heartbeat (with the fine metrics) since, or ``otel.spans.metrics-timeout``
-        passed"""
+        """As ``GroupBatch.ready``, for a Dask span that finished at ``stop``"""
         waited = now - stop
         return waited >= self.config.export_delay and (
             heard > stop or waited >= self.config.metrics_timeout
@@ -398,17 +393,15 @@ class SpanMirror:
         return blocks.empty_block_span(self.ledger, self.sink, span_id, block)
 
     def context_of(self, span_id: str) -> SpanContext | None:
-        """The OTel SpanContext of a Dask span, open or exported, as its OTel span
-        has or will have it; None if unknown or its trace is sampled out. Not
-        cached: called for Dask's rare events (:mod:`dask_otel.scheduler.events`)."""
+        """The OTel SpanContext of a Dask span, open or exported (None: unknown or
+        sampled out). Not cached: for Dask's rare events (scheduler.events)."""
         ext = self.extension
         span = ext.spans.get(span_id) if ext is not None else None
         return self._context(span) if span is not None else None
 
     def _context(self, span: Span) -> SpanContext | None:
-        """The sampled OTel SpanContext of a Dask span (None: sampled out). One
-        sampling decision per trace, the same in every process
-        (:func:`dask_otel.span_context.trace_sampled`)."""
+        """The sampled OTel SpanContext of a Dask span (None: sampled out): one
+        decision per trace, the same in every process (``trace_sampled``)"""
         root = root_span(span)
         context = dask_span_context(
             root.id, span.id, str(root.name[0]), self.ledger.remote_parent(root.id),

@@ -3,7 +3,10 @@ seen and not yet exported, and which of them may be ready.
 
 Memory is proportional to what is open: a record is created when a span is first
 seen and deleted when it is taken for export; nothing is kept about what was
-exported, but for a bounded number of roots' callers (:data:`MAX_REOPENED_ROOTS`).
+exported, but for a bounded number of roots' callers (:data:`MAX_REOPENED_ROOTS`)
+and of block exits (:data:`MAX_PENDING_EXITS`). Opening and taking a span or a
+batch is a few dict operations; a poll looks only at :attr:`Ledger.leaves`. When
+a span is exported: docs/traces.md, "When a span is exported".
 """
 
 from __future__ import annotations

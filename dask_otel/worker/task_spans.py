@@ -1,46 +1,25 @@
-"""Task spans: each executed task as an OpenTelemetry span, from the worker that
-ran it. Opt-in (``otel.tasks.spans: true``); the scheduler does no work for them.
+"""Task spans: each chosen task run as an OpenTelemetry span, built by the worker
+that ran it (``otel.tasks.spans: true``); the scheduler does no work for them.
+What is exported and which tasks: docs/traces.md, "Task spans (opt-in)".
 
-What is exported
-    One span per task run that is *chosen*, named after the task prefix
-    (``key_split``), a child of the task's Dask span (TaskGroup spans get random
-    ids on the scheduler, which a worker cannot know), in the Dask span's trace.
-    It runs from when the task's function started to when it returned, the
-    times Dask itself records (``ExecuteSuccessEvent``/``ExecuteFailureEvent``).
-    Dask shifts them onto the scheduler's clock by an offset it estimates from
-    heartbeats, off by up to a round trip; a worker on the scheduler's host
-    shares its clock, so there the shift is undone (exact: the offset is the one
-    Dask used for the run), and the span lies inside its Dask span, which starts
-    no later than the scheduler sent the task and ends no earlier than it heard
-    back. On another host the shifted times stay, bounded by what the worker
-    knows: no earlier than the client entered the ``dask_otel.span`` block of
-    the task's Dask span (docs/traces.md, "Times"). An erred task has status
-    ERROR, ``error.type`` and an ``exception`` event, as the OTel semantic
-    conventions for exceptions have it; ``code.function.name`` names the task's
-    function. The attributes: docs/traces.md, "Task spans".
+Owns the rules that choose a run (:func:`key_chosen`: a hash of the key, the same
+in every process and retry; ``slower-than`` and ``erred`` decide after the run)
+and the span's times and attributes. Invariants:
 
-Which tasks
-    Only in traces the sampler keeps (:func:`dask_otel.span_context.trace_sampled`,
-    the decision the scheduler's mirror gets). Then a task is exported if its key
-    is chosen by ``otel.tasks.sample-ratio`` (a hash of the key: the same key is
-    chosen on every worker and every retry), or it ran at least
-    ``otel.tasks.slower-than``, or it erred and ``otel.tasks.erred`` is true.
+- only in traces the sampler keeps (the decision the mirror gets,
+  :func:`dask_otel.span_context.trace_sampled`); a child of the task's Dask span,
+  with a random id (:func:`dask_otel.span_context.child_context`);
+- its times are Dask's (``ExecuteSuccessEvent``/``ExecuteFailureEvent``), shifted
+  by Dask onto the scheduler's clock; on the scheduler's host that shift is
+  undone (exact: it is the offset Dask used), so the span lies inside its Dask
+  span; elsewhere it starts no earlier than the client entered the block of
+  its Dask span;
+- a run rescheduled (``Reschedule``, worker closing) exports nothing; one that
+  failed before its function ran is a zero-length span at the failure.
 
-    A chosen task's span is also the current span while it runs, so spans made
-    inside the task are its children. The threshold and erred rules can only
-    decide after the run: such a task's span is exported, but its code ran in
-    its Dask span's context, so spans made inside it are its *siblings*.
-
-Edge cases
-    A task whose worker dies mid-run has no span from that worker; the run that
-    finishes it elsewhere exports one. A task that is rescheduled (``Reschedule``,
-    worker closing) exports none. A task that failed before its function ran
-    (a dependency that could not be deserialized) has no start and stop from
-    Dask: its span is a zero-length span at the time of the failure. Erred tasks
-    can end after their Dask span (Dask's ``Span.stop`` ignores erred tasks).
-
-Cost: per task in a sampled trace, a hash of its key and a random id; per task
-span exported, one attribute dict and the sink's checks (``benchmarks/task_context.py``).
+Cost: per task in a sampled trace, a random id, and a hash of its key when the
+ratio is strictly between 0 and 1; per task span exported, one attribute dict
+and the sink's checks (``benchmarks/task_context.py``).
 """
 
 from __future__ import annotations
