@@ -55,17 +55,21 @@ def _key_info(key: tuple[Hashable, ...]) -> tuple[str, Hashable, bool] | None:
 class SpanMetrics:
     """The fine performance metrics of one Dask span (its own, not its
     sub-spans'), as attributes, in one pass over Dask's
-    ``Span._cumulative_worker_metrics`` (:func:`~dask_otel._compat.span_own_metrics`): summed over task prefixes for the span,
-    and by task prefix for its TaskGroups."""
+    ``Span._cumulative_worker_metrics`` (:func:`dask_otel._compat.span_own_metrics`):
+    summed over task prefixes for the span, and by task prefix for its TaskGroups."""
 
     __slots__ = ("by_prefix", "execute_seconds", "total")
 
+    #: ``dask.metrics.<context>.<activity>.<unit>``, summed over prefixes
+    total: dict[str, float]
+    #: the same by task prefix, ``execute`` context only
+    by_prefix: dict[Hashable, dict[str, float]]
+    #: seconds of the execute context, for "idle or other spans"
+    execute_seconds: float
+
     def __init__(self, metrics: Mapping[tuple[Hashable, ...], float]):
-        #: ``dask.metrics.<context>.<activity>.<unit>``, summed over prefixes
-        self.total: dict[str, float] = {}
-        #: the same by task prefix, ``execute`` context only
-        self.by_prefix: dict[Hashable, dict[str, float]] = {}
-        #: seconds of the execute context, for "idle or other spans"
+        self.total = {}
+        self.by_prefix = {}
         self.execute_seconds = 0.0
         total, by_prefix = self.total, self.by_prefix
         for key, value in metrics.items():
@@ -244,17 +248,27 @@ class Totals:
 
     __slots__ = ("duration", "execute_seconds", "metrics", "nbytes", "start", "states", "stop")
 
+    #: tasks by state (``TaskGroup.states``, summed)
+    states: dict[str, int]
+    #: ``TaskGroup.nbytes_total`` and ``TaskGroup.duration``, summed
+    nbytes: int
+    duration: float
+    #: when the first task started (0: none has), as ``Span.start``
+    start: float
+    #: when the last task finished, as ``Span.stop`` of a finished span
+    stop: float
+    #: ``dask.metrics.*`` attributes, summed over task prefixes
+    metrics: dict[str, float]
+    #: seconds of the execute context, for "idle or other spans"
+    execute_seconds: float
+
     def __init__(self) -> None:
-        self.states: dict[str, int] = {}
+        self.states = {}
         self.nbytes = 0
         self.duration = 0.0
-        #: when the first task started (0: none has), as ``Span.start``
         self.start = 0.0
-        #: when the last task finished, as ``Span.stop`` of a finished span
         self.stop = 0.0
-        #: ``dask.metrics.*`` attributes, summed over task prefixes
-        self.metrics: dict[str, float] = {}
-        #: seconds of the execute context, for "idle or other spans"
+        self.metrics = {}
         self.execute_seconds = 0.0
 
     @classmethod
