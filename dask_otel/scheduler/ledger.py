@@ -42,7 +42,9 @@ MAX_PENDING_EXITS = 1024
 
 class Ledger:
     """Open Dask spans (a :class:`SpanRecord` each), open TaskGroup batches (a
-    :class:`GroupBatch` each), and the open spans with nothing open below them"""
+    :class:`GroupBatch` each), and the open spans with nothing open below them.
+    It writes only its own counts into a record (``open_children``,
+    ``open_groups``); what a hook learns goes through the record's methods."""
 
     #: Open Dask spans, by id, in the order they were seen (parents first)
     records: dict[str, SpanRecord]
@@ -196,15 +198,8 @@ class Ledger:
             if isinstance(t, (int, float)):
                 earliest = min(earliest, t)
             record = records.get(span_id)
-            if (
-                client is not None and record is not None and t is not None
-                and not record.exited and record.block_client is None
-            ):
-                record.block_client = client
-            if record is not None and earliest != float("inf") and (
-                record.entered is None or earliest < record.entered
-            ):
-                record.entered = earliest
+            if record is not None:
+                record.observe_entered(earliest, t is not None, client)
 
     def observe_caller(self, root_id: str, otel: Any) -> None:
         """Keep the caller's span that root ``root_id`` continues, from the first
@@ -215,9 +210,7 @@ class Ledger:
                 carrier = root_carrier(otel, root_id)
                 self.remember_exported_root(root_id, remote_parent(carrier))
         elif not record.carrier_read:
-            carrier = root_carrier(otel, root_id)
-            record.remote_parent = remote_parent(carrier)
-            record.carrier_read = True
+            record.observe_caller(remote_parent(root_carrier(otel, root_id)))
 
     def started_at(self, span: Span) -> float:
         """When a Dask span starts: ``Span.enqueued``, or earlier if a client entered

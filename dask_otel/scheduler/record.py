@@ -161,6 +161,20 @@ class SpanRecord:
         self.erred += 1
         self.error_type = self.error_type or error_type
 
+    def observe_entered(self, earliest: float, own_block: bool, client: str | None) -> None:
+        """A client entered a block of it (``own_block``) or of a span below it,
+        the earliest at ``earliest`` (inf: no time known); ``client`` announces
+        its blocks' exits: while its own block is open, it waits for the exit"""
+        if client is not None and own_block and not self.exited and self.block_client is None:
+            self.block_client = client
+        if earliest != float("inf") and (self.entered is None or earliest < self.entered):
+            self.entered = earliest
+
+    def observe_caller(self, parent: SpanContext | None) -> None:
+        """A root's caller's span, from the first ``otel`` annotation of it seen"""
+        self.remote_parent = parent
+        self.carrier_read = True
+
     def left_block(self, exited: float) -> None:
         """Its client left its ``dask_otel.span`` block at ``exited`` (or left the
         scheduler then): no earlier than an exit already heard"""
