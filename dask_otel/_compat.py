@@ -12,14 +12,64 @@ from __future__ import annotations
 
 import functools
 import logging
+from collections.abc import Callable, Hashable, Iterable, Mapping
+from types import MappingProxyType
+from typing import TYPE_CHECKING, Any
+
+import distributed
+from distributed.protocol.serialize import ToPickle
+from packaging.version import Version
+
+if TYPE_CHECKING:
+    from distributed.spans import Span
 
 
 # --- distributed: versions ------------------------------------------------------
 
+# The span mirror, its events and the task spans
+
+#: ``remove-worker`` events list the keys lost with the worker (distributed
+#: 2024.3.0+); 2024.1-2024.2 do not: they are read from the scheduler instead
+REMOVE_WORKER_LISTS_LOST_KEYS = Version(distributed.__version__) >= Version("2024.3.0")
+
+
+def span_code_blocks(span: Span) -> Iterable[Iterable[Any]]:
+    """``Span.code``'s blocks of ``SourceCode``: distributed 2024.1 keeps each still
+    wrapped in the ``ToPickle`` the client sent"""
+    return (block.data if isinstance(block, ToPickle) else block for block in span.code)
+
+
+def task_function(run_spec: Any) -> Callable | None:
+    """The function Dask runs for a task: a ``Task``'s ``func`` (dask 2024.12+), or
+    the first item of the ``(function, args, kwargs)`` tuple older ones keep"""
+    func = getattr(run_spec, "func", None)
+    if func is None and isinstance(run_spec, tuple) and run_spec and callable(run_spec[0]):
+        func = run_spec[0]
+    return func if callable(func) else None
 
 
 # --- distributed: private attributes ---------------------------------------------
 
+# The span mirror and the scheduler's fine metrics (tests/test_compat.py::test_dask_*)
+
+_NO_METRICS: Mapping[tuple[Hashable, ...], float] = MappingProxyType({})
+
+
+def span_own_metrics(span: Span) -> Mapping[tuple[Hashable, ...], float]:
+    """``Span._cumulative_worker_metrics``: a Dask span's own fine performance
+    metrics (the public ``cumulative_worker_metrics`` walks and sums its subtree);
+    empty if this Dask has none"""
+    return getattr(span, "_cumulative_worker_metrics", _NO_METRICS)
+
+
+def span_nthreads_history(span: Span) -> tuple[list[tuple[float, int]], int] | None:
+    """``Span._total_nthreads_history`` and ``Span._total_nthreads_offset``: the
+    cluster's thread counts over time, from where the span was enqueued (what
+    the public ``Span.active_cpu_seconds`` reads); None if this Dask has none"""
+    try:
+        return span._total_nthreads_history, span._total_nthreads_offset
+    except AttributeError:
+        return None
 
 
 # --- OpenTelemetry SDK ------------------------------------------------------------

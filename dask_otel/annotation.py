@@ -31,7 +31,11 @@ without the bridge keeps it in its event log, as any event::
 
 Readers never trust it: an annotation of another shape (someone else's ``otel``
 key), or one that came with a task Dask moved onto another workflow's span (the
-TaskGroup collision), reads as none.
+TaskGroup collision), reads as none. Every read of a task's ``otel`` annotation
+goes through this module's readers (:func:`otel_of`, :func:`root_carrier`,
+:func:`entered_times`, :func:`entered_at`, :func:`announces_exits`); each costs a
+few dict lookups. Needs only ``opentelemetry-api``. The story of a block:
+docs/traces.md.
 """
 
 from __future__ import annotations
@@ -47,6 +51,16 @@ from opentelemetry.trace import SpanContext
 ANNOTATION = "otel"
 #: Topic of the event a client sends when it leaves a ``dask_otel.span`` block
 BLOCK_EXIT = "dask_otel.block-exit"
+
+#: A :data:`BLOCK_EXIT` event as :func:`read_block_exit` reads it: ``(ids, tags,
+#: own, otel, exited)``
+BlockExit = tuple[list[str], list[Any], int, Mapping[str, Any], float]
+
+
+def otel_of(annotations: Mapping[str, Any] | None) -> Any:
+    """A task's ``otel`` annotation as it came (None: none), from its
+    ``TaskState.annotations``; read it with the functions below"""
+    return annotations.get(ANNOTATION) if annotations else None
 
 
 def write_annotation(
@@ -99,6 +113,19 @@ def entered_times(otel: Any) -> Mapping[str, Any] | None:
     return times if isinstance(times, Mapping) else None
 
 
+def entered_at(otel: Any, span_id: str) -> float:
+    """When the client entered the block of Dask span ``span_id``, by the
+    annotation; 0 if it does not say (or says it in another shape)"""
+    times = entered_times(otel)
+    t = times.get(span_id) if times is not None else None
+    return t if isinstance(t, (int, float)) else 0.0
+
+
+def announces_exits(otel: Any) -> bool:
+    """Whether the client announces the exits of the annotation's blocks"""
+    return isinstance(otel, Mapping) and otel.get("exits") is True
+
+
 def block_exit(
     span_annotation: Mapping[str, Any], own: int, otel: Mapping[str, Any], exited: float
 ) -> dict[str, Any]:
@@ -112,9 +139,7 @@ def block_exit(
     }
 
 
-def read_block_exit(
-    msg: Any,
-) -> tuple[list[str], list[Any], int, Mapping[str, Any], float] | None:
+def read_block_exit(msg: Any) -> BlockExit | None:
     """``(ids, tags, own, otel, exited)`` of a :data:`BLOCK_EXIT` event, or None
     for one of another shape (never trusted: any client may log on the topic)"""
     if not isinstance(msg, Mapping):

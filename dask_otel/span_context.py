@@ -14,7 +14,9 @@ task runs in) and span links all need the OTel ``SpanContext`` of a Dask span;
 - trace state: the remote parent's, so that vendors' entries reach every span of
   the trace, as W3C trace context asks of children; none without a caller;
 - ``is_remote``: False only in the process that makes the span (the scheduler,
-  which exports it, and links to it), True everywhere else.
+  which exports it, and links to it), True everywhere else;
+- a child of a Dask span (a TaskGroup batch's span, a task span) has a random id
+  of the exporting process in the Dask span's trace (:func:`child_context`).
 
 Needs only ``opentelemetry-api``: the client side runs without the SDK.
 """
@@ -24,12 +26,13 @@ from __future__ import annotations
 import uuid
 from functools import lru_cache
 from hashlib import blake2b
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from opentelemetry import trace
 from opentelemetry.trace import SpanContext, TraceFlags
 
 if TYPE_CHECKING:
+    from distributed.spans import Span
     from opentelemetry.sdk.trace.sampling import Sampler
 
 #: The low 64 bits of a 128-bit id: a Dask span's OTel span id
@@ -63,7 +66,7 @@ def trace_id_of(root_id: str, remote_parent: SpanContext | None = None) -> int:
     return remote_parent.trace_id if remote_parent is not None else dask_uuid(root_id)
 
 
-def root_span(span: Any) -> Any:
+def root_span(span: Span) -> Span:
     """The root of a Dask span's tree (``Span.parent`` up): its trace"""
     while (parent := span.parent) is not None:
         span = parent
@@ -143,4 +146,14 @@ def dask_span_context(
         is_remote=is_remote,
         trace_flags=SAMPLED if sampled else NOT_SAMPLED,
         trace_state=remote_parent.trace_state if remote_parent is not None else None,
+    )
+
+
+def child_context(parent: SpanContext, span_id: int) -> SpanContext:
+    """The SpanContext, with id ``span_id``, of a span the current process makes
+    and exports as a child of a sampled Dask span's ``parent``: its trace, its
+    trace state, sampled"""
+    return SpanContext(
+        parent.trace_id, span_id, is_remote=False, trace_flags=SAMPLED,
+        trace_state=parent.trace_state,
     )

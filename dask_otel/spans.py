@@ -7,18 +7,22 @@ span, once it has finished; a root Dask span and everything below it form one
 trace. The mapping (ids, names, timing, attributes, when a span is exported):
 docs/traces.md.
 
-The path of a Dask span through the package, each file once::
+The path of a Dask span through the package, each file once (the files below
+``spans.py`` never import one above them: ``tests/test_layout.py``)::
 
     Dask hooks (update_graph, transition)      dask_otel.scheduler.plugin
       -> SpanMirror.observe_* / poll / flush     here: what to open, when to export
-        -> Ledger, SpanRecord, GroupBatch          dask_otel.scheduler.ledger / record
+        -> Ledger                                  dask_otel.scheduler.ledger
+        -> SpanRecord, GroupBatch, SpanHead        dask_otel.scheduler.record
         -> totals over Dask's objects              dask_otel.scheduler.totals
         -> dask_span_context (ids, sampling)       dask_otel.span_context
-        -> builder: ReadableSpan                   dask_otel.scheduler.builder
+        -> builder: record -> ReadableSpan         dask_otel.scheduler.builder
           -> SpanSink.emit -> the SDK's processors  dask_otel.export.sink
 
 Work per poll is proportional to what may be ready, and memory to what is open:
-nothing is kept about what has been exported or dropped by the sampler.
+nothing is kept about what has been exported or dropped by the sampler. A poll
+holds the event loop at most :data:`POLL_BUDGET`; the cost per span:
+benchmarks/README.md.
 """
 
 from __future__ import annotations
@@ -26,35 +30,36 @@ from __future__ import annotations
 import logging
 import random
 from collections import Counter
-from collections.abc import Hashable, Iterable, Mapping
+from collections.abc import Hashable, Iterable
 from operator import attrgetter
 from time import perf_counter
 from typing import TYPE_CHECKING, Any
 
 from distributed.metrics import time
 
-from dask_otel.annotation import ANNOTATION, entered_times
+from dask_otel.attributes import SPAN_CODE, WORKER_LOST
 from dask_otel.scheduler import blocks, builder
-from dask_otel.scheduler.builder import SpanHead
 from dask_otel.scheduler.ledger import Ledger
 from dask_otel.scheduler.links import producer_links
-from dask_otel.scheduler.record import GroupBatch, SpanRecord
+from dask_otel.scheduler.record import GroupBatch, SpanHead, SpanRecord
 from dask_otel.scheduler.totals import (
     SpanMetrics,
     Totals,
+    error_type,
     group_done,
     observed,
-    subtree_totals,
+    span_figures,
 )
-from dask_otel.span_context import dask_span_context, root_span
+from dask_otel.span_context import child_context, dask_span_context, root_span
 
 if TYPE_CHECKING:
     from distributed import Scheduler
-    from distributed.scheduler import TaskGroup, TaskState
+    from distributed.scheduler import TaskGroup
     from distributed.spans import Span, SpansSchedulerExtension
     from opentelemetry.sdk.trace import ReadableSpan
     from opentelemetry.trace import SpanContext
 
+    from dask_otel.annotation import BlockExit
     from dask_otel.config import OtelConfig
     from dask_otel.export.sink import SpanSink
 
@@ -74,24 +79,30 @@ class SpanMirror:
     """Watches the scheduler's SpansSchedulerExtension and exports each Dask span
     and each batch of a TaskGroup once it has finished.
 
-    The scheduler plugin calls :meth:`observe_graph` and :meth:`observe_erred`
-    from Dask's hooks, :meth:`poll` periodically, and :meth:`flush` on close.
+    The scheduler plugin calls the ``observe_*`` methods from Dask's hooks,
+    :meth:`poll` periodically, and :meth:`flush` on close.
     """
 
+    #: The scheduler whose ``extensions["spans"]`` is mirrored
     scheduler: Scheduler
+    #: Where the built spans go (the scheduler process's span processors)
     sink: SpanSink
+    #: The scheduler's ``otel.*`` configuration
     config: OtelConfig
     #: What is open, a record per Dask span and a batch per TaskGroup
     ledger: Ledger
-
-    #: Counters for the bridge's self-metrics: spans and TaskGroup batches handed
-    #: to the SDK, dropped by the sampler, and groups that got work after their
-    #: export
+    #: Counters for the bridge's self-metrics (dask_otel.scheduler.metrics): spans
+    #: and TaskGroup batches handed to the SDK, dropped by the sampler, and groups
+    #: that got work after their export
     mirrored: int
     sampled_out: int
     reopened: int
     #: Whether the WARNING that Dask sent no code (otel.spans.code) was logged
     told_no_code: bool
+    #: Task prefix name -> SpanContext of the latest sampled TaskGroup span
+    #: exported with it: the exemplar of that prefix's fine metrics
+    #: (:mod:`dask_otel.scheduler.metrics`), at most :data:`MAX_EXEMPLAR_PREFIXES`
+    latest_by_prefix: dict[str, SpanContext]
 
     def __init__(self, scheduler: Scheduler, sink: SpanSink, config: OtelConfig):
         self.scheduler = scheduler
@@ -104,29 +115,10 @@ class SpanMirror:
         #: something of, worked out once
         self._metrics: dict[str, SpanMetrics] = {}
         self._heads: dict[str, SpanHead] = {}
-        #: Task prefix name -> SpanContext of the latest sampled TaskGroup span
-        #: exported with it: the exemplar of that prefix's fine metrics
-        #: (:mod:`dask_otel.scheduler.metrics`)
-        self.latest_by_prefix: dict[str, Any] = {}
+        self.latest_by_prefix = {}
         self._random = random.Random()
         if (ext := self.extension) is not None:
-            self._follow_running(ext)
-
-    def _follow_running(self, ext: SpansSchedulerExtension) -> None:
-        """A cluster instrumented while running: open what is still in flight"""
-        ledger = self.ledger
-        ledger.spans_seen = len(ext.spans)
-        for span in ext.spans.values():
-            if not span.done:  # Dask's own walk, once
-                ledger.open_span(span)
-                for tg in span.groups:
-                    if not group_done(tg):
-                        ledger.open_group(tg, GroupBatch(span))
-        # Steps that finished before: walked once, now
-        for record in list(ledger.records.values()):
-            for child in record.span.children:
-                if child.id not in ledger.records:
-                    _fold(record, subtree_totals(child), child.stop)
+            self.ledger.follow_running(ext)  # instrumented while running
 
     @property
     def extension(self) -> SpansSchedulerExtension | None:
@@ -180,42 +172,17 @@ class SpanMirror:
                 if rerun is None:  # tasks of each group this graph (re)runs
                     rerun = Counter(g for g, t in zip(groups, tss) if t.state == "released")
                 ledger.open_group(tg, GroupBatch.reopened(tg, span, rerun[tg]))
-            self._observe_annotation(ts, client)
+            ledger.observe_annotation(ts, client)
             record = ledger.records.get(span.id)
             if record is None:
                 # New work on a span that was already exported: its groups are
                 # still exported as its children; the span itself is not again.
                 self.reopened += 1
             elif ts.dependencies:
-                self._observe_links(ts, record)
-
-    def _observe_links(self, ts: TaskState, record: SpanRecord) -> None:
-        """Links from an open Dask span to the spans of other traces that produced
-        the inputs of ``ts``, one task of a TaskGroup it just got"""
-        links = record.links if record.links is not None else {}
-        producer_links(ts, root_span(record.span), self.extension, links, self.sink.sampler)
-        record.links = links or None
-
-    def _observe_annotation(self, ts: TaskState, client: str | None = None) -> None:
-        """Read the ``otel`` annotation that ``dask_otel.span`` put on a task: when
-        its blocks were entered, and the caller's span its root continues.
-
-        ``ts.annotations["span"]`` is the span of the task's group (Dask moves a
-        task onto the span of the first TaskGroup of its key prefix); the carrier
-        is taken for that root only if the annotation's own blocks include it
-        (:func:`dask_otel.root_carrier`), so a colliding task cannot
-        bring another workflow's caller.
-        """
-        annotations = ts.annotations
-        otel = annotations.get(ANNOTATION) if annotations else None
-        entered = entered_times(otel)
-        span_annotation = annotations.get("span") if entered is not None else None
-        if not isinstance(span_annotation, Mapping) or not (ids := span_annotation.get("ids")):
-            return  # none, or an "otel" annotation someone else made: not ours
-        announced = client if otel.get("exits") is True else None  # type: ignore[union-attr]
-        self.ledger.observe_entered(ids, entered, announced)  # type: ignore[arg-type]
-        if ids[0] in entered:  # type: ignore[operator]  # else a distributed.span root
-            self.ledger.observe_caller(ids[0], otel)
+                # Links to the spans of other traces that produced its inputs
+                links = record.links if record.links is not None else {}
+                producer_links(ts, root_span(span), ext, links, self.sink.sampler)
+                record.links = links or None
 
     def observe_erred(self, key: Hashable, failed: float, started: float = 0.0) -> None:
         """A task erred at ``failed`` (having started to run at ``started``, 0 if
@@ -227,13 +194,9 @@ class SpanMirror:
         if ts is None or ext is None:
             return
         tg = ts.group
-        kind = builder.error_type(ts, self.scheduler.allowed_failures)
+        kind = error_type(ts, self.scheduler.allowed_failures)
         if (batch := self.ledger.groups.get(tg)) is not None:
-            batch.erred += 1
-            batch.error_type = batch.error_type or kind
-            batch.failed = max(batch.failed, failed)
-            if started and (not batch.started or started < batch.started):
-                batch.started = started
+            batch.observe_erred(kind, failed, started)
         span = ext.spans.get(tg.span_id) if tg.span_id else None
         records = self.ledger.records
         if span is not None and (record := records.get(span.id)) is not None:
@@ -241,8 +204,7 @@ class SpanMirror:
             record.end_no_earlier(observed(failed, sent, time()))
         while span is not None:
             if (record := records.get(span.id)) is not None:
-                record.erred += 1
-                record.error_type = record.error_type or kind
+                record.count_erred(kind)
             if self.config.span_totals == "own":
                 break
             span = span.parent
@@ -272,15 +234,19 @@ class SpanMirror:
         """A client left the scheduler: the blocks it had open are over"""
         blocks.observe_client_gone(self.ledger, client, time())
 
+    def observe_worker_lost(self, span_id: str, attributes: dict[str, Any], when: int) -> None:
+        """A worker computing for, or holding results of, Dask span ``span_id`` was
+        lost at ``when`` (ns): a ``dask.worker.lost`` event on it, if it is open
+        (:mod:`dask_otel.scheduler.events`)"""
+        if (record := self.ledger.records.get(span_id)) is not None:
+            record.add_event(WORKER_LOST, attributes, when)
+
     # --- when to export ------------------------------------------------------------
 
     def poll(self) -> bool:
-        """Export the open spans and groups that are finished, on the event loop.
-
-        Stops after ``POLL_BUDGET`` seconds so as not to hold the event loop when
-        many spans finish at once; returns True if there is more to do (the plugin
-        then polls again on the next turn of the loop).
-        """
+        """Export the open spans and groups that are finished, on the event loop,
+        for at most ``POLL_BUDGET`` seconds: True if there is more to do (the
+        plugin then polls again on the next turn of the loop)."""
         self.observe_new_spans()
         ledger = self.ledger
         now = time()
@@ -292,22 +258,10 @@ class SpanMirror:
         try:
             due = [item for item in ledger.groups.items() if item[1].wake <= now]
             for tg, batch in due:
-                # The cheap tests first (as _ready): its last task finished, or
-                # it was still running, lately; then Dask's states
-                end = max(batch.end(tg) or batch.since or batch.span.enqueued, batch.busy)
-                waited = now - end
-                if waited < delay:
-                    batch.wake = end + delay
-                    continue
-                if heard <= end and waited < timeout:
-                    continue  # a worker may still report its metrics: next poll
-                if not group_done(tg):
-                    batch.wake = now + delay
-                    batch.busy = now
-                    continue
-                self._export(self.group_span_of, tg, ledger.take_group(tg))
-                if perf_counter() > deadline:
-                    return True
+                if batch.ready(tg, now, heard, delay, timeout):
+                    self._export(self.group_span_of, tg, ledger.take_group(tg))
+                    if perf_counter() > deadline:
+                        return True
             if ledger.pending_exits:
                 self._export_empty_blocks(now - delay)
             # Spans: only those with nothing open below them. A parent becomes a
@@ -330,9 +284,7 @@ class SpanMirror:
             self._heads.clear()
 
     def _ready(self, stop: float, now: float, heard: float) -> bool:
-        """Done for ``otel.spans.export-delay``, and every worker has sent a
-        heartbeat (with the fine metrics) since, or ``otel.spans.metrics-timeout``
-        passed"""
+        """As ``GroupBatch.ready``, for a Dask span that finished at ``stop``"""
         waited = now - stop
         return waited >= self.config.export_delay and (
             heard > stop or waited >= self.config.metrics_timeout
@@ -374,17 +326,9 @@ class SpanMirror:
                 self.sink.emit(span)
                 self.mirrored += 1
                 if export == self.group_span_of:
-                    self._remember_exemplar(args[0].prefix.name, span)
+                    _remember_exemplar(self.latest_by_prefix, args[0].prefix.name, span)
         except Exception:
             logger.exception("dask_otel: could not mirror %r; dropped", args[0])
-
-    def _remember_exemplar(self, prefix: str, span: ReadableSpan) -> None:
-        context = span.get_span_context()
-        if context is None or not context.trace_flags.sampled:
-            return
-        if prefix not in self.latest_by_prefix and len(self.latest_by_prefix) >= MAX_EXEMPLAR_PREFIXES:
-            return  # bounded: as many prefixes as fine-metric series at most
-        self.latest_by_prefix[prefix] = context
 
     # --- what to export ------------------------------------------------------------
 
@@ -408,17 +352,18 @@ class SpanMirror:
         parent = span.parent
         if parent is not None:
             if (parent_record := self.ledger.records.get(parent.id)) is not None:
-                _fold(parent_record, subtree, end)
+                parent_record.fold(subtree, end)
             parent_context = self._head(parent).context
         else:
             parent_context = record.remote_parent
-        readable = builder.dask_span(
-            self.sink, self.config, span, head, parent_context, end, own, subtree,
-            record.erred, record.links, unfinished, record.error_type, record.events,
+        config = self.config
+        sums = config.span_totals == "subtree"
+        figures = span_figures(span, subtree if sums else own, end, sums, config.export_code)
+        if config.export_code and not self.told_no_code and not figures[SPAN_CODE]:
+            self.told_no_code = _tell_no_code(span.name[-1])
+        return builder.dask_span(
+            self.sink, record, head, parent_context, end, figures, subtree.start, unfinished
         )
-        if self.config.export_code and not self.told_no_code:
-            self.told_no_code = builder.told_no_code(readable)
-        return readable
 
     def group_span_of(self, tg: TaskGroup, batch: GroupBatch) -> ReadableSpan | bool | None:
         """Build the OTel span of a batch of a TaskGroup, a child of its Dask span's,
@@ -440,22 +385,23 @@ class SpanMirror:
             # The Dask span ends no earlier than the scheduler heard of the
             # group's last task: every task, as its worker saw it, lies inside
             record.end_no_earlier(max(end, batch.received))
-        return builder.taskgroup_span(
-            self.sink, tg, batch, head, counts, start, end, self._random.getrandbits(64) or 1
-        )
+        context = child_context(head.context, self._random.getrandbits(64) or 1)
+        return builder.taskgroup_span(self.sink, tg, batch, head, context, counts, start, end)
 
-    def empty_block_of(self, span_id: str, block: Any) -> ReadableSpan | bool:
+    def empty_block_of(self, span_id: str, block: BlockExit) -> ReadableSpan | bool:
         """The OTel span of a block that ran no task (:mod:`dask_otel.scheduler.blocks`)"""
         return blocks.empty_block_span(self.ledger, self.sink, span_id, block)
 
     def context_of(self, span_id: str) -> SpanContext | None:
-        """The OTel SpanContext of a Dask span, open or exported, as its OTel span
-        has or will have it; None if unknown or its trace is sampled out. Not
-        cached: called for Dask's rare events (:mod:`dask_otel.scheduler.events`)."""
+        """The OTel SpanContext of a Dask span, open or exported (None: unknown or
+        sampled out). Not cached: for Dask's rare events (scheduler.events)."""
         ext = self.extension
         span = ext.spans.get(span_id) if ext is not None else None
-        if span is None:
-            return None
+        return self._context(span) if span is not None else None
+
+    def _context(self, span: Span) -> SpanContext | None:
+        """The sampled OTel SpanContext of a Dask span (None: sampled out): one
+        decision per trace, the same in every process (``trace_sampled``)"""
         root = root_span(span)
         context = dask_span_context(
             root.id, span.id, str(root.name[0]), self.ledger.remote_parent(root.id),
@@ -471,28 +417,35 @@ class SpanMirror:
         return metrics
 
     def _head(self, span: Span) -> SpanHead:
-        """The :class:`SpanHead` of a Dask span, once per poll. One sampling
-        decision per trace, the same in every process
-        (:func:`dask_otel.span_context.trace_sampled`)."""
+        """The :class:`SpanHead` of a Dask span, once per poll"""
         head = self._heads.get(span.id)
         if head is None:
-            root = root_span(span)
-            context = dask_span_context(
-                root.id, span.id, str(root.name[0]), self.ledger.remote_parent(root.id),
-                self.sink.sampler, is_remote=False,
-            )
             head = self._heads[span.id] = SpanHead(
-                context if context.trace_flags.sampled else None,
-                self.ledger.span_start(span),
-                tuple(span.name),
+                self._context(span), self.ledger.span_start(span), tuple(span.name)
             )
         return head
 
 
-def _fold(record: SpanRecord, totals: Totals, end: float) -> None:
-    """An exported sub-span's end and subtree totals into its open parent's record:
-    the parent then lies around it and sums it"""
-    record.end_no_earlier(end)
-    if record.folded is None:
-        record.folded = Totals()
-    record.folded.add(totals)
+def _remember_exemplar(latest: dict[str, SpanContext], prefix: str, span: ReadableSpan) -> None:
+    """Keep a sampled TaskGroup span's context as its prefix's latest"""
+    context = span.get_span_context()
+    if context is None or not context.trace_flags.sampled:
+        return
+    if prefix not in latest and len(latest) >= MAX_EXEMPLAR_PREFIXES:
+        return  # bounded: as many prefixes as fine-metric series at most
+    latest[prefix] = context
+
+
+def _tell_no_code(name: str) -> bool:
+    """With ``otel.spans.code``: one WARNING when a Dask span has no code. The
+    client sends code with each graph only if its
+    ``distributed.diagnostics.computations.nframes`` is above 0 (Dask's default
+    is 0), a key read in the client's process, not here."""
+    logger.warning(
+        "dask_otel: otel.spans.code is true but Dask span %r has no code: "
+        "Dask records it only when distributed.diagnostics.computations.nframes "
+        "is above 0 (default 0) in the client that computes; set it there, "
+        "e.g. DASK_DISTRIBUTED__DIAGNOSTICS__COMPUTATIONS__NFRAMES=1",
+        name,
+    )
+    return True

@@ -3,8 +3,9 @@
 Read statically from the source (what each module imports at any depth of its
 code), so that a lazy import inside a function counts too: no import loops
 between modules, no module reaching into the package ``__init__``, nothing on
-the workers' side importing the scheduler's, and a client that uses
-``dask_otel.span`` loads no OpenTelemetry SDK module.
+the workers' side importing the scheduler's, a client that uses
+``dask_otel.span`` loads no OpenTelemetry SDK module, and a Dask span's trip to
+the SDK enters each file once (no stop of it imports an earlier one).
 """
 
 from __future__ import annotations
@@ -24,13 +25,24 @@ def module_name(path: Path) -> str:
     return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
 
 
-def imports() -> dict[str, set[str]]:
-    """For each module of the package, the modules of the package it imports"""
+def imports(runtime: bool = False) -> dict[str, set[str]]:
+    """For each module of the package, the modules of the package it imports;
+    with ``runtime``, less those under ``if TYPE_CHECKING:`` (names for
+    annotations, never called)"""
     modules = {module_name(p): p for p in PACKAGE.rglob("*.py")}
     out: dict[str, set[str]] = {}
     for name, path in modules.items():
+        tree = ast.parse(path.read_text())
+        typing_only = {
+            id(n)
+            for node in ast.walk(tree)
+            if runtime and isinstance(node, ast.If) and ast.unparse(node.test) == "TYPE_CHECKING"
+            for n in ast.walk(node)
+        }
         found: set[str] = set()
-        for node in ast.walk(ast.parse(path.read_text())):
+        for node in ast.walk(tree):
+            if id(node) in typing_only:
+                continue
             if isinstance(node, ast.Import):
                 found.update(a.name for a in node.names)
             elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
@@ -90,3 +102,54 @@ def test_a_client_using_dask_otel_span_loads_no_sdk_module():
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]", out.stdout
+
+
+def reachable(graph: dict[str, set[str]], name: str) -> set[str]:
+    """Every module ``name`` imports, directly or through others"""
+    seen: set[str] = set()
+    todo = [name]
+    while todo:
+        for dependency in graph[todo.pop()] - seen:
+            seen.add(dependency)
+            todo.append(dependency)
+    return seen
+
+
+#: A Dask span's trip to the SDK, in order, as dask_otel/spans.py draws it
+CORRIDOR = (
+    "dask_otel.spans",
+    "dask_otel.scheduler.ledger",
+    "dask_otel.scheduler.record",
+    "dask_otel.scheduler.totals",
+    "dask_otel.span_context",
+    "dask_otel.scheduler.builder",
+    "dask_otel.export.sink",
+)
+
+
+def test_a_dask_spans_trip_to_the_sdk_enters_each_file_once():
+    """No stop of the corridor can call back into one before it: none imports an
+    earlier stop, at any depth, when it runs. So the builder takes what the mirror
+    worked out (the record, the figures) and never goes back to the totals, the
+    ledger or the mirror; the sink knows nothing of the scheduler."""
+    graph = imports(runtime=True)
+    for i, stop in enumerate(CORRIDOR):
+        back = reachable(graph, stop) & set(CORRIDOR[:i])
+        assert not back, f"{stop} reaches back to {sorted(back)}"
+    sink = reachable(graph, "dask_otel.export.sink")
+    assert not {m for m in sink if m.startswith(("dask_otel.scheduler", "dask_otel.worker"))}
+
+
+def test_the_spans_docstring_draws_the_corridor_the_test_checks():
+    doc = (PACKAGE / "spans.py").read_text().split('"""')[1]
+    drawn = doc.split("::", 1)[1]
+    positions = [drawn.find(stop.replace("dask_otel.spans", "here:")) for stop in CORRIDOR]
+    assert all(p >= 0 for p in positions) and positions == sorted(positions), positions
+
+
+def test_the_client_side_needs_only_the_opentelemetry_api():
+    """dask_otel.span runs where only opentelemetry-api is installed: the client's
+    modules import no attribute table (opentelemetry.semconv comes with the SDK)"""
+    graph = imports(runtime=True)
+    for name in ("dask_otel.client", "dask_otel.annotation", "dask_otel.span_context"):
+        assert "dask_otel.attributes" not in reachable(graph, name) | {name}, name

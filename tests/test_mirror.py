@@ -15,6 +15,8 @@ import time
 import pytest
 from dask.utils import key_split
 from distributed import span
+from distributed.diagnostics.plugin import SchedulerPlugin
+from distributed.metrics import time as scheduler_time
 from distributed.utils_test import gen_cluster, inc
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
@@ -135,24 +137,56 @@ async def test_a_span_waits_for_a_heartbeat_until_the_metrics_timeout(c, s, a, b
     assert {s.name for s in exporter.get_finished_spans()} == {"metrics", key_split("metrics-task")}
 
 
+def fail_slowly(x):
+    time.sleep(0.5)
+    raise ValueError(x)
+
+
+class Failures(SchedulerPlugin):
+    """The run of each erred task as its worker reported it (``startstops``, on
+    the scheduler's clock), and when the scheduler heard of the failure (after
+    the mirror's hooks: added after them)"""
+
+    def __init__(self):
+        self.computes: dict = {}
+        self.heard: dict = {}
+
+    def transition(self, key, start, finish, *args, **kwargs):
+        if finish == "erred":
+            self.heard[key] = scheduler_time()
+        for startstop in kwargs.get("startstops") or ():
+            if finish == "erred" and startstop.get("action") == "compute":
+                self.computes[key] = startstop
+
+
 @gen_cluster(client=True)
 async def test_erred_tasks_end_their_group_and_span_when_they_failed(c, s, a, b):
+    """Dask records no run time for an erred task (its TaskGroup's stop stays 0):
+    the group runs from the task's start to its failure as the worker reported
+    them, and its Dask spans end no earlier, not when they are exported"""
     mirror, exporter = mirror_on(s, **NOW)
+    failures = Failures()
+    s.add_plugin(failures, name="failures")
     with span("outer"):
         with span("failing"):
-            future = c.submit(fail, 1, key="fail-task")
+            future = c.submit(fail_slowly, 1, key="fail-task")
             with pytest.raises(ValueError):
                 await future
+    await asyncio.sleep(0.5)  # exported well after the failure
     await poll_until_open(mirror)
     spans = by_name(exporter)
     failing, group, outer = spans["failing"], spans[key_split("fail-task")], spans["outer"]
     for erred in (failing, group, outer):
         assert erred.status.description == "1 tasks erred"
         assert erred.attributes["dask.tasks.erred"] == 1
-    # Dask records no run time for an erred task: the worker's startstops do
-    ts_end = group.end_time
-    assert failing.end_time >= ts_end and outer.end_time >= failing.end_time
-    assert group.start_time <= ts_end
+    compute, heard = failures.computes["fail-task"], failures.heard["fail-task"]
+    # the task ran 0.5 s: its start and failure are told apart from each other
+    # and from the export, 0.5 s after the scheduler heard of the failure
+    assert group.start_time / 1e9 == pytest.approx(compute["start"], abs=0.1)
+    assert group.end_time / 1e9 == pytest.approx(compute["stop"], abs=0.1)
+    for dask_span in (failing, outer):
+        # no earlier than the failure, no later than the scheduler heard of it
+        assert group.end_time <= dask_span.end_time <= heard * 1e9
     assert_span_tree(exporter.get_finished_spans(), ends="inside-if-exported-first")
 
 

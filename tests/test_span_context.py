@@ -101,3 +101,18 @@ def test_ratio_sampler_keeps_the_ratio_of_dask_trace_ids(monkeypatch):
         sampler = TracerProvider().sampler  # as the scheduler's reads them
         kept = sum(trace_sampled(sampler, uuid.uuid4().int, "root") for _ in range(10_000))
         assert abs(kept / 10_000 - ratio) <= 0.02, (ratio, kept)
+
+
+def test_a_child_of_a_dask_span_is_in_its_trace_with_its_trace_state_and_sampled():
+    """What a TaskGroup batch's span and a task span share with their Dask span
+    (dask_otel.span_context.child_context): its trace and trace state, sampled,
+    made in this process, with their own id"""
+    from dask_otel.span_context import child_context
+
+    parent = dask_span_context(
+        "a" * 32, "b" * 32, "root", CALLER, None, is_remote=True
+    )
+    child = child_context(parent, 42)
+    assert (child.trace_id, child.span_id) == (CALLER.trace_id, 42)
+    assert child.trace_state == CALLER.trace_state
+    assert child.trace_flags.sampled and not child.is_remote

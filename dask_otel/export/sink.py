@@ -9,11 +9,17 @@ Length limits, one rule: every string is cut to the attribute value length limit
 (``OTEL_SPAN_ATTRIBUTE_VALUE_LENGTH_LIMIT``, 4096 by default here), span names
 and status descriptions included, except :data:`WHOLE_VALUES`: the ids users
 search by are never cut (the SDK's ``BoundedAttributes`` would cut them too).
+
+The sink is the corridor's exit: it imports nothing of the scheduler or the
+workers (``tests/test_layout.py``). Cost: one pass over a span's attribute values
+when they are within the limits (:func:`within_limits`), else the SDK's own
+``BoundedAttributes``. The limits as users set them: docs/traces.md.
 """
 
 from __future__ import annotations
 
 import os
+from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 from opentelemetry.attributes import BoundedAttributes
@@ -21,10 +27,14 @@ from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.trace import Status, StatusCode
 
 from dask_otel._version import __version__
+from dask_otel.attributes import SPAN_ID
 from dask_otel.config import ConfigError
 
 if TYPE_CHECKING:
-    from opentelemetry.sdk.trace import Event, TracerProvider
+    from opentelemetry.sdk.resources import Resource
+    from opentelemetry.sdk.trace import Event, SpanLimits, SpanProcessor, TracerProvider
+    from opentelemetry.sdk.trace.sampling import Sampler
+    from opentelemetry.sdk.util.instrumentation import InstrumentationScope
     from opentelemetry.trace import Link, SpanContext
 
 #: Span attribute value length when no OTEL_*ATTRIBUTE_VALUE_LENGTH_LIMIT is set:
@@ -32,16 +42,15 @@ if TYPE_CHECKING:
 DEFAULT_ATTRIBUTE_LENGTH = 4096
 #: Attributes whose values are ids, never cut to the length limit (a cut UUID
 #: finds nothing): ``dask.span.id``, on spans, task spans and links
-WHOLE_VALUES = frozenset({"dask.span.id"})
+WHOLE_VALUES = frozenset({SPAN_ID})
 
 
 _UNSET = Status(StatusCode.UNSET)
 
 
 #: The attributes of an event or link that has none. Events and links always get
-#: a ``BoundedAttributes``, as the SDK's own spans give them: an exporter may read
-#: ``.attributes.dropped`` off each (the OTLP encoder did, up to at least
-#: opentelemetry-sdk 1.25).
+#: a ``BoundedAttributes``, as the SDK's own spans give them, so that their
+#: ``dropped_attributes`` counts what the limits dropped.
 NO_ATTRIBUTES = BoundedAttributes(immutable=True)
 
 #: Attribute value types that need no cleaning: OTel's primitive types, exactly
@@ -49,7 +58,7 @@ NO_ATTRIBUTES = BoundedAttributes(immutable=True)
 _PRIMITIVES = frozenset((str, bool, int, float))
 
 
-def within_limits(values: Any, max_len: int | None) -> bool:
+def within_limits(values: Iterable[Any], max_len: int | None) -> bool:
     """Whether attribute values are of OTel attribute types, exactly (primitives,
     tuples of one primitive type), with no string longer than ``max_len``"""
     for value in values:
@@ -77,21 +86,35 @@ class SpanSink:
     IdGenerator: the mirror's ids come from Dask).
     """
 
+    #: The process's TracerProvider: its sampler
+    provider: TracerProvider
+    #: The span processors the spans are handed to (the provider's, or a
+    #: second cluster's share of them)
+    processors: list[SpanProcessor]
+    #: The exporting server's resource (the provider's by default)
+    resource: Resource
+    #: ``dask_otel`` and its version, as a Tracer of that name would have it
+    scope: InstrumentationScope
+    #: The SDK's SpanLimits: attribute count (OTEL_SPAN_ATTRIBUTE_COUNT_LIMIT)
+    #: and value length (OTEL_SPAN_ATTRIBUTE_VALUE_LENGTH_LIMIT, or ours)
+    limits: SpanLimits
+
     def __init__(
-        self, provider: TracerProvider, processors: list, limits: Any, resource: Any = None
+        self,
+        provider: TracerProvider,
+        processors: list[SpanProcessor],
+        limits: SpanLimits,
+        resource: Resource | None = None,
     ):
         from opentelemetry.sdk.util.instrumentation import InstrumentationScope
 
         self.provider = provider
         self.processors = processors
-        #: The exporting server's resource (the provider's by default)
         self.resource = provider.resource if resource is None else resource
         self.scope = InstrumentationScope("dask_otel", __version__)
-        #: The SDK's SpanLimits: attribute count (OTEL_SPAN_ATTRIBUTE_COUNT_LIMIT)
-        #: and value length (OTEL_SPAN_ATTRIBUTE_VALUE_LENGTH_LIMIT, or ours)
         self.limits = limits
 
-    def with_resource(self, resource: Any) -> SpanSink:
+    def with_resource(self, resource: Resource) -> SpanSink:
         """The same processors and limits, for a server with another resource (a
         second cluster in the process): cheap, nothing is copied"""
         return SpanSink(self.provider, self.processors, self.limits, resource)
@@ -103,12 +126,14 @@ class SpanSink:
         return name if max_len is None else name[:max_len]
 
     @property
-    def sampler(self):
+    def sampler(self) -> Sampler:
         """The provider's sampler (OTEL_TRACES_SAMPLER); ask it through
         :func:`dask_otel.span_context.trace_sampled`, one decision per trace"""
         return self.provider.sampler
 
-    def bounded(self, attributes: dict[str, Any], count: int | None = None) -> Any:
+    def bounded(
+        self, attributes: dict[str, Any], count: int | None = None
+    ) -> dict[str, Any] | BoundedAttributes:
         """``attributes`` within the SDK's limits, as its own spans apply them: at
         most ``count`` (default: the span attribute count limit) attributes, each
         value cut to the attribute value length limit.
@@ -186,7 +211,7 @@ def bounded_attributes(
     return out
 
 
-def span_limits():
+def span_limits() -> SpanLimits:
     """The SDK's SpanLimits from OTEL_*_LIMIT, with our default value length; a
     malformed variable is a ConfigError that names it"""
     from opentelemetry.sdk.trace import SpanLimits
@@ -204,11 +229,6 @@ def span_limits():
         )
     except ValueError as e:  # "OTEL_..._LIMIT must be a non-negative integer but got -5"
         variable = next((v for v in os.environ if v.startswith("OTEL_") and v in str(e)), None)
-        if variable is None:  # a message that names none (opentelemetry-sdk 1.25's)
-            variable = next((
-                v for v, value in os.environ.items()
-                if v.startswith("OTEL_") and v.endswith("_LIMIT") and not value.strip().isdigit()
-            ), None)
         if variable is None:
             raise
         raise ConfigError(variable, os.environ[variable], "a non-negative integer") from e

@@ -12,6 +12,9 @@ are the rules, called by :class:`~dask_otel.spans.SpanMirror`:
 - a block whose Dask span never came is exported on its own, from entry to exit,
   once its exit is ``otel.spans.export-delay`` old: its client-side children then
   have their parent (docs/traces.md, "A dask_otel.span block").
+
+Cost: per exit heard, a lookup per Dask span it closes; per client gone, one walk
+of the open spans; pending exits are bounded (``MAX_PENDING_EXITS``).
 """
 
 from __future__ import annotations
@@ -19,19 +22,21 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
-from dask_otel.annotation import entered_times, read_block_exit, remote_parent, root_carrier
+from dask_otel.annotation import entered_at, read_block_exit, remote_parent, root_carrier
 from dask_otel.scheduler import builder
 from dask_otel.span_context import dask_span_context
 
 if TYPE_CHECKING:
     from distributed.spans import Span
     from opentelemetry.sdk.trace import ReadableSpan
+    from opentelemetry.trace import SpanContext
 
+    from dask_otel.annotation import BlockExit
     from dask_otel.export.sink import SpanSink
     from dask_otel.scheduler.ledger import Ledger
 
 
-def caller_of(otel: Any, root_id: str) -> Any:
+def caller_of(otel: Any, root_id: str) -> SpanContext | None:
     """The caller's span a root continues, from a block's ``otel`` annotation"""
     return remote_parent(root_carrier(otel, root_id))
 
@@ -47,7 +52,7 @@ def observe_exit(ledger: Ledger, spans: Mapping[str, Span], msg: Any, now: float
     for span_id in ids[-own:]:
         record = ledger.records.get(span_id)
         if record is not None:
-            record.exited = max(record.exited, exited)
+            record.left_block(exited)
         elif span_id not in spans:
             ledger.pend_exit(span_id, now, block)
 
@@ -57,12 +62,12 @@ def observe_client_gone(ledger: Ledger, client: str, now: float) -> None:
     announce no exit). Walks the open spans: once per client."""
     for record in ledger.records.values():
         if record.block_client == client and not record.exited:
-            record.exited = now
+            record.left_block(now)
 
 
 def due_empty_blocks(
     ledger: Ledger, spans: Mapping[str, Span], heard_before: float
-) -> list[tuple[str, Any]]:
+) -> list[tuple[str, BlockExit]]:
     """Take the blocks whose exit was heard before ``heard_before`` and whose Dask
     span never reached the scheduler: they ran no task"""
     pending = ledger.pending_exits
@@ -77,7 +82,7 @@ def due_empty_blocks(
 
 
 def empty_block_span(
-    ledger: Ledger, sink: SpanSink, span_id: str, block: Any
+    ledger: Ledger, sink: SpanSink, span_id: str, block: BlockExit
 ) -> ReadableSpan | bool:
     """The OTel span of a block that ran no task, from its entry to its exit, with
     its tags, a child of its enclosing Dask span or of the caller's span; False if
@@ -95,9 +100,7 @@ def empty_block_span(
         dask_span_context(root, ids[i - 1], str(tags[0]), caller, sink.sampler, is_remote=False)
         if i else caller
     )
-    entered = entered_times(otel) or {}
-    start = entered.get(span_id)
-    start = start if isinstance(start, (int, float)) else exited
+    start = entered_at(otel, span_id) or exited
     if i and (parent_record := ledger.records.get(ids[i - 1])) is not None:
         parent_record.end_no_earlier(exited)  # the enclosing span covers it
     return builder.empty_block_span(

@@ -12,7 +12,9 @@ computing for, or held results of, a ``dask.worker.lost`` span event.
 
 Cost: one set lookup per event; the work below happens only for the rare events
 selected, and is proportional to the tasks on the worker concerned. Nothing is
-done per task. What each record holds: docs/events.md.
+done per task. A span event goes to the open Dask span's record through the
+mirror (``SpanMirror.observe_worker_lost``), never written here; the remembered
+reasons are bounded (:data:`MAX_REASONS`). What each record holds: docs/events.md.
 """
 
 from __future__ import annotations
@@ -25,8 +27,13 @@ from itertools import islice
 from time import time_ns
 from typing import TYPE_CHECKING, Any
 
+import dask_otel.attributes as attr
+from dask_otel._compat import REMOVE_WORKER_LISTS_LOST_KEYS
+
 if TYPE_CHECKING:
     from distributed import Scheduler
+    from opentelemetry._logs import Logger
+    from opentelemetry.sdk._logs import LoggerProvider
     from opentelemetry.trace import SpanContext
 
     from dask_otel.spans import SpanMirror
@@ -47,9 +54,6 @@ DASK_EVENTS = frozenset({
 #: Keys listed in an attribute (``dask.event.processing_tasks``...): the first
 #: this many; the ``.count`` attribute beside it is always exact
 MAX_KEYS = 20
-#: ``dask.worker.lost`` events kept per Dask span (a span whose workers keep dying
-#: would otherwise grow without bound)
-MAX_SPAN_EVENTS = 16
 #: Dask spans a remove-worker event is reported on: a log record and a span event
 #: each; the event's counts are exact whatever the number
 MAX_SPANS = 16
@@ -58,9 +62,9 @@ MAX_REASONS = 1024
 
 #: The key lists of a remove-worker event, and the attribute names they take
 _KEY_FIELDS = {
-    "processing-tasks": "dask.event.processing_tasks",
-    "lost-computed-tasks": "dask.event.lost_computed_tasks",
-    "lost-scattered-tasks": "dask.event.lost_scattered_tasks",
+    "processing-tasks": attr.EVENT_PREFIX + "processing_tasks",
+    "lost-computed-tasks": attr.EVENT_PREFIX + "lost_computed_tasks",
+    "lost-scattered-tasks": attr.EVENT_PREFIX + "lost_scattered_tasks",
 }
 
 
@@ -91,25 +95,36 @@ def event_name(topic: Any, msg: Any) -> str | None:
 class DaskEvents:
     """Turns the scheduler's events into log records and span events"""
 
+    #: The scheduler whose events these are
+    scheduler: Scheduler
+    #: The span mirror the span events go to (None: traces are off)
+    mirror: SpanMirror | None
+    #: The event names to export (``otel.events.topics``, expanded)
+    topics: frozenset[str]
+    #: otel.logs.level: the records' lowest level, as for Python's log records
+    level: int
+    #: The LoggerProvider's logger the records go to (None: logs are off)
+    logger: Logger | None
+    #: worker address -> why it closed, as its closing-worker, nanny or
+    #: fail-hard event said, until its remove-worker event
+    reasons: dict[str, str]
+
     def __init__(
         self,
         scheduler: Scheduler,
         mirror: SpanMirror | None,
-        logger_provider: Any,
+        logger_provider: LoggerProvider | None,
         topics: Collection[str],
         level: int = logging.NOTSET,
     ):
         self.scheduler = scheduler
         self.mirror = mirror
         self.topics = topics_to_export(topics)
-        #: otel.logs.level: the records' lowest level, as for Python's log records
         self.level = level
         self.logger = (
             logger_provider.get_logger("dask_otel.events") if logger_provider is not None else None
         )
-        #: worker address -> why it closed, as its closing-worker, nanny or
-        #: fail-hard event said, until its remove-worker event
-        self.reasons: dict[str, str] = {}
+        self.reasons = {}
 
     def observe(self, topic: Any, msg: Any) -> None:
         """The hook: every event on every topic passes here"""
@@ -125,7 +140,7 @@ class DaskEvents:
         elif name in ("print", "warn"):
             self._task_output(name, msg)
         else:
-            self._emit(name, msg, _SEVERITY.get(name, "INFO"), _body(name, msg), _fields(msg))
+            self._emit(name, _SEVERITY.get(name, "INFO"), _body(name, msg), _fields(msg))
 
     # --- a worker lost ------------------------------------------------------------
 
@@ -148,10 +163,10 @@ class DaskEvents:
         address = str(msg.get("worker"))
         reason = self.reasons.pop(address, None)
         processing = msg.get("processing-tasks") or ()
-        if "lost-computed-tasks" in msg:
+        if REMOVE_WORKER_LISTS_LOST_KEYS:
             computed = msg.get("lost-computed-tasks") or ()
             scattered = msg.get("lost-scattered-tasks") or ()
-        else:  # distributed < 2024.?: read before the scheduler forgets the replicas
+        else:  # read before the scheduler forgets the replicas
             computed, scattered = self._lost_keys(address)
         attributes = _fields(msg)
         for field, keys in (
@@ -161,23 +176,23 @@ class DaskEvents:
         ):
             attributes[_KEY_FIELDS[field]] = [str(k) for k in islice(keys, MAX_KEYS)]
             attributes[_KEY_FIELDS[field] + ".count"] = len(keys)
-        attributes["dask.worker.address"] = address
+        attributes[attr.WORKER_ADDRESS] = address
         if reason:
-            attributes["dask.worker.lost.reason"] = reason
+            attributes[attr.WORKER_LOST_REASON] = reason
         severity = "ERROR" if scattered else "WARNING" if (computed or processing) else "INFO"
         body = f"worker {address} removed" + (f" ({reason})" if reason else "")
         by_span = self._spans_of(processing, computed)
         if not by_span:
-            self._emit("remove-worker", msg, severity, body, attributes)
+            self._emit("remove-worker", severity, body, attributes)
             return
         now = time_ns()
         for span_id, (n_processing, n_lost) in islice(by_span.items(), MAX_SPANS):
             context = self._on_span(span_id, address, reason, n_processing, n_lost, now)
             per_span = dict(attributes)
-            per_span["dask.span.id"] = span_id
-            per_span["dask.span.tasks.processing"] = n_processing
-            per_span["dask.span.tasks.lost_computed"] = n_lost
-            self._emit("remove-worker", msg, severity, body, per_span, context, now)
+            per_span[attr.SPAN_ID] = span_id
+            per_span[attr.SPAN_TASKS_PROCESSING] = n_processing
+            per_span[attr.SPAN_TASKS_LOST_COMPUTED] = n_lost
+            self._emit("remove-worker", severity, body, per_span, context, now)
 
     def _lost_keys(self, address: str) -> tuple[list[Hashable], list[Hashable]]:
         ws = self.scheduler.workers.get(address)
@@ -206,27 +221,20 @@ class DaskEvents:
     def _on_span(
         self, span_id: str, address: str, reason: str | None, processing: int, lost: int, now: int
     ) -> SpanContext | None:
-        """Add ``dask.worker.lost`` to the open Dask span's record; its OTel span
-        context (None if the mirror is off or its trace is sampled out)"""
+        """Tell the mirror (a ``dask.worker.lost`` span event, if the Dask span is
+        open); its OTel span context (None if the mirror is off or its trace is
+        sampled out)"""
         mirror = self.mirror
         if mirror is None:
             return None
-        record = mirror.ledger.records.get(span_id)
-        if record is not None:
-            from opentelemetry.sdk.trace import Event
-
-            attributes = {
-                "dask.worker.address": address,
-                "dask.tasks.processing": processing,
-                "dask.tasks.lost_computed": lost,
-            }
-            if reason:
-                attributes["dask.worker.lost.reason"] = reason
-            if record.events is None:
-                record.events = []
-            if len(record.events) < MAX_SPAN_EVENTS:
-                record.events.append(Event("dask.worker.lost", attributes, now))
-            record.end_no_earlier(now / 1e9)  # the event lies within the span
+        attributes: dict[str, Any] = {
+            attr.WORKER_ADDRESS: address,
+            attr.TASKS_PROCESSING: processing,
+            attr.TASKS_LOST_COMPUTED: lost,
+        }
+        if reason:
+            attributes[attr.WORKER_LOST_REASON] = reason
+        mirror.observe_worker_lost(span_id, attributes, now)
         return mirror.context_of(span_id)
 
     # --- print and warn from tasks ------------------------------------------------
@@ -235,17 +243,17 @@ class DaskEvents:
         attributes = _fields(msg) if name == "print" else {}
         address = msg.get("worker") if isinstance(msg, dict) else None
         if address:
-            attributes["dask.worker.address"] = str(address)
+            attributes[attr.WORKER_ADDRESS] = str(address)
         context = None
         span_id = self._running_span(address)
         if span_id is not None:
-            attributes["dask.span.id"] = span_id
+            attributes[attr.SPAN_ID] = span_id
             context = self.mirror.context_of(span_id) if self.mirror is not None else None
         if name == "warn":
             category = _builtins_only(msg.get("category")) if isinstance(msg, dict) else None
             if isinstance(category, type):
-                attributes["dask.event.category"] = category.__name__
-        self._emit(name, msg, _SEVERITY[name], _body(name, msg), attributes, context)
+                attributes[attr.EVENT_CATEGORY] = category.__name__
+        self._emit(name, _SEVERITY[name], _body(name, msg), attributes, context)
 
     def _running_span(self, address: Any) -> str | None:
         """The Dask span of the tasks running on the worker that printed, if they
@@ -262,7 +270,6 @@ class DaskEvents:
     def _emit(
         self,
         name: str,
-        msg: Any,
         severity: str,
         body: str,
         attributes: dict[str, Any],
@@ -274,7 +281,7 @@ class DaskEvents:
         from opentelemetry._logs import LogRecord, SeverityNumber
         from opentelemetry.trace import NonRecordingSpan, set_span_in_context
 
-        attributes["dask.event.topic"] = name
+        attributes[attr.EVENT_TOPIC] = name
         self.logger.emit(LogRecord(
             timestamp=timestamp or time_ns(),
             context=set_span_in_context(NonRecordingSpan(context)) if context else None,
@@ -306,7 +313,7 @@ def _fields(msg: Any) -> dict[str, Any]:
         if field in _KEY_FIELDS or field in ("action", "worker", "args", "exception", "traceback"):
             continue
         if isinstance(value, (str, bool, int, float)):
-            attributes[f"dask.event.{str(field).replace('-', '_')}"] = value
+            attributes[attr.EVENT_PREFIX + str(field).replace("-", "_")] = value
     return attributes
 
 

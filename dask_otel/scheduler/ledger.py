@@ -3,7 +3,10 @@ seen and not yet exported, and which of them may be ready.
 
 Memory is proportional to what is open: a record is created when a span is first
 seen and deleted when it is taken for export; nothing is kept about what was
-exported, but for a bounded number of roots' callers (:data:`MAX_REOPENED_ROOTS`).
+exported, but for a bounded number of roots' callers (:data:`MAX_REOPENED_ROOTS`)
+and of block exits (:data:`MAX_PENDING_EXITS`). Opening and taking a span or a
+batch is a few dict operations; a poll looks only at :attr:`Ledger.leaves`. When
+a span is exported: docs/traces.md, "When a span is exported".
 """
 
 from __future__ import annotations
@@ -12,13 +15,22 @@ from collections.abc import Mapping, Sequence
 from itertools import islice
 from typing import TYPE_CHECKING, Any
 
-from dask_otel.annotation import remote_parent, root_carrier
+from dask_otel.annotation import (
+    announces_exits,
+    entered_times,
+    otel_of,
+    remote_parent,
+    root_carrier,
+)
 from dask_otel.scheduler.record import GroupBatch, SpanRecord
+from dask_otel.scheduler.totals import group_done, subtree_totals
 
 if TYPE_CHECKING:
-    from distributed.scheduler import TaskGroup
+    from distributed.scheduler import TaskGroup, TaskState
     from distributed.spans import Span, SpansSchedulerExtension
     from opentelemetry.trace import SpanContext
+
+    from dask_otel.annotation import BlockExit
 
 #: Roots remembered with their caller's span after their export, for work that
 #: comes under them later (each a few hundred bytes)
@@ -30,7 +42,9 @@ MAX_PENDING_EXITS = 1024
 
 class Ledger:
     """Open Dask spans (a :class:`SpanRecord` each), open TaskGroup batches (a
-    :class:`GroupBatch` each), and the open spans with nothing open below them"""
+    :class:`GroupBatch` each), and the open spans with nothing open below them.
+    It writes only its own counts into a record (``open_children``,
+    ``open_groups``); what a hook learns goes through the record's methods."""
 
     #: Open Dask spans, by id, in the order they were seen (parents first)
     records: dict[str, SpanRecord]
@@ -53,7 +67,7 @@ class Ledger:
     #: first, at most :data:`MAX_PENDING_EXITS`. A graph may reach the
     #: scheduler after its block's exit (another connection); what is still
     #: here ``otel.spans.export-delay`` later ran no task: an empty block.
-    pending_exits: dict[str, tuple[float, Any]]
+    pending_exits: dict[str, tuple[float, BlockExit]]
 
     def __init__(self) -> None:
         self.records = {}
@@ -72,12 +86,27 @@ class Ledger:
         self.spans_seen = len(ext.spans)
         return list(islice(reversed(ext.spans.values()), new))[::-1]
 
+    def follow_running(self, ext: SpansSchedulerExtension) -> None:
+        """A cluster instrumented while running: open what is still in flight"""
+        self.spans_seen = len(ext.spans)
+        for span in ext.spans.values():
+            if not span.done:  # Dask's own walk, once
+                self.open_span(span)
+                for tg in span.groups:
+                    if not group_done(tg):
+                        self.open_group(tg, GroupBatch(span))
+        # Steps that finished before: walked once, now
+        for record in list(self.records.values()):
+            for child in record.span.children:
+                if child.id not in self.records:
+                    record.fold(subtree_totals(child), child.stop)
+
     # --- spans ---------------------------------------------------------------------
 
     def open_span(self, span: Span) -> SpanRecord:
         record = self.records[span.id] = self.leaves[span.id] = SpanRecord(span)
         if self.pending_exits and (pending := self.pending_exits.pop(span.id, None)):
-            record.exited = pending[1][4]  # its block was left before its graph came
+            record.left_block(pending[1][4])  # its block was left before its graph came
         parent = span.parent
         if parent is not None and (parent_record := self.records.get(parent.id)):
             parent_record.open_children += 1
@@ -125,12 +154,34 @@ class Ledger:
         self.reopened_parents.clear()
         self.pending_exits.clear()
 
-    def pend_exit(self, span_id: str, heard: float, block: Any) -> None:
+    def pend_exit(self, span_id: str, heard: float, block: BlockExit) -> None:
         if len(self.pending_exits) >= MAX_PENDING_EXITS:
             del self.pending_exits[next(iter(self.pending_exits))]
         self.pending_exits[span_id] = (heard, block)
 
     # --- what the client's annotation says ---------------------------------------
+
+    def observe_annotation(self, ts: TaskState, client: str | None = None) -> None:
+        """Read the ``otel`` annotation that ``dask_otel.span`` put on a task of a
+        new graph (of ``client``): when its blocks were entered, and the caller's
+        span its root continues.
+
+        ``ts.annotations["span"]`` is the span of the task's group (Dask moves a
+        task onto the span of the first TaskGroup of its key prefix); the carrier
+        is taken for that root only if the annotation's own blocks include it
+        (:func:`dask_otel.annotation.root_carrier`), so a colliding task cannot
+        bring another workflow's caller.
+        """
+        annotations = ts.annotations
+        otel = otel_of(annotations)
+        entered = entered_times(otel)
+        span_annotation = annotations.get("span") if entered is not None else None
+        if not isinstance(span_annotation, Mapping) or not (ids := span_annotation.get("ids")):
+            return  # none, or an "otel" annotation someone else made: not ours
+        announced = client if announces_exits(otel) else None
+        self.observe_entered(ids, entered, announced)  # type: ignore[arg-type]
+        if ids[0] in entered:  # type: ignore[operator]  # else a distributed.span root
+            self.observe_caller(ids[0], otel)
 
     def observe_entered(
         self, ids: Sequence[str], entered: Mapping[str, Any], client: str | None = None
@@ -147,15 +198,8 @@ class Ledger:
             if isinstance(t, (int, float)):
                 earliest = min(earliest, t)
             record = records.get(span_id)
-            if (
-                client is not None and record is not None and t is not None
-                and not record.exited and record.block_client is None
-            ):
-                record.block_client = client
-            if record is not None and earliest != float("inf") and (
-                record.entered is None or earliest < record.entered
-            ):
-                record.entered = earliest
+            if record is not None:
+                record.observe_entered(earliest, t is not None, client)
 
     def observe_caller(self, root_id: str, otel: Any) -> None:
         """Keep the caller's span that root ``root_id`` continues, from the first
@@ -166,9 +210,7 @@ class Ledger:
                 carrier = root_carrier(otel, root_id)
                 self.remember_exported_root(root_id, remote_parent(carrier))
         elif not record.carrier_read:
-            carrier = root_carrier(otel, root_id)
-            record.remote_parent = remote_parent(carrier)
-            record.carrier_read = True
+            record.observe_caller(remote_parent(root_carrier(otel, root_id)))
 
     def started_at(self, span: Span) -> float:
         """When a Dask span starts: ``Span.enqueued``, or earlier if a client entered

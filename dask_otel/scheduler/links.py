@@ -15,16 +15,19 @@ for the consuming span until it is exported: at most :data:`MAX_LINKS` per Dask
 span, the first found. Each link's context is the producer's span context as the
 mirror exports it (its trace: its root's UUID, or the caller's trace its root
 continued), with the attributes ``dask.span.id`` and ``dask.span.name`` of the
-producing Dask span.
+producing Dask span. Cost: a lookup per dependency of the one task looked at.
+How links show: docs/traces.md.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from opentelemetry.trace import Link, SpanContext
 
-from dask_otel.annotation import ANNOTATION, remote_parent, root_carrier
+import dask_otel.attributes as attr
+from dask_otel.annotation import otel_of, remote_parent, root_carrier
 from dask_otel.span_context import dask_span_context, root_span
 
 if TYPE_CHECKING:
@@ -59,16 +62,15 @@ def producer_links(
             continue
         links[span_id] = Link(
             producer_context(producer, producer_root, dep.annotations, sampler),
-            {"dask.span.id": producer.id, "dask.span.name": tuple(producer.name)},
+            {attr.SPAN_ID: producer.id, attr.SPAN_NAME: tuple(producer.name)},
         )
 
 
 def producer_context(
-    producer: Span, root: Span, annotations: dict[str, Any] | None, sampler: Sampler
+    producer: Span, root: Span, annotations: Mapping[str, Any] | None, sampler: Sampler
 ) -> SpanContext:
     """The OTel span context of Dask span ``producer`` as the mirror exports it"""
-    otel = (annotations or {}).get(ANNOTATION)
-    parent = remote_parent(root_carrier(otel, root.id))
+    parent = remote_parent(root_carrier(otel_of(annotations), root.id))
     return dask_span_context(
         root.id, producer.id, str(root.name[0]), parent, sampler, is_remote=False
     )

@@ -22,6 +22,10 @@ from __future__ import annotations
 from collections.abc import Hashable, Mapping
 from typing import TYPE_CHECKING, Any
 
+from distributed.spans import CONTEXTS_WITH_SPAN_ID
+
+import dask_otel.attributes as attr
+from dask_otel._compat import span_own_metrics
 from dask_otel.export.instruments import (
     COUNTER,
     Attached,
@@ -33,22 +37,20 @@ from dask_otel.export.instruments import (
 
 if TYPE_CHECKING:
     from distributed import Scheduler
+    from opentelemetry.context import Context
+    from opentelemetry.trace import SpanContext
 
     from dask_otel.export.telemetry import ServerTelemetry, Telemetry
+    from dask_otel.spans import SpanMirror
 
 #: Attributes
 CONTEXT = "dask.activity.context"
 TASK_PREFIX = "dask.task.prefix"
 WHERE = "dask.activity.where"
 ACTIVITY = "dask.activity.name"
-SPAN_NAME = "dask.span.name"
+SPAN_NAME = attr.SPAN_NAME
 EXPORTER = "dask.otel.exporter"
 SIGNAL = "dask.otel.signal"
-
-try:
-    from distributed.spans import CONTEXTS_WITH_SPAN_ID
-except ImportError:  # distributed < 2023.9
-    CONTEXTS_WITH_SPAN_ID = ("execute", "p2p")
 
 
 def fine_metric_attributes(key: Hashable) -> tuple[str, dict[str, Any]] | None:
@@ -108,7 +110,7 @@ def _fine_metrics(dask_unit: str):
         out = _readings(scheduler.cumulative_worker_metrics, dask_unit, skip=skip)
         if spans:
             for span in list(spans.spans.values()):
-                own = getattr(span, "_cumulative_worker_metrics", None)
+                own = span_own_metrics(span)
                 if own:
                     out += _readings(own, dask_unit, {SPAN_NAME: tuple(span.name)})
         return observed.with_exemplars(dask_unit, _bounded(out))
@@ -147,12 +149,12 @@ def _readings(
 
 
 def _spans_mirrored(observed: SchedulerMetrics) -> Reading:
-    mirror = observed.plugin.mirror
+    mirror = observed.mirror
     return [] if mirror is None else [(mirror.mirrored, {})]
 
 
 def _spans_sampled_out(observed: SchedulerMetrics) -> Reading:
-    mirror = observed.plugin.mirror
+    mirror = observed.mirror
     return [] if mirror is None else [(mirror.sampled_out, {})]
 
 
@@ -237,21 +239,24 @@ class SchedulerMetrics(Attached):
     """Exports one scheduler's fine performance metrics and the bridge's
     self-metrics, from now until :meth:`close`"""
 
+    #: The scheduler whose fine metrics these are
     scheduler: Scheduler
+    #: The process's Telemetry: its accounted exporters' counts
     telemetry: Telemetry
-    #: The OtelSchedulerPlugin: its ``mirror`` counts the spans it mirrored
-    plugin: Any
+    #: The scheduler's span mirror (None: traces are off): its counters
+    #: (``mirrored``, ``sampled_out``) and exemplars (``latest_by_prefix``)
+    mirror: SpanMirror | None
     #: otel.metrics.span-label
     span_label: bool
 
-    def __init__(self, scheduler: Scheduler, own: ServerTelemetry, plugin: Any):
+    def __init__(self, scheduler: Scheduler, own: ServerTelemetry, mirror: SpanMirror | None):
         # No attribute names the scheduler: the process's resource does
         # (dask.scheduler.address), and the fine metrics are the cluster's totals;
         # but a second scheduler in the process has the first one's resource
         super().__init__(dict(own.metric_attributes))
         self.scheduler = scheduler
         self.telemetry = own.telemetry
-        self.plugin = plugin
+        self.mirror = mirror
         self.span_label = own.config.span_label
         #: Dask unit -> {attributes: value at the previous collection}: a series
         #: that grew since carries an exemplar
@@ -266,7 +271,7 @@ class SchedulerMetrics(Attached):
         (OTEL_METRICS_EXEMPLAR_FILTER, default trace_based) takes an exemplar
         from it. The span was exported before the metric grew past it or
         shortly after: close enough to find a representative trace."""
-        mirror = self.plugin.mirror
+        mirror = self.mirror
         latest = mirror.latest_by_prefix if mirror is not None else {}
         previous, now = self._previous.get(dask_unit, {}), {}
         out = []
@@ -288,7 +293,7 @@ class SchedulerMetrics(Attached):
         return out
 
 
-def _span_context(span_context: Any) -> Any:
+def _span_context(span_context: SpanContext) -> Context:
     """An OTel Context whose current span is ``span_context`` (not recording)"""
     from opentelemetry.trace import NonRecordingSpan, set_span_in_context
 

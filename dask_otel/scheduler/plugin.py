@@ -31,6 +31,8 @@ if TYPE_CHECKING:
 
     from dask_otel.config import OtelConfig
     from dask_otel.export.telemetry import ServerTelemetry, Telemetry
+    from dask_otel.scheduler.events import DaskEvents
+    from dask_otel.scheduler.metrics import SchedulerMetrics
 
 logger = logging.getLogger("dask_otel")
 
@@ -49,7 +51,12 @@ class OtelSchedulerPlugin(SchedulerPlugin):
     #: This scheduler's share of it: its own config, span resource and metric
     #: attributes
     server_telemetry: ServerTelemetry | None
+    #: The span mirror (None: traces are off)
     mirror: SpanMirror | None
+    #: The fine and self-metrics (None: metrics are off)
+    metrics: SchedulerMetrics | None
+    #: Dask's events out as log records and span events (None: neither is on)
+    events: DaskEvents | None
     #: Which ways of turning the bridge on asked for it on this scheduler, the
     #: one that added it first: ``instrumentor``, ``preload``, ``client``
     paths: list[str]
@@ -60,11 +67,10 @@ class OtelSchedulerPlugin(SchedulerPlugin):
         self.telemetry = None
         self.server_telemetry = None
         self.mirror = None
-        self.metrics: Any = None
+        self.metrics = None
         #: Dask's own families (otel.metrics.dask)
         self.families: Any = None
-        #: Dask's events out as log records and span events (None: neither is on)
-        self.events: Any = None
+        self.events = None
         self._poller: PeriodicCallback | None = None
         self._started = False
         self._closed = False
@@ -93,7 +99,7 @@ class OtelSchedulerPlugin(SchedulerPlugin):
                 from dask_otel.export.dask_families import families_wanted
                 from dask_otel.scheduler.metrics import SchedulerMetrics
 
-                self.metrics = SchedulerMetrics(scheduler, own, self)
+                self.metrics = SchedulerMetrics(scheduler, own, self.mirror)
                 if families_wanted(own):
                     from dask_otel.scheduler.dask_families import SchedulerFamilies
 

@@ -1,10 +1,14 @@
 """What the bridge keeps about what is open: one :class:`SpanRecord` per open Dask
-span, one :class:`GroupBatch` per open TaskGroup batch.
+span, one :class:`GroupBatch` per open TaskGroup batch, and the :class:`SpanHead`
+a poll works out once for the OTel spans of a Dask span and of its TaskGroups.
 
 Dask keeps its spans and TaskGroups forever; the bridge keeps a record only from
 when it first sees one to when it exports it. Everything the scheduler's hooks
 learn about an open Dask span that Dask does not keep lives in its record, so
 forgetting a span is one deletion (:class:`~dask_otel.scheduler.ledger.Ledger`).
+A record is written by its own methods and by the mirror's ``observe_*`` (through
+the ledger); the builder only reads it. Each is a few hundred bytes; its lists
+(links, events) are bounded. What the fields become: docs/traces.md.
 """
 
 from __future__ import annotations
@@ -15,11 +19,13 @@ from typing import TYPE_CHECKING, Any
 from distributed.metrics import time
 
 from dask_otel.scheduler.totals import (
-    group_attributes,
+    Totals,
+    group_counts,
+    group_done,
     groups_stop,
     observed,
     prefix_metrics,
-    state_name,
+    task_counts,
 )
 
 if TYPE_CHECKING:
@@ -27,7 +33,29 @@ if TYPE_CHECKING:
     from distributed.spans import Span
     from opentelemetry.trace import Link, SpanContext
 
-    from dask_otel.scheduler.totals import Totals
+#: Span events kept per Dask span (``dask.worker.lost``): a span whose workers keep
+#: dying would otherwise grow without bound
+MAX_SPAN_EVENTS = 16
+
+
+class SpanHead:
+    """What the OTel spans of one Dask span and of its TaskGroups share: worked
+    out once per poll, which usually exports a span's groups together"""
+
+    __slots__ = ("context", "start", "tags")
+
+    #: The Dask span's OTel SpanContext (the parent of its TaskGroups' spans);
+    #: None if the sampler drops its trace
+    context: SpanContext | None
+    #: Where its OTel span starts (``Ledger.span_start``)
+    start: float
+    #: ``Span.name`` as an attribute value
+    tags: tuple[str, ...]
+
+    def __init__(self, context: SpanContext | None, start: float, tags: tuple[str, ...]):
+        self.context = context
+        self.start = start
+        self.tags = tags
 
 
 class SpanRecord:
@@ -50,7 +78,7 @@ class SpanRecord:
     #: ``otel.spans.totals: own``): Dask's state counts forget an erred task once
     #: the client releases its future
     erred: int
-    #: ``error.type`` of the first of them (:func:`~dask_otel.scheduler.builder.error_type`)
+    #: ``error.type`` of the first of them (:func:`~dask_otel.scheduler.totals.error_type`)
     error_type: str | None
     #: The latest end of its exported children (sub-spans, TaskGroup batches) and
     #: failure of its own tasks; its own end is no earlier, so that every child
@@ -76,9 +104,10 @@ class SpanRecord:
     #: The subtree totals of its sub-spans exported so far, summed: a pipeline of
     #: 10,000 steps is summed as it goes, not walked when it ends
     folded: Totals | None
-    #: Span events to export with it (``dask.worker.lost``,
-    #: :mod:`dask_otel.scheduler.events`); None: none
-    events: list | None
+    #: Span events to export with it, ``(name, attributes, time in ns)``
+    #: (``dask.worker.lost``, :mod:`dask_otel.scheduler.events`), at most
+    #: :data:`MAX_SPAN_EVENTS`; None: none
+    events: list[tuple[str, dict[str, Any], int]] | None
 
     def __init__(self, span: Span):
         self.span = span
@@ -118,6 +147,46 @@ class SpanRecord:
     def end_no_earlier(self, end: float) -> None:
         if end > self.end:
             self.end = end
+
+    def fold(self, totals: Totals, end: float) -> None:
+        """An exported sub-span's end and subtree totals: the span then lies
+        around it and sums it"""
+        self.end_no_earlier(end)
+        if self.folded is None:
+            self.folded = Totals()
+        self.folded.add(totals)
+
+    def count_erred(self, error_type: str) -> None:
+        """A task of its subtree (or its own) erred with ``error_type``"""
+        self.erred += 1
+        self.error_type = self.error_type or error_type
+
+    def observe_entered(self, earliest: float, own_block: bool, client: str | None) -> None:
+        """A client entered a block of it (``own_block``) or of a span below it,
+        the earliest at ``earliest`` (inf: no time known); ``client`` announces
+        its blocks' exits: while its own block is open, it waits for the exit"""
+        if client is not None and own_block and not self.exited and self.block_client is None:
+            self.block_client = client
+        if earliest != float("inf") and (self.entered is None or earliest < self.entered):
+            self.entered = earliest
+
+    def observe_caller(self, parent: SpanContext | None) -> None:
+        """A root's caller's span, from the first ``otel`` annotation of it seen"""
+        self.remote_parent = parent
+        self.carrier_read = True
+
+    def left_block(self, exited: float) -> None:
+        """Its client left its ``dask_otel.span`` block at ``exited`` (or left the
+        scheduler then): no earlier than an exit already heard"""
+        self.exited = max(self.exited, exited)
+
+    def add_event(self, name: str, attributes: dict[str, Any], timestamp: int) -> None:
+        """A span event at ``timestamp`` (ns), within the span's end"""
+        if self.events is None:
+            self.events = []
+        if len(self.events) < MAX_SPAN_EVENTS:
+            self.events.append((name, attributes, timestamp))
+        self.end_no_earlier(timestamp / 1e9)
 
     def __repr__(self) -> str:
         return f"<SpanRecord {self.span.name!r} {self.span.id}>"
@@ -228,25 +297,54 @@ class GroupBatch:
         end = max(tg.stop, self.failed)
         return observed(end, self.sent, self.received) if end else 0.0
 
+    def ready(self, tg: TaskGroup, now: float, heard: float, delay: float, timeout: float) -> bool:
+        """Whether the batch may be exported ``now``: its last task finished
+        ``delay`` ago (``otel.spans.export-delay``), and every worker has sent a
+        heartbeat since (``heard``: the oldest last one) or ``timeout`` passed
+        (``otel.spans.metrics-timeout``), and Dask has the group done. If not,
+        it notes when to look again (:attr:`wake`)."""
+        # The cheap tests first: its last task finished, or it was still
+        # running, lately; then Dask's states
+        end = max(self.end(tg) or self.since or self.span.enqueued, self.busy)
+        waited = now - end
+        if waited < delay:
+            self.wake = end + delay
+            return False
+        if heard <= end and waited < timeout:
+            return False  # a worker may still report its metrics: next poll
+        if not group_done(tg):
+            self.wake = now + delay
+            self.busy = now
+            return False
+        return True
+
+    def observe_erred(self, error_type: str, failed: float, started: float) -> None:
+        """A task of the batch erred with ``error_type`` at ``failed``, having
+        started to run at ``started`` (0: it did not run)"""
+        self.erred += 1
+        self.error_type = self.error_type or error_type
+        self.failed = max(self.failed, failed)
+        if started and (not self.started or started < self.started):
+            self.started = started
+
     def attributes(self, tg: TaskGroup, metrics: Mapping[str, float]) -> dict[str, Any] | None:
         """Task counts, bytes, duration and fine metrics of the batch, given the
         group's prefix metrics within its span now; None for a later batch in
         which nothing ran (its tasks were merely requested again)"""
         if self.states is None:
-            out = group_attributes(tg)
+            out = group_counts(tg)
             out.update(metrics)
             return out
         base = self.states
-        out: dict[str, Any] = {
-            state_name(state): n - base.get(state, 0)
-            for state, n in tg.states.items()
-            if n > base.get(state, 0)
-        }
-        out["dask.tasks.total"] = total = sum(tg.states.values()) - self.total
-        out["dask.output.bytes"] = max(tg.nbytes_total - self.nbytes, 0)
-        out["dask.duration"] = duration = max(float(tg.duration) - self.duration, 0.0)
+        states = tg.states
+        total = sum(states.values()) - self.total
+        duration = max(float(tg.duration) - self.duration, 0.0)
         if total <= 0 and duration <= 0 and not self.erred:
             return None
+        out = task_counts(
+            {state: n - base.get(state, 0) for state, n in states.items()}, total,
+            max(tg.nbytes_total - self.nbytes, 0), duration,
+        )
         for name, value in metrics.items():
             if (delta := value - self.metrics.get(name, 0)) > 0:
                 out[name] = delta

@@ -1,6 +1,12 @@
 """Arithmetic over Dask's objects: what a Dask span's or TaskGroup's attributes
-sum, and when they ran. No state: every function reads ``Span``, ``TaskGroup``
-and the fine metrics Dask keeps, and returns numbers.
+sum, and when they ran.
+
+No state but two bounded caches of names: every function reads ``Span``,
+``TaskGroup``, ``TaskState`` and the fine metrics Dask keeps, and returns numbers
+(or attribute dicts of them) for the mirror to hand to the builder. Exporting a
+span reads its own TaskGroups and fine metrics once (its sub-spans' come summed,
+:class:`Totals`); a TaskGroup's ``done`` is a few dict lookups
+(:func:`group_done`). What the numbers mean as attributes: docs/traces.md.
 """
 
 from __future__ import annotations
@@ -9,11 +15,13 @@ from collections.abc import Hashable, Iterable, Mapping
 from typing import TYPE_CHECKING, Any
 
 from distributed.metrics import time
-from distributed.protocol.serialize import ToPickle
 from distributed.scheduler import ALL_TASK_STATES
 
+import dask_otel.attributes as attr
+from dask_otel._compat import span_code_blocks, span_nthreads_history, span_own_metrics
+
 if TYPE_CHECKING:
-    from distributed.scheduler import TaskGroup
+    from distributed.scheduler import TaskGroup, TaskState
     from distributed.spans import Span
 
 
@@ -47,17 +55,21 @@ def _key_info(key: tuple[Hashable, ...]) -> tuple[str, Hashable, bool] | None:
 class SpanMetrics:
     """The fine performance metrics of one Dask span (its own, not its
     sub-spans'), as attributes, in one pass over Dask's
-    ``Span._cumulative_worker_metrics``: summed over task prefixes for the span,
-    and by task prefix for its TaskGroups."""
+    ``Span._cumulative_worker_metrics`` (:func:`dask_otel._compat.span_own_metrics`):
+    summed over task prefixes for the span, and by task prefix for its TaskGroups."""
 
     __slots__ = ("by_prefix", "execute_seconds", "total")
 
+    #: ``dask.metrics.<context>.<activity>.<unit>``, summed over prefixes
+    total: dict[str, float]
+    #: the same by task prefix, ``execute`` context only
+    by_prefix: dict[Hashable, dict[str, float]]
+    #: seconds of the execute context, for "idle or other spans"
+    execute_seconds: float
+
     def __init__(self, metrics: Mapping[tuple[Hashable, ...], float]):
-        #: ``dask.metrics.<context>.<activity>.<unit>``, summed over prefixes
-        self.total: dict[str, float] = {}
-        #: the same by task prefix, ``execute`` context only
-        self.by_prefix: dict[Hashable, dict[str, float]] = {}
-        #: seconds of the execute context, for "idle or other spans"
+        self.total = {}
+        self.by_prefix = {}
         self.execute_seconds = 0.0
         total, by_prefix = self.total, self.by_prefix
         for key, value in metrics.items():
@@ -78,7 +90,7 @@ class SpanMetrics:
 
     @classmethod
     def of(cls, span: Span) -> SpanMetrics:
-        return cls(span._cumulative_worker_metrics)
+        return cls(span_own_metrics(span))
 
 
 def active_cpu_seconds(span: Span, stop: float) -> float:
@@ -88,11 +100,10 @@ def active_cpu_seconds(span: Span, stop: float) -> float:
     skips through the cluster's whole thread-count history; this reads only the
     history since the span was enqueued.
     """
-    try:
-        history = span._total_nthreads_history
-        first = span._total_nthreads_offset
-    except AttributeError:  # another Dask version: the public, slower way
+    read = span_nthreads_history(span)
+    if read is None:  # another Dask version: the public, slower way
         return span.active_cpu_seconds
+    history, first = read
     total = 0.0
     since, nthreads = span.enqueued, 0
     for i in range(first, len(history)):
@@ -136,22 +147,73 @@ _PENDING = tuple(sorted(ALL_TASK_STATES - {"memory", "erred", "released", "forgo
 
 
 #: ``dask.tasks.<state>`` by state: built once, not per span
-_STATE_NAMES = {state: f"dask.tasks.{state}" for state in ALL_TASK_STATES}
+_STATE_NAMES = {state: attr.TASKS_PREFIX + state for state in ALL_TASK_STATES}
 
 
-def state_name(state: str) -> str:
-    name = _STATE_NAMES.get(state)
-    return f"dask.tasks.{state}" if name is None else name
+def task_counts(
+    states: Mapping[str, int], total: int, nbytes: int, duration: float
+) -> dict[str, Any]:
+    """The attributes every mirrored span has of its tasks: the count of each
+    state (those above 0), the total, output bytes and duration. The one
+    spelling for a Dask span's :class:`Totals`, a TaskGroup and a later batch of
+    one (whose counts are differences, and whose total is not their sum)."""
+    names = _STATE_NAMES
+    out: dict[str, Any] = {}
+    for state, n in states.items():
+        if n > 0:
+            name = names.get(state)
+            out[attr.TASKS_PREFIX + state if name is None else name] = n
+    out[attr.TASKS_TOTAL] = total
+    out[attr.OUTPUT_BYTES] = nbytes
+    out[attr.DURATION] = duration
+    return out
+
+
+def group_counts(tg: TaskGroup) -> dict[str, Any]:
+    """:func:`task_counts` of one TaskGroup"""
+    states = tg.states
+    # float: an int 0 in distributed 2024.1 until a task ran
+    return task_counts(states, sum(states.values()), tg.nbytes_total, float(tg.duration))
+
+
+def span_figures(
+    span: Span, totals: Totals, end: float, subtree: bool, code: bool
+) -> dict[str, Any]:
+    """The numbers a Dask span's OTel span carries: ``totals``' task counts and
+    fine metrics, active CPU seconds until ``end``, with ``subtree`` totals the
+    thread time no task accounts for, and with ``code`` the source of its code"""
+    active = active_cpu_seconds(span, end)
+    out = task_counts(totals.states, sum(totals.states.values()), totals.nbytes, totals.duration)
+    out[attr.ACTIVE_CPU_SECONDS] = active
+    out.update(totals.metrics)
+    if subtree and (idle := active - totals.execute_seconds) > 0:
+        out[attr.IDLE] = idle
+    if code:
+        out[attr.SPAN_CODE] = code_snippets(span)
+    return out
 
 
 def code_snippets(span: Span) -> tuple[str, ...]:
-    """The source of ``Span.code``'s snippets. distributed 2024.1 keeps
-    each block of them still wrapped in the ``ToPickle`` the client sent."""
-    return tuple(
-        sc.code
-        for block in span.code
-        for sc in (block.data if isinstance(block, ToPickle) else block)
-    )
+    """The source of ``Span.code``'s snippets"""
+    return tuple(sc.code for block in span_code_blocks(span) for sc in block)
+
+
+def error_type(ts: TaskState, allowed_failures: int) -> str:
+    """OTel's ``error.type`` for an erred task: the class name of the exception it
+    erred with, or that the task it depends on erred with (``exception_blame``);
+    ``KilledWorker`` when the workers running it died too often.
+
+    The scheduler holds the exception pickled, with classes it may not have: the
+    name is read from ``exception_text``, the worker's ``repr`` of it
+    (``ZeroDivisionError('division by zero')``). Dask gives a KilledWorker no text.
+    """
+    failing = ts.exception_blame or ts
+    name = (failing.exception_text or "").partition("(")[0]
+    if name.isidentifier():
+        return name
+    if failing.suspicious > allowed_failures:
+        return "KilledWorker"
+    return attr.OTHER_ERROR
 
 
 def group_done(tg: TaskGroup) -> bool:
@@ -186,17 +248,27 @@ class Totals:
 
     __slots__ = ("duration", "execute_seconds", "metrics", "nbytes", "start", "states", "stop")
 
+    #: tasks by state (``TaskGroup.states``, summed)
+    states: dict[str, int]
+    #: ``TaskGroup.nbytes_total`` and ``TaskGroup.duration``, summed
+    nbytes: int
+    duration: float
+    #: when the first task started (0: none has), as ``Span.start``
+    start: float
+    #: when the last task finished, as ``Span.stop`` of a finished span
+    stop: float
+    #: ``dask.metrics.*`` attributes, summed over task prefixes
+    metrics: dict[str, float]
+    #: seconds of the execute context, for "idle or other spans"
+    execute_seconds: float
+
     def __init__(self) -> None:
-        self.states: dict[str, int] = {}
+        self.states = {}
         self.nbytes = 0
         self.duration = 0.0
-        #: when the first task started (0: none has), as ``Span.start``
         self.start = 0.0
-        #: when the last task finished, as ``Span.stop`` of a finished span
         self.stop = 0.0
-        #: ``dask.metrics.*`` attributes, summed over task prefixes
-        self.metrics: dict[str, float] = {}
-        #: seconds of the execute context, for "idle or other spans"
+        self.metrics = {}
         self.execute_seconds = 0.0
 
     @classmethod
@@ -239,14 +311,6 @@ class Totals:
         if other.stop > self.stop:
             self.stop = other.stop
 
-    def attributes(self) -> dict[str, Any]:
-        """Task counts by state, output bytes, duration; fine metrics apart"""
-        out: dict[str, Any] = {state_name(s): n for s, n in self.states.items()}
-        out["dask.tasks.total"] = sum(self.states.values())
-        out["dask.output.bytes"] = self.nbytes
-        out["dask.duration"] = self.duration
-        return out
-
 
 def subtree_totals(span: Span) -> Totals:
     """:class:`Totals` of a span and all its sub-spans, by walking the tree"""
@@ -254,20 +318,6 @@ def subtree_totals(span: Span) -> Totals:
     for child in span.children:
         totals.add(subtree_totals(child))
     return totals
-
-
-def group_attributes(tg: TaskGroup) -> dict[str, Any]:
-    """Task counts by state, output bytes and duration of one TaskGroup"""
-    out: dict[str, Any] = {}
-    total = 0
-    for state, n in tg.states.items():
-        if n:
-            out[state_name(state)] = n
-            total += n
-    out["dask.tasks.total"] = total
-    out["dask.output.bytes"] = tg.nbytes_total
-    out["dask.duration"] = float(tg.duration)  # an int 0 in distributed 2024.1
-    return out
 
 
 def prefix_metrics(span: Span, prefix: Hashable) -> dict[str, float]:

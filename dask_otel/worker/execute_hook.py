@@ -45,7 +45,9 @@ from dask_otel.annotation import ANNOTATION
 from dask_otel.worker.task_spans import TaskRun
 
 if TYPE_CHECKING:
+    from dask.typing import Key
     from distributed import Worker
+    from distributed.worker_state_machine import StateMachineEvent
 
     from dask_otel.worker.task_context import DaskSpanContext, TaskContexts
     from dask_otel.worker.task_spans import TaskSpans
@@ -53,7 +55,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger("dask_otel")
 
 
-def execute_hookable(worker: Any) -> str | None:
+def execute_hookable(worker: Worker) -> str | None:
     """Why ``worker.execute`` cannot carry the in-task context, or None if it can.
 
     The hook needs ``execute`` to be a coroutine function taking the task's key
@@ -105,7 +107,9 @@ class TaskContextHook:
 
     #: the worker whose ``execute`` is wrapped
     worker: Worker
+    #: builds each task's context from its annotations
     contexts: TaskContexts
+    #: told before and after each run (None: task spans are off)
     task_spans: TaskSpans | None
     #: False after :meth:`uninstall`: the wrapper then only calls the original
     active: bool
@@ -118,8 +122,9 @@ class TaskContextHook:
         self.task_spans = task_spans
         self.active = True
         self.errors = 0
+        #: the wrapper in ``worker.execute`` (None: not installed)
         self._wrapper: Callable | None = None
-        # WorkerState creates its tasks dict once and keeps it
+        #: ``worker.state.tasks``: WorkerState creates it once and keeps it
         self._tasks = worker.state.tasks
 
     @classmethod
@@ -141,7 +146,7 @@ class TaskContextHook:
         finish = self.finish
         attach, detach = otel_context.attach, otel_context.detach
 
-        async def execute(key: Any, *args: Any, **kwargs: Any) -> Any:
+        async def execute(key: Key, *args: Any, **kwargs: Any) -> Any:
             run = prepare(key)
             if run is None:
                 return await original(key, *args, **kwargs)
@@ -165,7 +170,7 @@ class TaskContextHook:
         self._wrapper = execute
         self.worker.execute = execute  # type: ignore[method-assign]
 
-    def prepare(self, key: Any) -> TaskRun | DaskSpanContext | None:
+    def prepare(self, key: Key) -> TaskRun | DaskSpanContext | None:
         """The run of the task ``key``: a :class:`TaskRun` when it may have a task
         span, its Dask span's context when it cannot, or None to run it
         untouched; never raises. Both have the ``context`` and ``otel`` the
@@ -184,14 +189,14 @@ class TaskContextHook:
             self._failed("build the context of task %r", key)
             return None
 
-    def finish(self, run: TaskRun, event: Any) -> None:
+    def finish(self, run: TaskRun, event: StateMachineEvent) -> None:
         """Hand a finished run to the task spans; never raises"""
         try:
             self.task_spans.finish(run, event)  # type: ignore[union-attr]
         except Exception:
             self._failed("export the span of task %r", run.key)
 
-    def _failed(self, what: str, key: Any) -> None:
+    def _failed(self, what: str, key: Key) -> None:
         self.errors += 1
         what = what % (key,)
         if self.errors == 1:

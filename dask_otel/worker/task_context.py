@@ -7,7 +7,8 @@ caller's trace, carry the caller's propagated context (the ``otel`` annotation,
 the task runs in: its Dask span as the current span, with the ids the
 scheduler's mirror exports it with (:func:`dask_otel.span_context.dask_span_context`),
 over the caller's baggage. Nothing is sent for this. Contexts are cached per Dask
-span (a bounded dict), so a task costs a dict lookup.
+span (a bounded dict, :data:`MAX_CACHED_SPANS`), so a task costs a dict lookup.
+The rules: docs/traces.md, "Inside a task".
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 from opentelemetry import trace
 from opentelemetry.trace import NonRecordingSpan, SpanContext
 
-from dask_otel.annotation import ANNOTATION, extract_caller, root_carrier
+from dask_otel.annotation import extract_caller, otel_of, root_carrier
 from dask_otel.span_context import dask_span_context
 
 if TYPE_CHECKING:
@@ -35,28 +36,31 @@ MAX_CACHED_SPANS = 4096
 class DaskSpanContext:
     """What a task of one Dask span runs in: built once per Dask span and carrier"""
 
-    __slots__ = ("context", "dask_id", "otel", "root_tag", "sampled", "span_context")
+    __slots__ = ("context", "dask_id", "otel", "sampled", "span_context")
+
+    #: the ``otel`` annotation of the span's tasks, passed on to sub-tasks
+    otel: Mapping[str, Any] | None
+    #: the Dask span's UUID (``ts.annotations["span"]["ids"][-1]``)
+    dask_id: str
+    #: the Dask span's ids, as the scheduler's mirror exports them
+    span_context: SpanContext
+    #: ``span_context`` as the current span, over the carrier's baggage if any
+    context: Context
+    #: the whole trace's sampling decision
+    sampled: bool
 
     def __init__(
         self,
         span_context: SpanContext,
         base: Context | None,
-        root_tag: str,
         dask_id: str,
         otel: Mapping[str, Any] | None,
     ):
-        #: the ``otel`` annotation of the span's tasks, passed on to sub-tasks
         self.otel = otel
-        #: the Dask span's UUID (``ts.annotations["span"]["ids"][-1]``)
         self.dask_id = dask_id
-        #: the Dask span's ids, as the scheduler's mirror exports them
         self.span_context = span_context
-        #: ``span_context`` as the current span, over the carrier's baggage if any
         self.context = trace.set_span_in_context(NonRecordingSpan(span_context), base)
-        #: the whole trace's sampling decision
         self.sampled = span_context.trace_flags.sampled
-        #: the root Dask span's first tag (what the sampler is asked about)
-        self.root_tag = root_tag
 
 
 def _carrier_key(carrier: Mapping[str, str]) -> Hashable:
@@ -91,7 +95,7 @@ class TaskContexts:
         if not span:
             return None
         ids = span["ids"]
-        otel = annotations.get(ANNOTATION)
+        otel = otel_of(annotations)
         if otel is None:  # most tasks: a distributed.span, no caller (per task: no ABC check)
             carrier = None
             key = (ids[-1], ids[0], None)
@@ -118,7 +122,7 @@ class TaskContexts:
         span_context = dask_span_context(
             ids[0], ids[-1], root_tag, remote, self.sampler, is_remote=True
         )
-        return DaskSpanContext(span_context, base, root_tag, str(ids[-1]), otel)
+        return DaskSpanContext(span_context, base, str(ids[-1]), otel)
 
 
 def default_sampler() -> Sampler:

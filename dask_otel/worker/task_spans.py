@@ -1,43 +1,25 @@
-"""Task spans: each executed task as an OpenTelemetry span, from the worker that
-ran it. Opt-in (``otel.tasks.spans: true``); the scheduler does no work for them.
+"""Task spans: each chosen task run as an OpenTelemetry span, built by the worker
+that ran it (``otel.tasks.spans: true``); the scheduler does no work for them.
+What is exported and which tasks: docs/traces.md, "Task spans (opt-in)".
 
-What is exported
-    One span per task run that is *chosen*, named after the task prefix
-    (``key_split``), a child of the task's Dask span (TaskGroup spans get random
-    ids on the scheduler, which a worker cannot know), in the Dask span's trace.
-    It runs from when the task's function started to when it returned, the
-    times Dask itself records (``ExecuteSuccessEvent``/``ExecuteFailureEvent``).
-    Dask shifts them onto the scheduler's clock by an offset it estimates from
-    heartbeats, off by up to a round trip; a worker on the scheduler's host
-    shares its clock, so there the shift is undone (exact: the offset is the one
-    Dask used for the run), and the span lies inside its Dask span, which starts
-    no later than the scheduler sent the task and ends no earlier than it heard
-    back. On another host the shifted times stay, bounded by what the worker
-    knows: no earlier than the client entered the ``dask_otel.span`` block of
-    the task's Dask span (docs/traces.md, "Times"). An erred task has status
-    ERROR, ``error.type`` and an ``exception`` event, as the OTel semantic
-    conventions for exceptions have it; ``code.function.name`` names the task's
-    function. The attributes: docs/traces.md, "Task spans".
+Owns the rules that choose a run (:func:`key_chosen`: a hash of the key, the same
+in every process and retry; ``slower-than`` and ``erred`` decide after the run)
+and the span's times and attributes. Invariants:
 
-Which tasks
-    Only in traces the sampler keeps (:func:`dask_otel.span_context.trace_sampled`,
-    the decision the scheduler's mirror gets). Then a task is exported if its key
-    is chosen by ``otel.tasks.sample-ratio`` (a hash of the key: the same key is
-    chosen on every worker and every retry), or it ran at least
-    ``otel.tasks.slower-than``, or it erred and ``otel.tasks.erred`` is true.
+- only in traces the sampler keeps (the decision the mirror gets,
+  :func:`dask_otel.span_context.trace_sampled`); a child of the task's Dask span,
+  with a random id (:func:`dask_otel.span_context.child_context`);
+- its times are Dask's (``ExecuteSuccessEvent``/``ExecuteFailureEvent``), shifted
+  by Dask onto the scheduler's clock; on the scheduler's host that shift is
+  undone (exact: it is the offset Dask used), so the span lies inside its Dask
+  span; elsewhere it starts no earlier than the client entered the block of
+  its Dask span;
+- a run rescheduled (``Reschedule``, worker closing) exports nothing; one that
+  failed before its function ran is a zero-length span at the failure.
 
-    A chosen task's span is also the current span while it runs, so spans made
-    inside the task are its children. The threshold and erred rules can only
-    decide after the run: such a task's span is exported, but its code ran in
-    its Dask span's context, so spans made inside it are its *siblings*.
-
-Edge cases
-    A task whose worker dies mid-run has no span from that worker; the run that
-    finishes it elsewhere exports one. A task that is rescheduled (``Reschedule``,
-    worker closing) exports none. A task that failed before its function ran
-    (a dependency that could not be deserialized) has no start and stop from
-    Dask: its span is a zero-length span at the time of the failure. Erred tasks
-    can end after their Dask span (Dask's ``Span.stop`` ignores erred tasks).
+Cost: per task in a sampled trace, a random id, and a hash of its key when the
+ratio is strictly between 0 and 1; per task span exported, one attribute dict
+and the sink's checks (``benchmarks/task_context.py``).
 """
 
 from __future__ import annotations
@@ -53,17 +35,17 @@ from distributed.metrics import time
 from distributed.worker_state_machine import ExecuteFailureEvent, ExecuteSuccessEvent
 from opentelemetry import trace
 from opentelemetry.sdk.trace import Event
-from opentelemetry.trace import (
-    NonRecordingSpan,
-    SpanContext,
-    Status,
-    StatusCode,
-)
+from opentelemetry.trace import NonRecordingSpan, Status, StatusCode
 
-from dask_otel.span_context import SAMPLED
+import dask_otel.attributes as attr
+from dask_otel._compat import task_function
+from dask_otel.annotation import entered_at
+from dask_otel.span_context import child_context
 
 if TYPE_CHECKING:
+    from dask.typing import Key
     from distributed import Worker
+    from distributed.worker_state_machine import StateMachineEvent
     from opentelemetry.context import Context
     from opentelemetry.sdk.trace import ReadableSpan
 
@@ -75,7 +57,7 @@ _UNSET = Status(StatusCode.UNSET)
 _HASH_SPACE = 1 << 64
 
 
-def key_chosen(key: Any, ratio: float) -> bool:
+def key_chosen(key: Key, ratio: float) -> bool:
     """Whether ``otel.tasks.sample-ratio`` chooses this key: a hash of ``str(key)``
     compared with ``ratio * 2**64``, so the same in every process and every run"""
     if ratio >= 1:
@@ -92,29 +74,37 @@ class TaskRun:
 
     __slots__ = ("chosen", "context", "dask_span", "delay", "key", "otel", "span_id")
 
+    #: the task's key
+    key: Key
+    #: the task's ``otel`` annotation, passed on to its sub-tasks
+    otel: Mapping[str, Any] | None
+    #: the task's Dask span context
+    dask_span: DaskSpanContext
+    #: the context the task runs in: its Dask span's, or its task span's
+    context: Context
+    #: the task span's id, kept for the rules that decide after the run
+    span_id: int
+    #: True when the task span is ``context``'s current span (chosen by ratio)
+    chosen: bool
+    #: ``Worker.scheduler_delay`` as the run reads it (no await between this
+    #: and Dask's read): the offset Dask adds to the run's times
+    delay: float
+
     def __init__(
         self,
-        key: Any,
+        key: Key,
         dask_span: DaskSpanContext,
         context: Context,
         span_id: int,
         otel: Mapping[str, Any] | None,
     ):
         self.key = key
-        #: the task's ``otel`` annotation, passed on to its sub-tasks
         self.otel = otel
-        #: the task's Dask span context
         self.dask_span = dask_span
-        #: the context the task runs in: its Dask span's, or its task span's
         self.context = context
-        #: the task span's id, kept for the rules that decide after the run
         self.span_id = span_id
-        #: True when the task span is ``context``'s current span (chosen by ratio)
         self.chosen = False
-        #: ``Worker.scheduler_delay`` as the run reads it (no await between this
-        #: and Dask's read): the offset Dask adds to the run's times
         self.delay = 0.0
-
 
 
 class TaskSpans:
@@ -147,18 +137,14 @@ class TaskSpans:
         #: not looked at yet (the scheduler's address is known once running)
         self._same_clock: bool | None = None
 
-    def start(self, key: Any, dask_span: DaskSpanContext) -> TaskRun | DaskSpanContext:
+    def start(self, key: Key, dask_span: DaskSpanContext) -> TaskRun | DaskSpanContext:
         """The run of a task in a sampled trace: in its task span's context if its
         key is chosen, else in its Dask span's (with a span id kept for the
         threshold and erred rules, or none)"""
         otel = dask_span.otel
         span_id = self._random.getrandbits(64) or 1
         if key_chosen(key, self.ratio):
-            parent = dask_span.span_context
-            own = SpanContext(
-                parent.trace_id, span_id, is_remote=False,
-                trace_flags=SAMPLED, trace_state=parent.trace_state,
-            )
+            own = child_context(dask_span.span_context, span_id)
             context = trace.set_span_in_context(NonRecordingSpan(own), dask_span.context)
             run = TaskRun(key, dask_span, context, span_id, otel)
             run.chosen = True
@@ -169,7 +155,7 @@ class TaskSpans:
         run.delay = self.worker.scheduler_delay
         return run
 
-    def finish(self, run: TaskRun, event: Any) -> None:
+    def finish(self, run: TaskRun, event: StateMachineEvent) -> None:
         """Export the run's span if a rule says so, from the event ``execute``
         returned (a RescheduleEvent exports nothing)"""
         erred = isinstance(event, ExecuteFailureEvent)
@@ -181,7 +167,8 @@ class TaskSpans:
         elif self.same_clock():  # the worker's own clock: Dask's offset undone
             start, stop = start - run.delay, stop - run.delay
         duration = max(stop - start, 0.0)  # as Dask measured it
-        start = max(start, _entered(run))
+        # the Dask span starts no later than the client entered its block
+        start = max(start, entered_at(run.otel, run.dask_span.dask_id))
         stop = max(stop, start)
         if not (
             run.chosen
@@ -208,36 +195,42 @@ class TaskSpans:
         return self._same_clock
 
     def _span(
-        self, run: TaskRun, event: Any, start: float, stop: float, duration: float, erred: bool
+        self,
+        run: TaskRun,
+        event: ExecuteSuccessEvent | ExecuteFailureEvent,
+        start: float,
+        stop: float,
+        duration: float,
+        erred: bool,
     ) -> ReadableSpan:
         sink = self.sink
         parent = run.dask_span.span_context
         attributes: dict[str, Any] = {
-            "dask.task.key": str(run.key),
-            "dask.span.id": run.dask_span.dask_id,
-            "dask.worker.address": self.worker.address,
-            "dask.duration": duration,
+            attr.TASK_KEY: str(run.key),
+            attr.SPAN_ID: run.dask_span.dask_id,
+            attr.WORKER_ADDRESS: self.worker.address,
+            attr.DURATION: duration,
         }
         thread = self.worker.threads.get(run.key)
         if thread is not None:
-            attributes["thread.id"] = thread
+            attributes[attr.THREAD_ID] = thread
         ts = self.worker.state.tasks.get(run.key)
         if ts is not None and (function := function_name(ts.run_spec)) is not None:
-            attributes["code.function.name"] = function
+            attributes[attr.CODE_FUNCTION_NAME] = function
         events: tuple[Event, ...] = ()
         status = _UNSET
         if erred:
             exc_type, message = _exception_type_and_message(event)
             status = Status(StatusCode.ERROR, sink.name(f"{exc_type}: {message}"))
-            attributes["error.type"] = exc_type
+            attributes[attr.ERROR_TYPE] = exc_type
             events = (
                 Event(
-                    "exception",
+                    attr.EXCEPTION_EVENT,
                     sink.event_attributes(
                         {
-                            "exception.type": exc_type,
-                            "exception.message": message,
-                            "exception.stacktrace": event.traceback_text or "",
+                            attr.EXCEPTION_TYPE: exc_type,
+                            attr.EXCEPTION_MESSAGE: message,
+                            attr.EXCEPTION_STACKTRACE: event.traceback_text or "",
                         },
                         count=sink.limits.max_event_attributes,
                     ),
@@ -245,39 +238,22 @@ class TaskSpans:
                 ),
             )
         else:
-            attributes["dask.output.bytes"] = event.nbytes
+            attributes[attr.OUTPUT_BYTES] = event.nbytes
         # The task span is this worker's; its parent, the Dask span, is the
         # scheduler's (remote here), with the ids every process composes alike
-        context = SpanContext(
-            parent.trace_id, run.span_id, is_remote=False,
-            trace_flags=SAMPLED, trace_state=parent.trace_state,
-        )
+        context = child_context(parent, run.span_id)
         return sink.span(
             key_split(run.key), context, parent, start, stop, attributes, status, events
         )
 
 
-def _entered(run: TaskRun) -> float:
-    """When the client entered the block of the run's Dask span (its ``otel``
-    annotation), 0 if unknown: the Dask span starts no later, nor can the task"""
-    otel = run.otel
-    if not isinstance(otel, Mapping):  # none, or an "otel" annotation not ours
-        return 0.0
-    entered = otel.get("entered")
-    t = entered.get(run.dask_span.dask_id) if isinstance(entered, Mapping) else None
-    return t if isinstance(t, (int, float)) else 0.0
-
-
 def function_name(run_spec: Any) -> str | None:
     """OTel's ``code.function.name`` of a task: the fully qualified name
-    (``module.qualname``) of the function Dask runs for it, through
-    ``functools.partial``: a ``Task``'s ``func`` (distributed 2024.12+) or the
-    first item of the ``(function, args, kwargs)`` tuple older ones keep; None
-    for an alias or a data node."""
-    func = getattr(run_spec, "func", None)  # dask's Task (2024.12+)
-    if func is None and isinstance(run_spec, tuple) and run_spec and callable(run_spec[0]):
-        func = run_spec[0]  # an old-style task tuple
-    if func is None or not callable(func):
+    (``module.qualname``) of the function Dask runs for it
+    (:func:`dask_otel._compat.task_function`), through ``functools.partial``;
+    None for an alias or a data node."""
+    func = task_function(run_spec)
+    if func is None:
         return None
     while isinstance(func, functools.partial):
         func = func.func

@@ -1,0 +1,77 @@
+"""Every attribute key (and span event name) the bridge puts on its spans, spelled once.
+
+The standard ones come from ``opentelemetry.semconv``'s stable attributes (the
+same names in semantic-conventions 0.62b0, which opentelemetry 1.41 pulls in, and
+0.66b2); the ``dask.*`` ones are the bridge's. What each means, on which spans:
+docs/traces.md. Constants only: importing this module costs one import of
+``opentelemetry.semconv``'s small attribute modules, nothing per span.
+"""
+
+from __future__ import annotations
+
+# Re-exported (``X as X``): the stable names, as the conventions spell them
+from opentelemetry.semconv.attributes.code_attributes import (
+    CODE_FUNCTION_NAME as CODE_FUNCTION_NAME,
+)
+from opentelemetry.semconv.attributes.error_attributes import ERROR_TYPE as ERROR_TYPE
+from opentelemetry.semconv.attributes.error_attributes import ErrorTypeValues
+from opentelemetry.semconv.attributes.exception_attributes import (
+    EXCEPTION_MESSAGE as EXCEPTION_MESSAGE,
+)
+from opentelemetry.semconv.attributes.exception_attributes import (
+    EXCEPTION_STACKTRACE as EXCEPTION_STACKTRACE,
+)
+from opentelemetry.semconv.attributes.exception_attributes import (
+    EXCEPTION_TYPE as EXCEPTION_TYPE,
+)
+
+#: ``error.type`` when Dask kept no exception text (the conventions' fallback)
+OTHER_ERROR: str = ErrorTypeValues.OTHER.value
+#: ``thread.id``: in semantic-conventions 0.62b0 to 0.66b2 it is only in
+#: ``opentelemetry.semconv._incubating`` (a private module path), so it is spelled here
+THREAD_ID = "thread.id"
+#: The span event of an erred task span, as the conventions name it
+EXCEPTION_EVENT = "exception"
+
+# --- a Dask span: on its OTel span, its TaskGroups', its task spans, links, events
+
+#: The Dask span's UUID; never cut to the length limit (dask_otel.export.sink)
+SPAN_ID = "dask.span.id"
+#: ``Span.name``: every tag, root first
+SPAN_NAME = "dask.span.name"
+SPAN_CODE = "dask.span.code"
+SPAN_UNFINISHED = "dask.span.unfinished"
+ACTIVE_CPU_SECONDS = "dask.active_cpu_seconds"
+#: Thread time of a span that no task accounts for, as Dask's
+#: ``Span.cumulative_worker_metrics`` has it
+IDLE = "dask.metrics.execute.idle_or_other_spans.seconds"
+FIRST_TASK_START = "dask.first_task_start"
+
+# --- task counts (a Dask span's, a TaskGroup batch's)
+
+#: ``dask.tasks.<state>`` is each state's count; ``TASKS_TOTAL`` their sum
+TASKS_PREFIX = "dask.tasks."
+TASKS_TOTAL = "dask.tasks.total"
+TASKS_ERRED = "dask.tasks.erred"
+OUTPUT_BYTES = "dask.output.bytes"
+DURATION = "dask.duration"
+
+# --- TaskGroup spans and task spans
+
+TASKGROUP_NAME = "dask.taskgroup.name"
+TASKGROUP_PREFIX = "dask.taskgroup.prefix"
+TASK_KEY = "dask.task.key"
+WORKER_ADDRESS = "dask.worker.address"
+
+# --- a worker lost (dask_otel.scheduler.events): the span event and its log records
+
+WORKER_LOST = "dask.worker.lost"
+WORKER_LOST_REASON = "dask.worker.lost.reason"
+TASKS_PROCESSING = "dask.tasks.processing"
+TASKS_LOST_COMPUTED = "dask.tasks.lost_computed"
+SPAN_TASKS_PROCESSING = "dask.span.tasks.processing"
+SPAN_TASKS_LOST_COMPUTED = "dask.span.tasks.lost_computed"
+#: Dask's events as log records: ``dask.event.<field>`` for an event's scalar fields
+EVENT_PREFIX = "dask.event."
+EVENT_TOPIC = "dask.event.topic"
+EVENT_CATEGORY = "dask.event.category"
