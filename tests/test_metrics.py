@@ -483,6 +483,21 @@ EXEMPLARS_CONFIG = {
 }
 
 
+def run_twice(cluster: LocalCluster, client, receiver: OTLPReceiver, name: str, *tasks) -> None:
+    """Map each of ``tasks`` over range(10) in Dask span ``f"{name} first"``, and
+    again in ``f"{name} second"`` once the first run's TaskGroup spans arrived: the
+    second run grows series whose prefix has an exported span, which an exemplar
+    needs (a span exported after its metrics last grew gives none). Each run waits
+    until the scheduler forgot its tasks: a TaskGroup still known takes the next
+    block's tasks of its prefix into this block's span (ARCHITECTURE.md)."""
+    prefixes = {task.__name__ for task in tasks}
+    for run in ("first", "second"):
+        with span(f"{name} {run}"):
+            client.gather([f for task in tasks for f in client.map(task, range(10))])
+        wait_until(lambda: not cluster.scheduler.tasks, what=f"the tasks of {name!r} forgotten")
+        receiver.wait_for(lambda r: prefixes <= {s.name for s in r.spans()}, timeout=30)
+
+
 def test_activity_metrics_carry_exemplars_of_exported_traces(monkeypatch):
     """A dask.activity.* series that grew carries an exemplar of the latest
     sampled TaskGroup span of its task prefix (SDK's default exemplar filter,
@@ -491,9 +506,7 @@ def test_activity_metrics_carry_exemplars_of_exported_traces(monkeypatch):
         set_otel_env(monkeypatch, {**receiver.env(), **EXEMPLARS_ENV})
         config = EXEMPLARS_CONFIG
         with spilling_cluster(config) as (cluster, client):
-            for name in ("first", "second"):
-                with span(name):
-                    client.gather(client.map(inc, range(10)))
+            run_twice(cluster, client, receiver, "inc", inc)
 
             def exemplars(r: OTLPReceiver) -> set[str]:
                 return {
@@ -530,13 +543,8 @@ def test_a_series_that_did_not_grow_carries_no_exemplar(monkeypatch):
                     if p.attributes.get("dask.task.prefix") == prefix and p.exemplars]
 
         with spilling_cluster(config) as (cluster, client):
-            # Each prefix twice: the second run grows series whose prefix has an
-            # exported span already (the first run's span may be exported only
-            # after its metrics grew for the last time)
             for prefix, task in (("inc", inc), ("double", double)):
-                for run in ("first", "second"):
-                    with span(f"{prefix} {run}"):
-                        client.gather(client.map(task, range(10)))
+                run_twice(cluster, client, receiver, prefix, task)
                 receiver.wait_for(lambda r, prefix=prefix: with_exemplar(r, prefix), timeout=30)
             time.sleep(0.5)  # inc's last heartbeat metrics are in
             receiver.clear()
@@ -551,3 +559,33 @@ def test_a_series_that_did_not_grow_carries_no_exemplar(monkeypatch):
         values.setdefault(tuple(sorted(p.attributes.items())), set()).add(p.value)
     assert all(len(v) == 1 for v in values.values()), values
     assert [p.exemplars for p in later if p.exemplars] == []
+
+
+def test_each_prefix_series_carries_an_exemplar_of_its_own_taskgroup_span(monkeypatch):
+    """Two task prefixes growing in the same collections, in the same Dask span (one
+    trace): each series' exemplar is a TaskGroup span of its own prefix, never the
+    other's (one OTel Context is built per prefix and collection, and shared only by
+    that prefix's series)"""
+    with OTLPReceiver("grpc") as receiver:
+        set_otel_env(monkeypatch, {**receiver.env(), **EXEMPLARS_ENV})
+        with spilling_cluster(EXEMPLARS_CONFIG) as (cluster, client):
+            run_twice(cluster, client, receiver, "both", inc, double)
+
+            def by_prefix(r: OTLPReceiver) -> dict[str, set]:
+                out: dict[str, set] = {}
+                for p in r.metric_points("dask.activity.time"):
+                    prefix = p.attributes.get("dask.task.prefix")
+                    if prefix in ("inc", "double") and p.exemplars:
+                        out.setdefault(prefix, set()).update(p.exemplars)
+                return out
+
+            receiver.wait_for(lambda r: len(by_prefix(r)) == 2, timeout=30)
+            exemplars = by_prefix(receiver)
+            receiver.wait_for(
+                lambda r: all(pair in {(s.trace_id, s.span_id) for s in r.spans()}
+                              for pairs in exemplars.values() for pair in pairs),
+                timeout=30,
+            )
+            spans = {(s.trace_id, s.span_id): s.name for s in receiver.spans()}
+    for prefix, pairs in exemplars.items():
+        assert {spans[pair] for pair in pairs} == {prefix}, (prefix, pairs)

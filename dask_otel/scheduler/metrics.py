@@ -274,6 +274,7 @@ class SchedulerMetrics(Attached):
         mirror = self.mirror
         latest = mirror.latest_by_prefix if mirror is not None else {}
         previous, now = self._previous.get(dask_unit, {}), {}
+        contexts: dict[str, Context] = {}  # one per prefix, shared by its series
         out = []
         for value, attributes in readings:
             prefix = attributes.get(TASK_PREFIX)
@@ -286,7 +287,9 @@ class SchedulerMetrics(Attached):
             now[key] = value
             context = latest.get(prefix)
             if context is not None and value > previous.get(key, 0):
-                out.append((value, attributes, _span_context(context)))
+                if prefix not in contexts:
+                    contexts[prefix] = _span_context(context)
+                out.append((value, attributes, contexts[prefix]))
             else:
                 out.append((value, attributes))
         self._previous[dask_unit] = now
