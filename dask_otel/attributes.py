@@ -1,4 +1,5 @@
-"""Every attribute key (and span event name) the bridge puts on its spans, spelled once.
+"""Every attribute key (and span event name) the bridge puts on its spans, metric
+points and log records, spelled once.
 
 The standard ones come from ``opentelemetry.semconv``'s stable attributes (the
 same names in semantic-conventions 0.62b0, which opentelemetry 1.41 pulls in, and
@@ -75,3 +76,17 @@ SPAN_TASKS_LOST_COMPUTED = "dask.span.tasks.lost_computed"
 EVENT_PREFIX = "dask.event."
 EVENT_TOPIC = "dask.event.topic"
 EVENT_CATEGORY = "dask.event.category"
+
+# --- metric points (docs/metrics.md): the fine metrics, the spill instruments,
+# Dask's families, the self-metrics; and the resource
+
+SCHEDULER_ADDRESS = "dask.scheduler.address"
+WORKER_NAME = "dask.worker.name"
+#: Same attribute on the fine performance metrics and the spill counters
+ACTIVITY = "dask.activity.name"
+ACTIVITY_CONTEXT = "dask.activity.context"
+ACTIVITY_WHERE = "dask.activity.where"
+TASK_PREFIX = "dask.task.prefix"
+THRESHOLD = "dask.threshold"
+OTEL_EXPORTER = "dask.otel.exporter"
+OTEL_SIGNAL = "dask.otel.signal"

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 import dask.config
 
+from dask_otel.attributes import ACTIVITY, THRESHOLD, WORKER_ADDRESS, WORKER_NAME
 from dask_otel.export.instruments import (
     COUNTER,
     GAUGE,
@@ -37,13 +38,6 @@ if TYPE_CHECKING:
     from distributed import Worker
 
     from dask_otel.export.telemetry import ServerTelemetry
-
-#: Attributes
-WORKER_ADDRESS = "dask.worker.address"
-WORKER_NAME = "dask.worker.name"
-#: Same attribute as on the scheduler's fine performance metrics
-ACTIVITY = "dask.activity.name"
-THRESHOLD = "dask.threshold"
 
 #: What the current SpillBuffer records in ``cumulative_metrics``, exported as 0
 #: until it happens: Prometheus' rate() loses the first increase of a series

@@ -27,7 +27,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
 
-from dask_otel import _compat
+from dask_otel._compat import RETRY_ANNOUNCED_UP_TO, announces_retry, sdk_version
 
 logger = logging.getLogger("dask_otel")
 
@@ -72,7 +72,8 @@ class _HeldExporterLogs(logging.Filter):
     export runs in the current thread (one WARNING and one ERROR per failed batch,
     per retry), so that :class:`ExportOutage` logs once per outage instead, with
     their reason. Never raises; the only thing it does besides holding is telling
-    the export under way that the SDK announced a retry (:func:`_compat.announces_retry`)."""
+    the export under way that the SDK announced a retry
+    (:func:`~dask_otel._compat.announces_retry`)."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -83,7 +84,7 @@ class _HeldExporterLogs(logging.Filter):
         if export is None:
             return True
         export.held.append(record)
-        if export.retrying is None and ADAPTER and _compat.announces_retry(record):
+        if export.retrying is None and ADAPTER and announces_retry(record):
             export.retrying = record
             try:
                 export.on_retry()
@@ -105,10 +106,10 @@ class _HeldExporterLogs(logging.Filter):
 
 HELD_EXPORTER_LOGS = _HeldExporterLogs()
 
-#: The SDK's exporters announce a retry as :func:`_compat.announces_retry` reads it
+#: The SDK's exporters announce a retry as :func:`~dask_otel._compat.announces_retry` reads it
 #: (the versions tested); above them the SDK retries within its timeout, and an
 #: outage is known when the export returns FAILURE or has stalled
-ADAPTER = _compat.sdk_version() <= _compat.RETRY_ANNOUNCED_UP_TO
+ADAPTER = sdk_version() <= RETRY_ANNOUNCED_UP_TO
 
 #: exporter -> how to build another like it (filled by
 #: :mod:`dask_otel.export.exporters`): a retry the policy ends shuts an exporter down

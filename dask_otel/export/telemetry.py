@@ -23,6 +23,7 @@ import threading
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from dask_otel.attributes import SCHEDULER_ADDRESS
 from dask_otel.config import OtelConfig
 from dask_otel.export.accounting import HELD_EXPORTER_LOGS, AccountedSpanExporter
 from dask_otel.export.exporters import metric_readers, span_exporters
@@ -36,9 +37,6 @@ logger = logging.getLogger("dask_otel")
 
 #: service.name when neither OTEL_SERVICE_NAME nor OTEL_RESOURCE_ATTRIBUTES sets one
 DEFAULT_SERVICE_NAME = "dask"
-#: The resource attribute (and, on a shared MeterProvider, metric attribute) that
-#: names a server's cluster
-SCHEDULER_ADDRESS = "dask.scheduler.address"
 #: The settings the process's providers are built with (``OtelConfig`` field ->
 #: dask config key): one value per process, the first server's
 PROCESS_WIDE = {

@@ -43,14 +43,13 @@ if TYPE_CHECKING:
     from dask_otel.export.telemetry import ServerTelemetry, Telemetry
     from dask_otel.spans import SpanMirror
 
-#: Attributes
-CONTEXT = "dask.activity.context"
-TASK_PREFIX = "dask.task.prefix"
-WHERE = "dask.activity.where"
-ACTIVITY = "dask.activity.name"
+CONTEXT = attr.ACTIVITY_CONTEXT
+TASK_PREFIX = attr.TASK_PREFIX
+WHERE = attr.ACTIVITY_WHERE
+ACTIVITY = attr.ACTIVITY
 SPAN_NAME = attr.SPAN_NAME
-EXPORTER = "dask.otel.exporter"
-SIGNAL = "dask.otel.signal"
+EXPORTER = attr.OTEL_EXPORTER
+SIGNAL = attr.OTEL_SIGNAL
 
 
 def fine_metric_attributes(key: Hashable) -> tuple[str, dict[str, Any]] | None:

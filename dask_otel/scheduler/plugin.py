@@ -20,6 +20,7 @@ from distributed.diagnostics.plugin import SchedulerPlugin
 from tornado.ioloop import IOLoop, PeriodicCallback
 
 from dask_otel.annotation import BLOCK_EXIT
+from dask_otel.attributes import SCHEDULER_ADDRESS
 from dask_otel.config import SCHEDULER, ConfigError
 from dask_otel.export.lifecycle import release_telemetry, start_telemetry
 from dask_otel.scheduler.totals import failure_time
@@ -84,7 +85,7 @@ class OtelSchedulerPlugin(SchedulerPlugin):
         self.scheduler = scheduler
         own, self.error = start_telemetry(
             f"scheduler {scheduler.address}",
-            **{"dask.scheduler.address": scheduler.address},
+            **{SCHEDULER_ADDRESS: scheduler.address},
         )
         if own is None:
             return

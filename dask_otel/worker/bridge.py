@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING, Any
 
+from dask_otel.attributes import SCHEDULER_ADDRESS
 from dask_otel.export.global_provider import adopt_global_tracer_provider
 from dask_otel.export.lifecycle import (
     release_telemetry,
@@ -52,7 +53,7 @@ class WorkerBridge:
     def setup(self, worker: Worker) -> None:
         own, self.error = start_telemetry(
             f"worker {worker.address}",
-            **{"dask.scheduler.address": worker.scheduler.address},
+            **{SCHEDULER_ADDRESS: worker.scheduler.address},
         )
         if own is None:
             return

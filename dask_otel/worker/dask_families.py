@@ -17,10 +17,8 @@ from typing import TYPE_CHECKING
 
 from distributed.http.worker.prometheus.core import WorkerMetricCollector
 
+from dask_otel.attributes import WORKER_ADDRESS
 from dask_otel.export.dask_families import DaskFamilies
-
-#: The attribute that names the worker (as on the spill metrics)
-WORKER_ADDRESS = "dask.worker.address"
 
 if TYPE_CHECKING:
     from distributed import Worker
