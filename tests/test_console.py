@@ -1,0 +1,270 @@
+"""Dask's console under ``opentelemetry-instrument`` (dask_otel/log.py, docs/logs.md).
+
+opentelemetry-instrumentation-logging puts a handler on the root logger when
+``opentelemetry-instrument`` starts a process; distributed, imported after it,
+then skips its console handler. Which comes first depends on the order in which
+``opentelemetry-instrument`` finds the instrumentors' entry points (the order
+importlib.metadata finds their distributions: ``sys.path`` order, then each
+directory's listing order), and so on the environment. These tests fix the order
+with one directory per distribution first on ``PYTHONPATH`` (copies of the
+installed distributions' metadata, so the same instrumentors load) and run real
+``dask scheduler`` and ``dask worker`` processes (with a Nanny and without) under
+``opentelemetry-instrument``, comparing their console with the plain CLI's and
+reading back what a real OTLP receiver gets.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import re
+import subprocess
+import sys
+import time
+from collections import Counter
+from collections.abc import Iterator
+from importlib.metadata import distribution
+from pathlib import Path
+
+import pytest
+from distributed import Client
+
+from tests.support.cluster import wait_until
+from tests.support.otlp_receiver import OTLPReceiver
+from tests.support.processes import FAST_ENV, PRELOAD_ENV, REPO, scheduler_address
+from tests.test_instrumentor import OPENTELEMETRY_INSTRUMENT, needs_entry_point
+
+#: The distributions whose instrumentors the order is about
+LOGGING, DASK = "opentelemetry-instrumentation-logging", "dask-otel"
+#: instrumentation-logging's handler on the root logger before distributed is
+#: imported (the console went dark), and the other way round
+ORDERS = {"logging-first": (LOGGING, DASK), "dask-first": (DASK, LOGGING)}
+#: Nothing but what the test is about: no spans, no metrics; the instrumentations
+#: that make noise on a Dask server off (docs/zero-code.md)
+QUIET = {
+    "OTEL_SERVICE_NAME": "console",
+    "OTEL_TRACES_EXPORTER": "none",
+    "OTEL_METRICS_EXPORTER": "none",
+    "OTEL_PYTHON_DISABLED_INSTRUMENTATIONS": "click,asyncio,tornado",
+}
+#: Dask's default ``distributed.admin.log-format``: time - logger - level - message
+DASK_FORMAT = re.compile(r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3} - (\S+) - ([A-Z]+) - (.*)$")
+#: What differs from run to run in a line: addresses, ports, pids, sizes, ids, paths
+VARYING = re.compile(r"\S*\d\S*|/\S+")
+#: Lines that depend on the machine's load, not on the set-up
+LOAD_DEPENDENT = ("Event loop was unresponsive", "GIL")
+#: The message a task logs to an application logger (it propagates to the root)
+TASK_MESSAGE = "task line for the root logger"
+
+
+def first_on_pythonpath(tmp_path: Path, order: tuple[str, ...]) -> list[str]:
+    """One directory per distribution, in ``order``, each holding a copy of that
+    installed distribution's metadata and entry points, to put first on
+    ``PYTHONPATH``: ``opentelemetry-instrument`` then loads their instrumentors in
+    that order, whatever the environment's own listing order"""
+    directories = []
+    for i, name in enumerate(order):
+        dist = distribution(name)
+        directory = tmp_path / f"first-{i}"
+        info = directory / f"{name.replace('-', '_')}-{dist.version}.dist-info"
+        info.mkdir(parents=True)
+        (info / "METADATA").write_text(dist.read_text("METADATA") or dist.read_text("PKG-INFO"))
+        (info / "entry_points.txt").write_text(dist.read_text("entry_points.txt"))
+        directories.append(str(directory))
+    return directories
+
+
+def clean_env(extra: dict[str, str], pythonpath: list[str] = ()) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("OTEL_", "DASK_"))}
+    env.update(FAST_ENV)
+    env.update(extra)
+    # tests.support.tasks and this module are pickled by reference
+    env["PYTHONPATH"] = os.pathsep.join(
+        filter(None, [*pythonpath, str(REPO), os.environ.get("PYTHONPATH")])
+    )
+    return env
+
+
+@contextlib.contextmanager
+def dask_servers(
+    env: dict[str, str], tmp_path: Path, instrumented: bool, scheduler_args: tuple[str, ...] = (),
+) -> Iterator[tuple[str, dict[str, Path], dict[str, subprocess.Popen]]]:
+    """``dask scheduler`` and ``dask worker`` (with a Nanny and without), each under
+    ``opentelemetry-instrument`` or not; their consoles (stdout and stderr) in files"""
+    scheduler_file = tmp_path / "scheduler.json"
+    procs: dict[str, subprocess.Popen] = {}
+    logs: dict[str, Path] = {}
+
+    def spawn(name: str, *args: str) -> None:
+        logs[name] = tmp_path / f"{name}.log"
+        cmd = [*(OPENTELEMETRY_INSTRUMENT if instrumented else []), sys.executable, "-m", *args]
+        procs[name] = subprocess.Popen(
+            cmd, env=env, cwd=tmp_path, stdout=logs[name].open("w"), stderr=subprocess.STDOUT
+        )
+
+    try:
+        spawn("scheduler", "distributed.cli.dask_scheduler", "--host", "127.0.0.1", "--port", "0",
+              "--dashboard-address", "127.0.0.1:0", "--scheduler-file", str(scheduler_file),
+              *scheduler_args)
+        deadline = time.monotonic() + 60
+        while (address := scheduler_address(scheduler_file)) is None:
+            if time.monotonic() > deadline or procs["scheduler"].poll() is not None:
+                raise RuntimeError(f"scheduler did not start:\n{logs['scheduler'].read_text()}")
+            time.sleep(0.1)
+        for name in ("nanny", "no-nanny"):
+            spawn(name, "distributed.cli.dask_worker", "--scheduler-file", str(scheduler_file),
+                  "--nthreads", "1", "--host", "127.0.0.1", "--dashboard-address", "127.0.0.1:0",
+                  "--name", name, *(["--no-nanny"] if name == "no-nanny" else []))
+        yield address, logs, procs
+    finally:
+        # SIGINT (Ctrl-C): the workers first, then the scheduler once they are gone
+        for group in ([p for n, p in procs.items() if n != "scheduler"], [procs.get("scheduler")]):
+            for proc in filter(None, group):
+                if proc.poll() is None:
+                    proc.send_signal(2)
+            for proc in filter(None, group):
+                try:
+                    proc.wait(timeout=30)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    proc.wait()
+
+
+def run_a_workflow(address: str) -> None:
+    """Both workers registered, a task on each that logs to an application logger"""
+    with Client(address, timeout=30) as client:
+        client.wait_for_workers(2, timeout=60)
+        for worker in client.scheduler_info()["workers"]:
+            client.submit(
+                logging.getLogger("myapp").warning, TASK_MESSAGE, workers=[worker], pure=False
+            ).result(timeout=30)
+
+
+def console(log: str) -> Counter:
+    """The Dask-format lines of a console, as (logger, level, message with what
+    varies from run to run blanked), counted; load-dependent lines left out"""
+    lines = Counter()
+    for line in log.splitlines():
+        if (match := DASK_FORMAT.match(line)) and not any(s in line for s in LOAD_DEPENDENT):
+            name, level, message = match.groups()
+            lines[(name, level, VARYING.sub("#", message))] += 1
+    return lines
+
+
+@pytest.fixture(scope="module")
+def plain_consoles(tmp_path_factory) -> dict[str, Counter]:
+    """The consoles of plain ``dask scheduler`` (the bridge by the preload
+    variable) and ``dask worker``s running the same workflow"""
+    tmp_path = tmp_path_factory.mktemp("plain")
+    env = clean_env({**QUIET, **PRELOAD_ENV, "OTEL_LOGS_EXPORTER": "none"})
+    with dask_servers(env, tmp_path, instrumented=False) as (address, logs, _):
+        run_a_workflow(address)
+    consoles = {name: console(path.read_text()) for name, path in logs.items()}
+    # how the bridge got there (the instrumentor says nothing of itself)
+    consoles["scheduler"] = Counter({
+        line: n for line, n in consoles["scheduler"].items()
+        if not (line[0] == "distributed.preloading" and line[2].endswith(": dask_otel"))
+    })
+    return consoles
+
+
+def differences(ours: Counter, theirs: Counter) -> dict[str, Counter]:
+    return {"only under opentelemetry-instrument": ours - theirs, "only plain": theirs - ours}
+
+
+@needs_entry_point
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "order, logs_exporter",
+    [("logging-first", "none"), ("logging-first", "otlp"), ("dask-first", "otlp")],
+)
+def test_opentelemetry_instrument_dask_prints_what_dask_prints(
+    plain_consoles, tmp_path, order, logs_exporter
+):
+    """Under ``opentelemetry-instrument`` the scheduler, a worker and a Nanny and its
+    worker print the lines the plain CLI prints, in Dask's format, whichever
+    instrumentor loads first, with logs exported or not; with
+    ``OTEL_LOGS_EXPORTER=none`` nothing is exported (docs/zero-code.md: "keep logs
+    local")"""
+    with OTLPReceiver("grpc") as receiver:
+        env = clean_env(
+            {**QUIET, **receiver.env(), "OTEL_LOGS_EXPORTER": logs_exporter},
+            first_on_pythonpath(tmp_path, ORDERS[order]),
+        )
+        with dask_servers(env, tmp_path, instrumented=True) as (address, logs, _):
+            run_a_workflow(address)
+        consoles = {name: console(path.read_text()) for name, path in logs.items()}
+        if logs_exporter == "none":
+            time.sleep(1)  # a batch would have come by now
+            assert receiver.logs() == []
+    for name, lines in consoles.items():
+        assert lines, f"{name} printed nothing:\n{logs[name].read_text()}"
+        assert lines == plain_consoles[name], (name, differences(lines, plain_consoles[name]))
+
+
+@needs_entry_point
+@pytest.mark.slow
+def test_under_opentelemetry_instrument_dasks_lines_are_exported_once_by_the_bridge(tmp_path):
+    """With ``OTEL_LOGS_EXPORTER=otlp`` and instrumentation-logging's handler on the
+    root logger first: Dask's lines arrive once, with the bridge's resource (Dask's
+    identity); a Nanny's lines, and a worker's before its bridge starts, are not
+    exported; a task's line to an application logger arrives once, through the
+    root logger's OpenTelemetry handler (docs/logs.md)"""
+    with OTLPReceiver("grpc") as receiver:
+        env = clean_env(
+            {**QUIET, **receiver.env(), "OTEL_LOGS_EXPORTER": "otlp"},
+            first_on_pythonpath(tmp_path, ORDERS["logging-first"]),
+        )
+        with dask_servers(env, tmp_path, instrumented=True) as (address, logs, procs):
+            run_a_workflow(address)
+            pids = {name: proc.pid for name, proc in procs.items()}  # the command execs
+            wait_until(
+                lambda: [r for r in receiver.logs() if r.body == TASK_MESSAGE][1:],
+                30, "the tasks' lines",
+            )
+            wait_until(
+                lambda: [r for r in receiver.logs() if str(r.body).startswith("Register worker")],
+                30, "the scheduler's 'Register worker' lines",
+            )
+        records = receiver.logs()
+    copies = Counter((r.body, r.time, r.resource.get("process.pid")) for r in records)
+    assert max(copies.values()) == 1, [key for key, n in copies.items() if n > 1]
+
+    dask_lines = [r for r in records if r.scope.startswith("distributed")]
+    registered = [r for r in dask_lines if str(r.body).startswith("Register worker")]
+    assert len(registered) == 2, [r.body for r in registered]
+    for record in registered:
+        assert record.resource["dask.scheduler.address"] == address
+        assert record.resource["process.pid"] == pids["scheduler"]
+        assert record.resource.get("host.name")
+        assert record.resource["service.name"] == "console"
+    # printed, not exported: the Nanny runs no bridge; a worker's first lines
+    # come before its bridge starts
+    assert "Start Nanny at" in logs["nanny"].read_text()
+    assert not [r for r in records if r.resource.get("process.pid") == pids["nanny"]]
+    assert "Start worker at" in logs["no-nanny"].read_text()
+    assert not [r for r in records if str(r.body).startswith("Start worker at")]
+    # the root logger's records are the instrumentation's handler's (its provider's
+    # resource: the SDK's, without Dask's identity), once each
+    from_tasks = [r for r in records if r.body == TASK_MESSAGE]
+    assert len(from_tasks) == 2
+    assert all("dask.scheduler.address" not in r.resource for r in from_tasks)
+
+
+@needs_entry_point
+@pytest.mark.slow
+def test_a_bad_value_is_on_the_console_of_opentelemetry_instrument_dask_scheduler(tmp_path):
+    """README ("Configuration"): a bad value is logged at ERROR naming the key and
+    the value, in Dask's format, under ``opentelemetry-instrument`` too"""
+    env = clean_env(
+        {**QUIET, "OTEL_LOGS_EXPORTER": "none", "DASK_OTEL__SPANS__EXPORT_DELAY": "soon"},
+        first_on_pythonpath(tmp_path, ORDERS["logging-first"]),
+    )
+    line = re.compile(
+        r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3} - dask_otel - ERROR - dask_otel is off on "
+        r"scheduler tcp://127\.0\.0\.1:\d+: otel\.spans\.export-delay: .*got 'soon'$",
+        re.MULTILINE,
+    )
+    with dask_servers(env, tmp_path, instrumented=True) as (_, logs, _):
+        wait_until(lambda: line.search(logs["scheduler"].read_text()), 60, "the ERROR line")
