@@ -23,7 +23,7 @@ import subprocess
 import sys
 import time
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from importlib.metadata import distribution
 from pathlib import Path
 
@@ -54,6 +54,8 @@ DASK_FORMAT = re.compile(r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3} - (\S+) - ([A-Z
 VARYING = re.compile(r"\S*\d\S*|/\S+")
 #: Lines that depend on the machine's load, not on the set-up
 LOAD_DEPENDENT = ("Event loop was unresponsive", "GIL")
+#: The processes of a test cluster, by name
+SERVERS = ("scheduler", "nanny", "no-nanny")
 #: The message a task logs to an application logger (it propagates to the root)
 TASK_MESSAGE = "task line for the root logger"
 
@@ -88,17 +90,19 @@ def clean_env(extra: dict[str, str], pythonpath: list[str] = ()) -> dict[str, st
 
 @contextlib.contextmanager
 def dask_servers(
-    env: dict[str, str], tmp_path: Path, instrumented: bool, scheduler_args: tuple[str, ...] = (),
+    env: dict[str, str], tmp_path: Path, instrumented: Collection[str] = SERVERS,
+    scheduler_args: tuple[str, ...] = (),
 ) -> Iterator[tuple[str, dict[str, Path], dict[str, subprocess.Popen]]]:
-    """``dask scheduler`` and ``dask worker`` (with a Nanny and without), each under
-    ``opentelemetry-instrument`` or not; their consoles (stdout and stderr) in files"""
+    """``dask scheduler`` and ``dask worker`` (with a Nanny and without), those named
+    in ``instrumented`` under ``opentelemetry-instrument``; their consoles (stdout
+    and stderr) in files"""
     scheduler_file = tmp_path / "scheduler.json"
     procs: dict[str, subprocess.Popen] = {}
     logs: dict[str, Path] = {}
 
     def spawn(name: str, *args: str) -> None:
         logs[name] = tmp_path / f"{name}.log"
-        cmd = [*(OPENTELEMETRY_INSTRUMENT if instrumented else []), sys.executable, "-m", *args]
+        cmd = [*(OPENTELEMETRY_INSTRUMENT if name in instrumented else []), sys.executable, "-m", *args]
         procs[name] = subprocess.Popen(
             cmd, env=env, cwd=tmp_path, stdout=logs[name].open("w"), stderr=subprocess.STDOUT
         )
@@ -158,7 +162,7 @@ def plain_consoles(tmp_path_factory) -> dict[str, Counter]:
     variable) and ``dask worker``s running the same workflow"""
     tmp_path = tmp_path_factory.mktemp("plain")
     env = clean_env({**QUIET, **PRELOAD_ENV, "OTEL_LOGS_EXPORTER": "none"})
-    with dask_servers(env, tmp_path, instrumented=False) as (address, logs, _):
+    with dask_servers(env, tmp_path, instrumented=()) as (address, logs, _):
         run_a_workflow(address)
     consoles = {name: console(path.read_text()) for name, path in logs.items()}
     # how the bridge got there (the instrumentor says nothing of itself)
@@ -192,7 +196,7 @@ def test_opentelemetry_instrument_dask_prints_what_dask_prints(
             {**QUIET, **receiver.env(), "OTEL_LOGS_EXPORTER": logs_exporter},
             first_on_pythonpath(tmp_path, ORDERS[order]),
         )
-        with dask_servers(env, tmp_path, instrumented=True) as (address, logs, _):
+        with dask_servers(env, tmp_path, instrumented=SERVERS) as (address, logs, _):
             run_a_workflow(address)
         consoles = {name: console(path.read_text()) for name, path in logs.items()}
         if logs_exporter == "none":
@@ -216,7 +220,7 @@ def test_under_opentelemetry_instrument_dasks_lines_are_exported_once_by_the_bri
             {**QUIET, **receiver.env(), "OTEL_LOGS_EXPORTER": "otlp"},
             first_on_pythonpath(tmp_path, ORDERS["logging-first"]),
         )
-        with dask_servers(env, tmp_path, instrumented=True) as (address, logs, procs):
+        with dask_servers(env, tmp_path, instrumented=SERVERS) as (address, logs, procs):
             run_a_workflow(address)
             pids = {name: proc.pid for name, proc in procs.items()}  # the command execs
             wait_until(
@@ -266,5 +270,35 @@ def test_a_bad_value_is_on_the_console_of_opentelemetry_instrument_dask_schedule
         r"scheduler tcp://127\.0\.0\.1:\d+: otel\.spans\.export-delay: .*got 'soon'$",
         re.MULTILINE,
     )
-    with dask_servers(env, tmp_path, instrumented=True) as (_, logs, _):
+    with dask_servers(env, tmp_path, instrumented=SERVERS) as (_, logs, _):
         wait_until(lambda: line.search(logs["scheduler"].read_text()), 60, "the ERROR line")
+
+
+@needs_entry_point
+@pytest.mark.slow
+def test_the_preload_trap_warning_is_on_the_console_of_opentelemetry_instrument_dask_worker(
+    tmp_path,
+):
+    """A plain ``dask scheduler --preload my_auth_plugin`` with the preload variable
+    runs no bridge (docs/zero-code.md, the trap); a worker under
+    ``opentelemetry-instrument``, with a Nanny or without, prints the WARNING that
+    says so in Dask's format, with instrumentation-logging's handler on its root
+    logger first"""
+    preload = tmp_path / "my_auth_plugin.py"
+    preload.write_text("def dask_setup(scheduler):\n    pass\n")
+    env = clean_env(
+        {**QUIET, **PRELOAD_ENV, "OTEL_LOGS_EXPORTER": "none"},
+        first_on_pythonpath(tmp_path, ORDERS["logging-first"]),
+    )
+    warning = re.compile(
+        r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3} - dask_otel - WARNING - dask_otel: "
+        r"scheduler tcp://127\.0\.0\.1:\d+ has no dask_otel bridge, so worker \S+ exports "
+        r"nothing of Dask's .* --preload dask_otel",
+        re.MULTILINE,
+    )
+    with dask_servers(
+        env, tmp_path, instrumented=("nanny", "no-nanny"), scheduler_args=("--preload", str(preload))
+    ) as (_, logs, _):
+        for worker in ("nanny", "no-nanny"):
+            log = logs[worker]
+            wait_until(lambda: warning.search(log.read_text()), 60, f"{worker}'s WARNING")
