@@ -168,13 +168,15 @@ def plain_consoles(tmp_path_factory) -> dict[str, Counter]:
     env = clean_env({**QUIET, **PRELOAD_ENV, "OTEL_LOGS_EXPORTER": "none"})
     with dask_servers(env, tmp_path, instrumented=()) as (address, logs, _):
         run_a_workflow(address)
-    consoles = {name: console(path.read_text()) for name, path in logs.items()}
-    # how the bridge got there (the instrumentor says nothing of itself)
-    consoles["scheduler"] = Counter({
-        line: n for line, n in consoles["scheduler"].items()
+    return {name: console(path.read_text()) for name, path in logs.items()}
+
+
+def without_the_preload(lines: Counter) -> Counter:
+    """How the bridge got there: the instrumentor says nothing of itself"""
+    return Counter({
+        line: n for line, n in lines.items()
         if not (line[0] == "distributed.preloading" and line[2].endswith(": dask_otel"))
     })
-    return consoles
 
 
 def differences(ours: Counter, theirs: Counter) -> dict[str, Counter]:
@@ -208,7 +210,38 @@ def test_opentelemetry_instrument_dask_prints_what_dask_prints(
             assert receiver.logs() == []
     for name, lines in consoles.items():
         assert lines, f"{name} printed nothing:\n{logs[name].read_text()}"
-        assert lines == plain_consoles[name], (name, differences(lines, plain_consoles[name]))
+        plain = plain_consoles[name] if name != "scheduler" else without_the_preload(
+            plain_consoles[name]
+        )
+        assert lines == plain, (name, differences(lines, plain))
+
+
+@needs_entry_point
+@pytest.mark.slow
+def test_with_the_dask_instrumentation_disabled_the_console_comes_with_the_preload(
+    plain_consoles, tmp_path
+):
+    """With ``dask`` in ``OTEL_PYTHON_DISABLED_INSTRUMENTATIONS`` and the preload
+    variable, a scheduler prints Dask's lines from its preload's import on
+    (docs/logs.md): the plain CLI's lines less those logged before, and a worker's
+    lines are the plain CLI's, fewer"""
+    env = clean_env(
+        {**QUIET, **PRELOAD_ENV, "OTEL_LOGS_EXPORTER": "none",
+         "OTEL_PYTHON_DISABLED_INSTRUMENTATIONS": QUIET["OTEL_PYTHON_DISABLED_INSTRUMENTATIONS"] + ",dask"},
+        first_on_pythonpath(tmp_path, ORDERS["logging-first"]),
+    )
+    with dask_servers(env, tmp_path, instrumented=SERVERS) as (address, logs, _):
+        run_a_workflow(address)
+    consoles = {name: console(path.read_text()) for name, path in logs.items()}
+    logged_before = Counter({
+        ("distributed.scheduler", "INFO", "-" * 47): 1,
+        ("distributed.preloading", "INFO", "Creating preload: dask_otel"): 1,
+    })
+    assert consoles["scheduler"] == plain_consoles["scheduler"] - logged_before, differences(
+        consoles["scheduler"], plain_consoles["scheduler"]
+    )
+    for worker in ("nanny", "no-nanny"):
+        assert consoles[worker] and not consoles[worker] - plain_consoles[worker], worker
 
 
 @needs_entry_point
