@@ -42,7 +42,8 @@ import logging
 import sys
 
 import dask
-# configures distributed's loggers first (the package's ``config`` attribute is a dict)
+# Importing it configures distributed's loggers first. A from-import: once
+# distributed is imported, ``distributed.config`` names its config dict, not the module
 from distributed.config import initialize_logging
 
 logger = logging.getLogger("dask_otel")
@@ -107,6 +108,8 @@ def keep_dask_console() -> bool:
     otel_classes = otel_handler_classes(import_them=False)
     if not otel_classes or not all(isinstance(h, otel_classes) for h in root.handlers):
         return False
+    # distributed looks at the root's handlers, so they step aside for the call
+    # only; it runs at import, before the servers log from other threads
     set_aside = list(root.handlers)
     for handler in set_aside:
         root.removeHandler(handler)
