@@ -56,8 +56,15 @@ QUIET = {
 DASK_FORMAT = re.compile(r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3} - (\S+) - ([A-Z]+) - (.*)$")
 #: What differs from run to run in a line: addresses, ports, pids, sizes, ids, paths
 VARYING = re.compile(r"\S*\d\S*|/\S+")
-#: Lines that depend on the machine's load, not on the set-up
-LOAD_DEPENDENT = ("Event loop was unresponsive", "GIL")
+#: Lines that depend on the machine's load or on the order in which the processes
+#: close (a worker's last heartbeat racing its removal), not on the set-up
+LOAD_DEPENDENT = (
+    "Event loop was unresponsive",
+    "GIL",
+    "Received heartbeat from unregistered worker",
+    "Failed to communicate with scheduler during heartbeat",
+    "Connection to scheduler broken",
+)
 #: The processes of a test cluster, by name
 SERVERS = ("scheduler", "nanny", "no-nanny")
 #: The message a task logs to an application logger (it propagates to the root)
@@ -149,6 +156,22 @@ def run_a_workflow(address: str) -> None:
             ).result(timeout=30)
 
 
+def workflow_consoles(
+    env: dict[str, str], tmp_path: Path, instrumented: Collection[str]
+) -> tuple[dict[str, Counter], dict[str, str]]:
+    """The consoles of the servers once a workflow ran and its client left (what
+    they print before they are stopped: the order in which processes close makes
+    the rest vary from run to run), and their whole text once they stopped"""
+    with dask_servers(env, tmp_path, instrumented) as (address, logs, _):
+        run_a_workflow(address)
+        wait_until(
+            lambda: "Close client connection" in logs["scheduler"].read_text(), 30,
+            "the client's leaving",
+        )
+        before_the_stop = {name: console(path.read_text()) for name, path in logs.items()}
+    return before_the_stop, {name: path.read_text() for name, path in logs.items()}
+
+
 def console(log: str) -> Counter:
     """The Dask-format lines of a console, as (logger, level, message with what
     varies from run to run blanked), counted; load-dependent lines left out"""
@@ -166,9 +189,7 @@ def plain_consoles(tmp_path_factory) -> dict[str, Counter]:
     variable) and ``dask worker``s running the same workflow"""
     tmp_path = tmp_path_factory.mktemp("plain")
     env = clean_env({**QUIET, **PRELOAD_ENV, "OTEL_LOGS_EXPORTER": "none"})
-    with dask_servers(env, tmp_path, instrumented=()) as (address, logs, _):
-        run_a_workflow(address)
-    return {name: console(path.read_text()) for name, path in logs.items()}
+    return workflow_consoles(env, tmp_path, instrumented=())[0]
 
 
 def without_the_preload(lines: Counter) -> Counter:
@@ -193,7 +214,8 @@ def test_opentelemetry_instrument_dask_prints_what_dask_prints(
     plain_consoles, tmp_path, order, logs_exporter
 ):
     """Under ``opentelemetry-instrument`` the scheduler, a worker and a Nanny and its
-    worker print the lines the plain CLI prints, in Dask's format, whichever
+    worker print the lines the plain CLI prints (up to their stop, then their closing
+    lines), in Dask's format, whichever
     instrumentor loads first, with logs exported or not; with
     ``OTEL_LOGS_EXPORTER=none`` nothing is exported (docs/zero-code.md: "keep logs
     local")"""
@@ -202,18 +224,18 @@ def test_opentelemetry_instrument_dask_prints_what_dask_prints(
             {**QUIET, **receiver.env(), "OTEL_LOGS_EXPORTER": logs_exporter},
             first_on_pythonpath(tmp_path, ORDERS[order]),
         )
-        with dask_servers(env, tmp_path, instrumented=SERVERS) as (address, logs, _):
-            run_a_workflow(address)
-        consoles = {name: console(path.read_text()) for name, path in logs.items()}
+        consoles, texts = workflow_consoles(env, tmp_path, instrumented=SERVERS)
         if logs_exporter == "none":
             time.sleep(1)  # a batch would have come by now
             assert receiver.logs() == []
     for name, lines in consoles.items():
-        assert lines, f"{name} printed nothing:\n{logs[name].read_text()}"
+        assert lines, f"{name} printed nothing:\n{texts[name]}"
         plain = plain_consoles[name] if name != "scheduler" else without_the_preload(
             plain_consoles[name]
         )
         assert lines == plain, (name, differences(lines, plain))
+        assert console(texts[name]) - lines, f"{name} printed nothing as it closed"
+    assert ("distributed.scheduler", "INFO", "End scheduler") in console(texts["scheduler"])
 
 
 @needs_entry_point
@@ -230,9 +252,7 @@ def test_with_the_dask_instrumentation_disabled_the_console_comes_with_the_prelo
          "OTEL_PYTHON_DISABLED_INSTRUMENTATIONS": QUIET["OTEL_PYTHON_DISABLED_INSTRUMENTATIONS"] + ",dask"},
         first_on_pythonpath(tmp_path, ORDERS["logging-first"]),
     )
-    with dask_servers(env, tmp_path, instrumented=SERVERS) as (address, logs, _):
-        run_a_workflow(address)
-    consoles = {name: console(path.read_text()) for name, path in logs.items()}
+    consoles = workflow_consoles(env, tmp_path, instrumented=SERVERS)[0]
     logged_before = Counter({
         ("distributed.scheduler", "INFO", "-" * 47): 1,
         ("distributed.preloading", "INFO", "Creating preload: dask_otel"): 1,
