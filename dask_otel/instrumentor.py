@@ -12,7 +12,11 @@ bridge logs one WARNING. Neither raises into Dask. ``uninstrument()`` undoes bot
 the import hooks cannot be unregistered, so they do nothing once it has run.
 ``instrument(tracer_provider=...)`` lends the bridge that provider's
 ``service.name`` only: the bridge keeps its own providers (it owns their shutdown
-and export accounting). The manual, and which processes the instrumentation
+and export accounting). Loading this entry point imports the package and so
+:mod:`dask_otel.log`, which gives Dask its console back where an OpenTelemetry
+handler on the root logger (opentelemetry-instrumentation-logging's, added as the
+process starts) made distributed skip it: the ``dask`` entry point is what keeps a
+server's first lines on its console. The manual, and which processes the instrumentation
 reaches on which version (Nanny-spawned workers from opentelemetry-instrumentation
 0.63b0): docs/zero-code.md.
 """

@@ -4,6 +4,7 @@ format and level filtering as the ``distributed`` logger's, set by dask config's
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
@@ -109,3 +110,79 @@ def test_a_local_cluster_script_logs_the_bridges_lines_as_dasks(processes, tmp_p
     assert run.returncode == 0, run.stderr
     line = dask_line("ERROR", r"dask_otel is off on scheduler \S+: otel\.spans\.export-delay")
     assert line.search(run.stderr), run.stderr
+
+
+# --- Dask's console beside an OpenTelemetry handler on the root logger --------------
+
+#: A process where instrumentation-logging put its handler on the root logger
+#: (as opentelemetry-instrument does at start-up) before distributed was imported,
+#: then imports the bridge; it prints what the loggers have, then logs a Dask line
+CONSOLE_SCRIPT = """
+import json, logging
+from opentelemetry.instrumentation.logging import LoggingInstrumentor
+
+LoggingInstrumentor().instrument()
+{before}
+import distributed
+skipped = not logging.getLogger("distributed").handlers
+late = logging.getLogger("myapp.late")  # after distributed's set-up
+import dask_otel
+theirs = logging.getLogger("distributed")
+print(json.dumps({{
+    "skipped": skipped,
+    "handlers": [type(h).__name__ for h in theirs.handlers],
+    "propagate": theirs.propagate,
+    "root": sorted(type(h).__name__ for h in logging.getLogger().handlers),
+    "late_disabled": late.disabled,
+}}))
+logging.getLogger("distributed.scheduler").info("a Dask line")
+"""
+
+
+def run_console_script(before: str = "") -> tuple[dict, str]:
+    run = subprocess.run(
+        [sys.executable, "-c", CONSOLE_SCRIPT.format(before=before)],
+        env={k: v for k, v in os.environ.items() if not k.startswith(("OTEL_", "DASK_"))},
+        capture_output=True, text=True, timeout=120,
+    )
+    assert run.returncode == 0, run.stderr
+    return json.loads(run.stdout), run.stderr
+
+
+def test_the_bridge_gives_dask_its_console_back_beside_an_otel_handler_on_the_root():
+    """distributed skipped its console handler (an OpenTelemetry handler was on the
+    root); importing the bridge runs distributed's set-up again: its stream handler,
+    in its format, propagation off; the root keeps its handler"""
+    loggers, stderr = run_console_script()
+    assert loggers == {
+        "skipped": True, "handlers": ["StreamHandler"],
+        "propagate": False, "root": ["LoggingHandler"], "late_disabled": False,
+    }
+    assert re.search(
+        r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3} - distributed\.scheduler - INFO - a Dask line$",
+        stderr, re.MULTILINE,
+    ), stderr
+
+
+def test_an_application_handler_on_the_root_keeps_dasks_lines():
+    """Beside the application's own root handler (``basicConfig``) distributed skips
+    its console without OpenTelemetry too: Dask's lines go to the root, and the
+    bridge leaves that as it is"""
+    loggers, stderr = run_console_script(before="logging.basicConfig(level=logging.INFO)")
+    assert loggers == {
+        "skipped": True, "handlers": [],
+        "propagate": True, "root": ["LoggingHandler", "StreamHandler"],
+        "late_disabled": False,
+    }
+    assert "INFO:distributed.scheduler:a Dask line" in stderr, stderr
+
+
+def test_a_dict_config_of_dasks_logging_is_not_run_again():
+    """A ``version: 1`` set-up (``logging.config.dictConfig``) does not look at the
+    root's handlers: the bridge does not run it again, which would disable the
+    loggers made since (``disable_existing_loggers``)"""
+    loggers, _ = run_console_script(
+        before="import dask; dask.config.set({'logging': {'version': 1}})"
+    )
+    assert loggers["late_disabled"] is False
+    assert loggers["handlers"] == [] and loggers["propagate"] is True

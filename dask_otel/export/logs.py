@@ -26,6 +26,7 @@ from typing import Any
 
 from dask_otel.config import ConfigError, OtelConfig
 from dask_otel.export.exporters import log_exporters
+from dask_otel.log import dask_logging_config, otel_handler_classes
 
 #: The loggers distributed's usual set-up names whatever dask config's ``logging``
 #: adds (``_initialize_logging_old_style``): each gets Dask's handler and stops
@@ -45,11 +46,7 @@ def dask_logger_names(config: dict | None = None) -> list[str]:
     and the ones dask config's ``logging`` (old style: its keys; ``version: 1``: its
     ``loggers``) or ``logging-file-config`` (its ``[loggers]``) names. Looked up
     under ``distributed:`` first, then at the top level, as distributed does."""
-    import dask
-
-    config = dask.config.config if config is None else config
-    distributed_config = config.get("distributed") or {}
-    base = distributed_config if {"logging", "logging-file-config"} & distributed_config.keys() else config
+    base = dask_logging_config(config)
     names = list(DISTRIBUTED_LOGGERS)
     if base.get("logging-file-config"):
         names += _file_config_logger_names(base["logging-file-config"])
@@ -70,26 +67,6 @@ def _file_config_logger_names(path: str) -> list[str]:
         for key in keys
         if key and key != "root"
     ]
-
-
-def _otel_handler_classes() -> tuple[type, ...]:
-    """Every handler class that exports to OTel in this environment, the preferred
-    first: opentelemetry-instrumentation-logging's, which the SDK recommends, and
-    the SDK's own (deprecated: opentelemetry-sdk 1.41 and 1.45 warn), where present"""
-    classes: list[type] = []
-    try:
-        from opentelemetry.instrumentation.logging.handler import LoggingHandler
-
-        classes.append(LoggingHandler)
-    except ImportError:
-        pass
-    try:
-        from opentelemetry.sdk._logs import LoggingHandler as SDKLoggingHandler
-
-        classes.append(SDKLoggingHandler)
-    except ImportError:  # an SDK that dropped it
-        pass
-    return tuple(classes)
 
 
 def _new_handler(handler_class: type, level: int, provider: Any) -> logging.Handler:
@@ -150,7 +127,7 @@ class LogExport:
         from dask_otel.export.accounting import accounted_log_exporter
 
         # before anything is built: nothing to shut down when it raises
-        otel_classes = _otel_handler_classes()
+        otel_classes = otel_handler_classes()
         if not otel_classes:
             raise ConfigError(
                 "otel.logs.exporter",
