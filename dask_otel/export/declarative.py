@@ -27,7 +27,14 @@ import logging
 import os
 from typing import Any
 
-from dask_otel import _compat
+from dask_otel._compat import (
+    declared_exemplar_filter,
+    declared_log_exporter,
+    declared_metric_exporter,
+    declared_span_exporter,
+    declared_span_limits,
+    declared_view,
+)
 from dask_otel.config import ConfigError
 
 logger = logging.getLogger("dask_otel")
@@ -119,7 +126,7 @@ class ConfigFile:
         config = dataclasses.replace(config, processors=[], limits=limits)
         provider = create_tracer_provider(config, resource, global_limits)
         _lifecycle_is_ours(provider)
-        return provider, _compat.declared_span_limits(limits, global_limits)
+        return provider, declared_span_limits(limits, global_limits)
 
     def span_processors(self, account: Any) -> list:
         """The file's span processors, each exporter passed through ``account``"""
@@ -128,10 +135,10 @@ class ConfigFile:
         out = []
         for config in self.model.tracer_provider.processors:
             if config.batch is not None:
-                exporter = account(_compat.declared_span_exporter(config.batch.exporter))
+                exporter = account(declared_span_exporter(config.batch.exporter))
                 out.append(BatchSpanProcessor(exporter, **_batch_options(config.batch)))
             else:
-                exporter = account(_compat.declared_span_exporter(config.simple.exporter))
+                exporter = account(declared_span_exporter(config.simple.exporter))
                 out.append(SimpleSpanProcessor(exporter))
         return out
 
@@ -149,7 +156,7 @@ class ConfigFile:
                     options["export_interval_millis"] = float(periodic.interval)
                 if periodic.timeout is not None:
                     options["export_timeout_millis"] = float(periodic.timeout)
-                exporter = account(_compat.declared_metric_exporter(periodic.exporter))
+                exporter = account(declared_metric_exporter(periodic.exporter))
                 out.append(PeriodicExportingMetricReader(exporter, **options))
             else:
                 from dask_otel.export.exporters import metric_readers
@@ -162,10 +169,10 @@ class ConfigFile:
         resource: its views (the bridge's come first) and exemplar filter"""
         config = self.model.meter_provider
         options: dict[str, Any] = {
-            "views": [_compat.declared_view(v) for v in config.views or ()],
+            "views": [declared_view(v) for v in config.views or ()],
         }
         if config.exemplar_filter is not None:
-            options["exemplar_filter"] = _compat.declared_exemplar_filter(config.exemplar_filter)
+            options["exemplar_filter"] = declared_exemplar_filter(config.exemplar_filter)
         return options
 
     def logger_provider(self, resource: Any):
@@ -188,10 +195,10 @@ class ConfigFile:
         out = []
         for config in self.model.logger_provider.processors:
             if config.batch is not None:
-                exporter = account(_compat.declared_log_exporter(config.batch.exporter))
+                exporter = account(declared_log_exporter(config.batch.exporter))
                 out.append(BatchLogRecordProcessor(exporter, **_batch_options(config.batch)))
             else:
-                exporter = account(_compat.declared_log_exporter(config.simple.exporter))
+                exporter = account(declared_log_exporter(config.simple.exporter))
                 out.append(SimpleLogRecordProcessor(exporter))
         return out
 
