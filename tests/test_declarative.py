@@ -154,6 +154,17 @@ def test_the_file_sampler_and_limits_hold_for_the_bridge(tmp_path, monkeypatch):
                 telemetry.shutdown()
 
 
+def test_without_limits_in_the_file_the_value_length_stays_the_bridges(tmp_path, monkeypatch):
+    with OTLPReceiver("grpc") as receiver:
+        monkeypatch.setenv("OTEL_CONFIG_FILE", config_file(tmp_path, receiver))
+        server = Telemetry.acquire(dask_otel.config.read_config())
+        try:
+            assert server.span_sink.limits.max_span_attribute_length == 4096
+        finally:
+            if Telemetry.detach(server.telemetry):
+                server.telemetry.shutdown()
+
+
 def test_what_the_bridge_cannot_honour_is_one_warning_and_in_status(tmp_path, monkeypatch, caplog):
     with OTLPReceiver("grpc") as receiver:
         path = config_file(tmp_path, receiver, extra="")
