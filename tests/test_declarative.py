@@ -4,10 +4,12 @@ processes, real OTLP receivers on 127.0.0.1."""
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import dask
@@ -16,7 +18,7 @@ from distributed import Client, LocalCluster
 
 import dask_otel
 from dask_otel.config import ConfigError
-from dask_otel.export.telemetry import Telemetry, build_resource
+from dask_otel.export.telemetry import ServerTelemetry, Telemetry, build_resource
 from tests.support.otlp_receiver import OTLPReceiver
 from tests.support.processes import dask_processes
 from tests.support.tasks import inc
@@ -28,41 +30,40 @@ WORKFLOW = "configured"
 
 
 def config_file(tmp_path: Path, receiver: OTLPReceiver, service: str = "from-the-file",
-                extra: str = "") -> str:
-    """A file sending spans, metrics and logs to ``receiver`` over gRPC, fast"""
-    endpoint = receiver.endpoint
+                after: tuple[str, str] | None = None) -> str:
+    """A file sending spans, metrics and logs to ``receiver`` over gRPC, fast;
+    ``after``: (a line of it, lines to put after that line)"""
+    exporter = f"exporter: {{otlp_grpc: {{endpoint: \"{receiver.endpoint}\"}}}}"
+    batch = f"  processors:\n    - batch: {{schedule_delay: 200, {exporter}}}\n"
     path = tmp_path / "otel.yaml"
     path.write_text(f"""\
 file_format: "1.0-rc.1"
 resource:
   attributes:
-    - name: service.name
-      value: {service}
-    - name: deployment.environment.name
-      value: file-test
+    - {{name: service.name, value: {service}}}
+    - {{name: deployment.environment.name, value: file-test}}
 tracer_provider:
-  processors:
-    - batch:
-        schedule_delay: 200
-        exporter:
-          otlp_grpc:
-            endpoint: {endpoint}
-meter_provider:
+{batch}meter_provider:
   readers:
-    - periodic:
-        interval: 500
-        exporter:
-          otlp_grpc:
-            endpoint: {endpoint}
+    - periodic: {{interval: 500, {exporter}}}
 logger_provider:
-  processors:
-    - batch:
-        schedule_delay: 200
-        exporter:
-          otlp_grpc:
-            endpoint: {endpoint}
-{extra}""")
+{batch}""")
+    if after:
+        line, lines = after
+        path.write_text(path.read_text().replace(f"{line}\n", f"{line}\n{lines}", 1))
     return str(path)
+
+
+@contextlib.contextmanager
+def telemetry_of(monkeypatch, path: str) -> Iterator[ServerTelemetry]:
+    """One server's telemetry with OTEL_CONFIG_FILE=``path``, released after"""
+    monkeypatch.setenv("OTEL_CONFIG_FILE", path)
+    server = Telemetry.acquire(dask_otel.config.read_config())
+    try:
+        yield server
+    finally:
+        if Telemetry.detach(server.telemetry):
+            server.telemetry.shutdown()
 
 
 #: A default endpoint that nothing listens on: what the bridge sent there (the
@@ -117,7 +118,7 @@ def test_a_config_file_sends_dask_processes_spans_metrics_and_logs_where_it_says
 
 
 @pytest.mark.timeout(120)
-def test_without_a_config_file_the_same_cluster_sends_to_the_variables_endpoint(tmp_path):
+def test_without_the_file_the_receiver_it_names_hears_nothing(tmp_path):
     """The test above's receiver hears only what the file names: without the file,
     the bridge follows OTEL_* (here, to a port nothing listens on)"""
     with OTLPReceiver("grpc") as receiver:
@@ -131,17 +132,12 @@ def test_the_file_sampler_and_limits_hold_for_the_bridge(tmp_path, monkeypatch):
     """A sampler that keeps nothing and a value length of 8, from the file: the
     bridge's tracer provider and its span sink follow them"""
     with OTLPReceiver("grpc") as receiver:
-        path = config_file(tmp_path, receiver, extra="")
-        text = Path(path).read_text().replace(
-            "tracer_provider:\n",
-            "tracer_provider:\n  sampler:\n    always_off:\n  limits:\n"
-            "    attribute_value_length_limit: 8\n",
-        )
-        Path(path).write_text(text)
-        monkeypatch.setenv("OTEL_CONFIG_FILE", path)
-        server = Telemetry.acquire(dask_otel.config.read_config(), **{"dask.scheduler.address": "x"})
-        telemetry = server.telemetry
-        try:
+        path = config_file(tmp_path, receiver, after=(
+            "tracer_provider:",
+            "  sampler:\n    always_off:\n  limits:\n    attribute_value_length_limit: 8\n",
+        ))
+        with telemetry_of(monkeypatch, path) as server:
+            telemetry = server.telemetry
             sampler = telemetry.tracer_provider.sampler
             assert "AlwaysOff" in type(sampler).__name__ or "off" in sampler.get_description().lower()
             assert server.span_sink.limits.max_span_attribute_length == 8
@@ -149,31 +145,21 @@ def test_the_file_sampler_and_limits_hold_for_the_bridge(tmp_path, monkeypatch):
             assert len(telemetry.accounted_span_exporters) == 1
             assert len(telemetry.accounted_metric_exporters) == 1
             assert len(telemetry.logs.accounted_exporters) == 1
-        finally:
-            if Telemetry.detach(telemetry):
-                telemetry.shutdown()
 
 
 def test_without_limits_in_the_file_the_value_length_stays_the_bridges(tmp_path, monkeypatch):
     with OTLPReceiver("grpc") as receiver:
-        monkeypatch.setenv("OTEL_CONFIG_FILE", config_file(tmp_path, receiver))
-        server = Telemetry.acquire(dask_otel.config.read_config())
-        try:
+        with telemetry_of(monkeypatch, config_file(tmp_path, receiver)) as server:
             assert server.span_sink.limits.max_span_attribute_length == 4096
-        finally:
-            if Telemetry.detach(server.telemetry):
-                server.telemetry.shutdown()
 
 
 def test_what_the_bridge_cannot_honour_is_one_warning_and_in_status(tmp_path, monkeypatch, caplog):
     with OTLPReceiver("grpc") as receiver:
-        path = config_file(tmp_path, receiver, extra="")
-        text = Path(path).read_text().replace(
-            "meter_provider:\n  readers:\n",
-            "meter_provider:\n  readers:\n    - pull:\n        exporter:\n"
-            "          prometheus/development:\n            port: 0\n",
-        )
-        Path(path).write_text(text)
+        path = config_file(tmp_path, receiver, after=(
+            "  readers:",
+            "    - pull:\n        exporter:\n          prometheus/development:\n"
+            "            port: 0\n",
+        ))
         monkeypatch.setenv("OTEL_CONFIG_FILE", path)
         with (
             caplog.at_level(logging.WARNING, logger="dask_otel"),

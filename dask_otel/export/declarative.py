@@ -132,15 +132,10 @@ class ConfigFile:
         """The file's span processors, each exporter passed through ``account``"""
         from opentelemetry.sdk.trace.export import BatchSpanProcessor, SimpleSpanProcessor
 
-        out = []
-        for config in self.model.tracer_provider.processors:
-            if config.batch is not None:
-                exporter = account(declared_span_exporter(config.batch.exporter))
-                out.append(BatchSpanProcessor(exporter, **_batch_options(config.batch)))
-            else:
-                exporter = account(declared_span_exporter(config.simple.exporter))
-                out.append(SimpleSpanProcessor(exporter))
-        return out
+        return _processors(
+            self.model.tracer_provider.processors, declared_span_exporter, account,
+            BatchSpanProcessor, SimpleSpanProcessor,
+        )
 
     def metric_readers(self, account: Any) -> list:
         """The file's metric readers, each push exporter passed through
@@ -192,15 +187,25 @@ class ConfigFile:
             SimpleLogRecordProcessor,
         )
 
-        out = []
-        for config in self.model.logger_provider.processors:
-            if config.batch is not None:
-                exporter = account(declared_log_exporter(config.batch.exporter))
-                out.append(BatchLogRecordProcessor(exporter, **_batch_options(config.batch)))
-            else:
-                exporter = account(declared_log_exporter(config.simple.exporter))
-                out.append(SimpleLogRecordProcessor(exporter))
-        return out
+        return _processors(
+            self.model.logger_provider.processors, declared_log_exporter, account,
+            BatchLogRecordProcessor, SimpleLogRecordProcessor,
+        )
+
+
+def _processors(
+    configs: list, exporter: Any, account: Any, batch: type, simple: type
+) -> list:
+    """The processors of a provider section of the file (``batch`` or ``simple``),
+    each ``exporter`` built from the file and passed through ``account``"""
+    out = []
+    for config in configs:
+        if config.batch is not None:
+            built = account(exporter(config.batch.exporter))
+            out.append(batch(built, **_batch_options(config.batch)))
+        else:
+            out.append(simple(account(exporter(config.simple.exporter))))
+    return out
 
 
 def _batch_options(batch: Any) -> dict[str, Any]:
