@@ -104,3 +104,51 @@ def announces_retry(record: logging.LogRecord) -> bool:
     )
 
 
+
+
+# --- opentelemetry-configuration (declarative) ------------------------------------
+
+# -- declarative --
+# opentelemetry-configuration 0.66b2 (experimental; it pins opentelemetry-sdk
+# 1.45.2) builds whole providers publicly (create_tracer_provider, ...) but a
+# processor's or reader's exporter only privately: the bridge builds the processors
+# itself, to wrap each exporter in its export accounting
+# (dask_otel/export/declarative.py). tests/test_compat.py::test_declarative_* trips
+# when a release renames them.
+
+
+def _configuration(module: str) -> Any:
+    import importlib
+
+    return importlib.import_module(f"opentelemetry.configuration.{module}")
+
+
+def declared_span_exporter(config: Any) -> Any:
+    """A SpanExporter from a ``SpanExporter`` section of the file"""
+    return _configuration("_tracer_provider")._create_span_exporter(config)
+
+
+def declared_span_limits(limits: Any, global_limits: Any) -> Any:
+    """The SDK's SpanLimits from the file's ``tracer_provider.limits`` and
+    ``attribute_limits``, as the package gives its TracerProvider"""
+    return _configuration("_tracer_provider")._create_span_limits(limits, global_limits)
+
+
+def declared_metric_exporter(config: Any) -> Any:
+    """A MetricExporter from a ``PushMetricExporter`` section of the file"""
+    return _configuration("_meter_provider")._create_push_metric_exporter(config)
+
+
+def declared_view(config: Any) -> Any:
+    """An SDK View from a ``View`` section of the file"""
+    return _configuration("_meter_provider")._create_view(config)
+
+
+def declared_exemplar_filter(value: Any) -> Any:
+    """An SDK exemplar filter from the file's ``meter_provider.exemplar_filter``"""
+    return _configuration("_meter_provider")._create_exemplar_filter(value)
+
+
+def declared_log_exporter(config: Any) -> Any:
+    """A LogRecordExporter from a ``LogRecordExporter`` section of the file"""
+    return _configuration("_logger_provider")._create_log_record_exporter(config)

@@ -139,3 +139,40 @@ def test_sdk_otlp_exporter_announces_a_retry_that_its_shutdown_ends(protocol, mo
         (r.levelname, r.getMessage()) for r in cut.records]
     assert receiver.requests == 1
     assert seconds < 0.5, seconds  # its backoff alone is about 1 s
+
+
+# -- declarative --
+
+
+def test_declarative_factories_build_what_the_bridge_wraps():
+    """opentelemetry-configuration's private factories that
+    dask_otel._compat.declared_* call: one exporter per signal, the span limits, a
+    view and an exemplar filter, from the package's own models"""
+    pytest.importorskip("opentelemetry.configuration")
+    from opentelemetry.configuration import models
+    from opentelemetry.sdk._logs.export import LogRecordExporter
+    from opentelemetry.sdk.metrics.export import MetricExporter
+    from opentelemetry.sdk.metrics.view import View
+    from opentelemetry.sdk.trace import SpanLimits
+    from opentelemetry.sdk.trace.export import SpanExporter
+
+    from dask_otel import _compat
+
+    assert isinstance(_compat.declared_span_exporter(models.SpanExporter(console={})), SpanExporter)
+    assert isinstance(
+        _compat.declared_metric_exporter(models.PushMetricExporter(console=models.ConsoleMetricExporter())), MetricExporter
+    )
+    assert isinstance(
+        _compat.declared_log_exporter(models.LogRecordExporter(console={})), LogRecordExporter
+    )
+    limits = _compat.declared_span_limits(
+        models.SpanLimits(attribute_value_length_limit=8), None
+    )
+    assert isinstance(limits, SpanLimits) and limits.max_span_attribute_length == 8
+    view = models.View(
+        selector=models.ViewSelector(instrument_name="x"), stream=models.ViewStream(name="y")
+    )
+    assert isinstance(_compat.declared_view(view), View)
+    assert "TraceBased" in type(
+        _compat.declared_exemplar_filter(models.ExemplarFilter.trace_based)
+    ).__name__

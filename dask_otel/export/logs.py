@@ -117,7 +117,7 @@ class LogExport:
     exporters: list
     accounted_exporters: list
 
-    def __init__(self, config: OtelConfig, resource: Any):
+    def __init__(self, config: OtelConfig, resource: Any, declared: Any = None):
         from opentelemetry.sdk._logs import LoggerProvider
         from opentelemetry.sdk._logs.export import (
             BatchLogRecordProcessor,
@@ -135,11 +135,24 @@ class LogExport:
                 "none, or opentelemetry-instrumentation-logging installed "
                 "(pip install 'dask-otel[logs]'): this SDK has no LoggingHandler",
             )
-        self.exporters = log_exporters(config.logs_exporters)
         self.accounted_exporters = []
-        # We own the lifecycle (flush bounded by otel.flush-timeout), as for spans
-        self.provider = LoggerProvider(resource=resource, shutdown_on_exit=False)
-        for exporter in self.exporters:
+        if declared is not None:  # OTEL_CONFIG_FILE (dask_otel.export.declarative)
+            self.exporters = []
+
+            def account(exporter: Any) -> Any:
+                self.exporters.append(exporter)
+                accounted = accounted_log_exporter(exporter, config.retry_during_outage)
+                self.accounted_exporters.append(accounted)
+                return accounted
+
+            self.provider = declared.logger_provider(resource)
+            for processor in declared.log_processors(account):
+                self.provider.add_log_record_processor(processor)
+        else:
+            self.exporters = log_exporters(config.logs_exporters)
+            # We own the lifecycle (flush bounded by otel.flush-timeout), as for spans
+            self.provider = LoggerProvider(resource=resource, shutdown_on_exit=False)
+        for exporter in self.exporters if declared is None else ():
             # The in-memory exporter is for tests: no batching delay
             if type(exporter).__name__.startswith("InMemoryLog"):
                 self.provider.add_log_record_processor(SimpleLogRecordProcessor(exporter))

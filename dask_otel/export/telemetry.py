@@ -25,10 +25,15 @@ from typing import TYPE_CHECKING, Any
 
 from dask_otel.attributes import SCHEDULER_ADDRESS
 from dask_otel.config import OtelConfig
-from dask_otel.export.accounting import HELD_EXPORTER_LOGS, AccountedSpanExporter
+from dask_otel.export.accounting import (
+    HELD_EXPORTER_LOGS,
+    AccountedSpanExporter,
+    accounted_metric_exporter,
+)
+from dask_otel.export.declarative import ConfigFile, config_file
 from dask_otel.export.exporters import metric_readers, span_exporters
 from dask_otel.export.instruments import EXEMPLAR_VIEWS
-from dask_otel.export.sink import SpanSink, span_limits
+from dask_otel.export.sink import DEFAULT_ATTRIBUTE_LENGTH, SpanSink, span_limits
 
 if TYPE_CHECKING:
     from opentelemetry.sdk.trace import TracerProvider
@@ -61,6 +66,8 @@ SERVICE_NAME_FROM: dict[str, Any] = {"tracer_provider": None}
 def service_name() -> tuple[str, str]:
     """The bridge's ``service.name``, and where it comes from. The first of:
 
+    0. with ``OTEL_CONFIG_FILE``, the file's resource (the ``OTEL_*`` variables of
+       step 1 are ignored then, as the SDK ignores them);
     1. ``OTEL_SERVICE_NAME``, else ``service.name`` in ``OTEL_RESOURCE_ATTRIBUTES``;
     2. the service.name of the SDK TracerProvider given to
        ``DaskInstrumentor.instrument(tracer_provider=)``, else of the process's
@@ -74,7 +81,11 @@ def service_name() -> tuple[str, str]:
     from opentelemetry.sdk.resources import OTELResourceDetector
     from opentelemetry.sdk.trace import TracerProvider
 
-    from_env = OTELResourceDetector().detect().attributes.get("service.name")
+    declared = config_file()
+    from_env = None if declared else OTELResourceDetector().detect().attributes.get(
+        "service.name")
+    if declared and (from_file := declared.service_name()):
+        return str(from_file), "OTEL_CONFIG_FILE"
     if from_env:
         variable = "OTEL_SERVICE_NAME" if os.environ.get("OTEL_SERVICE_NAME") else (
             "OTEL_RESOURCE_ATTRIBUTES")
@@ -96,26 +107,38 @@ def service_name_status(telemetry: Telemetry | None) -> dict[str, Any] | None:
     where it came from"""
     if telemetry is None:
         return None
-    return {"name": telemetry.resource.attributes.get("service.name"), "from": service_name()[1]}
+    return {
+        "name": telemetry.resource.attributes.get("service.name"),
+        "from": service_name()[1],
+        # OTEL_CONFIG_FILE's path and what of it the bridge does not do, None
+        # without one (docs/configuration-file.md)
+        "config_file": telemetry.config_file.status() if telemetry.config_file else None,
+    }
 
 
 def build_resource(**attributes: Any):
     """Resource of this process: the caller's attributes and ``service.name`` as
     :func:`service_name` says, overridden by OTEL_RESOURCE_ATTRIBUTES and
     OTEL_SERVICE_NAME as the SDK reads them; the SDK's detectors
-    (``OTEL_EXPERIMENTAL_RESOURCE_DETECTORS``) beneath.
+    (``OTEL_EXPERIMENTAL_RESOURCE_DETECTORS``) beneath. With ``OTEL_CONFIG_FILE``:
+    the file's resource, with the caller's attributes, host and process on top.
     """
     from opentelemetry.sdk.resources import OTELResourceDetector, Resource
 
     ours = {
-        "service.name": service_name()[0],
         "host.name": socket.gethostname(),
         "process.pid": os.getpid(),
         **attributes,
     }
-    # Resource.create(ours) is the detected resource with ours on top (ours names
-    # the service, so the SDK's unknown_service default never shows)
-    resource = detected_resource().merge(Resource(ours)).merge(OTELResourceDetector().detect())
+    declared = config_file()
+    if declared:
+        resource = declared.resource(ours, service_name()[0])
+    else:
+        # Resource.create(ours) is the detected resource with ours on top (ours
+        # names the service, so the SDK's unknown_service default never shows)
+        resource = detected_resource().merge(
+            Resource({"service.name": service_name()[0], **ours})
+        ).merge(OTELResourceDetector().detect())
     if "service.instance.id" not in resource.attributes:
         # opentelemetry-sdk 1.45+ sets one per process (the global provider's
         # too); before, this process's own, so every signal still names its process
@@ -194,6 +217,9 @@ class Telemetry:
     scheduler_address: str | None
     #: The ``OTEL_*`` variables when the providers were built
     environment: dict[str, str]
+    #: ``OTEL_CONFIG_FILE`` read, which the providers follow instead of the
+    #: ``otel.*.exporter`` keys and the ``OTEL_*`` variables; None without one
+    config_file: ConfigFile | None
 
     def __init__(self, config: OtelConfig, resource: Any, scheduler_address: str | None = None):
         from opentelemetry.sdk.metrics import MeterProvider
@@ -202,6 +228,7 @@ class Telemetry:
         self.resource = resource
         self.scheduler_address = scheduler_address
         self.environment = otel_environment()
+        self.config_file = declared = config_file()
         #: Schedulers whose servers were told they share this Telemetry
         self.warned: set[str] = set()
         self.span_exporters = []
@@ -212,23 +239,47 @@ class Telemetry:
         self.meter_provider = None
         self.logs = None
         self._shut_down = False
-        self.metric_readers = metric_readers(
-            config.metrics_exporters, self.accounted_metric_exporters,
-            config.retry_during_outage,
-        )
+        meter_options: dict[str, Any] = {"views": []}
+        if declared is None:
+            self.metric_readers = metric_readers(
+                config.metrics_exporters, self.accounted_metric_exporters,
+                config.retry_during_outage,
+            )
+        elif declared.metrics:
+            self.metric_readers = declared.metric_readers(self._account_metrics)
+            meter_options = declared.meter_options()
+        else:
+            self.metric_readers = []
+        declared_views = meter_options.pop("views")
         if self.metric_readers:
             self.meter_provider = MeterProvider(
                 metric_readers=self.metric_readers,
                 resource=self.resource,
                 shutdown_on_exit=False,
-                views=EXEMPLAR_VIEWS,
+                # the file's views after the bridge's
+                views=[*EXEMPLAR_VIEWS, *declared_views],
+                **meter_options,
             )
-        if config.traces_exporters:
+        if declared.traces if declared else config.traces_exporters:
             self.span_sink = self._build_span_sink()
-        if config.logs_exporters:
+        if declared.logs if declared else config.logs_exporters:
             from dask_otel.export.logs import LogExport
 
-            self.logs = LogExport(config, self.resource)
+            self.logs = LogExport(config, self.resource, declared)
+
+    def _account_metrics(self, exporter: Any) -> Any:
+        """A push metric exporter wrapped in export accounting and kept"""
+        accounted = accounted_metric_exporter(exporter, self.config.retry_during_outage)
+        self.accounted_metric_exporters.append(accounted)
+        HELD_EXPORTER_LOGS.attach()
+        return accounted
+
+    def _account_spans(self, exporter: Any) -> AccountedSpanExporter:
+        """A span exporter wrapped in export accounting and kept"""
+        self.span_exporters.append(exporter)
+        accounted = AccountedSpanExporter(exporter, self.config.retry_during_outage)
+        self.accounted_span_exporters.append(accounted)
+        return accounted
 
     def _build_span_sink(self) -> SpanSink:
         from opentelemetry.sdk.trace import TracerProvider
@@ -239,6 +290,16 @@ class Telemetry:
         from opentelemetry.sdk.trace.export.in_memory_span_exporter import (
             InMemorySpanExporter,
         )
+
+        if self.config_file is not None:
+            self.tracer_provider, limits = self.config_file.tracer_provider(
+                self.resource, DEFAULT_ATTRIBUTE_LENGTH
+            )
+            processors = self.config_file.span_processors(self._account_spans)
+            for processor in processors:
+                self.tracer_provider.add_span_processor(processor)
+            HELD_EXPORTER_LOGS.attach()
+            return SpanSink(self.tracer_provider, processors, limits)
 
         self.span_exporters = span_exporters(
             self.config.traces_exporters, self.meter_provider

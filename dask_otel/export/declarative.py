@@ -1,0 +1,288 @@
+"""Declarative configuration: the bridge's providers from the file
+``OTEL_CONFIG_FILE`` names, as opentelemetry-sdk (1.43+) builds the
+application's from it (docs/configuration-file.md).
+
+Invariants: with ``OTEL_CONFIG_FILE`` set, the file decides which signals the
+bridge exports and where (its ``tracer_provider``, ``meter_provider`` and
+``logger_provider``: processors, readers, exporters, sampler, limits, views) and
+the resource; the ``OTEL_*`` variables the SDK ignores then are ignored here too.
+Every exporter the file names is still wrapped in the bridge's export accounting
+(:mod:`dask_otel.export.accounting`), and the resource still carries Dask's
+identity. The file is parsed and validated by opentelemetry-configuration's
+public ``load_config_file``; providers are built by its ``create_*`` functions;
+exporters from a section of the file by its factories, read in
+:mod:`dask_otel._compat`. What the bridge cannot honour is named by one WARNING
+per process and file, and by ``status()``. Without opentelemetry-configuration
+installed, ``OTEL_CONFIG_FILE`` is a :class:`~dask_otel.config.ConfigError`
+naming the variable and the extra (``dask-otel[config]``).
+
+Cost: the file is read and validated once per process and file.
+"""
+
+from __future__ import annotations
+
+import atexit
+import dataclasses
+import logging
+import os
+from typing import Any
+
+from dask_otel._compat import (
+    declared_exemplar_filter,
+    declared_log_exporter,
+    declared_metric_exporter,
+    declared_span_exporter,
+    declared_span_limits,
+    declared_view,
+)
+from dask_otel.config import ConfigError
+
+logger = logging.getLogger("dask_otel")
+
+#: The variable that names the file (opentelemetry-sdk's name for it)
+VARIABLE = "OTEL_CONFIG_FILE"
+#: How the package that reads it is installed with the bridge
+EXTRA = "pip install 'dask-otel[config]'"
+
+
+@dataclasses.dataclass(frozen=True)
+class ConfigFile:
+    """``OTEL_CONFIG_FILE``, read: the package's model of it, and what of it the
+    bridge cannot honour"""
+
+    #: the file, as the variable names it
+    path: str
+    #: ``opentelemetry.configuration.OpenTelemetryConfiguration``
+    model: Any
+    #: what the file names that the bridge does not do, one phrase each
+    ignored: tuple[str, ...]
+
+    @property
+    def disabled(self) -> bool:
+        return bool(self.model.disabled)
+
+    def exports(self, section: str, items: str) -> bool:
+        """Whether the file gives ``section`` (``tracer_provider``, ...) any
+        ``items`` (``processors``, ``readers``)"""
+        if self.disabled:
+            return False
+        config = getattr(self.model, section)
+        return config is not None and bool(getattr(config, items))
+
+    @property
+    def traces(self) -> bool:
+        return self.exports("tracer_provider", "processors")
+
+    @property
+    def metrics(self) -> bool:
+        return self.exports("meter_provider", "readers")
+
+    @property
+    def logs(self) -> bool:
+        return self.exports("logger_provider", "processors")
+
+    def status(self) -> dict[str, Any]:
+        """What ``status()`` shows of it"""
+        return {"path": self.path, "ignored": list(self.ignored)}
+
+    # -- the resource ------------------------------------------------------------
+
+    def resource(self, ours: dict[str, Any], service_name: str):
+        """The file's resource, beneath Dask's identity (``ours``: host, process,
+        the server's addresses); ``service_name`` where the file names none"""
+        from opentelemetry.configuration.file import create_resource
+        from opentelemetry.sdk.resources import Resource
+
+        resource = create_resource(self.model.resource)
+        if self.service_name() is None:
+            resource = resource.merge(Resource({"service.name": service_name}))
+        return resource.merge(Resource(ours))
+
+    def service_name(self) -> str | None:
+        """The ``service.name`` the file's resource gives, None if it names none
+        (the package then says ``unknown_service:<executable>``)"""
+        from opentelemetry.configuration.file import create_resource
+
+        name = create_resource(self.model.resource).attributes.get("service.name")
+        return None if name == create_resource(None).attributes.get("service.name") else name
+
+    # -- the providers -------------------------------------------------------------
+
+    def tracer_provider(self, resource: Any, default_length: int):
+        """The file's TracerProvider (sampler, limits, id generator, tracer
+        configurator) without its processors, which :meth:`span_processors`
+        builds; with ``default_length`` as the attribute value length limit where
+        the file sets none. Returns the provider and its SpanLimits."""
+        from opentelemetry.configuration.file import create_tracer_provider
+        from opentelemetry.configuration.models import SpanLimits
+
+        config = self.model.tracer_provider
+        limits = config.limits or SpanLimits()
+        global_limits = self.model.attribute_limits
+        if limits.attribute_value_length_limit is None and (
+            global_limits is None or global_limits.attribute_value_length_limit is None
+        ):
+            limits = dataclasses.replace(limits, attribute_value_length_limit=default_length)
+        config = dataclasses.replace(config, processors=[], limits=limits)
+        provider = create_tracer_provider(config, resource, global_limits)
+        _lifecycle_is_ours(provider)
+        return provider, declared_span_limits(limits, global_limits)
+
+    def span_processors(self, account: Any) -> list:
+        """The file's span processors, each exporter passed through ``account``"""
+        from opentelemetry.sdk.trace.export import BatchSpanProcessor, SimpleSpanProcessor
+
+        return _processors(
+            self.model.tracer_provider.processors, declared_span_exporter, account,
+            BatchSpanProcessor, SimpleSpanProcessor,
+        )
+
+    def metric_readers(self, account: Any) -> list:
+        """The file's metric readers, each push exporter passed through
+        ``account``; a Prometheus pull reader serves on Dask's ``/metrics``"""
+        from opentelemetry.sdk.metrics.export import PeriodicExportingMetricReader
+
+        out = []
+        for config in self.model.meter_provider.readers:
+            if config.periodic is not None:
+                periodic = config.periodic
+                options: dict[str, Any] = {}
+                if periodic.interval is not None:
+                    options["export_interval_millis"] = float(periodic.interval)
+                if periodic.timeout is not None:
+                    options["export_timeout_millis"] = float(periodic.timeout)
+                exporter = account(declared_metric_exporter(periodic.exporter))
+                out.append(PeriodicExportingMetricReader(exporter, **options))
+            else:
+                from dask_otel.export.exporters import metric_readers
+
+                out += metric_readers(["prometheus"])
+        return out
+
+    def meter_options(self) -> dict[str, Any]:
+        """The MeterProvider's arguments from the file besides readers and the
+        resource: its views (the bridge's come first) and exemplar filter"""
+        config = self.model.meter_provider
+        options: dict[str, Any] = {
+            "views": [declared_view(v) for v in config.views or ()],
+        }
+        if config.exemplar_filter is not None:
+            options["exemplar_filter"] = declared_exemplar_filter(config.exemplar_filter)
+        return options
+
+    def logger_provider(self, resource: Any):
+        """The file's LoggerProvider (limits, logger configurator) without its
+        processors, which :meth:`log_processors` builds"""
+        from opentelemetry.configuration.file import create_logger_provider
+
+        config = dataclasses.replace(self.model.logger_provider, processors=[])
+        provider = create_logger_provider(config, resource, self.model.attribute_limits)
+        _lifecycle_is_ours(provider)
+        return provider
+
+    def log_processors(self, account: Any) -> list:
+        """The file's log record processors, each exporter passed through ``account``"""
+        from opentelemetry.sdk._logs.export import (
+            BatchLogRecordProcessor,
+            SimpleLogRecordProcessor,
+        )
+
+        return _processors(
+            self.model.logger_provider.processors, declared_log_exporter, account,
+            BatchLogRecordProcessor, SimpleLogRecordProcessor,
+        )
+
+
+def _processors(
+    configs: list, exporter: Any, account: Any, batch: type, simple: type
+) -> list:
+    """The processors of a provider section of the file (``batch`` or ``simple``),
+    each ``exporter`` built from the file and passed through ``account``"""
+    out = []
+    for config in configs:
+        if config.batch is not None:
+            built = account(exporter(config.batch.exporter))
+            out.append(batch(built, **_batch_options(config.batch)))
+        else:
+            out.append(simple(account(exporter(config.simple.exporter))))
+    return out
+
+
+def _batch_options(batch: Any) -> dict[str, Any]:
+    """A batch processor's settings from the file; those it leaves out are the SDK's"""
+    options = {
+        "max_queue_size": batch.max_queue_size,
+        "schedule_delay_millis": batch.schedule_delay,
+        "max_export_batch_size": batch.max_export_batch_size,
+        "export_timeout_millis": batch.export_timeout,
+    }
+    return {k: v for k, v in options.items() if v is not None}
+
+
+def _lifecycle_is_ours(provider: Any) -> None:
+    """The package's providers shut down at exit; the bridge's flush and shut down
+    when the last server closes, bounded by otel.flush-timeout (an exit-time
+    shutdown could hold a dying process on a dead collector)"""
+    atexit.unregister(provider.shutdown)
+
+
+def _ignored(model: Any) -> tuple[str, ...]:
+    """What the file names that the bridge's providers do not do"""
+    out = []
+    meter = model.meter_provider
+    if meter is not None:
+        for i, reader in enumerate(meter.readers or ()):
+            if reader.pull is not None:
+                out.append(
+                    f"meter_provider.readers[{i}].pull: served on Dask's /metrics, "
+                    "not on a port of its own"
+                )
+            elif reader.periodic.cardinality_limits is not None:
+                out.append(
+                    f"meter_provider.readers[{i}].periodic.cardinality_limits: the "
+                    "bridge sets its instruments' limits"
+                )
+        if meter.meter_configurator_development is not None:
+            out.append("meter_provider.meter_configurator/development")
+    return tuple(out)
+
+
+#: (pid, path) -> the file read, see :func:`config_file`
+_read: dict[tuple[int, str], ConfigFile] = {}
+
+
+def config_file() -> ConfigFile | None:
+    """``OTEL_CONFIG_FILE`` read and validated (once per process and file), None
+    when it is not set.
+
+    Raises
+    ------
+    ConfigError
+        naming the variable when opentelemetry-configuration is not installed or
+        the file cannot be read or is not valid
+    """
+    path = os.environ.get(VARIABLE, "").strip()
+    if not path:
+        return None
+    key = (os.getpid(), path)
+    if key in _read:
+        return _read[key]
+    try:
+        from opentelemetry.configuration import ConfigurationError, load_config_file
+    except ImportError:
+        raise ConfigError(
+            VARIABLE, path, f"unset, or opentelemetry-configuration installed ({EXTRA})"
+        ) from None
+    try:
+        model = load_config_file(path)
+    except (ConfigurationError, OSError) as e:
+        raise ConfigError(
+            VARIABLE, path, f"a declarative configuration file the SDK accepts ({e})"
+        ) from e
+    read = _read[key] = ConfigFile(path, model, _ignored(model))
+    if read.ignored:
+        logger.warning(
+            "dask_otel: %s=%s: the bridge's providers follow the file except: %s",
+            VARIABLE, path, "; ".join(read.ignored),
+        )
+    return read
