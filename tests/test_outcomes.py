@@ -1,0 +1,197 @@
+"""Workflow outcomes and removed workers as metrics (dask_otel.scheduler.outcomes):
+runs and their durations by workflow name and result, each point with an
+exemplar of its run's trace; workers removed by why they left. Real clusters,
+spans and metrics read back from a real OTLP receiver."""
+
+from __future__ import annotations
+
+import dask
+import distributed
+import pytest
+from distributed import Client, span
+from opentelemetry.sdk.metrics import MeterProvider
+from packaging.version import Version
+
+import dask_otel
+from dask_otel.config import ConfigError
+from dask_otel.scheduler.outcomes import MAX_WORKFLOW_NAMES, OTHER, Outcomes, workflow_patterns
+from tests.support.cluster import otel_cluster, wait_until
+from tests.support.otlp_receiver import OTLPReceiver, set_otel_env
+from tests.support.tasks import allocate_past, fail, inc, slow
+
+#: Metrics collected every 300 ms and spans sent every 100 ms, over OTLP
+ENV = {"OTEL_METRIC_EXPORT_INTERVAL": "300", "OTEL_BSP_SCHEDULE_DELAY": "100"}
+#: Spans and metrics to the OTLP receiver, spans exported 100 ms after they finish
+CONFIG = {
+    "otel.traces.exporter": "otlp",
+    "otel.metrics.exporter": "otlp",
+    "otel.spans.export-delay": "100ms",
+    "otel.spans.poll-interval": "50ms",
+    "otel.flush-timeout": "2s",
+}
+#: The nanny logs worker-restart-memory since distributed 2024.4.2 (dask/distributed#8617)
+NANNY_RESTART_EVENT = Version(distributed.__version__) >= Version("2024.4.2")
+
+
+def runs(receiver: OTLPReceiver) -> dict[tuple[str, str], float]:
+    """The latest ``dask.workflow.runs`` value of each (name, result)"""
+    out = {}
+    for p in receiver.metric_points("dask.workflow.runs"):
+        out[p.attributes["dask.workflow.name"], p.attributes["dask.workflow.result"]] = p.value
+    return out
+
+
+def removed(receiver: OTLPReceiver) -> dict[str, float]:
+    """The latest ``dask.worker.removed`` value of each reason"""
+    return {
+        p.attributes["dask.worker.removed.reason"]: p.value
+        for p in receiver.metric_points("dask.worker.removed")
+    }
+
+
+def test_an_ok_run_and_an_erred_run_carry_exemplars_of_their_traces(monkeypatch):
+    """Worker processes; names matched by otel.metrics.workflows: one run each,
+    ok and erred, a duration point each, and every exemplar's trace is the run's
+    exported root span's"""
+    config = {**CONFIG, "otel.metrics.workflows": ["nightly-*"]}
+    with OTLPReceiver("grpc") as receiver:
+        set_otel_env(monkeypatch, {**receiver.env(), **ENV})
+        with otel_cluster(config, processes=True, n_workers=1) as (client, _):
+            with span("nightly-etl") as ok_id:
+                assert client.submit(inc, 1).result() == 2
+            with span("nightly-score") as erred_id, pytest.raises(ValueError):
+                client.submit(fail, 1).result()
+            receiver.wait_for(
+                lambda r: runs(r) == {("nightly-etl", "ok"): 1, ("nightly-score", "erred"): 1},
+                timeout=30,
+            )
+            roots = receiver.wait_for(
+                lambda r: {s.name: s for s in r.spans() if s.parent_span_id is None
+                           and s.name.startswith("nightly")} if len(
+                    {s.name for s in r.spans() if s.parent_span_id is None}) >= 2 else None
+            )
+    traces = {"nightly-etl": ok_id.replace("-", ""), "nightly-score": erred_id.replace("-", "")}
+    assert {name: s.trace_id for name, s in roots.items()} == traces
+    assert roots["nightly-score"].status_code == "ERROR"
+    for metric in ("dask.workflow.runs", "dask.workflow.duration"):
+        points = receiver.metric_points(metric)
+        by_name = {p.attributes["dask.workflow.name"]: p for p in points if p.exemplars}
+        assert set(by_name) == set(traces), metric
+        for name, point in by_name.items():
+            assert {t for t, _ in point.exemplars} == {traces[name]}, (metric, name)
+            assert {s for _, s in point.exemplars} == {roots[name].span_id}
+    (duration,) = {
+        p.count for p in receiver.metric_points("dask.workflow.duration")
+        if p.attributes["dask.workflow.name"] == "nightly-etl"
+    }
+    assert duration == 1
+    last = [p for p in receiver.metric_points("dask.workflow.duration")
+            if p.attributes["dask.workflow.name"] == "nightly-etl"][-1]
+    assert last.unit == "s"
+    assert 0 < last.value <= roots["nightly-etl"].duration + 1e-6
+
+
+def test_a_root_named_by_its_annotation_keeps_its_name_and_others_are_other(monkeypatch):
+    """A root whose tasks say ``workflow: True`` in their otel annotation (what
+    ``dask_otel.span(..., workflow=True)`` writes) is named; one that does not, and
+    matches no pattern, counts as ``other``"""
+    with OTLPReceiver("grpc") as receiver:
+        set_otel_env(monkeypatch, {**receiver.env(), **ENV})
+        with otel_cluster(CONFIG, n_workers=1) as (client, _):
+            with span("adhoc-7f3a"), dask.annotate(otel={"workflow": True}):
+                client.submit(inc, 1, key="named-0").result()
+            with span("adhoc-9c1e"):
+                client.submit(inc, 2, key="unnamed-0").result()
+            receiver.wait_for(
+                lambda r: runs(r) == {("adhoc-7f3a", "ok"): 1, (OTHER, "ok"): 1}, timeout=30
+            )
+
+
+def test_a_client_that_leaves_inside_its_block_cancels_the_run(monkeypatch):
+    """The client that opened a dask_otel.span block closes while in it, its task
+    still running: the run is ``cancelled``"""
+    config = {**CONFIG, "otel.metrics.workflows": "hourly-*"}
+    with OTLPReceiver("grpc") as receiver:
+        set_otel_env(monkeypatch, {**receiver.env(), **ENV})
+        with otel_cluster(config, processes=True, n_workers=1) as (client, mirrored):
+            leaving = Client(mirrored.cluster)
+            with dask_otel.span("hourly-sync"):
+                future = leaving.submit(slow, 1, 3)
+                wait_until(lambda: leaving.processing() and any(leaving.processing().values()))
+                leaving.close()
+            del future
+            receiver.wait_for(lambda r: runs(r) == {("hourly-sync", "cancelled"): 1}, timeout=30)
+
+
+def test_workers_removed_count_a_retired_and_a_memory_restarted_worker(monkeypatch):
+    """Nannies: a worker retired by the client, a worker its nanny restarts past
+    its memory limit (lost without a word before distributed 2024.4.2, whose
+    nanny logs no event)"""
+    limit = 300 << 20
+    config = {**CONFIG, "distributed.scheduler.allowed-failures": 0}
+    with OTLPReceiver("grpc") as receiver:
+        set_otel_env(monkeypatch, {**receiver.env(), **ENV})
+        with otel_cluster(config, processes=True, n_workers=2, memory_limit=limit) as (
+            client, _,
+        ):
+            client.wait_for_workers(2)
+            retiring = sorted(client.scheduler_info()["workers"])[0]
+            client.retire_workers([retiring], close_workers=True)
+            receiver.wait_for(lambda r: removed(r) == {"retired": 1}, timeout=30)
+            with pytest.raises(distributed.KilledWorker):
+                client.submit(allocate_past, limit).result(timeout=60)
+            reason = "memory_restart" if NANNY_RESTART_EVENT else "lost"
+            receiver.wait_for(lambda r: removed(r) == {"retired": 1, reason: 1}, timeout=30)
+    point = receiver.metric_points("dask.worker.removed")[-1]
+    assert point.unit == "{worker}"
+    assert point.monotonic
+
+
+def test_a_worker_that_closes_itself_and_one_that_dies_are_closed_and_lost(monkeypatch):
+    """A worker closed by its own ``Worker.close`` says so first (closing-worker):
+    ``closed``; one whose process ends without a word is ``lost``"""
+    with OTLPReceiver("grpc") as receiver:
+        set_otel_env(monkeypatch, {**receiver.env(), **ENV})
+        with otel_cluster(CONFIG, processes=True, n_workers=2) as (client, _):
+            client.wait_for_workers(2)
+            first, second = sorted(client.scheduler_info()["workers"])
+            client.run(_close_worker, workers=[first])
+            receiver.wait_for(lambda r: removed(r) == {"closed": 1}, timeout=30)
+            client.run(_exit_process, workers=[second], wait=False)
+            receiver.wait_for(lambda r: removed(r) == {"closed": 1, "lost": 1}, timeout=30)
+
+
+def _close_worker(dask_worker):
+    # no nanny restart: the worker's own close, with its closing-worker event
+    dask_worker.loop.add_callback(dask_worker.close, nanny=True, reason="closed-by-test")
+
+
+async def _exit_process():
+    import os
+
+    os._exit(1)
+
+
+def test_names_past_the_limit_are_other():
+    """At most MAX_WORKFLOW_NAMES names; a name given keeps its series"""
+    outcomes = Outcomes(None, MeterProvider(), {})  # type: ignore[arg-type]
+    names = [outcomes.workflow_name(f"etl-{i}", named=True) for i in range(MAX_WORKFLOW_NAMES + 5)]
+    assert names[:MAX_WORKFLOW_NAMES] == [f"etl-{i}" for i in range(MAX_WORKFLOW_NAMES)]
+    assert set(names[MAX_WORKFLOW_NAMES:]) == {OTHER}
+    assert outcomes.workflow_name("etl-0", named=False) == "etl-0"
+    assert outcomes.workflow_name("adhoc", named=False) == OTHER
+
+
+@pytest.mark.parametrize("value", [5, ["nightly-*", 3], [""], True])
+def test_bad_workflow_patterns_name_the_key(value):
+    with dask.config.set({"otel.metrics.workflows": value}), pytest.raises(
+        ConfigError, match="otel.metrics.workflows"
+    ):
+        workflow_patterns()
+
+
+def test_workflow_patterns_take_a_list_or_a_comma_separated_string():
+    with dask.config.set({"otel.metrics.workflows": "nightly-*, hourly-?"}):
+        assert workflow_patterns() == ("nightly-*", "hourly-?")
+    with dask.config.set({"otel.metrics.workflows": ["etl"]}):
+        assert workflow_patterns() == ("etl",)
