@@ -109,7 +109,9 @@ def test_a_root_named_by_its_annotation_keeps_its_name_and_others_are_other(monk
 
 def test_a_client_that_leaves_inside_its_block_cancels_the_run(monkeypatch):
     """The client that opened a dask_otel.span block closes while in it, its task
-    still running: the run is ``cancelled``"""
+    still running: the run is ``cancelled``. A run whose future is released in
+    its block, which the client then leaves, is ``ok``: Dask does not tell it
+    from one that finished"""
     config = {**CONFIG, "otel.metrics.workflows": "hourly-*"}
     with OTLPReceiver("grpc") as receiver:
         set_otel_env(monkeypatch, {**receiver.env(), **ENV})
@@ -117,10 +119,48 @@ def test_a_client_that_leaves_inside_its_block_cancels_the_run(monkeypatch):
             leaving = Client(mirrored.cluster)
             with dask_otel.span("hourly-sync"):
                 future = leaving.submit(slow, 1, 3)
-                wait_until(lambda: leaving.processing() and any(leaving.processing().values()))
+                wait_until(lambda: any(leaving.processing().values()))
                 leaving.close()
             del future
             receiver.wait_for(lambda r: runs(r) == {("hourly-sync", "cancelled"): 1}, timeout=30)
+            with dask_otel.span("hourly-drop"):
+                future = client.submit(slow, 2, 3)
+                wait_until(lambda: any(client.processing().values()))
+                del future
+            receiver.wait_for(
+                lambda r: runs(r) == {("hourly-sync", "cancelled"): 1, ("hourly-drop", "ok"): 1},
+                timeout=30,
+            )
+
+
+def test_a_run_the_scheduler_closes_under_is_cancelled(monkeypatch):
+    """The scheduler shuts down while a run's task is running (its client still
+    connected): the scheduler's last flush counts the run ``cancelled``"""
+    config = {**CONFIG, "otel.metrics.workflows": ["long-*"]}
+    with OTLPReceiver("grpc") as receiver:
+        set_otel_env(monkeypatch, {**receiver.env(), **ENV})
+        with otel_cluster(config, n_workers=1) as (client, _):
+            with span("long-backfill"):
+                future = client.submit(slow, 1, 10)
+                wait_until(lambda: any(client.processing().values()))
+            client.shutdown()
+            del future
+        receiver.wait_for(lambda r: runs(r) == {("long-backfill", "cancelled"): 1}, timeout=30)
+
+
+def test_a_run_whose_trace_is_sampled_out_is_counted_without_an_exemplar(monkeypatch):
+    """The sampler keeps no trace: the run is counted all the same, its points
+    carry no exemplar"""
+    config = {**CONFIG, "otel.metrics.workflows": ["daily-*"]}
+    with OTLPReceiver("grpc") as receiver:
+        set_otel_env(monkeypatch, {**receiver.env(), **ENV, "OTEL_TRACES_SAMPLER": "always_off"})
+        with otel_cluster(config, n_workers=1) as (client, _):
+            with span("daily-report"):
+                client.submit(inc, 1).result()
+            receiver.wait_for(lambda r: runs(r) == {("daily-report", "ok"): 1}, timeout=30)
+    assert not receiver.spans()
+    assert not any(p.exemplars for name in ("dask.workflow.runs", "dask.workflow.duration")
+                   for p in receiver.metric_points(name))
 
 
 def test_workers_removed_count_a_retired_and_a_memory_restarted_worker(monkeypatch):
@@ -147,18 +187,25 @@ def test_workers_removed_count_a_retired_and_a_memory_restarted_worker(monkeypat
     assert point.monotonic
 
 
-def test_a_worker_that_closes_itself_and_one_that_dies_are_closed_and_lost(monkeypatch):
+def test_workers_that_close_fail_hard_or_die_are_closed_fail_hard_and_lost(monkeypatch):
     """A worker closed by its own ``Worker.close`` says so first (closing-worker):
-    ``closed``; one whose process ends without a word is ``lost``"""
+    ``closed``; one that logged worker-fail-hard (as ``@fail_hard`` does) before
+    its process ended: ``fail_hard``; one whose process ends without a word:
+    ``lost``. Counted with remove-worker not among otel.events.topics"""
+    config = {**CONFIG, "otel.events.topics": "print"}
     with OTLPReceiver("grpc") as receiver:
         set_otel_env(monkeypatch, {**receiver.env(), **ENV})
-        with otel_cluster(CONFIG, processes=True, n_workers=2) as (client, _):
-            client.wait_for_workers(2)
-            first, second = sorted(client.scheduler_info()["workers"])
+        with otel_cluster(config, processes=True, n_workers=3) as (client, _):
+            client.wait_for_workers(3)
+            first, second, third = sorted(client.scheduler_info()["workers"])
             client.run(_close_worker, workers=[first])
             receiver.wait_for(lambda r: removed(r) == {"closed": 1}, timeout=30)
-            client.run(_exit_process, workers=[second], wait=False)
-            receiver.wait_for(lambda r: removed(r) == {"closed": 1, "lost": 1}, timeout=30)
+            client.run(_fail_hard, workers=[second], wait=False)
+            receiver.wait_for(lambda r: removed(r) == {"closed": 1, "fail_hard": 1}, timeout=30)
+            client.run(_exit_process, workers=[third], wait=False)
+            receiver.wait_for(
+                lambda r: removed(r) == {"closed": 1, "fail_hard": 1, "lost": 1}, timeout=30
+            )
 
 
 def _close_worker(dask_worker):
@@ -166,10 +213,44 @@ def _close_worker(dask_worker):
     dask_worker.loop.add_callback(dask_worker.close, nanny=True, reason="closed-by-test")
 
 
+async def _fail_hard(dask_worker):
+    # what distributed.worker.fail_hard logs before it closes the worker
+    import asyncio
+    import os
+
+    dask_worker.log_event("worker-fail-hard", {"exception_text": "RuntimeError('test')"})
+    await asyncio.sleep(0.5)  # the batched stream sends it
+    os._exit(1)
+
+
 async def _exit_process():
     import os
 
     os._exit(1)
+
+
+def test_prometheus_names_through_a_collector():
+    """The names docs/metrics.md gives, as a collector's prometheus exporter names
+    the instruments"""
+    from opentelemetry.sdk.metrics.export import InMemoryMetricReader
+
+    from tests.support.deploy_checks import collector_prometheus_name
+
+    reader = InMemoryMetricReader()
+    outcomes = Outcomes(None, MeterProvider(metric_readers=[reader]), {})  # type: ignore[arg-type]
+    outcomes.instruments.runs.add(1)
+    outcomes.instruments.duration.record(1.0)
+    outcomes.worker_removed("lost")
+    (scope,) = reader.get_metrics_data().resource_metrics[0].scope_metrics
+    names = set()
+    for metric in scope.metrics:
+        kind = "histogram" if hasattr(metric.data, "aggregation_temporality") and not hasattr(
+            metric.data, "is_monotonic") else "sum"
+        names.add(collector_prometheus_name(
+            metric.name, metric.unit, kind, getattr(metric.data, "is_monotonic", None)))
+    assert names == {
+        "dask_workflow_duration_seconds", "dask_workflow_runs_total", "dask_worker_removed_total",
+    }
 
 
 def test_names_past_the_limit_are_other():
