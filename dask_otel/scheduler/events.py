@@ -6,9 +6,16 @@ scheduler's ``remove-worker``, the worker's ``closing-worker`` and
 ``worker-fail-hard``, its nanny's ``worker-restart-memory``, ``print``/``warn``
 from ``distributed.print``/``distributed.warn`` in tasks, and whatever users log
 with ``Client.log_event``. :class:`DaskEvents` turns those selected by
-``otel.events.topics`` into log records emitted through the process's
-LoggerProvider (when logs are on), and gives the Dask spans a lost worker was
-computing for, or held results of, a ``dask.worker.lost`` span event.
+``otel.events.topics`` into log-based events emitted through the process's
+LoggerProvider (when logs are on): each record has a fixed ``event_name``
+(:data:`EVENT_NAMES`) and, for Dask's events, ``dask.worker.address``. It gives
+the Dask spans a lost worker was computing for, or held results of, a
+``dask.worker.lost`` span event, and tells each removed worker's reason to
+``dask.worker.removed`` (:mod:`dask_otel.scheduler.outcomes`) whatever the topics:
+the reason is what the worker's events said before its ``remove-worker``
+(``closing-worker``, the nanny's ``worker-restart-memory``, ``worker-fail-hard``,
+or the ``worker-status-change`` to ``closing_gracefully`` that ``retire_workers``
+logs first), else ``lost``.
 
 Cost: one set lookup per event; the work below happens only for the rare events
 selected, and is proportional to the tasks on the worker concerned. Nothing is
