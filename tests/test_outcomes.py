@@ -18,17 +18,12 @@ from dask_otel.scheduler.outcomes import MAX_WORKFLOW_NAMES, OTHER, Outcomes, wo
 from tests.support.cluster import otel_cluster, wait_until
 from tests.support.otlp_receiver import OTLPReceiver, set_otel_env
 from tests.support.tasks import allocate_past, fail, inc, slow
+from tests.test_metrics import EXEMPLARS_CONFIG, EXEMPLARS_ENV
 
 #: Metrics collected every 300 ms and spans sent every 100 ms, over OTLP
-ENV = {"OTEL_METRIC_EXPORT_INTERVAL": "300", "OTEL_BSP_SCHEDULE_DELAY": "100"}
+ENV = EXEMPLARS_ENV
 #: Spans and metrics to the OTLP receiver, spans exported 100 ms after they finish
-CONFIG = {
-    "otel.traces.exporter": "otlp",
-    "otel.metrics.exporter": "otlp",
-    "otel.spans.export-delay": "100ms",
-    "otel.spans.poll-interval": "50ms",
-    "otel.flush-timeout": "2s",
-}
+CONFIG = {**EXEMPLARS_CONFIG, "otel.flush-timeout": "2s"}
 #: The nanny logs worker-restart-memory since distributed 2024.4.2 (dask/distributed#8617)
 NANNY_RESTART_EVENT = Version(distributed.__version__) >= Version("2024.4.2")
 
@@ -94,7 +89,8 @@ def test_an_ok_run_and_an_erred_run_carry_exemplars_of_their_traces(monkeypatch)
 def test_a_root_named_by_its_annotation_keeps_its_name_and_others_are_other(monkeypatch):
     """A root whose tasks say ``workflow: True`` in their otel annotation (what
     ``dask_otel.span(..., workflow=True)`` writes) is named; one that does not, and
-    matches no pattern, counts as ``other``"""
+    matches no pattern, counts as ``other``; work outside any span is a run of
+    Dask's ``default`` span"""
     with OTLPReceiver("grpc") as receiver:
         set_otel_env(monkeypatch, {**receiver.env(), **ENV})
         with otel_cluster(CONFIG, n_workers=1) as (client, _):
@@ -102,8 +98,12 @@ def test_a_root_named_by_its_annotation_keeps_its_name_and_others_are_other(monk
                 client.submit(inc, 1, key="named-0").result()
             with span("adhoc-9c1e"):
                 client.submit(inc, 2, key="unnamed-0").result()
+            client.submit(inc, 3, key="spanless-0").result()
             receiver.wait_for(
-                lambda r: runs(r) == {("adhoc-7f3a", "ok"): 1, (OTHER, "ok"): 1}, timeout=30
+                lambda r: runs(r) == {
+                    ("adhoc-7f3a", "ok"): 1, (OTHER, "ok"): 1, ("default", "ok"): 1,
+                },
+                timeout=30,
             )
 
 

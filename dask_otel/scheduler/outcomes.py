@@ -18,8 +18,8 @@ docs/metrics.md, "Workflow outcomes and removed workers"):
 Invariants: span names are unbounded user data, so a root's first tag is a
 ``dask.workflow.name`` only where the user says it is bounded (its block opened
 with ``dask_otel.span(..., workflow=True)``, :func:`dask_otel.annotation.workflow_named`,
-or a match of ``otel.metrics.workflows``), at most :data:`MAX_WORKFLOW_NAMES` of
-them; every other run is :data:`OTHER`. So an instrument has at most
+a match of ``otel.metrics.workflows``, or Dask's own :data:`DEFAULT`), at most
+:data:`MAX_WORKFLOW_NAMES` of them; every other run is :data:`OTHER`. So an instrument has at most
 ``(MAX_WORKFLOW_NAMES + 1) * len(RESULTS)`` series.
 
 Cost: nothing per task but per erred task (a walk to its root); per graph, one
@@ -66,6 +66,9 @@ OK, ERRED, CANCELLED = "ok", "erred", "cancelled"
 RESULTS = (OK, ERRED, CANCELLED)
 #: ``dask.workflow.name`` of every run whose name is not known to be bounded
 OTHER = "other"
+#: The name of Dask's own root span of work computed outside any span (one per
+#: idle-to-idle period): bounded, as Dask names it
+DEFAULT = "default"
 #: Distinct workflow names given; later ones are :data:`OTHER`
 MAX_WORKFLOW_NAMES = 100
 #: Open roots remembered as named, erred or cancelled, each; oldest forgotten first
@@ -263,11 +266,11 @@ class Outcomes:
         self.instruments.runs.add(1, attributes, context=context)
 
     def workflow_name(self, name: str, named: bool) -> str:
-        """``name`` if it is bounded (``named``, or matched by a pattern) and one of
-        the first :data:`MAX_WORKFLOW_NAMES`, else :data:`OTHER`"""
+        """``name`` if it is bounded (``named``, Dask's ``default``, or matched by a
+        pattern) and one of the first :data:`MAX_WORKFLOW_NAMES`, else :data:`OTHER`"""
         if name in self.names:
             return name
-        bounded = named or any(fnmatchcase(name, p) for p in self.patterns)
+        bounded = named or name == DEFAULT or any(fnmatchcase(name, p) for p in self.patterns)
         if not bounded or len(self.names) >= MAX_WORKFLOW_NAMES:
             return OTHER
         self.names.add(name)
