@@ -175,3 +175,9 @@ def extract_caller(carrier: Mapping[str, Any] | None) -> tuple[otel_context.Cont
 def remote_parent(carrier: Mapping[str, Any] | None) -> SpanContext | None:
     """The caller's span context in a carrier, or None"""
     return extract_caller(carrier)[1]
+
+
+def workflow_named(otel: Any) -> bool:
+    """Whether the block that wrote ``otel`` was opened with ``workflow=True``: its
+    name is a bounded workflow name (docs/metrics.md, workflow outcomes)"""
+    return isinstance(otel, Mapping) and otel.get("workflow") is True

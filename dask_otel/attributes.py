@@ -90,3 +90,13 @@ TASK_PREFIX = "dask.task.prefix"
 THRESHOLD = "dask.threshold"
 OTEL_EXPORTER = "dask.otel.exporter"
 OTEL_SIGNAL = "dask.otel.signal"
+
+# -- outcomes --
+# (dask_otel.scheduler.outcomes: docs/metrics.md, "Workflow outcomes and removed workers")
+
+#: The root Dask span's first tag where the user says it is bounded, else ``other``
+WORKFLOW_NAME = "dask.workflow.name"
+#: How a workflow run ended: ``ok``, ``erred`` or ``cancelled``
+WORKFLOW_RESULT = "dask.workflow.result"
+#: Why a worker left: ``memory_restart``, ``fail_hard``, ``retired``, ``closed``, ``lost``
+WORKER_REMOVED_REASON = "dask.worker.removed.reason"

@@ -62,6 +62,7 @@ if TYPE_CHECKING:
     from dask_otel.annotation import BlockExit
     from dask_otel.config import OtelConfig
     from dask_otel.export.sink import SpanSink
+    from dask_otel.scheduler.outcomes import Outcomes
 
 logger = logging.getLogger("dask_otel")
 
@@ -103,6 +104,8 @@ class SpanMirror:
     #: exported with it: the exemplar of that prefix's fine metrics
     #: (:mod:`dask_otel.scheduler.metrics`), at most :data:`MAX_EXEMPLAR_PREFIXES`
     latest_by_prefix: dict[str, SpanContext]
+    #: Where each finished root goes as a workflow run (set by the plugin; None: off)
+    outcomes: Outcomes | None = None
 
     def __init__(self, scheduler: Scheduler, sink: SpanSink, config: OtelConfig):
         self.scheduler = scheduler
@@ -341,6 +344,8 @@ class SpanMirror:
         span = record.span
         head = self._head(span)  # before the record goes: the root's caller
         self.ledger.take_span(record)
+        if span.parent is None and self.outcomes is not None:  # dask.workflow.*
+            self.outcomes.observe_root(record, head, stop, unfinished)
         if head.context is None:
             return False
         end = max(stop, record.end, head.start)

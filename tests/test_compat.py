@@ -176,3 +176,31 @@ def test_declarative_factories_build_what_the_bridge_wraps():
     assert "TraceBased" in type(
         _compat.declared_exemplar_filter(models.ExemplarFilter.trace_based)
     ).__name__
+
+
+# -- outcomes --
+
+
+def test_outcomes_update_graph_is_given_the_annotations_by_name_then_key():
+    """dask_otel.scheduler.outcomes reads a graph's first ``otel`` annotation from
+    ``SchedulerPlugin.update_graph``'s ``annotations`` (2024.1.0 to 2026.8.0)"""
+    import inspect
+
+    from distributed.diagnostics.plugin import SchedulerPlugin
+
+    parameter = inspect.signature(SchedulerPlugin.update_graph).parameters["annotations"]
+    assert "dict[str, dict[Key, Any]]" in str(parameter.annotation)
+
+
+def test_outcomes_retire_workers_logs_the_status_change_before_removing():
+    """dask.worker.removed's ``retired``: retire_workers sets the worker's status to
+    closing_gracefully through handle_worker_status_change, which logs a
+    ``worker-status-change`` event under the worker's address (2024.1.0 to 2026.8.0)"""
+    import inspect
+
+    from distributed import Scheduler
+
+    retire = inspect.getsource(Scheduler.retire_workers)
+    assert "Status.closing_gracefully" in retire and "handle_worker_status_change" in retire
+    change = inspect.getsource(Scheduler.handle_worker_status_change)
+    assert '"worker-status-change"' in change and '"status": ws.status.name' in change

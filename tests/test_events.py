@@ -314,3 +314,80 @@ def test_a_lost_worker_is_told_to_at_most_16_spans_and_a_span_gets_at_most_16_ev
     assert all(g.attributes["dask.event.lost_computed_tasks.count"] == 17 for g in one_worker)
     by_name = {s.name: s for s in spans}
     assert len(lost_events(by_name["part 0"])) == 16
+
+
+# --- event names and the worker address (issue 25 items 4 and 6) ---------------------
+
+
+def named_records(receiver: OTLPReceiver) -> list[tuple[str, dict]]:
+    """``(event_name, attributes)`` of every event record received (the
+    ``dask_otel.events`` logger's), as sent"""
+    from tests.support.otlp_receiver import decode_attributes
+
+    return [
+        (record.event_name, decode_attributes(record.attributes))
+        for signal, request in receiver.raw_requests if signal == "logs"
+        for resource_logs in request.resource_logs
+        for scope_logs in resource_logs.scope_logs if scope_logs.scope.name == "dask_otel.events"
+        for record in scope_logs.log_records
+    ]
+
+
+async def _close_itself(dask_worker):
+    dask_worker.loop.add_callback(dask_worker.close, nanny=True, reason="closed-by-test")
+
+
+def test_every_dask_event_record_has_its_fixed_name_and_its_workers_address(monkeypatch):
+    """Worker processes under nannies: print, warn, a user's topic, a worker
+    restarted over its memory limit, a retired worker and one that closes itself.
+    Every record carries the event_name of its topic (docs/events.md), with no
+    dynamic value in it, and each of Dask's records the worker's address"""
+    from dask_otel.scheduler.events import EVENT_NAMES, USER_EVENT
+
+    limit = 300 << 20
+    config = {**LOGS, "otel.events.topics": "dask, inventory",
+              "distributed.scheduler.allowed-failures": 0}
+    with OTLPReceiver("grpc") as receiver:
+        set_otel_env(monkeypatch, {**receiver.env(), **FAST_LOGS})
+        with otel_cluster(config, processes=True, n_workers=3, memory_limit=limit) as (
+            client, _,
+        ):
+            client.wait_for_workers(3)
+            client.submit(print_in_task, 1).result()
+            client.submit(warn_in_task, 2).result()
+            client.log_event("inventory", {"sku": "a1"})
+            with pytest.raises(KilledWorker):
+                client.submit(allocate_past, limit).result(timeout=60)
+            workers = sorted(client.scheduler_info()["workers"])
+            client.retire_workers(workers[:1], close_workers=True)
+            client.run(_close_itself, workers=workers[1:2], wait=False)
+            wanted = {"print", "warn", "inventory", "remove-worker", "closing-worker"}
+            if NANNY_RESTART_EVENT:
+                wanted.add("worker-restart-memory")
+            receiver.wait_for(
+                lambda r: wanted <= {a.get("dask.event.topic") for _, a in named_records(r)}
+                and len(events(r, "remove-worker")) >= 3,
+                timeout=30,
+            )
+    records = named_records(receiver)
+    assert {a["dask.event.topic"] for _, a in records} >= wanted
+    for name, attributes in records:
+        topic = attributes["dask.event.topic"]
+        assert name == EVENT_NAMES.get(topic, USER_EVENT), (topic, name)
+        if topic != "inventory":
+            assert attributes["dask.worker.address"].startswith("tcp://127.0.0.1:"), topic
+    assert "dask.worker.address" not in dict(records)[USER_EVENT]
+
+
+def test_docs_list_every_event_name():
+    """docs/events.md's table of events gives each of Dask's events its event_name"""
+    import re
+    from pathlib import Path
+
+    from dask_otel.scheduler.events import EVENT_NAMES, USER_EVENT
+
+    text = (Path(__file__).parent.parent / "docs" / "events.md").read_text()
+    rows = re.findall(r"^\| `([\w-]+)` \| `([\w.]+)` \|", text, re.M)
+    assert dict(rows) == EVENT_NAMES
+    assert f"`{USER_EVENT}`" in text
+    assert set(EVENT_NAMES) == DASK_EVENTS

@@ -6,9 +6,16 @@ scheduler's ``remove-worker``, the worker's ``closing-worker`` and
 ``worker-fail-hard``, its nanny's ``worker-restart-memory``, ``print``/``warn``
 from ``distributed.print``/``distributed.warn`` in tasks, and whatever users log
 with ``Client.log_event``. :class:`DaskEvents` turns those selected by
-``otel.events.topics`` into log records emitted through the process's
-LoggerProvider (when logs are on), and gives the Dask spans a lost worker was
-computing for, or held results of, a ``dask.worker.lost`` span event.
+``otel.events.topics`` into log-based events emitted through the process's
+LoggerProvider (when logs are on): each record has a fixed ``event_name``
+(:data:`EVENT_NAMES`) and, for Dask's events, ``dask.worker.address``. It gives
+the Dask spans a lost worker was computing for, or held results of, a
+``dask.worker.lost`` span event, and tells each removed worker's reason to
+``dask.worker.removed`` (:mod:`dask_otel.scheduler.outcomes`) whatever the topics:
+the reason is what the worker's events said before its ``remove-worker``
+(``closing-worker``, the nanny's ``worker-restart-memory``, ``worker-fail-hard``,
+or the ``worker-status-change`` to ``closing_gracefully`` that ``retire_workers``
+logs first), else ``lost``.
 
 Cost: one set lookup per event; the work below happens only for the rare events
 selected, and is proportional to the tasks on the worker concerned. Nothing is
@@ -22,13 +29,14 @@ from __future__ import annotations
 import io
 import logging
 import pickle
-from collections.abc import Collection, Hashable, Iterable
+from collections.abc import Callable, Collection, Hashable, Iterable
 from itertools import islice
 from time import time_ns
 from typing import TYPE_CHECKING, Any
 
 import dask_otel.attributes as attr
 from dask_otel._compat import REMOVE_WORKER_LISTS_LOST_KEYS
+from dask_otel.scheduler.outcomes import CLOSED, FAIL_HARD, LOST, MEMORY_RESTART, RETIRED
 
 if TYPE_CHECKING:
     from distributed import Scheduler
@@ -50,6 +58,26 @@ DASK_EVENTS = frozenset({
     "print",
     "warn",
 })
+
+#: The log record's ``event_name`` of each of Dask's events: fixed names, nothing
+#: dynamic in them (the topic stays in ``dask.event.topic``)
+EVENT_NAMES = {
+    "remove-worker": "dask.worker.removed",
+    "closing-worker": "dask.worker.closing",
+    "worker-restart-memory": "dask.worker.restart_memory",
+    "worker-fail-hard": "dask.worker.fail_hard",
+    "print": "dask.task.print",
+    "warn": "dask.task.warn",
+}
+#: The ``event_name`` of the records of users' own topics (``Client.log_event``)
+USER_EVENT = "dask.event"
+#: ``dask.worker.removed.reason`` (dask_otel.scheduler.outcomes) of the event that
+#: said why a worker closed
+_REMOVED_BY = {
+    "closing-worker": CLOSED,
+    "worker-restart-memory": MEMORY_RESTART,
+    "worker-fail-hard": FAIL_HARD,
+}
 
 #: Keys listed in an attribute (``dask.event.processing_tasks``...): the first
 #: this many; the ``.count`` attribute beside it is always exact
@@ -106,8 +134,12 @@ class DaskEvents:
     #: The LoggerProvider's logger the records go to (None: logs are off)
     logger: Logger | None
     #: worker address -> why it closed, as its closing-worker, nanny or
-    #: fail-hard event said, until its remove-worker event
-    reasons: dict[str, str]
+    #: fail-hard event said: ``(dask.worker.removed.reason, text)``, until its
+    #: remove-worker event
+    reasons: dict[str, tuple[str, str | None]]
+    #: Counts a removed worker by its ``dask.worker.removed.reason``
+    #: (``Outcomes.worker_removed``; None: metrics are off)
+    removed: Callable[[str], None] | None
 
     def __init__(
         self,
@@ -116,6 +148,7 @@ class DaskEvents:
         logger_provider: LoggerProvider | None,
         topics: Collection[str],
         level: int = logging.NOTSET,
+        removed: Callable[[str], None] | None = None,
     ):
         self.scheduler = scheduler
         self.mirror = mirror
@@ -125,22 +158,36 @@ class DaskEvents:
             logger_provider.get_logger("dask_otel.events") if logger_provider is not None else None
         )
         self.reasons = {}
+        self.removed = removed
 
     def observe(self, topic: Any, msg: Any) -> None:
         """The hook: every event on every topic passes here"""
         name = event_name(topic, msg)
         if name is None:
+            if isinstance(msg, dict) and msg.get("action") == "worker-status-change":
+                self._note_status(str(topic), msg.get("status"))
             return
-        if name in ("closing-worker", "worker-restart-memory", "worker-fail-hard"):
+        if name in _REMOVED_BY:
             self._note_reason(name, topic, msg)
+        if name == "remove-worker":
+            # counted whatever otel.events.topics says; its reason taken either way
+            address = str(msg.get("worker"))
+            kind, reason = self.reasons.pop(address, (None, None))
+            if self.removed is not None:
+                self.removed(kind or LOST)
+            if name in self.topics:
+                self._remove_worker(msg, address, reason)
+            return
         if name not in self.topics:
             return
-        if name == "remove-worker":
-            self._remove_worker(msg)
-        elif name in ("print", "warn"):
+        if name in ("print", "warn"):
             self._task_output(name, msg)
         else:
-            self._emit(name, _SEVERITY.get(name, "INFO"), _body(name, msg), _fields(msg))
+            attributes = _fields(msg)
+            address = _worker_of(topic, msg)
+            if address:
+                attributes[attr.WORKER_ADDRESS] = address
+            self._emit(name, _SEVERITY.get(name, "INFO"), _body(name, msg), attributes)
 
     # --- a worker lost ------------------------------------------------------------
 
@@ -154,14 +201,27 @@ class DaskEvents:
             reason = f"worker-restart-memory: rss {msg.get('rss')} bytes, nanny restarted it"
         else:
             reason = f"worker-fail-hard: {msg.get('exception_text', '')}"
+        address, kind = str(address), _REMOVED_BY[name]
         if len(self.reasons) >= MAX_REASONS and address not in self.reasons:
             del self.reasons[next(iter(self.reasons))]
-        # closing-worker follows the nanny's restart: keep the first, more precise
-        self.reasons.setdefault(str(address), reason)
+        # closing-worker follows the nanny's restart: keep the first, more precise;
+        # but a memory restart or a hard failure says more than a retirement
+        if kind != CLOSED and self.reasons.get(address, ("",))[0] == RETIRED:
+            del self.reasons[address]
+        self.reasons.setdefault(address, (kind, reason))
 
-    def _remove_worker(self, msg: dict) -> None:
-        address = str(msg.get("worker"))
-        reason = self.reasons.pop(address, None)
+    def _note_status(self, address: str, status: Any) -> None:
+        """A worker's status changed (Dask logs it under the worker's address):
+        ``retire_workers`` sets ``closing_gracefully`` before it removes a worker,
+        on every supported version; a retirement given up sets it back"""
+        if status == "closing_gracefully":
+            if len(self.reasons) >= MAX_REASONS and address not in self.reasons:
+                del self.reasons[next(iter(self.reasons))]
+            self.reasons.setdefault(address, (RETIRED, None))
+        elif self.reasons.get(address, ("",))[0] == RETIRED:
+            del self.reasons[address]
+
+    def _remove_worker(self, msg: dict, address: str, reason: str | None) -> None:
         processing = msg.get("processing-tasks") or ()
         if REMOVE_WORKER_LISTS_LOST_KEYS:
             computed = msg.get("lost-computed-tasks") or ()
@@ -283,6 +343,7 @@ class DaskEvents:
 
         attributes[attr.EVENT_TOPIC] = name
         self.logger.emit(LogRecord(
+            event_name=EVENT_NAMES.get(name, USER_EVENT),
             timestamp=timestamp or time_ns(),
             context=set_span_in_context(NonRecordingSpan(context)) if context else None,
             severity_text=severity,
@@ -301,6 +362,16 @@ _SEVERITY = {
     "warn": "WARNING",
 }
 _SEVERITY_NUMBER = {"INFO": "INFO", "WARNING": "WARN", "ERROR": "ERROR"}
+
+
+def _worker_of(topic: str, msg: Any) -> str | None:
+    """The worker an event concerns: its ``worker`` field (the scheduler adds it to
+    what a worker logs under another topic; the nanny writes it), else the topic
+    when it is a worker's address (``closing-worker``); None for users' topics"""
+    address = msg.get("worker") if isinstance(msg, dict) else None
+    if address:
+        return str(address)
+    return topic if "://" in topic else None
 
 
 def _fields(msg: Any) -> dict[str, Any]:

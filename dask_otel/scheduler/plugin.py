@@ -34,6 +34,7 @@ if TYPE_CHECKING:
     from dask_otel.export.telemetry import ServerTelemetry, Telemetry
     from dask_otel.scheduler.events import DaskEvents
     from dask_otel.scheduler.metrics import SchedulerMetrics
+    from dask_otel.scheduler.outcomes import Outcomes
 
 logger = logging.getLogger("dask_otel")
 
@@ -56,8 +57,11 @@ class OtelSchedulerPlugin(SchedulerPlugin):
     mirror: SpanMirror | None
     #: The fine and self-metrics (None: metrics are off)
     metrics: SchedulerMetrics | None
-    #: Dask's events out as log records and span events (None: neither is on)
+    #: Dask's events out as log records, span events and removed workers (None:
+    #: logs, traces and metrics are off)
     events: DaskEvents | None
+    #: Workflow runs and removed workers as metrics (None: metrics are off)
+    outcomes: Outcomes | None
     #: Which ways of turning the bridge on asked for it on this scheduler, the
     #: one that added it first: ``instrumentor``, ``preload``, ``client``
     paths: list[str]
@@ -72,6 +76,7 @@ class OtelSchedulerPlugin(SchedulerPlugin):
         #: Dask's own families (otel.metrics.dask)
         self.families: Any = None
         self.events = None
+        self.outcomes = None
         self._poller: PeriodicCallback | None = None
         self._started = False
         self._closed = False
@@ -100,18 +105,27 @@ class OtelSchedulerPlugin(SchedulerPlugin):
                 from dask_otel.export.dask_families import families_wanted
                 from dask_otel.scheduler.metrics import SchedulerMetrics
 
+                from dask_otel.scheduler.outcomes import Outcomes, workflow_patterns
+
                 self.metrics = SchedulerMetrics(scheduler, own, self.mirror)
+                self.outcomes = Outcomes(
+                    scheduler, own.telemetry.meter_provider, own.metric_attributes,
+                    workflow_patterns(),
+                )
+                if self.mirror is not None:
+                    self.mirror.outcomes = self.outcomes
                 if families_wanted(own):
                     from dask_otel.scheduler.dask_families import SchedulerFamilies
 
                     self.families = SchedulerFamilies(scheduler, own)
             logs = own.telemetry.logs
-            if logs is not None or self.mirror is not None:
+            if logs is not None or self.mirror is not None or self.outcomes is not None:
                 from dask_otel.scheduler.events import DaskEvents
 
                 self.events = DaskEvents(
                     scheduler, self.mirror, logs.provider if logs is not None else None,
                     config.event_topics, config.logs_level,
+                    self.outcomes.worker_removed if self.outcomes is not None else None,
                 )
         except ConfigError as e:  # an OTEL_* variable the SDK refused, named
             logger.error("dask_otel is off on scheduler %s: %s", scheduler.address, e)
@@ -147,6 +161,11 @@ class OtelSchedulerPlugin(SchedulerPlugin):
                 self.mirror.observe_graph(tasks, client)
             except Exception:
                 logger.exception("dask_otel: could not observe graph")
+        if self.outcomes is not None:
+            try:
+                self.outcomes.observe_graph(kwargs.get("annotations"))
+            except Exception:
+                logger.exception("dask_otel: could not read a graph's workflow")
 
     def transition(
         self, key: Any, start: str, finish: str, *args: Any, stimulus_id: str = "", **kwargs: Any
@@ -167,13 +186,22 @@ class OtelSchedulerPlugin(SchedulerPlugin):
                 self.mirror.observe_received(key)
             except Exception:
                 logger.exception("dask_otel: could not time a task")
-        if finish == "erred" and self.mirror is not None:
+        if finish == "erred":
+            self._erred(key, kwargs.get("startstops"))
+
+    def _erred(self, key: Any, startstops: Any) -> None:
+        if self.mirror is not None:
             try:
                 # A task that ran and failed: the worker sent its startstops
-                started, failed = failure_time(kwargs.get("startstops"))
+                started, failed = failure_time(startstops)
                 self.mirror.observe_erred(key, failed, started)
             except Exception:
                 logger.exception("dask_otel: could not count erred task")
+        if self.outcomes is not None:
+            try:
+                self.outcomes.observe_erred(key)
+            except Exception:
+                logger.exception("dask_otel: could not note an erred run")
 
     def log_event(self, topic: Any, msg: Any) -> None:
         # Every event on every topic (Dask's broker calls it): a test or two when off.
@@ -184,6 +212,11 @@ class OtelSchedulerPlugin(SchedulerPlugin):
                     self.mirror.observe_exit(msg)
                 except Exception:
                     logger.exception("dask_otel: could not read a block's exit")
+            if self.outcomes is not None:
+                try:
+                    self.outcomes.observe_exit(msg)
+                except Exception:
+                    logger.exception("dask_otel: could not read a block's workflow")
             return
         # None after close: the workers' closing events would meet a shut provider
         if self.events is not None and not self._closed:
@@ -195,6 +228,9 @@ class OtelSchedulerPlugin(SchedulerPlugin):
     def remove_client(self, scheduler: Scheduler, client: str) -> None:
         if self.mirror is not None:
             try:
+                # before the mirror closes its blocks: their runs were cancelled
+                if self.outcomes is not None:
+                    self.outcomes.observe_client_gone(self.mirror.ledger.records, client)
                 self.mirror.observe_client_gone(client)
             except Exception:
                 logger.exception("dask_otel: could not close a client's blocks")

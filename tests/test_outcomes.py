@@ -1,0 +1,278 @@
+"""Workflow outcomes and removed workers as metrics (dask_otel.scheduler.outcomes):
+runs and their durations by workflow name and result, each point with an
+exemplar of its run's trace; workers removed by why they left. Real clusters,
+spans and metrics read back from a real OTLP receiver."""
+
+from __future__ import annotations
+
+import dask
+import distributed
+import pytest
+from distributed import Client, span
+from opentelemetry.sdk.metrics import MeterProvider
+from packaging.version import Version
+
+import dask_otel
+from dask_otel.config import ConfigError
+from dask_otel.scheduler.outcomes import MAX_WORKFLOW_NAMES, OTHER, Outcomes, workflow_patterns
+from tests.support.cluster import otel_cluster, wait_until
+from tests.support.otlp_receiver import OTLPReceiver, set_otel_env
+from tests.support.tasks import allocate_past, fail, inc, slow
+from tests.test_metrics import EXEMPLARS_CONFIG, EXEMPLARS_ENV
+
+#: Metrics collected every 300 ms and spans sent every 100 ms, over OTLP
+ENV = EXEMPLARS_ENV
+#: Spans and metrics to the OTLP receiver, spans exported 100 ms after they finish
+CONFIG = {**EXEMPLARS_CONFIG, "otel.flush-timeout": "2s"}
+#: The nanny logs worker-restart-memory since distributed 2024.4.2 (dask/distributed#8617)
+NANNY_RESTART_EVENT = Version(distributed.__version__) >= Version("2024.4.2")
+
+
+def runs(receiver: OTLPReceiver) -> dict[tuple[str, str], float]:
+    """The latest ``dask.workflow.runs`` value of each (name, result)"""
+    out = {}
+    for p in receiver.metric_points("dask.workflow.runs"):
+        out[p.attributes["dask.workflow.name"], p.attributes["dask.workflow.result"]] = p.value
+    return out
+
+
+def removed(receiver: OTLPReceiver) -> dict[str, float]:
+    """The latest ``dask.worker.removed`` value of each reason"""
+    return {
+        p.attributes["dask.worker.removed.reason"]: p.value
+        for p in receiver.metric_points("dask.worker.removed")
+    }
+
+
+def test_an_ok_run_and_an_erred_run_carry_exemplars_of_their_traces(monkeypatch):
+    """Worker processes; names matched by otel.metrics.workflows: one run each,
+    ok and erred, a duration point each, and every exemplar's trace is the run's
+    exported root span's"""
+    config = {**CONFIG, "otel.metrics.workflows": ["nightly-*"]}
+    with OTLPReceiver("grpc") as receiver:
+        set_otel_env(monkeypatch, {**receiver.env(), **ENV})
+        with otel_cluster(config, processes=True, n_workers=1) as (client, _):
+            with span("nightly-etl") as ok_id:
+                assert client.submit(inc, 1).result() == 2
+            with span("nightly-score") as erred_id, pytest.raises(ValueError):
+                client.submit(fail, 1).result()
+            receiver.wait_for(
+                lambda r: runs(r) == {("nightly-etl", "ok"): 1, ("nightly-score", "erred"): 1},
+                timeout=30,
+            )
+            roots = receiver.wait_for(
+                lambda r: {s.name: s for s in r.spans() if s.parent_span_id is None
+                           and s.name.startswith("nightly")} if len(
+                    {s.name for s in r.spans() if s.parent_span_id is None}) >= 2 else None
+            )
+    traces = {"nightly-etl": ok_id.replace("-", ""), "nightly-score": erred_id.replace("-", "")}
+    assert {name: s.trace_id for name, s in roots.items()} == traces
+    assert roots["nightly-score"].status_code == "ERROR"
+    for metric in ("dask.workflow.runs", "dask.workflow.duration"):
+        points = receiver.metric_points(metric)
+        by_name = {p.attributes["dask.workflow.name"]: p for p in points if p.exemplars}
+        assert set(by_name) == set(traces), metric
+        for name, point in by_name.items():
+            assert {t for t, _ in point.exemplars} == {traces[name]}, (metric, name)
+            assert {s for _, s in point.exemplars} == {roots[name].span_id}
+    (duration,) = {
+        p.count for p in receiver.metric_points("dask.workflow.duration")
+        if p.attributes["dask.workflow.name"] == "nightly-etl"
+    }
+    assert duration == 1
+    last = [p for p in receiver.metric_points("dask.workflow.duration")
+            if p.attributes["dask.workflow.name"] == "nightly-etl"][-1]
+    assert last.unit == "s"
+    assert 0 < last.value <= roots["nightly-etl"].duration + 1e-6
+
+
+def test_a_root_named_by_its_annotation_keeps_its_name_and_others_are_other(monkeypatch):
+    """A root whose tasks say ``workflow: True`` in their otel annotation (what
+    ``dask_otel.span(..., workflow=True)`` writes) is named; one that does not, and
+    matches no pattern, counts as ``other``; work outside any span is a run of
+    Dask's ``default`` span"""
+    with OTLPReceiver("grpc") as receiver:
+        set_otel_env(monkeypatch, {**receiver.env(), **ENV})
+        with otel_cluster(CONFIG, n_workers=1) as (client, _):
+            with span("adhoc-7f3a"), dask.annotate(otel={"workflow": True}):
+                client.submit(inc, 1, key="named-0").result()
+            with span("adhoc-9c1e"):
+                client.submit(inc, 2, key="unnamed-0").result()
+            client.submit(inc, 3, key="spanless-0").result()
+            receiver.wait_for(
+                lambda r: runs(r) == {
+                    ("adhoc-7f3a", "ok"): 1, (OTHER, "ok"): 1, ("default", "ok"): 1,
+                },
+                timeout=30,
+            )
+
+
+def test_a_client_that_leaves_inside_its_block_cancels_the_run(monkeypatch):
+    """The client that opened a dask_otel.span block closes while in it, its task
+    still running: the run is ``cancelled``. A run whose future is released in
+    its block, which the client then leaves, is ``ok``: Dask does not tell it
+    from one that finished"""
+    config = {**CONFIG, "otel.metrics.workflows": "hourly-*"}
+    with OTLPReceiver("grpc") as receiver:
+        set_otel_env(monkeypatch, {**receiver.env(), **ENV})
+        with otel_cluster(config, processes=True, n_workers=1) as (client, mirrored):
+            leaving = Client(mirrored.cluster)
+            with dask_otel.span("hourly-sync"):
+                future = leaving.submit(slow, 1, 3)
+                wait_until(lambda: any(leaving.processing().values()))
+                leaving.close()
+            del future
+            receiver.wait_for(lambda r: runs(r) == {("hourly-sync", "cancelled"): 1}, timeout=30)
+            with dask_otel.span("hourly-drop"):
+                future = client.submit(slow, 2, 3)
+                wait_until(lambda: any(client.processing().values()))
+                del future
+            receiver.wait_for(
+                lambda r: runs(r) == {("hourly-sync", "cancelled"): 1, ("hourly-drop", "ok"): 1},
+                timeout=30,
+            )
+
+
+def test_a_run_the_scheduler_closes_under_is_cancelled(monkeypatch):
+    """The scheduler shuts down while a run's task is running (its client still
+    connected): the scheduler's last flush counts the run ``cancelled``"""
+    config = {**CONFIG, "otel.metrics.workflows": ["long-*"]}
+    with OTLPReceiver("grpc") as receiver:
+        set_otel_env(monkeypatch, {**receiver.env(), **ENV})
+        with otel_cluster(config, n_workers=1) as (client, _):
+            with span("long-backfill"):
+                future = client.submit(slow, 1, 10)
+                wait_until(lambda: any(client.processing().values()))
+            client.shutdown()
+            del future
+        receiver.wait_for(lambda r: runs(r) == {("long-backfill", "cancelled"): 1}, timeout=30)
+
+
+def test_a_run_whose_trace_is_sampled_out_is_counted_without_an_exemplar(monkeypatch):
+    """The sampler keeps no trace: the run is counted all the same, its points
+    carry no exemplar"""
+    config = {**CONFIG, "otel.metrics.workflows": ["daily-*"]}
+    with OTLPReceiver("grpc") as receiver:
+        set_otel_env(monkeypatch, {**receiver.env(), **ENV, "OTEL_TRACES_SAMPLER": "always_off"})
+        with otel_cluster(config, n_workers=1) as (client, _):
+            with span("daily-report"):
+                client.submit(inc, 1).result()
+            receiver.wait_for(lambda r: runs(r) == {("daily-report", "ok"): 1}, timeout=30)
+    assert not receiver.spans()
+    assert not any(p.exemplars for name in ("dask.workflow.runs", "dask.workflow.duration")
+                   for p in receiver.metric_points(name))
+
+
+def test_workers_removed_count_a_retired_and_a_memory_restarted_worker(monkeypatch):
+    """Nannies: a worker retired by the client, a worker its nanny restarts past
+    its memory limit (lost without a word before distributed 2024.4.2, whose
+    nanny logs no event)"""
+    limit = 300 << 20
+    config = {**CONFIG, "distributed.scheduler.allowed-failures": 0}
+    with OTLPReceiver("grpc") as receiver:
+        set_otel_env(monkeypatch, {**receiver.env(), **ENV})
+        with otel_cluster(config, processes=True, n_workers=2, memory_limit=limit) as (
+            client, _,
+        ):
+            client.wait_for_workers(2)
+            retiring = sorted(client.scheduler_info()["workers"])[0]
+            client.retire_workers([retiring], close_workers=True)
+            receiver.wait_for(lambda r: removed(r) == {"retired": 1}, timeout=30)
+            with pytest.raises(distributed.KilledWorker):
+                client.submit(allocate_past, limit).result(timeout=60)
+            reason = "memory_restart" if NANNY_RESTART_EVENT else "lost"
+            receiver.wait_for(lambda r: removed(r) == {"retired": 1, reason: 1}, timeout=30)
+    point = receiver.metric_points("dask.worker.removed")[-1]
+    assert point.unit == "{worker}"
+    assert point.monotonic
+
+
+def test_workers_that_close_fail_hard_or_die_are_closed_fail_hard_and_lost(monkeypatch):
+    """A worker closed by its own ``Worker.close`` says so first (closing-worker):
+    ``closed``; one that logged worker-fail-hard (as ``@fail_hard`` does) before
+    its process ended: ``fail_hard``; one whose process ends without a word:
+    ``lost``. Counted with remove-worker not among otel.events.topics"""
+    config = {**CONFIG, "otel.events.topics": "print"}
+    with OTLPReceiver("grpc") as receiver:
+        set_otel_env(monkeypatch, {**receiver.env(), **ENV})
+        with otel_cluster(config, processes=True, n_workers=3) as (client, _):
+            client.wait_for_workers(3)
+            first, second, third = sorted(client.scheduler_info()["workers"])
+            client.run(_close_worker, workers=[first])
+            receiver.wait_for(lambda r: removed(r) == {"closed": 1}, timeout=30)
+            client.run(_fail_hard, workers=[second], wait=False)
+            receiver.wait_for(lambda r: removed(r) == {"closed": 1, "fail_hard": 1}, timeout=30)
+            client.run(_exit_process, workers=[third], wait=False)
+            receiver.wait_for(
+                lambda r: removed(r) == {"closed": 1, "fail_hard": 1, "lost": 1}, timeout=30
+            )
+
+
+def _close_worker(dask_worker):
+    # no nanny restart: the worker's own close, with its closing-worker event
+    dask_worker.loop.add_callback(dask_worker.close, nanny=True, reason="closed-by-test")
+
+
+async def _fail_hard(dask_worker):
+    # what distributed.worker.fail_hard logs before it closes the worker
+    import asyncio
+    import os
+
+    dask_worker.log_event("worker-fail-hard", {"exception_text": "RuntimeError('test')"})
+    await asyncio.sleep(0.5)  # the batched stream sends it
+    os._exit(1)
+
+
+async def _exit_process():
+    import os
+
+    os._exit(1)
+
+
+def test_prometheus_names_through_a_collector():
+    """The names docs/metrics.md gives, as a collector's prometheus exporter names
+    the instruments"""
+    from opentelemetry.sdk.metrics.export import InMemoryMetricReader
+
+    from tests.support.deploy_checks import collector_prometheus_name
+
+    reader = InMemoryMetricReader()
+    outcomes = Outcomes(None, MeterProvider(metric_readers=[reader]), {})  # type: ignore[arg-type]
+    outcomes.instruments.runs.add(1)
+    outcomes.instruments.duration.record(1.0)
+    outcomes.worker_removed("lost")
+    (scope,) = reader.get_metrics_data().resource_metrics[0].scope_metrics
+    names = set()
+    for metric in scope.metrics:
+        kind = "histogram" if hasattr(metric.data, "aggregation_temporality") and not hasattr(
+            metric.data, "is_monotonic") else "sum"
+        names.add(collector_prometheus_name(
+            metric.name, metric.unit, kind, getattr(metric.data, "is_monotonic", None)))
+    assert names == {
+        "dask_workflow_duration_seconds", "dask_workflow_runs_total", "dask_worker_removed_total",
+    }
+
+
+def test_names_past_the_limit_are_other():
+    """At most MAX_WORKFLOW_NAMES names; a name given keeps its series"""
+    outcomes = Outcomes(None, MeterProvider(), {})  # type: ignore[arg-type]
+    names = [outcomes.workflow_name(f"etl-{i}", named=True) for i in range(MAX_WORKFLOW_NAMES + 5)]
+    assert names[:MAX_WORKFLOW_NAMES] == [f"etl-{i}" for i in range(MAX_WORKFLOW_NAMES)]
+    assert set(names[MAX_WORKFLOW_NAMES:]) == {OTHER}
+    assert outcomes.workflow_name("etl-0", named=False) == "etl-0"
+    assert outcomes.workflow_name("adhoc", named=False) == OTHER
+
+
+@pytest.mark.parametrize("value", [5, ["nightly-*", 3], [""], True])
+def test_bad_workflow_patterns_name_the_key(value):
+    with dask.config.set({"otel.metrics.workflows": value}), pytest.raises(
+        ConfigError, match="otel.metrics.workflows"
+    ):
+        workflow_patterns()
+
+
+def test_workflow_patterns_take_a_list_or_a_comma_separated_string():
+    with dask.config.set({"otel.metrics.workflows": "nightly-*, hourly-?"}):
+        assert workflow_patterns() == ("nightly-*", "hourly-?")
+    with dask.config.set({"otel.metrics.workflows": ["etl"]}):
+        assert workflow_patterns() == ("etl",)
