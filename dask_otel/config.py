@@ -131,15 +131,15 @@ def _level(key: str) -> int:
     raise ConfigError(key, value, "a logging level like INFO or WARNING")
 
 
-def _topics(key: str) -> frozenset[str]:
-    """Event topic names: a list, or a comma-separated string"""
+def _names(key: str, what: str = "a list of event topic names") -> frozenset[str]:
+    """Names (event topics, fnmatch patterns): a list, or a comma-separated string"""
     value = get(key)
     if isinstance(value, str):
         value = [v for v in (v.strip() for v in value.split(",")) if v]
     if not isinstance(value, (list, tuple)) or not all(
         isinstance(v, str) and v.strip() for v in value
     ):
-        raise ConfigError(key, value, "a list of event topic names")
+        raise ConfigError(key, value, what)
     return frozenset(v.strip() for v in value)
 
 
@@ -245,6 +245,12 @@ class OtelConfig:
     span_label: bool = _key("otel.metrics.span-label", _bool, SCHEDULER)
     #: Dask's own Prometheus families over OTLP (docs/metrics.md#dasks-own-families)
     dask_families: bool = _key("otel.metrics.dask", _bool, SCHEDULER, WORKERS)
+    #: root span names that ``dask.workflow.*`` count by name
+    #: (:mod:`dask_otel.scheduler.outcomes`)
+    workflows: frozenset[str] = _key(
+        "otel.metrics.workflows",
+        partial(_names, what="a list of fnmatch patterns of span names"), SCHEDULER,
+    )
     task_spans: bool = _key("otel.tasks.spans", _bool, WORKERS)
     #: in [0, 1]
     task_sample_ratio: float = _key("otel.tasks.sample-ratio", _ratio, WORKERS)
@@ -262,7 +268,7 @@ class OtelConfig:
     #: a logging level number
     logs_level: int = _key("otel.logs.level", _level, SCHEDULER, WORKERS)
     #: the Dask events exported as log records (dask_otel.scheduler.events)
-    event_topics: frozenset[str] = _key("otel.events.topics", _topics, SCHEDULER)
+    event_topics: frozenset[str] = _key("otel.events.topics", _names, SCHEDULER)
 
     def effective(self, process: str) -> dict[str, Any]:
         """The values of the keys that ``process`` (:data:`SCHEDULER` or

@@ -860,7 +860,9 @@ def test_a_collector_gives_the_metrics_the_same_prometheus_names_and_labels(scra
     pushed: dict[str, set[str]] = {}
     for point in points:
         name = collector_prometheus_name(point.name, point.unit, point.kind, point.monotonic)
-        pushed.setdefault(name, set()).update(map(prometheus_label, point.attributes))
+        for series in ([name + s for s in ("_bucket", "_sum", "_count")]
+                       if point.kind == "histogram" else [name]):
+            pushed.setdefault(series, set()).update(map(prometheus_label, point.attributes))
         assert point.resource["service.name"] == scraped_run.job
         assert point.resource.get("service.instance.id")  # the collector's `instance`
     series = http_get_json(f"{scraped_run.prometheus.url}/api/v1/series", {

@@ -309,9 +309,11 @@ def test_every_emitted_metric_is_documented_and_every_documented_one_emitted(mon
                 lambda: any(k[0] == "p2p" for k in cluster.scheduler.cumulative_worker_metrics),
                 what="P2P metrics",
             )
+            client.retire_workers([list(cluster.workers.values())[-1].address])
             reader = metric_reader(cluster)
             points = wait_until(
-                lambda: (p := collect(reader)) and "dask.otel.span.exported" in p and p,
+                lambda: (p := collect(reader)) and "dask.otel.span.exported" in p
+                and "dask.worker.removed" in p and p,
                 what="the self-metrics",
             )
             data = reader.get_metrics_data()
@@ -327,7 +329,7 @@ def test_every_emitted_metric_is_documented_and_every_documented_one_emitted(mon
     assert set(points) == set(emitted)
     assert sorted(emitted) == sorted(documented), "docs/metrics.md and the emitted metrics differ"
 
-    kinds = {"Gauge": GAUGE, "Sum": COUNTER}
+    kinds = {"Gauge": GAUGE, "Sum": COUNTER, "Histogram": "histogram"}
     # The names of the samples Prometheus stores
     samples = set(re.findall(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)[{ ]", exposition, flags=re.M))
     for name, metric in emitted.items():

@@ -13,8 +13,8 @@ from opentelemetry.sdk.metrics import MeterProvider
 from packaging.version import Version
 
 import dask_otel
-from dask_otel.config import ConfigError
-from dask_otel.scheduler.outcomes import MAX_WORKFLOW_NAMES, OTHER, Outcomes, workflow_patterns
+from dask_otel.config import ConfigError, read_config
+from dask_otel.scheduler.outcomes import MAX_WORKFLOW_NAMES, OTHER, Outcomes
 from tests.support.cluster import otel_cluster, wait_until
 from tests.support.otlp_receiver import OTLPReceiver, set_otel_env
 from tests.support.tasks import allocate_past, fail, inc, slow
@@ -268,11 +268,11 @@ def test_bad_workflow_patterns_name_the_key(value):
     with dask.config.set({"otel.metrics.workflows": value}), pytest.raises(
         ConfigError, match="otel.metrics.workflows"
     ):
-        workflow_patterns()
+        read_config()
 
 
 def test_workflow_patterns_take_a_list_or_a_comma_separated_string():
     with dask.config.set({"otel.metrics.workflows": "nightly-*, hourly-?"}):
-        assert workflow_patterns() == ("nightly-*", "hourly-?")
+        assert read_config().workflows == {"nightly-*", "hourly-?"}
     with dask.config.set({"otel.metrics.workflows": ["etl"]}):
-        assert workflow_patterns() == ("etl",)
+        assert read_config().workflows == {"etl"}

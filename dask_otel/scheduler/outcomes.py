@@ -36,12 +36,9 @@ from fnmatch import fnmatchcase
 from typing import TYPE_CHECKING, Any
 from weakref import WeakKeyDictionary
 
-import dask.config
-
 import dask_otel.attributes as attr
 from dask_otel._version import __version__
 from dask_otel.annotation import ANNOTATION, read_block_exit, workflow_named
-from dask_otel.config import ConfigError
 from dask_otel.span_context import root_span
 
 if TYPE_CHECKING:
@@ -86,30 +83,6 @@ DURATION_BUCKETS = (
     0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1800, 3600, 7200, 14400,
     43200, 86400,
 )
-#: The dask config key of the patterns of bounded workflow names
-WORKFLOWS_KEY = "otel.metrics.workflows"
-
-
-def workflow_patterns(key: str = WORKFLOWS_KEY) -> tuple[str, ...]:
-    """``otel.metrics.workflows``: fnmatch patterns (a list, or a comma-separated
-    string) of root span names that are bounded workflow names
-
-    Raises
-    ------
-    ConfigError
-        naming the key and the value, if it is not a list of non-empty strings
-    """
-    value = dask.config.get(key, None)
-    if value is None:
-        return ()
-    names = value.split(",") if isinstance(value, str) else value
-    if not isinstance(names, (list, tuple)):
-        raise ConfigError(key, value, "a list of fnmatch patterns of span names")
-    patterns = tuple(n.strip() if isinstance(n, str) else n for n in names)
-    if not all(isinstance(p, str) and p for p in patterns):
-        raise ConfigError(key, value, "a list of fnmatch patterns of span names")
-    return patterns
-
 
 class OutcomeInstruments:
     """The three instruments on one MeterProvider: created once per provider, as

@@ -105,12 +105,12 @@ class OtelSchedulerPlugin(SchedulerPlugin):
                 from dask_otel.export.dask_families import families_wanted
                 from dask_otel.scheduler.metrics import SchedulerMetrics
 
-                from dask_otel.scheduler.outcomes import Outcomes, workflow_patterns
+                from dask_otel.scheduler.outcomes import Outcomes
 
                 self.metrics = SchedulerMetrics(scheduler, own, self.mirror)
                 self.outcomes = Outcomes(
                     scheduler, own.telemetry.meter_provider, own.metric_attributes,
-                    workflow_patterns(),
+                    config.workflows,
                 )
                 if self.mirror is not None:
                     self.mirror.outcomes = self.outcomes

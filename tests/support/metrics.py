@@ -39,7 +39,7 @@ def collect(reader: InMemoryMetricReader) -> dict[str, list[Point]]:
                 out.setdefault(metric.name, []).extend(
                     Point(
                         dict(p.attributes),
-                        p.value,
+                        p.value if hasattr(p, "value") else p.sum,  # a histogram: its sum
                         getattr(p, "start_time_unix_nano", 0),
                     )
                     for p in metric.data.data_points
