@@ -104,7 +104,6 @@ def announces_retry(record: logging.LogRecord) -> bool:
     )
 
 
-
 # -- limits --
 # The series limits of the bridge's metric streams (dask_otel/export/instruments.py;
 # tests/test_compat.py::test_limits_*). opentelemetry-sdk 1.45.2, a patch release,
