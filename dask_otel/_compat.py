@@ -104,6 +104,26 @@ def announces_retry(record: logging.LogRecord) -> bool:
     )
 
 
+# -- limits --
+# The series limits of the bridge's metric streams (dask_otel/export/instruments.py;
+# tests/test_compat.py::test_limits_*). opentelemetry-sdk 1.45.2, a patch release,
+# folds every attribute set past 2,000 per metric stream into one
+# `otel.metric.overflow` point unless a View sets the limit
+# (`aggregation_cardinality_limit`, new in the same release); 1.41 to 1.45.1 have
+# no limit, and their View refuses the argument.
+
+#: The first SDK release whose metric streams have a series limit
+SERIES_LIMIT_SINCE = Version("1.45.2")
+
+
+def series_limit_view_options(limit: int) -> dict[str, int]:
+    """The keyword of a View that sets its streams' series limit to ``limit``;
+    none before opentelemetry-sdk 1.45.2, whose streams have no limit"""
+    from opentelemetry.sdk.version import __version__
+
+    if Version(__version__) < SERIES_LIMIT_SINCE:
+        return {}
+    return {"aggregation_cardinality_limit": limit}
 
 
 # --- opentelemetry-configuration (declarative) ------------------------------------

@@ -204,3 +204,44 @@ def test_outcomes_retire_workers_logs_the_status_change_before_removing():
     assert "Status.closing_gracefully" in retire and "handle_worker_status_change" in retire
     change = inspect.getsource(Scheduler.handle_worker_status_change)
     assert '"worker-status-change"' in change and '"status": ws.status.name' in change
+# -- limits --
+
+
+def _points_of(observed: int, views: list) -> list:
+    """The points of one collection of an observable counter that observes
+    ``observed`` attribute sets, on a MeterProvider with ``views``"""
+    from opentelemetry.metrics import Observation
+    from opentelemetry.sdk.metrics import MeterProvider
+    from opentelemetry.sdk.metrics.export import InMemoryMetricReader
+
+    reader = InMemoryMetricReader()
+    provider = MeterProvider(metric_readers=[reader], views=views)
+    provider.get_meter("dask_otel").create_observable_counter(
+        "series", callbacks=[lambda _: [Observation(1, {"n": n}) for n in range(observed)]])
+    try:
+        (metric,) = [m for rm in reader.get_metrics_data().resource_metrics
+                     for sm in rm.scope_metrics if sm.scope.name == "dask_otel"
+                     for m in sm.metrics]
+        return list(metric.data.data_points)
+    finally:
+        provider.shutdown()
+
+
+def test_limits_the_sdk_caps_series_and_a_view_sets_the_cap_from_1_45_2_only():
+    """The switch of ``_compat.series_limit_view_options``: from 1.45.2 a stream
+    keeps 2,000 attribute sets plus one overflow point unless a View's
+    ``aggregation_cardinality_limit`` says otherwise; before, no cap, and a View
+    refuses that argument (so the bridge passes none)"""
+    from opentelemetry.sdk.metrics.view import View
+
+    overflow = {"otel.metric.overflow": True}
+    options = _compat.series_limit_view_options(3)
+    if options:
+        points = _points_of(2500, [])
+        assert len(points) == 2001 and [p for p in points if p.attributes == overflow]
+        limited = _points_of(10, [View(meter_name="dask_otel", **options)])
+        assert len(limited) == 4 and limited[-1].attributes == overflow
+    else:
+        assert len(_points_of(2500, [])) == 2500
+        with pytest.raises(TypeError):
+            View(meter_name="dask_otel", aggregation_cardinality_limit=3)

@@ -23,7 +23,7 @@ from typing import Any
 
 import dask
 import pytest
-from distributed import Semaphore
+from distributed import Semaphore, wait
 from opentelemetry.exporter.prometheus import PrometheusMetricReader
 from opentelemetry.sdk.metrics import MeterProvider
 from opentelemetry.sdk.metrics.export import InMemoryMetricReader
@@ -37,7 +37,7 @@ from tests.support.cluster import otel_cluster, wait_until
 from tests.support.deploy_checks import collector_prometheus_name
 from tests.support.metrics import collect
 from tests.support.otlp_receiver import OTLPReceiver, set_otel_env
-from tests.support.tasks import make_chunk
+from tests.support.tasks import inc, make_chunk
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -345,6 +345,63 @@ def test_families_arrive_over_otlp_with_dasks_names(monkeypatch):
     assert {n for n in names if SPILL_FAMILIES.fullmatch(n)}
     assert not {n for n in ours if SPILL_FAMILIES.fullmatch(n)}
     assert receiver.metric_points("dask.spill.count")
+
+
+#: Task prefixes of the next test: Dask serves four series of
+#: dask_scheduler_prefix_state_totals_total for each (one per state), 3,200 in
+#: all, past the 2,000 attribute sets opentelemetry-sdk 1.45.2 keeps per metric
+#: stream unless told otherwise
+MANY_PREFIXES = 800
+
+
+def received_samples(points: list) -> Samples:
+    """Points received over OTLP as the collector's Prometheus translation names
+    them, as :func:`parse` keys Dask's exposition"""
+    return {
+        (collector_prometheus_name(p.name, p.unit, p.kind, p.monotonic),
+         frozenset((k.replace(".", "_"), str(v)) for k, v in p.attributes.items())): p.value
+        for p in points
+    }
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(240, method="signal")
+def test_every_series_dask_serves_arrives_over_otlp_past_the_sdks_default_limit(monkeypatch):
+    """docs/metrics.md, "Series limits": Dask's /metrics has no limit, so neither
+    have its families over OTLP. The scheduler's series of one export, collected
+    between two identical scrapes of Dask's /metrics (an idle cluster), are the
+    series of those scrapes: every one of the 3,200 prefix-state series, and no
+    ``otel.metric.overflow`` point."""
+    with OTLPReceiver("grpc") as receiver:
+        set_otel_env(monkeypatch, {**receiver.env(), "OTEL_METRIC_EXPORT_INTERVAL": "1000"})
+        config = {"otel.metrics.exporter": "otlp", "otel.metrics.dask": True}
+        with otel_cluster(config, processes=True, n_workers=1) as (client, mirrored):
+            wait([client.submit(inc, i, key=f"p{i}-0") for i in range(MANY_PREFIXES)])
+            port = mirrored.cluster.scheduler.http_server.port
+
+            def scheduler_collection_after(moment: float) -> list:
+                """The points of the scheduler's first collection after ``moment``"""
+                times = sorted({p.time for p in receiver.metric_points()
+                                if p.name.startswith(OTEL_PREFIXES[:3]) and p.time > moment})
+                return times and [p for p in receiver.metric_points()
+                                  if p.time == times[0] and p.name.startswith(OTEL_PREFIXES[:3])]
+
+            for _ in range(5):  # until nothing moved between the two scrapes
+                before, moment = dask_scrape(port, SCHEDULER_PREFIXES), time.time()
+                points = wait_until(lambda: scheduler_collection_after(moment), timeout=30,
+                                    what="an export of the scheduler's families")
+                after = dask_scrape(port, SCHEDULER_PREFIXES)
+                if set(before) == set(after):
+                    break
+    assert set(before) == set(after)
+    served_states = [k for k in before if k[0] == "dask_scheduler_prefix_state_totals_total"]
+    assert len(served_states) >= 4 * MANY_PREFIXES
+    assert not [p for p in points if "otel.metric.overflow" in p.attributes]
+    ours = received_samples(points)
+    assert set(ours) == set(before)
+    for key, value in before.items():
+        if not MOVING.search(key[0]) and after[key] == value:
+            assert ours[key] == pytest.approx(value), key
 
 
 def test_families_are_off_by_default():

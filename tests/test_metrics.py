@@ -16,7 +16,13 @@ import prometheus_client
 import pytest
 from distributed import LocalCluster, span, wait
 
-from dask_otel.export.instruments import COUNTER, GAUGE
+from dask_otel.export.instruments import (
+    COUNTER,
+    GAUGE,
+    Attached,
+    MetricSpec,
+    ProcessInstruments,
+)
 from dask_otel.scheduler.metrics import SCHEDULER_METRICS, fine_metric_attributes
 from dask_otel.spill import SPILL_METRICS
 from tests.support.cluster import spilling_cluster, wait_until
@@ -263,6 +269,41 @@ def test_metric_export_failures_are_counted(monkeypatch):
             ]
             assert failed.attributes["dask.otel.exporter"] == "OTLPMetricExporter"
 
+
+
+class _ManySeries(Attached):
+    """A server whose every instrument observes 2,500 attribute sets"""
+
+
+class _ManySeriesInstruments(ProcessInstruments):
+    table = tuple(
+        MetricSpec(f"many.{kind}", kind, "", "", lambda _: [(1, {"n": n}) for n in range(2500)])
+        for kind in (GAUGE, COUNTER)
+    )
+
+
+def test_the_bridges_instruments_have_no_sdk_series_limit():
+    """docs/metrics.md, "Series limits": opentelemetry-sdk 1.45.2 keeps 2,000
+    attribute sets per stream by default; the views of the bridge's
+    MeterProvider lift that for every kind of instrument the bridge creates
+    (spill, memory and self-metrics included), so all 2,500 series arrive on
+    every SDK, and no overflow point"""
+    from opentelemetry.sdk.metrics import MeterProvider
+    from opentelemetry.sdk.metrics.export import InMemoryMetricReader
+
+    from dask_otel.export.instruments import EXEMPLAR_VIEWS
+
+    reader = InMemoryMetricReader()
+    provider = MeterProvider(metric_readers=[reader], views=EXEMPLAR_VIEWS)
+    try:
+        _ManySeriesInstruments.of(provider).attach(_ManySeries({}))
+        points = collect(reader)
+    finally:
+        provider.shutdown()
+    assert {name: len(series) for name, series in points.items()} == {
+        "many.gauge": 2500, "many.counter": 2500}
+    assert not [p for series in points.values() for p in series
+                if "otel.metric.overflow" in p.attributes]
 
 # --- the documented table ------------------------------------------------------------
 

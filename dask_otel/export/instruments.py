@@ -17,6 +17,7 @@ what they read. They copy what they read, skip a server for one round on
 from __future__ import annotations
 
 import logging
+import sys
 import threading
 from collections.abc import Callable, Hashable, Iterable, Mapping
 from dataclasses import dataclass
@@ -32,6 +33,7 @@ from opentelemetry.sdk.metrics import (
 )
 from opentelemetry.sdk.metrics.view import View
 
+from dask_otel._compat import series_limit_view_options
 from dask_otel._version import __version__
 
 if TYPE_CHECKING:
@@ -121,11 +123,23 @@ class LazyExemplarReservoir(SimpleFixedSizeExemplarReservoir):
         return super().collect(point_attributes)
 
 
-#: The bridge's observable instruments with :class:`LazyExemplarReservoir`: the
-#: same streams (one view per kind, so that no instrument matches two)
+#: The series (attribute sets) one stream of the bridge's instruments may have:
+#: no limit. opentelemetry-sdk 1.45.2 folds every attribute set past 2,000 into
+#: one ``otel.metric.overflow`` point unless a View says otherwise; the bridge
+#: bounds its data itself where it must: Dask's families have the series Dask's
+#: ``/metrics`` serves (no limit there either), the fine metrics fold their own
+#: overflow (:data:`dask_otel.scheduler.metrics.MAX_SERIES`). The SDK keeps an
+#: aggregation per series it has seen, as Dask keeps every task prefix.
+#: docs/metrics.md#series-limits
+NO_SERIES_LIMIT = sys.maxsize
+
+#: The views of the bridge's observable instruments: :class:`LazyExemplarReservoir`
+#: and :data:`NO_SERIES_LIMIT` (on an SDK that has limits), the same streams
+#: otherwise (one view per kind, so that no instrument matches two)
 EXEMPLAR_VIEWS = [
     View(meter_name="dask_otel", instrument_type=kind,
-         exemplar_reservoir_factory=lambda _: LazyExemplarReservoir)
+         exemplar_reservoir_factory=lambda _: LazyExemplarReservoir,
+         **series_limit_view_options(NO_SERIES_LIMIT))
     for kind in (ObservableCounter, ObservableGauge, ObservableUpDownCounter)
 ]
 

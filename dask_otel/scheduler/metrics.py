@@ -8,8 +8,9 @@ unit (``dask.activity.time``, ``.size``, ``.count``), read at collection time an
 so lagging the workers by up to a heartbeat. With ``otel.metrics.span-label`` the
 ``execute`` and ``p2p`` contexts are read from the spans instead, each with its
 span's name (off by default: span names are user data, and every distinct one is
-a new series). Past :data:`MAX_SERIES` series per instrument, the rest is summed
-here into one overflow series, as the SDK would fold it after paying for each.
+a new series). Past :data:`MAX_SERIES` series per instrument and scheduler, the
+rest is summed here into one overflow series, before the SDK pays for each (the
+SDK's own limit is lifted for the bridge's instruments: docs/metrics.md#series-limits).
 
 The self-metrics (``dask.otel.*``) are for alerting on telemetry loss.
 
@@ -70,12 +71,14 @@ def fine_metric_attributes(key: Hashable) -> tuple[str, dict[str, Any]] | None:
     return str(unit), attributes
 
 
-#: Series per fine-metrics instrument and collection: the SDK's default cardinality
-#: limit. Past it the SDK folds every further attribute set into one overflow
-#: series anyway, after paying ~20 us for each: at 10,000 task prefixes a
-#: collection took seconds of GIL. Folding them here gives the same points.
+#: Series per fine-metrics instrument, scheduler and collection, the rest folded
+#: into one overflow series: the number opentelemetry-sdk 1.45.2 chose for its
+#: default limit (older SDKs have none; the bridge's views lift it, see
+#: :data:`dask_otel.export.instruments.NO_SERIES_LIMIT`). Folding here, not in
+#: the SDK, saves ~20 us per further series: at 10,000 task prefixes a
+#: collection took seconds of GIL.
 MAX_SERIES = 2000
-#: The series the rest is summed into, as the SDK names its own overflow
+#: The series the rest is summed into: the attribute of the SDK's own overflow point
 OVERFLOW = {"otel.metric.overflow": True}
 
 #: Attributes of the exported series' keys, built once. Only the first
