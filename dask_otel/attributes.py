@@ -90,3 +90,9 @@ TASK_PREFIX = "dask.task.prefix"
 THRESHOLD = "dask.threshold"
 OTEL_EXPORTER = "dask.otel.exporter"
 OTEL_SIGNAL = "dask.otel.signal"
+
+# -- flags --
+
+#: ``thread.name`` of the thread a task ran in: in semantic-conventions 0.62b0 to
+#: 0.66b2 only in ``opentelemetry.semconv._incubating``, so spelled here as ``thread.id``
+THREAD_NAME = "thread.name"

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import functools
 import random
+import threading
 from collections.abc import Mapping
 from hashlib import blake2b
 from typing import TYPE_CHECKING, Any
@@ -136,6 +137,9 @@ class TaskSpans:
         #: Whether this worker shares the scheduler's clock (same host); None:
         #: not looked at yet (the scheduler's address is known once running)
         self._same_clock: bool | None = None
+        #: ``thread.name`` by thread id: the process's live threads when last
+        #: listed (Dask's executor threads live as long as the worker)
+        self._thread_names: dict[int, str] = {}
 
     def start(self, key: Key, dask_span: DaskSpanContext) -> TaskRun | DaskSpanContext:
         """The run of a task in a sampled trace: in its task span's context if its
@@ -194,6 +198,17 @@ class TaskSpans:
                 self._same_clock = False
         return self._same_clock
 
+    def thread_name(self, ident: int) -> str | None:
+        """The name of the thread ``ident`` (Dask names its executor threads,
+        e.g. ``Dask-Default-Threads-4211-0``): a dict lookup; the live threads
+        are listed again only for an id not seen yet, so the cache holds no
+        dead thread for long"""
+        name = self._thread_names.get(ident)
+        if name is None:
+            self._thread_names = {t.ident: t.name for t in threading.enumerate() if t.ident}
+            name = self._thread_names.get(ident)
+        return name
+
     def _span(
         self,
         run: TaskRun,
@@ -214,6 +229,8 @@ class TaskSpans:
         thread = self.worker.threads.get(run.key)
         if thread is not None:
             attributes[attr.THREAD_ID] = thread
+            if (name := self.thread_name(thread)) is not None:
+                attributes[attr.THREAD_NAME] = name
         ts = self.worker.state.tasks.get(run.key)
         if ts is not None and (function := function_name(ts.run_spec)) is not None:
             attributes[attr.CODE_FUNCTION_NAME] = function
