@@ -69,11 +69,53 @@ def key_chosen(key: Key, ratio: float) -> bool:
     return int.from_bytes(digest, "big") < ratio * _HASH_SPACE
 
 
+class TaskRules:
+    """Which runs of a task get a span: the ``otel.tasks.*`` values, a worker's
+    config or a client block's over it (``dask_otel.span(tasks=...)``)"""
+
+    __slots__ = ("after_run", "erred", "ratio", "slower_than", "spans")
+
+    #: otel.tasks.spans
+    spans: bool
+    #: otel.tasks.sample-ratio
+    ratio: float
+    #: otel.tasks.slower-than, seconds, or None
+    slower_than: float | None
+    #: otel.tasks.erred
+    erred: bool
+    #: a rule may export a task after its run: it needs a span id ready
+    after_run: bool
+
+    def __init__(self, spans: bool, ratio: float, slower_than: float | None, erred: bool):
+        self.spans = spans
+        self.ratio = ratio
+        self.slower_than = slower_than
+        self.erred = erred
+        self.after_run = slower_than is not None or erred
+
+    @classmethod
+    def of(cls, config: OtelConfig) -> TaskRules:
+        return cls(
+            config.task_spans, config.task_sample_ratio, config.task_slower_than,
+            config.task_erred,
+        )
+
+    def over(self, tasks: Mapping[str, Any]) -> TaskRules:
+        """These rules with a block's values (read by
+        :func:`dask_otel.annotation.task_rules`) over them"""
+        return TaskRules(
+            tasks.get("spans", self.spans),
+            tasks.get("sample-ratio", self.ratio),
+            tasks.get("slower-than", self.slower_than),
+            tasks.get("erred", self.erred),
+        )
+
+
 class TaskRun:
     """One run of a task in a sampled trace, which may get a task span: built by
     :meth:`TaskSpans.start`, handed back to :meth:`TaskSpans.finish` by the hook"""
 
-    __slots__ = ("chosen", "context", "dask_span", "delay", "key", "otel", "span_id")
+    __slots__ = ("chosen", "context", "dask_span", "delay", "key", "otel", "rules", "span_id")
 
     #: the task's key
     key: Key
@@ -90,6 +132,8 @@ class TaskRun:
     #: ``Worker.scheduler_delay`` as the run reads it (no await between this
     #: and Dask's read): the offset Dask adds to the run's times
     delay: float
+    #: the rules that chose it, and decide after it
+    rules: TaskRules
 
     def __init__(
         self,
@@ -98,8 +142,10 @@ class TaskRun:
         context: Context,
         span_id: int,
         otel: Mapping[str, Any] | None,
+        rules: TaskRules,
     ):
         self.key = key
+        self.rules = rules
         self.otel = otel
         self.dask_span = dask_span
         self.context = context
@@ -115,24 +161,16 @@ class TaskSpans:
     worker: Worker
     #: the worker process's span processors
     sink: SpanSink
-    #: otel.tasks.sample-ratio
-    ratio: float
-    #: otel.tasks.slower-than, seconds, or None
-    slower_than: float | None
-    #: otel.tasks.erred
-    erred: bool
+    #: the worker's otel.tasks.* config
+    rules: TaskRules
     #: task spans handed to the span processors
     exported: int
 
     def __init__(self, worker: Worker, sink: SpanSink, config: OtelConfig):
         self.worker = worker
         self.sink = sink
-        self.ratio = config.task_sample_ratio
-        self.slower_than = config.task_slower_than
-        self.erred = config.task_erred
+        self.rules = TaskRules.of(config)
         self.exported = 0
-        # A rule that may export a task after its run needs an id ready for it
-        self._after_run_rules = self.slower_than is not None or self.erred
         self._random = random.Random()
         #: Whether this worker shares the scheduler's clock (same host); None:
         #: not looked at yet (the scheduler's address is known once running)
@@ -144,18 +182,25 @@ class TaskSpans:
     def start(self, key: Key, dask_span: DaskSpanContext) -> TaskRun | DaskSpanContext:
         """The run of a task in a sampled trace: in its task span's context if its
         key is chosen, else in its Dask span's (with a span id kept for the
-        threshold and erred rules, or none)"""
+        threshold and erred rules, or none). The rules are the worker's, or its
+        client block's over them (``dask_span.tasks``)."""
+        rules = dask_span.rules
+        if rules is None:  # once per Dask span (the worker caches its context)
+            tasks = dask_span.tasks
+            rules = dask_span.rules = self.rules if tasks is None else self.rules.over(tasks)
+        if not rules.spans:
+            return dask_span
         otel = dask_span.otel
         span_id = self._random.getrandbits(64) or 1
-        if key_chosen(key, self.ratio):
+        if key_chosen(key, rules.ratio):
             own = child_context(dask_span.span_context, span_id)
             context = trace.set_span_in_context(NonRecordingSpan(own), dask_span.context)
-            run = TaskRun(key, dask_span, context, span_id, otel)
+            run = TaskRun(key, dask_span, context, span_id, otel, rules)
             run.chosen = True
-        elif not self._after_run_rules:
+        elif not rules.after_run:
             return dask_span  # runs as if there were no task spans
         else:
-            run = TaskRun(key, dask_span, dask_span.context, span_id, otel)
+            run = TaskRun(key, dask_span, dask_span.context, span_id, otel, rules)
         run.delay = self.worker.scheduler_delay
         return run
 
@@ -174,10 +219,11 @@ class TaskSpans:
         # the Dask span starts no later than the client entered its block
         start = max(start, entered_at(run.otel, run.dask_span.dask_id))
         stop = max(stop, start)
+        rules = run.rules
         if not (
             run.chosen
-            or (erred and self.erred)
-            or (self.slower_than is not None and duration >= self.slower_than)
+            or (erred and rules.erred)
+            or (rules.slower_than is not None and duration >= rules.slower_than)
         ):
             return
         self.sink.emit(self._span(run, event, start, stop, duration, erred))
