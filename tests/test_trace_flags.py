@@ -7,11 +7,9 @@ a sampler returns is kept. Real clusters, a real instrumented HTTP client
 
 from __future__ import annotations
 
-import threading
 import uuid
 from collections.abc import Iterator
 from contextlib import contextmanager
-from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
 
 from opentelemetry import context as otel_context
 from opentelemetry import trace
@@ -21,6 +19,7 @@ from opentelemetry.trace import NonRecordingSpan, SpanContext, TraceFlags, Trace
 import dask_otel
 from dask_otel.span_context import RANDOM, child_context, dask_span_context, root_flags
 from tests.support.cluster import otel_cluster
+from tests.test_end_to_end import wsgi_server
 
 #: A caller's span as SDK >= 1.42 makes a root: sampled and random (flags 03)
 CALLER = SpanContext(
@@ -34,15 +33,6 @@ CALLER = SpanContext(
 TASK_SPANS = {"otel.tasks.spans": True}
 
 
-class _Quiet(WSGIRequestHandler):
-    def log_message(self, *args) -> None:
-        pass
-
-
-class _Threading(WSGIServer):
-    daemon_threads = True
-
-
 @contextmanager
 def traceparent_server() -> Iterator[tuple[str, list[str]]]:
     """An HTTP server on 127.0.0.1 that answers 200 and keeps the ``traceparent``
@@ -54,15 +44,8 @@ def traceparent_server() -> Iterator[tuple[str, list[str]]]:
         start_response("200 OK", [("Content-Type", "text/plain")])
         return [b"ok"]
 
-    server = make_server("127.0.0.1", 0, app, server_class=_Threading, handler_class=_Quiet)
-    thread = threading.Thread(target=server.serve_forever, daemon=True)
-    thread.start()
-    try:
-        yield f"http://127.0.0.1:{server.server_port}", received
-    finally:
-        server.shutdown()
-        server.server_close()
-        thread.join(10)
+    with wsgi_server(app) as url:
+        yield url, received
 
 
 def call_with_requests(url: str) -> int:

@@ -69,34 +69,26 @@ def test_a_run_with_task_spans_on_exports_them_while_its_sibling_exports_none(re
     assert plain  # its tasks ran, and exported no span
 
 
-def test_sampled_true_keeps_a_trace_the_sampler_drops(receiver, monkeypatch):
-    monkeypatch.setenv("OTEL_TRACES_SAMPLER", "always_off")
+@pytest.mark.parametrize(
+    ("sampler", "sampled"), [("always_off", True), ("always_on", False)],
+    ids=["sampled=True under always_off", "sampled=False under always_on"],
+)
+def test_sampled_overrides_the_sampler_for_the_whole_trace(receiver, monkeypatch, sampler, sampled):
+    """The forced run and a sibling the sampler decides, both asking for task spans:
+    only the kept one exports anything, its Dask span and its task spans"""
+    monkeypatch.setenv("OTEL_TRACES_SAMPLER", sampler)
     with otel_cluster(OTLP, processes=True) as (client, _):
-        with dask_otel.span("kept", sampled=True, tasks={"spans": True}):
+        with dask_otel.span("forced", sampled=sampled, tasks={"spans": True}):
             in_block = trace.get_current_span().get_span_context().trace_flags.sampled
-            futures = client.map(sampled_here, range(3), key=[f"task_kept-{i}" for i in range(3)])
-            in_tasks = client.gather(futures)
-        _, dropped = run(client, "by the sampler", tasks={"spans": True})
+            forced, in_forced = run(client, "forced_run")
+        sibling, in_sibling = run(client, "sibling", tasks={"spans": True})
+        kept = forced if sampled else sibling
         receiver.wait_for(lambda r: len(task_span_keys(r)) >= 3, timeout=60)
-        wait_settled(receiver, ["kept"])
-    assert in_block and all(in_tasks)
-    assert not any(dropped)
-    assert receiver.spans("by the sampler") == []
-    assert task_span_keys(receiver) == {str(f.key) for f in futures}
-
-
-def test_sampled_false_drops_a_trace_the_sampler_keeps(receiver, monkeypatch):
-    monkeypatch.setenv("OTEL_TRACES_SAMPLER", "always_on")
-    with otel_cluster(OTLP, processes=True) as (client, _):
-        with dask_otel.span("dropped", sampled=False, tasks={"spans": True}):
-            in_block = trace.get_current_span().get_span_context().trace_flags.sampled
-            futures = client.map(sampled_here, range(3), key=[f"task_dropped-{i}" for i in range(3)])
-            in_tasks = client.gather(futures)
-        kept, _ = run(client, "kept", tasks={"spans": True})
-        wait_settled(receiver, ["kept"])
-        receiver.wait_for(lambda r: len(task_span_keys(r)) >= 3, timeout=60)
-    assert not in_block and not any(in_tasks)
-    assert receiver.spans("dropped") == []
+        wait_settled(receiver, ["forced" if sampled else "sibling"])
+    assert in_block is sampled
+    assert set(in_forced) == {sampled} and set(in_sibling) == {not sampled}
+    assert bool(receiver.spans("forced")) is sampled
+    assert bool(receiver.spans("sibling")) is not sampled
     assert task_span_keys(receiver) == {str(f.key) for f in kept}
 
 
