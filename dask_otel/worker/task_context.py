@@ -6,7 +6,8 @@ caller's trace, carry the caller's propagated context (the ``otel`` annotation,
 :mod:`dask_otel.annotation`). :class:`TaskContexts` turns them into the context
 the task runs in: its Dask span as the current span, with the ids the
 scheduler's mirror exports it with (:func:`dask_otel.span_context.dask_span_context`),
-over the caller's baggage. Nothing is sent for this. Contexts are cached per Dask
+over the caller's baggage, with its client block's controls (``sampled``, the
+``tasks`` rules: :mod:`dask_otel.annotation`). Nothing is sent for this. Contexts are cached per Dask
 span (a bounded dict, :data:`MAX_CACHED_SPANS`), so a task costs a dict lookup.
 The rules: docs/traces.md, "Inside a task".
 """

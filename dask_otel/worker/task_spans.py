@@ -3,8 +3,9 @@ that ran it (``otel.tasks.spans: true``); the scheduler does no work for them.
 What is exported and which tasks: docs/traces.md, "Task spans (opt-in)".
 
 Owns the rules that choose a run (:func:`key_chosen`: a hash of the key, the same
-in every process and retry; ``slower-than`` and ``erred`` decide after the run)
-and the span's times and attributes. Invariants:
+in every process and retry; ``slower-than`` and ``erred`` decide after the run;
+:class:`TaskRules`: the worker's ``otel.tasks.*``, or a client block's values over
+them, ``dask_otel.span(tasks=...)``) and the span's times and attributes. Invariants:
 
 - only in traces the sampler keeps (the decision the mirror gets,
   :func:`dask_otel.span_context.trace_sampled`); a child of the task's Dask span,
