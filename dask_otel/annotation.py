@@ -50,7 +50,8 @@ key), or one that came with a task Dask moved onto another workflow's span (the
 TaskGroup collision), reads as none. Every read of a task's ``otel`` annotation
 goes through this module's readers (:func:`otel_of`, :func:`root_carrier`,
 :func:`entered_times`, :func:`entered_at`, :func:`announces_exits`,
-:func:`forced_sampling`, :func:`task_rules`, :func:`workflow_named`); each costs a
+:func:`forced_sampling`, :func:`task_rules`, :func:`block_controls`,
+:func:`workflow_named`); each costs a
 few dict lookups. Needs only ``opentelemetry-api``. The story of a block:
 docs/traces.md.
 """
@@ -147,6 +148,16 @@ def forced_sampling(otel: Any, root_id: str) -> bool | None:
         return None
     entered = otel.get("entered")
     return sampled if isinstance(entered, Mapping) and root_id in entered else None
+
+
+def block_controls(otel: Any, root_id: str) -> tuple[bool | None, dict[str, Any] | None] | None:
+    """``(forced_sampling, task_rules)`` of a task's annotation, or None when its
+    block set neither: per task, a call and two dict lookups (an annotation
+    ``dask_otel.span`` wrote is a dict once deserialized; another type is read as
+    having none)"""
+    if type(otel) is not dict or ("sampled" not in otel and "tasks" not in otel):
+        return None
+    return forced_sampling(otel, root_id), task_rules(otel)
 
 
 def task_rules(otel: Any) -> dict[str, Any] | None:

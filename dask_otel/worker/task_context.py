@@ -21,13 +21,7 @@ from typing import TYPE_CHECKING, Any
 from opentelemetry import trace
 from opentelemetry.trace import NonRecordingSpan, SpanContext
 
-from dask_otel.annotation import (
-    extract_caller,
-    forced_sampling,
-    otel_of,
-    root_carrier,
-    task_rules,
-)
+from dask_otel.annotation import block_controls, extract_caller, otel_of, root_carrier
 from dask_otel.span_context import dask_span_context
 
 if TYPE_CHECKING:
@@ -119,8 +113,11 @@ class TaskContexts:
             carrier = root_carrier(otel, ids[0])  # as the scheduler reads it
             key = (ids[-1], ids[0], _carrier_key(carrier) if carrier else None)
             # the block's controls (dask_otel.span(sampled=, tasks=)): rare
-            forced, tasks = forced_sampling(otel, ids[0]), task_rules(otel)
-            if forced is not None or tasks is not None:
+            controls = block_controls(otel, ids[0])
+            if controls is None:
+                forced = tasks = None
+            else:
+                forced, tasks = controls
                 key += (forced, tuple(tasks.items()) if tasks else None)
         cached = self._cache.get(key)
         if cached is None:
