@@ -18,6 +18,8 @@ Usage::
 
     python -m benchmarks.task_context                       # 20,000 tasks, 7 rounds
     python -m benchmarks.task_context --tasks 200 --rounds 1 # a smoke run
+    python -m benchmarks.task_context --block dask_otel      # tasks of a dask_otel.span
+                                                            # block (an otel annotation)
 """
 
 from __future__ import annotations
@@ -110,13 +112,18 @@ async def time_per_task(execute, keys) -> float:
         gc.enable()
 
 
-async def main(n_tasks: int, rounds: int) -> None:
+async def main(n_tasks: int, rounds: int, block: str = "distributed") -> None:
+    import dask_otel
     from dask_otel.worker.task_context import default_sampler
+
+    # dask_otel.span writes the otel annotation each task then reads: with no
+    # controls (sampled=, tasks=) it must cost what it did before them
+    open_block = span if block == "distributed" else dask_otel.span
 
     async with Scheduler(dashboard_address="127.0.0.1:0", host="127.0.0.1") as scheduler:
         async with Worker(scheduler.address, nthreads=1) as worker:
             async with Client(scheduler.address, asynchronous=True) as client:
-                with span("bench"):
+                with open_block("bench"):
                     futures = client.map(inc, range(n_tasks))
                     await client.gather(futures)
                 keys = list(worker.state.tasks)
@@ -142,5 +149,6 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--tasks", type=int, default=20_000)
     parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--block", choices=("distributed", "dask_otel"), default="distributed")
     args = parser.parse_args()
-    asyncio.run(main(args.tasks, args.rounds))
+    asyncio.run(main(args.tasks, args.rounds, args.block))

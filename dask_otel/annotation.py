@@ -4,9 +4,17 @@ workers, written here and read here.
 ``dask_otel.span`` puts it on every task of its block, beside Dask's own ``span``
 annotation::
 
-    {"carrier": {"traceparent": "00-...", "baggage": "..."},  # root blocks only
+    {"v": 2,
+     "carrier": {"traceparent": "00-...", "baggage": "..."},  # root blocks only
      "entered": {dask_span_uuid: client_time_entered, ...},
-     "exits": True}
+     "exits": True,
+     "sampled": True,              # dask_otel.span(sampled=...), from the root block
+     "tasks": {"spans": True, "slower-than": 0.5},  # dask_otel.span(tasks=...)
+     "workflow": True}             # dask_otel.span(workflow=True), that block only
+
+- ``v``: the version of this contract, :data:`VERSION`. Absent from what clients
+  before version 2 wrote (``carrier``, ``entered``, ``exits`` only), which every
+  reader still reads: each key below is optional.
 
 - ``carrier``: the caller's OTel context as the globally configured propagators
   write it (``OTEL_PROPAGATORS``; W3C trace context and baggage by default). Only
@@ -18,6 +26,14 @@ annotation::
 - ``exits``: the client announces each of these blocks' exit (below), so the
   scheduler keeps their Dask spans open until it hears of it. Absent from the
   annotations of older clients, whose spans end with their tasks.
+- ``sampled``: the root block forced its whole trace kept (True) or dropped
+  (False), whatever the sampler says (:func:`forced_sampling`); nested blocks
+  inherit it.
+- ``tasks``: ``otel.tasks.*`` values (validated by the client, durations in
+  seconds) for this block's tasks, over the workers' own; a nested block's
+  override its enclosing block's, key by key (:func:`task_rules`).
+- ``workflow``: the block's name is a bounded workflow name
+  (:func:`workflow_named`); not inherited.
 
 When it leaves a block, the client tells the scheduler with one event on topic
 :data:`BLOCK_EXIT` (``Client.log_event``'s path, sent without waiting), which
@@ -33,7 +49,9 @@ Readers never trust it: an annotation of another shape (someone else's ``otel``
 key), or one that came with a task Dask moved onto another workflow's span (the
 TaskGroup collision), reads as none. Every read of a task's ``otel`` annotation
 goes through this module's readers (:func:`otel_of`, :func:`root_carrier`,
-:func:`entered_times`, :func:`entered_at`, :func:`announces_exits`); each costs a
+:func:`entered_times`, :func:`entered_at`, :func:`announces_exits`,
+:func:`forced_sampling`, :func:`task_rules`, :func:`block_controls`,
+:func:`workflow_named`); each costs a
 few dict lookups. Needs only ``opentelemetry-api``. The story of a block:
 docs/traces.md.
 """
@@ -49,6 +67,9 @@ from opentelemetry.trace import SpanContext
 
 #: Name of the task annotation
 ANNOTATION = "otel"
+#: The version of the annotation's shape this client writes (``"v"``); 1, unwritten,
+#: is ``carrier``, ``entered`` and ``exits`` alone
+VERSION = 2
 #: Topic of the event a client sends when it leaves a ``dask_otel.span`` block
 BLOCK_EXIT = "dask_otel.block-exit"
 
@@ -68,14 +89,26 @@ def write_annotation(
     new_ids: Sequence[str],
     entered_at: float,
     caller: otel_context.Context,
+    *,
+    sampled: bool | None = None,
+    tasks: Mapping[str, Any] | None = None,
+    workflow: bool = False,
 ) -> dict[str, Any]:
     """The ``otel`` annotation of a block that opened Dask spans ``new_ids`` at
     ``entered_at``: the enclosing block's (from ``outer``, the annotations around
     the block), with ``entered`` extended, and a carrier if it is a root block
-    under a valid current span in ``caller``."""
+    under a valid current span in ``caller``. ``sampled``, ``tasks`` (validated)
+    and ``workflow`` are the block's own controls; ``sampled`` is written by a
+    root block only (the caller checks)."""
     inherited = outer.get(ANNOTATION) or {}
     entered = {**inherited.get("entered", {}), **dict.fromkeys(new_ids, entered_at)}
-    annotation: dict[str, Any] = {"entered": entered, "exits": True}
+    annotation: dict[str, Any] = {"v": VERSION, "entered": entered, "exits": True}
+    if (forced := inherited.get("sampled", sampled)) is not None:
+        annotation["sampled"] = forced
+    if tasks or inherited.get("tasks"):
+        annotation["tasks"] = {**inherited.get("tasks", {}), **(tasks or {})}
+    if workflow:
+        annotation["workflow"] = True
     if "span" in outer:
         if "carrier" in inherited:
             annotation["carrier"] = inherited["carrier"]
@@ -101,6 +134,60 @@ def root_carrier(otel: Any, root_id: str) -> Mapping[str, str] | None:
     if not isinstance(entered, Mapping) or root_id not in entered:
         return None
     return carrier if isinstance(carrier, Mapping) else None
+
+
+def forced_sampling(otel: Any, root_id: str) -> bool | None:
+    """Whether the client forced the trace of root Dask span ``root_id`` kept
+    (True) or dropped (False); None: the sampler decides. Read by the rule of
+    :func:`root_carrier` (the annotation's own blocks include the root), so that
+    the client, the scheduler and the workers agree."""
+    if not isinstance(otel, Mapping):
+        return None
+    sampled = otel.get("sampled")
+    if sampled is None or not isinstance(sampled, bool):
+        return None
+    entered = otel.get("entered")
+    return sampled if isinstance(entered, Mapping) and root_id in entered else None
+
+
+def block_controls(otel: Any, root_id: str) -> tuple[bool | None, dict[str, Any] | None] | None:
+    """``(forced_sampling, task_rules)`` of a task's annotation, or None when its
+    block set neither: per task, a call and two dict lookups (an annotation
+    ``dask_otel.span`` wrote is a dict once deserialized; another type is read as
+    having none)"""
+    if type(otel) is not dict or ("sampled" not in otel and "tasks" not in otel):
+        return None
+    return forced_sampling(otel, root_id), task_rules(otel)
+
+
+def task_rules(otel: Any) -> dict[str, Any] | None:
+    """The ``otel.tasks.*`` values a task's block set for it (``tasks``), the ones
+    of the right type only; None if it set none (most tasks: one dict lookup)"""
+    if not isinstance(otel, Mapping):
+        return None
+    given = otel.get("tasks")
+    if not given or not isinstance(given, Mapping):
+        return None
+    rules = {k: v for k, v in given.items() if _TASK_RULE_TYPES.get(k, _never)(v)}
+    return rules or None
+
+
+def _never(value: Any) -> bool:
+    return False
+
+
+def _number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and value >= 0
+
+
+#: What a value of each ``tasks`` key must be to be read (a client validated it;
+#: an annotation is never trusted)
+_TASK_RULE_TYPES = {
+    "spans": lambda v: isinstance(v, bool),
+    "erred": lambda v: isinstance(v, bool),
+    "sample-ratio": lambda v: _number(v) and v <= 1,
+    "slower-than": lambda v: v is None or _number(v),
+}
 
 
 def entered_times(otel: Any) -> Mapping[str, Any] | None:

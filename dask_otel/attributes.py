@@ -100,3 +100,8 @@ WORKFLOW_NAME = "dask.workflow.name"
 WORKFLOW_RESULT = "dask.workflow.result"
 #: Why a worker left: ``memory_restart``, ``fail_hard``, ``retired``, ``closed``, ``lost``
 WORKER_REMOVED_REASON = "dask.worker.removed.reason"
+# -- flags --
+
+#: ``thread.name`` of the thread a task ran in: in semantic-conventions 0.62b0 to
+#: 0.66b2 only in ``opentelemetry.semconv._incubating``, so spelled here as ``thread.id``
+THREAD_NAME = "thread.name"

@@ -17,8 +17,9 @@ the task", and docs/traces.md, "A dask_otel.span block".
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
+from typing import Any
 
 import dask
 import distributed
@@ -30,34 +31,60 @@ from dask_otel.annotation import (
     ANNOTATION,
     BLOCK_EXIT,
     block_exit,
+    forced_sampling,
     remote_parent,
     write_annotation,
 )
+from dask_otel.config import parse_task_rules
 from dask_otel.span_context import dask_span_context
 
 __all__ = ["span"]
 
 
 @contextmanager
-def span(*tags: str) -> Iterator[str]:
+def span(
+    *tags: str,
+    sampled: bool | None = None,
+    tasks: Mapping[str, Any] | None = None,
+    workflow: bool = False,
+) -> Iterator[str]:
     """Open a Dask span, as ``distributed.span(*tags)``, that continues the caller's
     OTel trace; yields the UUID of the innermost Dask span.
 
     With several tags, one Dask span per tag is opened, nested, as
     ``distributed.span`` does; each starts no later than this block was entered.
+
+    ``sampled``: True keeps, False drops, this workflow's whole trace (its Dask
+    spans, task spans, and the context its tasks run in) whatever the configured
+    sampler says; a root block's choice (a nested block may only repeat it).
+    ``tasks``: ``otel.tasks.*`` keys (``{"spans": True, "slower-than": "500ms",
+    "sample-ratio": 0.1, "erred": True}``) for this block's tasks, over the
+    workers' config; nested blocks inherit them and may override each.
+    ``workflow``: the root block's name is a bounded workflow name, for the
+    workflow outcome metrics.
+
+    Raises
+    ------
+    TypeError, ValueError
+        at the call, naming the argument and the value at fault.
     """
     entered_at = time.time()
     outer = dask.get_annotations()
+    rules = _check_controls(outer, sampled, tasks, workflow)
     caller = otel_context.get_current()
     with distributed.span(*tags) as span_id:
         span_annotation = dask.get_annotations()["span"]
         ids, name = span_annotation["ids"], span_annotation["name"]
-        otel = write_annotation(outer, ids[-len(tags):], entered_at, caller)
+        otel = write_annotation(
+            outer, ids[-len(tags):], entered_at, caller,
+            sampled=sampled, tasks=rules, workflow=workflow,
+        )
         # The Dask span as the scheduler exports it; is_remote: it lives there
         sampler = getattr(trace.get_tracer_provider(), "sampler", None)  # the SDK's, if any
         context = dask_span_context(
             ids[0], ids[-1], name[0],
             remote_parent(otel.get("carrier")), sampler, is_remote=True,
+            forced=forced_sampling(otel, ids[0]),
         )
         token = otel_context.attach(
             trace.set_span_in_context(NonRecordingSpan(context), caller)
@@ -68,6 +95,31 @@ def span(*tags: str) -> Iterator[str]:
         finally:
             otel_context.detach(token)
             _announce_exit(block_exit(span_annotation, len(tags), otel, time.time()))
+
+
+def _check_controls(
+    outer: Mapping[str, Any], sampled: Any, tasks: Any, workflow: Any
+) -> dict[str, Any] | None:
+    """The block's controls checked at the call (never on a worker): ``tasks``
+    validated as the ``otel.tasks.*`` config keys are, or None"""
+    nested = "span" in outer
+    if sampled is not None and not isinstance(sampled, bool):
+        raise TypeError(f"sampled: expected True, False or None, got {sampled!r}")
+    if not isinstance(workflow, bool):
+        raise TypeError(f"workflow: expected True or False, got {workflow!r}")
+    if nested and workflow:
+        raise ValueError(
+            "workflow=True: only a root block (in no other Dask span) names a "
+            "workflow; its outcome is its root span's"
+        )
+    if nested and sampled is not None:
+        inherited = (outer.get(ANNOTATION) or {}).get("sampled")
+        if sampled is not inherited:
+            raise ValueError(
+                f"sampled={sampled!r}: a nested block is in its root's trace, which "
+                f"the root block decides (it said {inherited!r})"
+            )
+    return None if tasks is None else parse_task_rules(tasks, "tasks")
 
 
 def _announce_exit(msg: dict) -> None:

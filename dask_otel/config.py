@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, fields
 from functools import cache, partial
 from importlib.metadata import entry_points
@@ -54,6 +54,11 @@ class ConfigError(ValueError):
         super().__init__(f"{key}: expected {expected}, got {value!r}")
 
 
+#: "Read the value from dask config" for the parsers below, which also take one
+#: given directly (:func:`parse_task_rules`)
+_GET: Any = object()
+
+
 def get(key: str) -> Any:
     """``dask.config.get(key)``, or the shipped default (otel.yaml) when the key is
     absent: the application may have reset dask config since this module was
@@ -79,8 +84,8 @@ def _warn_unknown_keys(given: Any, defaults: dict, prefix: str) -> None:
             _warn_unknown_keys(value, defaults[canonical], f"{prefix}.{canonical}")
 
 
-def _bool(key: str) -> bool:
-    value = get(key)
+def _bool(key: str, value: Any = _GET) -> bool:
+    value = get(key) if value is _GET else value
     # DASK_OTEL__ENABLED=false: dask 2024.1's collect_env keeps 'false' a string
     # (later dask reads YAML's true/false from the environment as booleans)
     if isinstance(value, str) and value.strip().lower() in ("true", "false"):
@@ -97,8 +102,8 @@ def _choice(key: str, choices: Sequence[str]) -> str:
     return value
 
 
-def _seconds(key: str, positive: bool = False) -> float:
-    value = get(key)
+def _seconds(key: str, positive: bool = False, value: Any = _GET) -> float:
+    value = get(key) if value is _GET else value
     try:
         out = parse_timedelta(value)
     except Exception:
@@ -108,15 +113,16 @@ def _seconds(key: str, positive: bool = False) -> float:
     return out
 
 
-def _ratio(key: str) -> float:
-    value = get(key)
+def _ratio(key: str, value: Any = _GET) -> float:
+    value = get(key) if value is _GET else value
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= 1:
         raise ConfigError(key, value, "a number from 0 to 1")
     return float(value)
 
 
-def _optional_seconds(key: str) -> float | None:
-    return None if get(key) is None else _seconds(key)
+def _optional_seconds(key: str, value: Any = _GET) -> float | None:
+    value = get(key) if value is _GET else value
+    return None if value is None else _seconds(key, value=value)
 
 
 def _level(key: str) -> int:
@@ -315,3 +321,34 @@ def read_config() -> OtelConfig:
     return OtelConfig(**{
         f.name: f.metadata["parse"](f.metadata["key"]) for f in fields(OtelConfig)
     })
+
+
+#: The ``otel.tasks.*`` keys, by their last part, with their parsers: the ones a
+#: ``dask_otel.span(tasks=...)`` block may set for its own tasks
+TASK_RULES: dict[str, Callable[..., Any]] = {
+    f.metadata["key"].removeprefix("otel.tasks."): f.metadata["parse"]
+    for f in fields(OtelConfig) if f.metadata["key"].startswith("otel.tasks.")
+}
+
+
+def parse_task_rules(given: Any, argument: str = "tasks") -> dict[str, Any]:
+    """``otel.tasks.*`` values given directly (``{"spans": True, "slower-than":
+    "500ms"}``), validated by the rules of the config keys, as the bridge uses
+    them (durations in seconds)
+
+    Raises
+    ------
+    TypeError
+        if ``given`` is not a mapping
+    ConfigError
+        (a ValueError) naming ``argument``, the key and the value at fault
+    """
+    if not isinstance(given, Mapping):
+        raise TypeError(f"{argument}: expected a mapping of otel.tasks.* keys, got {given!r}")
+    rules = {}
+    for short, value in given.items():
+        parse = TASK_RULES.get(short.replace("_", "-")) if isinstance(short, str) else None
+        if parse is None:
+            raise ConfigError(argument, short, f"keys among {', '.join(TASK_RULES)}")
+        rules[short.replace("_", "-")] = parse(f"{argument}[{short!r}]", value=value)
+    return rules

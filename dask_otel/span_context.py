@@ -10,9 +10,14 @@ task runs in) and span links all need the OTel ``SpanContext`` of a Dask span;
   span (the remote parent that travels in the ``otel`` annotation, see
   :mod:`dask_otel.annotation`), else the root Dask span's UUID;
 - sampled: one decision per trace, the same in every process
-  (:func:`trace_sampled`);
-- trace state: the remote parent's, so that vendors' entries reach every span of
-  the trace, as W3C trace context asks of children; none without a caller;
+  (:func:`trace_decision`), unless the client's block forced it
+  (``dask_otel.span(sampled=...)``);
+- trace flags: the caller's (W3C Level 2's random flag 0x02 included) with the
+  sampled bit decided here; a Dask-rooted trace says random (:func:`root_flags`);
+- trace state: the one the sampler returned if it returned one (consistent
+  probability samplers write ``ot=th:...`` there), else the remote parent's, so
+  that vendors' entries reach every span of the trace, as W3C trace context asks
+  of children; none without a caller;
 - ``is_remote``: False only in the process that makes the span (the scheduler,
   which exports it, and links to it), True everywhere else;
 - a child of a Dask span (a TaskGroup batch's span, a task span) has a random id
@@ -29,7 +34,7 @@ from hashlib import blake2b
 from typing import TYPE_CHECKING
 
 from opentelemetry import trace
-from opentelemetry.trace import SpanContext, TraceFlags
+from opentelemetry.trace import SpanContext, TraceFlags, TraceState
 
 if TYPE_CHECKING:
     from distributed.spans import Span
@@ -37,8 +42,12 @@ if TYPE_CHECKING:
 
 #: The low 64 bits of a 128-bit id: a Dask span's OTel span id
 LOW_64 = (1 << 64) - 1
-SAMPLED = TraceFlags(TraceFlags.SAMPLED)
-NOT_SAMPLED = TraceFlags(TraceFlags.DEFAULT)
+#: W3C trace context Level 2's "random" trace flag: the trace id's low 56 bits
+#: are random. The int: opentelemetry-api 1.41 has no ``TraceFlags`` constant for it
+RANDOM = 0x02
+#: A uuid4's version nibble (bits 76-79) and variant bits (62-63), as an int's
+_UUID4_VERSION = (0xF << 76, 0x4 << 76)
+_UUID4_VARIANT = (0x3 << 62, 0x2 << 62)
 
 
 def dask_uuid(span_id: str) -> int:
@@ -95,19 +104,32 @@ def sampling_id(trace_id: int) -> int:
     return (trace_id & ~LOW_64) | int.from_bytes(digest, "big")
 
 
+def root_flags(root_id: str) -> int:
+    """The trace flags of a Dask-rooted trace, but the sampled bit: random (0x02)
+    if its id is a uuid4, as ``distributed.spans`` makes them. A uuid4 has 122
+    random bits: all but the version nibble (bits 76-79) and the variant bits
+    (62-63), so its low 56 bits, the ones the flag speaks of, are all random.
+    An id hashed from a hand-made one (:func:`dask_uuid`) is not random: 0."""
+    n = dask_uuid(root_id)
+    mask, version = _UUID4_VERSION
+    vmask, variant = _UUID4_VARIANT
+    return RANDOM if (n & mask) == version and (n & vmask) == variant else 0
+
+
 @lru_cache(maxsize=4096)
-def _root_sampled(sampler: Sampler, trace_id: int, root_tag: str) -> bool:
+def _root_decision(sampler: Sampler, trace_id: int, root_tag: str) -> tuple[bool, TraceState | None]:
     result = sampler.should_sample(None, sampling_id(trace_id), root_tag)
-    return result.decision.is_sampled()
+    return result.decision.is_sampled(), result.trace_state or None
 
 
-def trace_sampled(
+def trace_decision(
     sampler: Sampler | None,
     trace_id: int,
     root_tag: str,
     remote_parent: SpanContext | None = None,
-) -> bool:
-    """The sampler's decision for a whole Dask trace.
+) -> tuple[bool, TraceState | None]:
+    """The sampler's decision for a whole Dask trace, and the trace state it
+    returned (None: it returned none, or an empty one).
 
     ``root_tag`` is the root Dask span's first tag (``Span.name[0]``), which every
     task of the trace knows from its ``span`` annotation. A root trace is sampled
@@ -118,12 +140,22 @@ def trace_sampled(
     flag, or sampled.
     """
     if sampler is None:
-        return remote_parent is None or remote_parent.trace_flags.sampled
+        return remote_parent is None or remote_parent.trace_flags.sampled, None
     if remote_parent is None:
-        return _root_sampled(sampler, trace_id, root_tag)
+        return _root_decision(sampler, trace_id, root_tag)
     context = trace.set_span_in_context(trace.NonRecordingSpan(remote_parent))
     result = sampler.should_sample(context, remote_parent.trace_id, root_tag)
-    return result.decision.is_sampled()
+    return result.decision.is_sampled(), result.trace_state or None
+
+
+def trace_sampled(
+    sampler: Sampler | None,
+    trace_id: int,
+    root_tag: str,
+    remote_parent: SpanContext | None = None,
+) -> bool:
+    """The sampler's decision for a whole Dask trace (:func:`trace_decision`)"""
+    return trace_decision(sampler, trace_id, root_tag, remote_parent)[0]
 
 
 def dask_span_context(
@@ -134,26 +166,37 @@ def dask_span_context(
     sampler: Sampler | None,
     *,
     is_remote: bool,
+    forced: bool | None = None,
 ) -> SpanContext:
     """The OTel SpanContext of Dask span ``span_id`` in the tree of root ``root_id``
     (whose first tag is ``root_tag``), continuing ``remote_parent`` if the root
-    does: the one composition of the rules in the module docstring"""
+    does: the one composition of the rules in the module docstring. ``forced``:
+    the client's ``sampled=`` for the trace (None: the sampler decides)."""
     trace_id = trace_id_of(root_id, remote_parent)
-    sampled = trace_sampled(sampler, trace_id, root_tag, remote_parent)
+    if forced is None:
+        sampled, state = trace_decision(sampler, trace_id, root_tag, remote_parent)
+    else:
+        sampled, state = forced, None
+    if remote_parent is not None:
+        flags = remote_parent.trace_flags & ~TraceFlags.SAMPLED
+        state = state or remote_parent.trace_state
+    else:
+        flags = root_flags(root_id)
     return SpanContext(
         trace_id,
         otel_span_id(span_id),
         is_remote=is_remote,
-        trace_flags=SAMPLED if sampled else NOT_SAMPLED,
-        trace_state=remote_parent.trace_state if remote_parent is not None else None,
+        trace_flags=TraceFlags(flags | TraceFlags.SAMPLED if sampled else flags),
+        trace_state=state,
     )
 
 
 def child_context(parent: SpanContext, span_id: int) -> SpanContext:
     """The SpanContext, with id ``span_id``, of a span the current process makes
     and exports as a child of a sampled Dask span's ``parent``: its trace, its
-    trace state, sampled"""
+    trace flags (sampled) and its trace state"""
     return SpanContext(
-        parent.trace_id, span_id, is_remote=False, trace_flags=SAMPLED,
+        parent.trace_id, span_id, is_remote=False,
+        trace_flags=TraceFlags(parent.trace_flags | TraceFlags.SAMPLED),
         trace_state=parent.trace_state,
     )

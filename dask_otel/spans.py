@@ -410,7 +410,7 @@ class SpanMirror:
         root = root_span(span)
         context = dask_span_context(
             root.id, span.id, str(root.name[0]), self.ledger.remote_parent(root.id),
-            self.sink.sampler, is_remote=False,
+            self.sink.sampler, is_remote=False, forced=self.ledger.forced(root.id),
         )
         return context if context.trace_flags.sampled else None
 

@@ -229,3 +229,22 @@ def test_bad_tasks_or_logs_config_names_the_key(key, value):
     with dask.config.set({key: value}):
         with pytest.raises(ConfigError, match=key):
             read_config()
+
+
+def thread_name(_=None) -> str:
+    import threading
+
+    return threading.current_thread().name
+
+
+def test_thread_name_is_the_executor_thread_the_task_ran_in():
+    with otel_cluster(TASK_SPANS, threads_per_worker=2) as (client, mirrored):
+        with span("named threads"):
+            futures = client.map(thread_name, range(6))
+            ran_in = client.gather(futures)
+        spans = wait_until(lambda: len(task_spans(mirrored)) >= 6 and task_spans(mirrored))
+        by_key = {s.attributes["dask.task.key"]: s for s in spans}
+        for future, name in zip(futures, ran_in):
+            assert by_key[str(future.key)].attributes["thread.name"] == name
+        # Dask names its executor threads
+        assert all("Dask-Default-Threads" in name for name in ran_in)

@@ -22,7 +22,13 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
-from dask_otel.annotation import entered_at, read_block_exit, remote_parent, root_carrier
+from dask_otel.annotation import (
+    entered_at,
+    forced_sampling,
+    read_block_exit,
+    remote_parent,
+    root_carrier,
+)
 from dask_otel.scheduler import builder
 from dask_otel.span_context import dask_span_context
 
@@ -93,11 +99,19 @@ def empty_block_span(
     caller = (
         ledger.remote_parent(root) if root in ledger.records else None
     ) or caller_of(otel, root)
-    context = dask_span_context(root, span_id, str(tags[0]), caller, sink.sampler, is_remote=False)
+    forced = ledger.forced(root)
+    if forced is None:
+        forced = forced_sampling(otel, root)
+    context = dask_span_context(
+        root, span_id, str(tags[0]), caller, sink.sampler, is_remote=False, forced=forced
+    )
     if not context.trace_flags.sampled:
         return False
     parent = (
-        dask_span_context(root, ids[i - 1], str(tags[0]), caller, sink.sampler, is_remote=False)
+        dask_span_context(
+            root, ids[i - 1], str(tags[0]), caller, sink.sampler, is_remote=False,
+            forced=forced,
+        )
         if i else caller
     )
     start = entered_at(otel, span_id) or exited

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 from dask_otel.annotation import (
     announces_exits,
     entered_times,
+    forced_sampling,
     otel_of,
     remote_parent,
     root_carrier,
@@ -38,6 +39,9 @@ MAX_REOPENED_ROOTS = 1024
 #: Block exits kept for Dask spans the scheduler has not seen (yet): a block that
 #: ran no task, or whose graph is still on its way (each a few hundred bytes)
 MAX_PENDING_EXITS = 1024
+#: Roots whose client forced their sampling (``dask_otel.span(sampled=...)``),
+#: remembered open or exported (a few dozen bytes each)
+MAX_FORCED_ROOTS = 4096
 
 
 class Ledger:
@@ -68,6 +72,10 @@ class Ledger:
     #: scheduler after its block's exit (another connection); what is still
     #: here ``otel.spans.export-delay`` later ran no task: an empty block.
     pending_exits: dict[str, tuple[float, BlockExit]]
+    #: By root Dask span id: the client's ``sampled=`` for its trace, from the
+    #: first ``otel`` annotation of it that says one; at most
+    #: :data:`MAX_FORCED_ROOTS`, oldest forgotten first (then the sampler decides)
+    forced_roots: dict[str, bool]
 
     def __init__(self) -> None:
         self.records = {}
@@ -76,6 +84,7 @@ class Ledger:
         self.spans_seen = 0
         self.reopened_parents = {}
         self.pending_exits = {}
+        self.forced_roots = {}
 
     def new_spans(self, ext: SpansSchedulerExtension) -> list[Span]:
         """The Dask spans created since the last call, in creation order (a parent
@@ -153,6 +162,7 @@ class Ledger:
         self.leaves.clear()
         self.reopened_parents.clear()
         self.pending_exits.clear()
+        self.forced_roots.clear()
 
     def pend_exit(self, span_id: str, heard: float, block: BlockExit) -> None:
         if len(self.pending_exits) >= MAX_PENDING_EXITS:
@@ -204,6 +214,8 @@ class Ledger:
     def observe_caller(self, root_id: str, otel: Any) -> None:
         """Keep the caller's span that root ``root_id`` continues, from the first
         ``otel`` annotation of it seen (open root) or seen since its export"""
+        if (forced := forced_sampling(otel, root_id)) is not None:
+            self.remember_forced(root_id, forced)
         record = self.records.get(root_id)
         if record is None:
             if root_id not in self.reopened_parents:
@@ -240,6 +252,17 @@ class Ledger:
         if record is not None:
             return record.remote_parent
         return self.reopened_parents.get(root_id)
+
+    def forced(self, root_id: str) -> bool | None:
+        """The client's ``sampled=`` for root ``root_id``'s trace (None: none)"""
+        return self.forced_roots.get(root_id) if self.forced_roots else None
+
+    def remember_forced(self, root_id: str, forced: bool) -> None:
+        if root_id in self.forced_roots:
+            return
+        if len(self.forced_roots) >= MAX_FORCED_ROOTS:
+            del self.forced_roots[next(iter(self.forced_roots))]
+        self.forced_roots[root_id] = forced
 
     def remember_exported_root(self, root_id: str, parent: SpanContext | None) -> None:
         if root_id in self.reopened_parents:

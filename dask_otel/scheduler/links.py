@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 from opentelemetry.trace import Link, SpanContext
 
 import dask_otel.attributes as attr
-from dask_otel.annotation import otel_of, remote_parent, root_carrier
+from dask_otel.annotation import forced_sampling, otel_of, remote_parent, root_carrier
 from dask_otel.span_context import dask_span_context, root_span
 
 if TYPE_CHECKING:
@@ -70,7 +70,9 @@ def producer_context(
     producer: Span, root: Span, annotations: Mapping[str, Any] | None, sampler: Sampler
 ) -> SpanContext:
     """The OTel span context of Dask span ``producer`` as the mirror exports it"""
-    parent = remote_parent(root_carrier(otel_of(annotations), root.id))
+    otel = otel_of(annotations)
+    parent = remote_parent(root_carrier(otel, root.id))
     return dask_span_context(
-        root.id, producer.id, str(root.name[0]), parent, sampler, is_remote=False
+        root.id, producer.id, str(root.name[0]), parent, sampler, is_remote=False,
+        forced=forced_sampling(otel, root.id),
     )

@@ -75,9 +75,12 @@ class WorkerBridge:
         if sink is not None:
             # User spans inside tasks need a provider
             adopt_global_tracer_provider()
-            if own.config.task_spans:
-                task_spans = TaskSpans(worker, sink, own.config)
-        self.task_context = TaskContextHook.install(worker, TaskContexts(sampler), task_spans)
+            # also for a client block that asks for task spans (dask_otel.span(tasks=))
+            task_spans = TaskSpans(worker, sink, own.config)
+        self.task_context = TaskContextHook.install(
+            worker, TaskContexts(sampler),
+            task_spans if own.config.task_spans else None, on_request=task_spans,
+        )
 
     def _start_spill(self, worker: Worker, own: ServerTelemetry) -> None:
         if own.telemetry.meter_provider is None:

@@ -109,17 +109,28 @@ class TaskContextHook:
     worker: Worker
     #: builds each task's context from its annotations
     contexts: TaskContexts
-    #: told before and after each run (None: task spans are off)
+    #: told before and after each run (None: task spans are off in the worker's config)
     task_spans: TaskSpans | None
+    #: told before and after the runs of tasks whose client block set task span
+    #: rules (``dask_otel.span(tasks=...)``), whatever the worker's config says;
+    #: ``task_spans`` itself when that is on (None: no span is exported here)
+    on_request: TaskSpans | None
     #: False after :meth:`uninstall`: the wrapper then only calls the original
     active: bool
     #: tasks that ran without context because building it failed
     errors: int
 
-    def __init__(self, worker: Worker, contexts: TaskContexts, task_spans: TaskSpans | None = None):
+    def __init__(
+        self,
+        worker: Worker,
+        contexts: TaskContexts,
+        task_spans: TaskSpans | None = None,
+        on_request: TaskSpans | None = None,
+    ):
         self.worker = worker
         self.contexts = contexts
         self.task_spans = task_spans
+        self.on_request = task_spans if task_spans is not None else on_request
         self.active = True
         self.errors = 0
         #: the wrapper in ``worker.execute`` (None: not installed)
@@ -129,7 +140,11 @@ class TaskContextHook:
 
     @classmethod
     def install(
-        cls, worker: Worker, contexts: TaskContexts, task_spans: TaskSpans | None = None
+        cls,
+        worker: Worker,
+        contexts: TaskContexts,
+        task_spans: TaskSpans | None = None,
+        on_request: TaskSpans | None = None,
     ) -> TaskContextHook | None:
         """Wrap ``worker.execute``; None (and one INFO log per process) when this
         distributed does not have the shape the hook needs"""
@@ -137,7 +152,7 @@ class TaskContextHook:
         if reason is not None:
             _tell_unhookable(reason)
             return None
-        hook = cls(worker, contexts, task_spans)
+        hook = cls(worker, contexts, task_spans, on_request)
         hook._wrap(worker.execute)
         return hook
 
@@ -182,9 +197,13 @@ class TaskContextHook:
             if ts is None:
                 return None
             dask_span = self.contexts.of(ts.annotations)
-            if dask_span is None or self.task_spans is None or not dask_span.sampled:
+            if dask_span is None or not dask_span.sampled:
                 return dask_span
-            return self.task_spans.start(key, dask_span)
+            task_spans = self.task_spans
+            if task_spans is None:  # off here, unless the task's block asks
+                if dask_span.tasks is None or (task_spans := self.on_request) is None:
+                    return dask_span
+            return task_spans.start(key, dask_span)
         except Exception:
             self._failed("build the context of task %r", key)
             return None
@@ -192,7 +211,7 @@ class TaskContextHook:
     def finish(self, run: TaskRun, event: StateMachineEvent) -> None:
         """Hand a finished run to the task spans; never raises"""
         try:
-            self.task_spans.finish(run, event)  # type: ignore[union-attr]
+            self.on_request.finish(run, event)  # type: ignore[union-attr]
         except Exception:
             self._failed("export the span of task %r", run.key)
 

@@ -3,8 +3,9 @@ that ran it (``otel.tasks.spans: true``); the scheduler does no work for them.
 What is exported and which tasks: docs/traces.md, "Task spans (opt-in)".
 
 Owns the rules that choose a run (:func:`key_chosen`: a hash of the key, the same
-in every process and retry; ``slower-than`` and ``erred`` decide after the run)
-and the span's times and attributes. Invariants:
+in every process and retry; ``slower-than`` and ``erred`` decide after the run;
+:class:`TaskRules`: the worker's ``otel.tasks.*``, or a client block's values over
+them, ``dask_otel.span(tasks=...)``) and the span's times and attributes. Invariants:
 
 - only in traces the sampler keeps (the decision the mirror gets,
   :func:`dask_otel.span_context.trace_sampled`); a child of the task's Dask span,
@@ -26,6 +27,7 @@ from __future__ import annotations
 
 import functools
 import random
+import threading
 from collections.abc import Mapping
 from hashlib import blake2b
 from typing import TYPE_CHECKING, Any
@@ -68,11 +70,53 @@ def key_chosen(key: Key, ratio: float) -> bool:
     return int.from_bytes(digest, "big") < ratio * _HASH_SPACE
 
 
+class TaskRules:
+    """Which runs of a task get a span: the ``otel.tasks.*`` values, a worker's
+    config or a client block's over it (``dask_otel.span(tasks=...)``)"""
+
+    __slots__ = ("after_run", "erred", "ratio", "slower_than", "spans")
+
+    #: otel.tasks.spans
+    spans: bool
+    #: otel.tasks.sample-ratio
+    ratio: float
+    #: otel.tasks.slower-than, seconds, or None
+    slower_than: float | None
+    #: otel.tasks.erred
+    erred: bool
+    #: a rule may export a task after its run: it needs a span id ready
+    after_run: bool
+
+    def __init__(self, spans: bool, ratio: float, slower_than: float | None, erred: bool):
+        self.spans = spans
+        self.ratio = ratio
+        self.slower_than = slower_than
+        self.erred = erred
+        self.after_run = slower_than is not None or erred
+
+    @classmethod
+    def of(cls, config: OtelConfig) -> TaskRules:
+        return cls(
+            config.task_spans, config.task_sample_ratio, config.task_slower_than,
+            config.task_erred,
+        )
+
+    def over(self, tasks: Mapping[str, Any]) -> TaskRules:
+        """These rules with a block's values (read by
+        :func:`dask_otel.annotation.task_rules`) over them"""
+        return TaskRules(
+            tasks.get("spans", self.spans),
+            tasks.get("sample-ratio", self.ratio),
+            tasks.get("slower-than", self.slower_than),
+            tasks.get("erred", self.erred),
+        )
+
+
 class TaskRun:
     """One run of a task in a sampled trace, which may get a task span: built by
     :meth:`TaskSpans.start`, handed back to :meth:`TaskSpans.finish` by the hook"""
 
-    __slots__ = ("chosen", "context", "dask_span", "delay", "key", "otel", "span_id")
+    __slots__ = ("chosen", "context", "dask_span", "delay", "key", "otel", "rules", "span_id")
 
     #: the task's key
     key: Key
@@ -89,6 +133,8 @@ class TaskRun:
     #: ``Worker.scheduler_delay`` as the run reads it (no await between this
     #: and Dask's read): the offset Dask adds to the run's times
     delay: float
+    #: the rules that chose it, and decide after it
+    rules: TaskRules
 
     def __init__(
         self,
@@ -97,8 +143,10 @@ class TaskRun:
         context: Context,
         span_id: int,
         otel: Mapping[str, Any] | None,
+        rules: TaskRules,
     ):
         self.key = key
+        self.rules = rules
         self.otel = otel
         self.dask_span = dask_span
         self.context = context
@@ -114,44 +162,46 @@ class TaskSpans:
     worker: Worker
     #: the worker process's span processors
     sink: SpanSink
-    #: otel.tasks.sample-ratio
-    ratio: float
-    #: otel.tasks.slower-than, seconds, or None
-    slower_than: float | None
-    #: otel.tasks.erred
-    erred: bool
+    #: the worker's otel.tasks.* config
+    rules: TaskRules
     #: task spans handed to the span processors
     exported: int
 
     def __init__(self, worker: Worker, sink: SpanSink, config: OtelConfig):
         self.worker = worker
         self.sink = sink
-        self.ratio = config.task_sample_ratio
-        self.slower_than = config.task_slower_than
-        self.erred = config.task_erred
+        self.rules = TaskRules.of(config)
         self.exported = 0
-        # A rule that may export a task after its run needs an id ready for it
-        self._after_run_rules = self.slower_than is not None or self.erred
         self._random = random.Random()
         #: Whether this worker shares the scheduler's clock (same host); None:
         #: not looked at yet (the scheduler's address is known once running)
         self._same_clock: bool | None = None
+        #: ``thread.name`` by thread id: the process's live threads when last
+        #: listed (Dask's executor threads live as long as the worker)
+        self._thread_names: dict[int, str] = {}
 
     def start(self, key: Key, dask_span: DaskSpanContext) -> TaskRun | DaskSpanContext:
         """The run of a task in a sampled trace: in its task span's context if its
         key is chosen, else in its Dask span's (with a span id kept for the
-        threshold and erred rules, or none)"""
+        threshold and erred rules, or none). The rules are the worker's, or its
+        client block's over them (``dask_span.tasks``)."""
+        rules = dask_span.rules
+        if rules is None:  # once per Dask span (the worker caches its context)
+            tasks = dask_span.tasks
+            rules = dask_span.rules = self.rules if tasks is None else self.rules.over(tasks)
+        if not rules.spans:
+            return dask_span
         otel = dask_span.otel
         span_id = self._random.getrandbits(64) or 1
-        if key_chosen(key, self.ratio):
+        if key_chosen(key, rules.ratio):
             own = child_context(dask_span.span_context, span_id)
             context = trace.set_span_in_context(NonRecordingSpan(own), dask_span.context)
-            run = TaskRun(key, dask_span, context, span_id, otel)
+            run = TaskRun(key, dask_span, context, span_id, otel, rules)
             run.chosen = True
-        elif not self._after_run_rules:
+        elif not rules.after_run:
             return dask_span  # runs as if there were no task spans
         else:
-            run = TaskRun(key, dask_span, dask_span.context, span_id, otel)
+            run = TaskRun(key, dask_span, dask_span.context, span_id, otel, rules)
         run.delay = self.worker.scheduler_delay
         return run
 
@@ -170,10 +220,11 @@ class TaskSpans:
         # the Dask span starts no later than the client entered its block
         start = max(start, entered_at(run.otel, run.dask_span.dask_id))
         stop = max(stop, start)
+        rules = run.rules
         if not (
             run.chosen
-            or (erred and self.erred)
-            or (self.slower_than is not None and duration >= self.slower_than)
+            or (erred and rules.erred)
+            or (rules.slower_than is not None and duration >= rules.slower_than)
         ):
             return
         self.sink.emit(self._span(run, event, start, stop, duration, erred))
@@ -193,6 +244,17 @@ class TaskSpans:
             except Exception:
                 self._same_clock = False
         return self._same_clock
+
+    def thread_name(self, ident: int) -> str | None:
+        """The name of the thread ``ident`` (Dask names its executor threads,
+        e.g. ``Dask-Default-Threads-4211-0``): a dict lookup; the live threads
+        are listed again only for an id not seen yet, so the cache holds no
+        dead thread for long"""
+        name = self._thread_names.get(ident)
+        if name is None:
+            self._thread_names = {t.ident: t.name for t in threading.enumerate() if t.ident}
+            name = self._thread_names.get(ident)
+        return name
 
     def _span(
         self,
@@ -214,6 +276,8 @@ class TaskSpans:
         thread = self.worker.threads.get(run.key)
         if thread is not None:
             attributes[attr.THREAD_ID] = thread
+            if (name := self.thread_name(thread)) is not None:
+                attributes[attr.THREAD_NAME] = name
         ts = self.worker.state.tasks.get(run.key)
         if ts is not None and (function := function_name(ts.run_spec)) is not None:
             attributes[attr.CODE_FUNCTION_NAME] = function
