@@ -141,14 +141,34 @@ def test_dashboards_are_what_the_generator_writes():
     assert result.returncode == 0, result.stdout + result.stderr
 
 
-def test_there_are_a_spill_and_a_spans_dashboard_with_cluster_variables():
+def test_there_are_a_spill_a_spans_and_a_workflows_dashboard_with_cluster_variables():
     boards = dashboards()
-    assert {"dask-spill.json", "dask-spans.json"} <= set(boards)
+    assert {"dask-spill.json", "dask-spans.json", "dask-workflows.json"} <= set(boards)
     assert boards["dask-spill.json"]["title"] == "Dask spill"
     assert boards["dask-spans.json"]["title"] == "Dask spans"
+    assert boards["dask-workflows.json"]["title"] == "Dask workflows"
     for board in boards.values():
         assert "cluster" in variables(board)
     assert variables(boards["dask-spill.json"])["worker"]["multi"]
+    assert variables(boards["dask-workflows.json"])["workflow"]["multi"]
+
+
+def test_the_workflows_dashboard_shows_runs_by_result_durations_and_removed_workers():
+    """Issue 26's questions, one panel each: did it run and did it fail (runs by
+    result), is it slow (duration percentiles of ok runs), which workers left and
+    why (removed by reason)"""
+    board = dashboards()["dask-workflows.json"]
+    exprs = {panel["title"]: [t["expr"] for t in panel.get("targets", [])]
+             for panel in panels(board)}
+    (runs,) = exprs["Runs by result"]
+    assert "dask_workflow_runs_total" in runs and "by (dask_workflow_name, dask_workflow_result)" in runs
+    quantiles = exprs["Duration of ok runs: percentiles"]
+    assert [re.match(r"histogram_quantile\((0\.\d+),", q).group(1) for q in quantiles] == \
+        ["0.5", "0.9", "0.99"]
+    assert all('dask_workflow_duration_seconds_bucket{' in q and 'dask_workflow_result="ok"' in q
+               for q in quantiles)
+    (removed,) = exprs["Workers removed, by reason"]
+    assert "by (dask_worker_removed_reason)" in removed
 
 
 @pytest.mark.parametrize("name", sorted(p.name for p in DASHBOARDS.glob("*.json")))
@@ -220,6 +240,14 @@ def test_exemplars_are_stored_and_linked_to_the_trace_store():
         if "dask_activity_" in t.get("expr", "") and t.get("range")
     ]
     assert activity and all(t.get("exemplar") is True for t in activity)
+    # dask.workflow.duration: an exemplar per run, its root trace, on the buckets
+    # (where Prometheus keeps a histogram's exemplars)
+    workflows = json.loads((DASHBOARDS / "dask-workflows.json").read_text())
+    buckets = [
+        t for panel in workflows["panels"] for t in panel.get("targets", [])
+        if "dask_workflow_duration_seconds_bucket" in t.get("expr", "")
+    ]
+    assert len(buckets) == 3 and all(t.get("exemplar") is True for t in buckets)
 
 
 # =============================================================================
@@ -620,13 +648,20 @@ ROUNDS = 3
 SCRAPE_INTERVAL = 1.0
 
 
-def shipped_scrape_config(targets: list[str]) -> dict[str, Any]:
+def shipped_scrape_config(targets: list[str], rules: Path) -> dict[str, Any]:
     """deploy/prometheus/prometheus.yml with the cluster's ports, a 1 s scrape
-    interval, and the shipped rule files"""
+    interval, and the shipped rule files, copied to ``rules`` with every group
+    evaluated every second: a group that states a longer interval (days-long
+    windows) would not be evaluated once during the run"""
     config = yaml.safe_load((PROMETHEUS_DIR / "prometheus.yml").read_text())
     config["global"].update(scrape_interval=f"{SCRAPE_INTERVAL:g}s",
                             evaluation_interval=f"{SCRAPE_INTERVAL:g}s")
-    config["rule_files"] = [str(PROMETHEUS_DIR / pattern) for pattern in config["rule_files"]]
+    for path in RULE_FILES:
+        rule_file = yaml.safe_load(path.read_text())
+        for group in rule_file["groups"]:
+            group.pop("interval", None)
+        (rules / path.name).write_text(yaml.safe_dump(rule_file))
+    config["rule_files"] = [str(rules / Path(pattern).name) for pattern in config["rule_files"]]
     (job,) = config["scrape_configs"]
     job["static_configs"] = [{"targets": targets}]
     return config
@@ -669,7 +704,7 @@ ON_THE_SCRAPED_RUN = pytest.mark.xdist_group("deploy-scraped-run")
 
 
 @pytest.fixture(scope="module")
-def scraped_run() -> Iterator[ScrapedRun]:
+def scraped_run(tmp_path_factory) -> Iterator[ScrapedRun]:
     workload = load_workload()
     run = ScrapedRun()
     with OTLPReceiver("http/protobuf") as receiver, dask_processes(
@@ -680,7 +715,7 @@ def scraped_run() -> Iterator[ScrapedRun]:
             w["services"]["dashboard"] for w in info["workers"].values()]
         targets = [f"127.0.0.1:{port}" for port in ports]
         prometheus = PrometheusServer(targets, scrape_interval=f"{SCRAPE_INTERVAL:g}s")
-        prometheus.config = shipped_scrape_config(targets)
+        prometheus.config = shipped_scrape_config(targets, tmp_path_factory.mktemp("rules"))
         with prometheus:
             prometheus.wait_for_targets_up(timeout=30)
             time.sleep(2 * SCRAPE_INTERVAL)  # counters scraped at 0 before the work
@@ -705,6 +740,8 @@ def resolve_variables(run: ScrapedRun, board: dict[str, Any]) -> dict[str, list[
     for name, variable in variables(board).items():
         if variable["type"] != "query":
             continue
+        if NOT_YET_EMITTED & set(metric_names(variable["query"])):
+            continue  # only queries naming the same metrics use it: not run either
         selector, label = label_values_query(variable)
         if selector:
             selector = substitute(selector, {**first, **{k: v[0] for k, v in values.items()}},
@@ -714,6 +751,19 @@ def resolve_variables(run: ScrapedRun, board: dict[str, Any]) -> dict[str, list[
         values[name] = found
     return values
 
+
+#: Metrics the rules and the workflows dashboard read that the bridge does not
+#: emit yet: workflow outcomes and workers removed (issue 26, items 2 and 3) come
+#: with their own change. Queries naming one are not run, and the names check
+#: leaves them out; each one fails that check once the bridge emits it, so that
+#: it is taken out of this set (and its panels checked) at once.
+NOT_YET_EMITTED = {
+    "dask_workflow_runs_total",
+    "dask_workflow_duration_seconds_bucket",
+    "dask_workflow_duration_seconds_sum",
+    "dask_workflow_duration_seconds_count",
+    "dask_worker_removed_total",
+}
 
 #: Metrics that stay at 0 in a healthy run: panels with them need data, not a
 #: non-zero value
@@ -746,7 +796,7 @@ def evaluate_dashboard(run: ScrapedRun, name: str) -> list[str]:
             settings += [{**settings[0], variable: [option]} for option in options]
     problems, seen = [], set()
     for query in panel_queries(name, board):
-        if query.datasource_type != "prometheus":
+        if query.datasource_type != "prometheus" or NOT_YET_EMITTED & set(metric_names(query.expr)):
             continue
         may_be_zero = bool(ZERO_WHEN_HEALTHY & set(metric_names(query.expr)))
         for setting in settings:
@@ -807,8 +857,10 @@ def test_dashboards_name_only_metrics_the_bridge_emits(scraped_run):
         for group in yaml.safe_load(rule_file.read_text())["groups"]:
             for rule in group["rules"]:
                 used |= set(metric_names(rule["expr"]))
-    assert used <= emitted, used - emitted
-    # The spill and spans dashboards between them show every metric the bridge emits
+    assert not NOT_YET_EMITTED & emitted, \
+        f"emitted now: take {NOT_YET_EMITTED & emitted} out of NOT_YET_EMITTED"
+    assert used - NOT_YET_EMITTED <= emitted, used - NOT_YET_EMITTED - emitted
+    # The dashboards between them show every metric the bridge emits
     assert emitted <= used, emitted - used
 
 
