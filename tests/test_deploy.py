@@ -37,9 +37,11 @@ import dask_otel.config
 from tests.support.backends import (
     PhoenixServer,
     PrometheusServer,
+    free_port,
     http_get_json,
     promtool_check_config,
     promtool_check_rules,
+    wait_until,
 )
 from tests.support.deploy_checks import (
     DASHBOARDS,
@@ -248,6 +250,52 @@ def test_exemplars_are_stored_and_linked_to_the_trace_store():
         if "dask_workflow_duration_seconds_bucket" in t.get("expr", "")
     ]
     assert len(buckets) == 3 and all(t.get("exemplar") is True for t in buckets)
+
+
+def test_prometheus_with_the_stacks_flags_keeps_an_exemplar_and_serves_its_trace_id():
+    """Step 2 of the exemplar path (docs/deploy.md): a Prometheus run with the
+    compose stack's feature flags scrapes a histogram served in OpenMetrics with an
+    exemplar on a bucket, as the collector's prometheus exporter serves
+    dask.workflow.duration (the collector cannot run here: prometheus_client
+    serves the same exposition format), and /api/v1/query_exemplars returns it,
+    under the label Grafana's data source links to Tempo, with the trace id of a
+    span of the OpenTelemetry SDK"""
+    import prometheus_client
+    from opentelemetry.sdk.trace import TracerProvider
+
+    flags = [arg for arg in compose()["services"]["prometheus"]["command"]
+             if arg.startswith("--enable-feature=")]
+    with TracerProvider().get_tracer("test").start_as_current_span("nightly-etl") as span:
+        context = span.get_span_context()
+    trace_id, span_id = f"{context.trace_id:032x}", f"{context.span_id:016x}"
+    registry = prometheus_client.CollectorRegistry()
+    histogram = prometheus_client.Histogram(
+        "dask_workflow_duration_seconds", "Duration of workflow runs",
+        ["dask_workflow_name", "dask_workflow_result"], registry=registry,
+        buckets=(5, 10, 60))
+    histogram.labels("nightly-etl", "ok").observe(8.0, exemplar={"trace_id": trace_id,
+                                                                 "span_id": span_id})
+    port = free_port()
+    server, thread = prometheus_client.start_http_server(port, addr="127.0.0.1", registry=registry)
+    try:
+        with PrometheusServer([f"127.0.0.1:{port}"], extra_args=flags) as prometheus:
+            def exemplars():
+                return http_get_json(f"{prometheus.url}/api/v1/query_exemplars", {
+                    "query": "dask_workflow_duration_seconds_bucket",
+                    "start": time.time() - 60, "end": time.time() + 60})["data"]
+
+            (series,) = wait_until(exemplars, timeout=30, message="a stored exemplar")
+    finally:
+        server.shutdown()
+        thread.join(timeout=5)
+    assert series["seriesLabels"]["le"] == "10.0"
+    (exemplar,) = series["exemplars"]
+    (datasources,) = load_yaml_documents(
+        DEPLOY / "grafana" / "provisioning" / "datasources" / "dask-otel.yaml")
+    (prometheus_source,) = [s for s in datasources["datasources"] if s["type"] == "prometheus"]
+    (link,) = prometheus_source["jsonData"]["exemplarTraceIdDestinations"]
+    assert exemplar["labels"][link["name"]] == trace_id
+    assert float(exemplar["value"]) == 8.0
 
 
 # =============================================================================
