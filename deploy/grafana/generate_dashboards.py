@@ -91,6 +91,18 @@ def timeseries(title: str, description: str, unit: str, targets: list[dict],
     }
 
 
+def range_bars(title: str, description: str, expr: str, legend: str, unit: str,
+               **defaults: Any) -> dict[str, Any]:
+    """Horizontal bars of one instant query over the dashboard's time range"""
+    return {
+        "type": "bargauge", "title": title, "description": description,
+        "datasource": PROMETHEUS, "targets": [target(expr, legend, instant=True)],
+        "fieldConfig": {"defaults": {"unit": unit, **defaults}, "overrides": []},
+        "options": {"orientation": "horizontal", "displayMode": "basic",
+                    "reduceOptions": {"calcs": ["lastNotNull"], "fields": "", "values": False}},
+    }
+
+
 def row(title: str) -> dict[str, Any]:
     return {"type": "row", "title": title, "collapsed": False, "panels": []}
 
@@ -324,18 +336,13 @@ def spans_dashboard() -> dict[str, Any]:
                 "{{dask_activity_context}} {{dask_activity_name}}", exemplar=True)],
         stack=True,
     )
-    top_prefixes = {
-        "type": "bargauge", "title": "Task prefixes by time spent (whole range)",
-        "description": "Thread seconds per task prefix over the dashboard's time range.",
-        "datasource": PROMETHEUS,
-        "targets": [target(
-            "sort_desc(sum by (dask_task_prefix) "
-            f"(increase(dask_activity_time_seconds_total{{{execute}}}[$__range])))",
-            "{{dask_task_prefix}}", instant=True)],
-        "fieldConfig": {"defaults": {"unit": "s"}, "overrides": []},
-        "options": {"orientation": "horizontal", "displayMode": "basic",
-                    "reduceOptions": {"calcs": ["lastNotNull"], "fields": "", "values": False}},
-    }
+    top_prefixes = range_bars(
+        "Task prefixes by time spent (whole range)",
+        "Thread seconds per task prefix over the dashboard's time range.",
+        "sort_desc(sum by (dask_task_prefix) "
+        f"(increase(dask_activity_time_seconds_total{{{execute}}}[$__range])))",
+        "{{dask_task_prefix}}", "s",
+    )
     export_rates = timeseries(
         "Spans mirrored, sampled out, exported, dropped",
         "Per second: Dask spans and TaskGroups the bridge handed to the OpenTelemetry "
@@ -437,18 +444,13 @@ def workflows_dashboard() -> dict[str, Any]:
                 "{{dask_workflow_name}} {{dask_workflow_result}}")],
         stack=True,
     )
-    runs_in_range = {
-        "type": "bargauge", "title": "Runs in the time range, by result",
-        "description": "Runs of each workflow over the dashboard's time range.",
-        "datasource": PROMETHEUS,
-        "targets": [target(
-            "sort_desc(sum by (dask_workflow_name, dask_workflow_result) "
-            f"(increase(dask_workflow_runs_total{{{WORKFLOW}}}[$__range])))",
-            "{{dask_workflow_name}} {{dask_workflow_result}}", instant=True)],
-        "fieldConfig": {"defaults": {"unit": "short", "decimals": 0}, "overrides": []},
-        "options": {"orientation": "horizontal", "displayMode": "basic",
-                    "reduceOptions": {"calcs": ["lastNotNull"], "fields": "", "values": False}},
-    }
+    runs_in_range = range_bars(
+        "Runs in the time range, by result",
+        "Runs of each workflow over the dashboard's time range.",
+        "sort_desc(sum by (dask_workflow_name, dask_workflow_result) "
+        f"(increase(dask_workflow_runs_total{{{WORKFLOW}}}[$__range])))",
+        "{{dask_workflow_name}} {{dask_workflow_result}}", "short", decimals=0,
+    )
 
     def quantile(q: float) -> dict[str, Any]:
         buckets = (f"sum by (dask_workflow_name, le) (rate(dask_workflow_duration_seconds_bucket"
@@ -487,18 +489,13 @@ def workflows_dashboard() -> dict[str, Any]:
                 "{{dask_worker_removed_reason}}")],
         stack=True,
     )
-    removed_in_range = {
-        "type": "bargauge", "title": "Workers removed in the time range, by reason",
-        "description": "Workers that left the cluster over the dashboard's time range.",
-        "datasource": PROMETHEUS,
-        "targets": [target(
-            "sort_desc(sum by (dask_worker_removed_reason) "
-            f"(increase(dask_worker_removed_total{{{CLUSTER}}}[$__range])))",
-            "{{dask_worker_removed_reason}}", instant=True)],
-        "fieldConfig": {"defaults": {"unit": "short", "decimals": 0}, "overrides": []},
-        "options": {"orientation": "horizontal", "displayMode": "basic",
-                    "reduceOptions": {"calcs": ["lastNotNull"], "fields": "", "values": False}},
-    }
+    removed_in_range = range_bars(
+        "Workers removed in the time range, by reason",
+        "Workers that left the cluster over the dashboard's time range.",
+        "sort_desc(sum by (dask_worker_removed_reason) "
+        f"(increase(dask_worker_removed_total{{{CLUSTER}}}[$__range])))",
+        "{{dask_worker_removed_reason}}", "short", decimals=0,
+    )
     return dashboard(
         "dask-otel-workflows", "Dask workflows",
         "Did each workflow run, did it fail, is it slow, and which workers left: "
