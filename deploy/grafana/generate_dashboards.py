@@ -111,6 +111,13 @@ def rate(metric: str, selector: str, window: str = "$__rate_interval") -> str:
     return f"rate({metric}{{{selector}}}[{window}])"
 
 
+def increase_from_zero(selector: str, window: str) -> str:
+    """Increase over ``window`` of counters that appear with their first event:
+    a series younger than the window counts its whole value, which increase()
+    alone would miss (it needs two samples; dask.workflow.*, dask.worker.removed)"""
+    return f"(({selector} unless {selector} offset {window}) or increase({selector}[{window}]))"
+
+
 def per_worker(metric: str, selector: str) -> str:
     return f"sum by (dask_worker_name) ({rate(metric, selector)})"
 
@@ -440,7 +447,7 @@ def workflows_dashboard() -> dict[str, Any]:
         "cancelled.",
         "short",
         [target(f"sum by (dask_workflow_name, dask_workflow_result) "
-                f"(increase(dask_workflow_runs_total{{{WORKFLOW}}}[$__rate_interval]))",
+                f"{increase_from_zero(f'dask_workflow_runs_total{{{WORKFLOW}}}', '$__rate_interval')}",
                 "{{dask_workflow_name}} {{dask_workflow_result}}")],
         stack=True,
     )
@@ -448,13 +455,13 @@ def workflows_dashboard() -> dict[str, Any]:
         "Runs in the time range, by result",
         "Runs of each workflow over the dashboard's time range.",
         "sort_desc(sum by (dask_workflow_name, dask_workflow_result) "
-        f"(increase(dask_workflow_runs_total{{{WORKFLOW}}}[$__range])))",
+        f"{increase_from_zero(f'dask_workflow_runs_total{{{WORKFLOW}}}', '$__range')})",
         "{{dask_workflow_name}} {{dask_workflow_result}}", "short", decimals=0,
     )
 
     def quantile(q: float) -> dict[str, Any]:
-        buckets = (f"sum by (dask_workflow_name, le) (rate(dask_workflow_duration_seconds_bucket"
-                   f'{{{WORKFLOW}, dask_workflow_result="ok"}}[{DURATION_WINDOW}]))')
+        selector = f'dask_workflow_duration_seconds_bucket{{{WORKFLOW}, dask_workflow_result="ok"}}'
+        buckets = f"sum by (dask_workflow_name, le) {increase_from_zero(selector, DURATION_WINDOW)}"
         return target(f"histogram_quantile({q}, {buckets})",
                       f"{{{{dask_workflow_name}}}} p{round(q * 100)}", exemplar=True)
 
@@ -473,9 +480,9 @@ def workflows_dashboard() -> dict[str, Any]:
         "s",
         [target(
             f"sum by (dask_workflow_name, dask_workflow_result) "
-            f"(rate(dask_workflow_duration_seconds_sum{{{WORKFLOW}}}[{DURATION_WINDOW}]))"
+            f"{increase_from_zero(f'dask_workflow_duration_seconds_sum{{{WORKFLOW}}}', DURATION_WINDOW)}"
             f" / sum by (dask_workflow_name, dask_workflow_result) "
-            f"(rate(dask_workflow_duration_seconds_count{{{WORKFLOW}}}[{DURATION_WINDOW}]))",
+            f"{increase_from_zero(f'dask_workflow_duration_seconds_count{{{WORKFLOW}}}', DURATION_WINDOW)}",
             "{{dask_workflow_name}} {{dask_workflow_result}}")],
     )
     removed = timeseries(
@@ -485,7 +492,7 @@ def workflows_dashboard() -> dict[str, Any]:
         "down (retired), closed (closed), or lost without a word (lost).",
         "short",
         [target(f"sum by (dask_worker_removed_reason) "
-                f"(increase(dask_worker_removed_total{{{CLUSTER}}}[$__rate_interval]))",
+                f"{increase_from_zero(f'dask_worker_removed_total{{{CLUSTER}}}', '$__rate_interval')}",
                 "{{dask_worker_removed_reason}}")],
         stack=True,
     )
@@ -493,7 +500,7 @@ def workflows_dashboard() -> dict[str, Any]:
         "Workers removed in the time range, by reason",
         "Workers that left the cluster over the dashboard's time range.",
         "sort_desc(sum by (dask_worker_removed_reason) "
-        f"(increase(dask_worker_removed_total{{{CLUSTER}}}[$__range])))",
+        f"{increase_from_zero(f'dask_worker_removed_total{{{CLUSTER}}}', '$__range')})",
         "{{dask_worker_removed_reason}}", "short", decimals=0,
     )
     return dashboard(
