@@ -37,9 +37,11 @@ import dask_otel.config
 from tests.support.backends import (
     PhoenixServer,
     PrometheusServer,
+    free_port,
     http_get_json,
     promtool_check_config,
     promtool_check_rules,
+    wait_until,
 )
 from tests.support.deploy_checks import (
     DASHBOARDS,
@@ -141,14 +143,34 @@ def test_dashboards_are_what_the_generator_writes():
     assert result.returncode == 0, result.stdout + result.stderr
 
 
-def test_there_are_a_spill_and_a_spans_dashboard_with_cluster_variables():
+def test_there_are_a_spill_a_spans_and_a_workflows_dashboard_with_cluster_variables():
     boards = dashboards()
-    assert {"dask-spill.json", "dask-spans.json"} <= set(boards)
+    assert {"dask-spill.json", "dask-spans.json", "dask-workflows.json"} <= set(boards)
     assert boards["dask-spill.json"]["title"] == "Dask spill"
     assert boards["dask-spans.json"]["title"] == "Dask spans"
+    assert boards["dask-workflows.json"]["title"] == "Dask workflows"
     for board in boards.values():
         assert "cluster" in variables(board)
     assert variables(boards["dask-spill.json"])["worker"]["multi"]
+    assert variables(boards["dask-workflows.json"])["workflow"]["multi"]
+
+
+def test_the_workflows_dashboard_shows_runs_by_result_durations_and_removed_workers():
+    """Issue 26's questions, one panel each: did it run and did it fail (runs by
+    result), is it slow (duration percentiles of ok runs), which workers left and
+    why (removed by reason)"""
+    board = dashboards()["dask-workflows.json"]
+    exprs = {panel["title"]: [t["expr"] for t in panel.get("targets", [])]
+             for panel in panels(board)}
+    (runs,) = exprs["Runs by result"]
+    assert "dask_workflow_runs_total" in runs and "by (dask_workflow_name, dask_workflow_result)" in runs
+    quantiles = exprs["Duration of ok runs: percentiles"]
+    assert [re.match(r"histogram_quantile\((0\.\d+),", q).group(1) for q in quantiles] == \
+        ["0.5", "0.9", "0.99"]
+    assert all('dask_workflow_duration_seconds_bucket{' in q and 'dask_workflow_result="ok"' in q
+               for q in quantiles)
+    (removed,) = exprs["Workers removed, by reason"]
+    assert "by (dask_worker_removed_reason)" in removed
 
 
 @pytest.mark.parametrize("name", sorted(p.name for p in DASHBOARDS.glob("*.json")))
@@ -220,6 +242,60 @@ def test_exemplars_are_stored_and_linked_to_the_trace_store():
         if "dask_activity_" in t.get("expr", "") and t.get("range")
     ]
     assert activity and all(t.get("exemplar") is True for t in activity)
+    # dask.workflow.duration: an exemplar per run, its root trace, on the buckets
+    # (where Prometheus keeps a histogram's exemplars)
+    workflows = json.loads((DASHBOARDS / "dask-workflows.json").read_text())
+    buckets = [
+        t for panel in workflows["panels"] for t in panel.get("targets", [])
+        if "dask_workflow_duration_seconds_bucket" in t.get("expr", "")
+    ]
+    assert len(buckets) == 3 and all(t.get("exemplar") is True for t in buckets)
+
+
+def test_prometheus_with_the_stacks_flags_keeps_an_exemplar_and_serves_its_trace_id():
+    """Step 2 of the exemplar path (docs/deploy.md): a Prometheus run with the
+    compose stack's feature flags scrapes a histogram served in OpenMetrics with an
+    exemplar on a bucket, as the collector's prometheus exporter serves
+    dask.workflow.duration (the collector cannot run here: prometheus_client
+    serves the same exposition format), and /api/v1/query_exemplars returns it,
+    under the label Grafana's data source links to Tempo, with the trace id of a
+    span of the OpenTelemetry SDK"""
+    import prometheus_client
+    from opentelemetry.sdk.trace import TracerProvider
+
+    flags = [arg for arg in compose()["services"]["prometheus"]["command"]
+             if arg.startswith("--enable-feature=")]
+    with TracerProvider().get_tracer("test").start_as_current_span("nightly-etl") as span:
+        context = span.get_span_context()
+    trace_id, span_id = f"{context.trace_id:032x}", f"{context.span_id:016x}"
+    registry = prometheus_client.CollectorRegistry()
+    histogram = prometheus_client.Histogram(
+        "dask_workflow_duration_seconds", "Duration of workflow runs",
+        ["dask_workflow_name", "dask_workflow_result"], registry=registry,
+        buckets=(5, 10, 60))
+    histogram.labels("nightly-etl", "ok").observe(8.0, exemplar={"trace_id": trace_id,
+                                                                 "span_id": span_id})
+    port = free_port()
+    server, thread = prometheus_client.start_http_server(port, addr="127.0.0.1", registry=registry)
+    try:
+        with PrometheusServer([f"127.0.0.1:{port}"], extra_args=flags) as prometheus:
+            def exemplars():
+                return http_get_json(f"{prometheus.url}/api/v1/query_exemplars", {
+                    "query": "dask_workflow_duration_seconds_bucket",
+                    "start": time.time() - 60, "end": time.time() + 60})["data"]
+
+            (series,) = wait_until(exemplars, timeout=30, message="a stored exemplar")
+    finally:
+        server.shutdown()
+        thread.join(timeout=5)
+    assert series["seriesLabels"]["le"] == "10.0"
+    (exemplar,) = series["exemplars"]
+    (datasources,) = load_yaml_documents(
+        DEPLOY / "grafana" / "provisioning" / "datasources" / "dask-otel.yaml")
+    (prometheus_source,) = [s for s in datasources["datasources"] if s["type"] == "prometheus"]
+    (link,) = prometheus_source["jsonData"]["exemplarTraceIdDestinations"]
+    assert exemplar["labels"][link["name"]] == trace_id
+    assert float(exemplar["value"]) == 8.0
 
 
 # =============================================================================
@@ -620,13 +696,20 @@ ROUNDS = 3
 SCRAPE_INTERVAL = 1.0
 
 
-def shipped_scrape_config(targets: list[str]) -> dict[str, Any]:
+def shipped_scrape_config(targets: list[str], rules: Path) -> dict[str, Any]:
     """deploy/prometheus/prometheus.yml with the cluster's ports, a 1 s scrape
-    interval, and the shipped rule files"""
+    interval, and the shipped rule files, copied to ``rules`` with every group
+    evaluated every second: a group that states a longer interval (days-long
+    windows) would not be evaluated once during the run"""
     config = yaml.safe_load((PROMETHEUS_DIR / "prometheus.yml").read_text())
     config["global"].update(scrape_interval=f"{SCRAPE_INTERVAL:g}s",
                             evaluation_interval=f"{SCRAPE_INTERVAL:g}s")
-    config["rule_files"] = [str(PROMETHEUS_DIR / pattern) for pattern in config["rule_files"]]
+    for path in RULE_FILES:
+        rule_file = yaml.safe_load(path.read_text())
+        for group in rule_file["groups"]:
+            group.pop("interval", None)
+        (rules / path.name).write_text(yaml.safe_dump(rule_file))
+    config["rule_files"] = [str(rules / Path(pattern).name) for pattern in config["rule_files"]]
     (job,) = config["scrape_configs"]
     job["static_configs"] = [{"targets": targets}]
     return config
@@ -669,7 +752,7 @@ ON_THE_SCRAPED_RUN = pytest.mark.xdist_group("deploy-scraped-run")
 
 
 @pytest.fixture(scope="module")
-def scraped_run() -> Iterator[ScrapedRun]:
+def scraped_run(tmp_path_factory) -> Iterator[ScrapedRun]:
     workload = load_workload()
     run = ScrapedRun()
     with OTLPReceiver("http/protobuf") as receiver, dask_processes(
@@ -680,7 +763,7 @@ def scraped_run() -> Iterator[ScrapedRun]:
             w["services"]["dashboard"] for w in info["workers"].values()]
         targets = [f"127.0.0.1:{port}" for port in ports]
         prometheus = PrometheusServer(targets, scrape_interval=f"{SCRAPE_INTERVAL:g}s")
-        prometheus.config = shipped_scrape_config(targets)
+        prometheus.config = shipped_scrape_config(targets, tmp_path_factory.mktemp("rules"))
         with prometheus:
             prometheus.wait_for_targets_up(timeout=30)
             time.sleep(2 * SCRAPE_INTERVAL)  # counters scraped at 0 before the work
@@ -689,6 +772,11 @@ def scraped_run() -> Iterator[ScrapedRun]:
                 # Held across scrapes: the gauges of keys on disk are sampled
                 workload.run_round(client, chunks=20, chunk_bytes=4_000_000, seed=100 * i,
                                    hold=3 * SCRAPE_INTERVAL)
+            # A worker retired, for the workflows dashboard's workers removed by
+            # reason; without the bridge in it, it has no worker series of its own
+            cluster.add_worker("retired", without_dask_otel=True)
+            client.wait_for_workers(len(info["workers"]) + 1, timeout=60)
+            client.retire_workers(names=["retired"])
             time.sleep(3 * SCRAPE_INTERVAL)
             run.end = time.time()
             run.prometheus, run.receiver = prometheus, receiver
@@ -801,14 +889,16 @@ def test_dashboards_name_only_metrics_the_bridge_emits(scraped_run):
     exposed, and those all come from the bridge (otel_scope_name="dask_otel")"""
     emitted = {r["metric"]["__name__"] for r in scraped_run.prometheus.query(
         'group by (__name__) ({otel_scope_name="dask_otel"})', time=scraped_run.end)}
+    # A Grafana variable in a query is no metric (`offset $__range`)
     used = {name for board in dashboards().values() for query in panel_queries("", board)
-            if query.datasource_type == "prometheus" for name in metric_names(query.expr)}
+            if query.datasource_type == "prometheus"
+            for name in metric_names(re.sub(r"\$\w+", "1m", query.expr))}
     for rule_file in RULE_FILES:
         for group in yaml.safe_load(rule_file.read_text())["groups"]:
             for rule in group["rules"]:
                 used |= set(metric_names(rule["expr"]))
     assert used <= emitted, used - emitted
-    # The spill and spans dashboards between them show every metric the bridge emits
+    # The dashboards between them show every metric the bridge emits
     assert emitted <= used, emitted - used
 
 
@@ -860,9 +950,11 @@ def test_a_collector_gives_the_metrics_the_same_prometheus_names_and_labels(scra
     pushed: dict[str, set[str]] = {}
     for point in points:
         name = collector_prometheus_name(point.name, point.unit, point.kind, point.monotonic)
-        for series in ([name + s for s in ("_bucket", "_sum", "_count")]
-                       if point.kind == "histogram" else [name]):
-            pushed.setdefault(series, set()).update(map(prometheus_label, point.attributes))
+        # A histogram is three series in Prometheus (dask.workflow.duration)
+        names = ([name + suffix for suffix in ("_bucket", "_sum", "_count")]
+                 if point.kind == "histogram" else [name])
+        for name in names:
+            pushed.setdefault(name, set()).update(map(prometheus_label, point.attributes))
         assert point.resource["service.name"] == scraped_run.job
         assert point.resource.get("service.instance.id")  # the collector's `instance`
     series = http_get_json(f"{scraped_run.prometheus.url}/api/v1/series", {

@@ -63,7 +63,7 @@ def target(expr: str, legend: str = "", *, instant: bool = False,
         "datasource": PROMETHEUS, "expr": expr, "legendFormat": legend,
         "range": not instant, "instant": instant, "editorMode": "code",
     }
-    if exemplar:  # dask.activity.* carry exemplars: a dot links to the trace
+    if exemplar:  # dask.activity.* and dask.workflow.*: a dot links to the trace
         out["exemplar"] = True
     return out
 
@@ -91,12 +91,31 @@ def timeseries(title: str, description: str, unit: str, targets: list[dict],
     }
 
 
+def range_bars(title: str, description: str, expr: str, legend: str, unit: str,
+               **defaults: Any) -> dict[str, Any]:
+    """Horizontal bars of one instant query over the dashboard's time range"""
+    return {
+        "type": "bargauge", "title": title, "description": description,
+        "datasource": PROMETHEUS, "targets": [target(expr, legend, instant=True)],
+        "fieldConfig": {"defaults": {"unit": unit, **defaults}, "overrides": []},
+        "options": {"orientation": "horizontal", "displayMode": "basic",
+                    "reduceOptions": {"calcs": ["lastNotNull"], "fields": "", "values": False}},
+    }
+
+
 def row(title: str) -> dict[str, Any]:
     return {"type": "row", "title": title, "collapsed": False, "panels": []}
 
 
 def rate(metric: str, selector: str, window: str = "$__rate_interval") -> str:
     return f"rate({metric}{{{selector}}}[{window}])"
+
+
+def increase_from_zero(selector: str, window: str) -> str:
+    """Increase over ``window`` of counters that appear with their first event:
+    a series younger than the window counts its whole value, which increase()
+    alone would miss (it needs two samples; dask.workflow.*, dask.worker.removed)"""
+    return f"(({selector} unless {selector} offset {window}) or increase({selector}[{window}]))"
 
 
 def per_worker(metric: str, selector: str) -> str:
@@ -324,18 +343,13 @@ def spans_dashboard() -> dict[str, Any]:
                 "{{dask_activity_context}} {{dask_activity_name}}", exemplar=True)],
         stack=True,
     )
-    top_prefixes = {
-        "type": "bargauge", "title": "Task prefixes by time spent (whole range)",
-        "description": "Thread seconds per task prefix over the dashboard's time range.",
-        "datasource": PROMETHEUS,
-        "targets": [target(
-            "sort_desc(sum by (dask_task_prefix) "
-            f"(increase(dask_activity_time_seconds_total{{{execute}}}[$__range])))",
-            "{{dask_task_prefix}}", instant=True)],
-        "fieldConfig": {"defaults": {"unit": "s"}, "overrides": []},
-        "options": {"orientation": "horizontal", "displayMode": "basic",
-                    "reduceOptions": {"calcs": ["lastNotNull"], "fields": "", "values": False}},
-    }
+    top_prefixes = range_bars(
+        "Task prefixes by time spent (whole range)",
+        "Thread seconds per task prefix over the dashboard's time range.",
+        "sort_desc(sum by (dask_task_prefix) "
+        f"(increase(dask_activity_time_seconds_total{{{execute}}}[$__range])))",
+        "{{dask_task_prefix}}", "s",
+    )
     export_rates = timeseries(
         "Spans mirrored, sampled out, exported, dropped",
         "Per second: Dask spans and TaskGroups the bridge handed to the OpenTelemetry "
@@ -416,10 +430,107 @@ def spans_dashboard() -> dict[str, Any]:
     )
 
 
+# --- Dask workflows -------------------------------------------------------------
+
+#: Runs of the chosen workflows (dask.workflow.*: one point per run of a root
+#: Dask span, recorded by the scheduler; names not declared bounded are `other`)
+WORKFLOW = 'job="$cluster", dask_workflow_name=~"$workflow"'
+#: Window of the duration percentiles: workflows run seldom, a percentile needs
+#: the runs of a while
+DURATION_WINDOW = "1h"
+
+
+def workflows_dashboard() -> dict[str, Any]:
+    runs = timeseries(
+        "Runs by result",
+        "Runs of each workflow that ended in each interval, by result: ok, erred, "
+        "cancelled.",
+        "short",
+        [target(f"sum by (dask_workflow_name, dask_workflow_result) "
+                f"{increase_from_zero(f'dask_workflow_runs_total{{{WORKFLOW}}}', '$__rate_interval')}",
+                "{{dask_workflow_name}} {{dask_workflow_result}}")],
+        stack=True,
+    )
+    runs_in_range = range_bars(
+        "Runs in the time range, by result",
+        "Runs of each workflow over the dashboard's time range.",
+        "sort_desc(sum by (dask_workflow_name, dask_workflow_result) "
+        f"{increase_from_zero(f'dask_workflow_runs_total{{{WORKFLOW}}}', '$__range')})",
+        "{{dask_workflow_name}} {{dask_workflow_result}}", "short", decimals=0,
+    )
+
+    def quantile(q: float) -> dict[str, Any]:
+        selector = f'dask_workflow_duration_seconds_bucket{{{WORKFLOW}, dask_workflow_result="ok"}}'
+        buckets = f"sum by (dask_workflow_name, le) {increase_from_zero(selector, DURATION_WINDOW)}"
+        return target(f"histogram_quantile({q}, {buckets})",
+                      f"{{{{dask_workflow_name}}}} p{round(q * 100)}", exemplar=True)
+
+    durations = timeseries(
+        "Duration of ok runs: percentiles",
+        f"Median, 90th and 99th percentile of the ok runs that ended in the "
+        f"{DURATION_WINDOW} before each point, within the histogram's buckets. The "
+        "dots are exemplars: one run each, linked to its trace.",
+        "s",
+        [quantile(0.5), quantile(0.9), quantile(0.99)],
+    )
+    mean_duration = timeseries(
+        "Mean duration by result",
+        f"Mean duration of the runs that ended in the {DURATION_WINDOW} before each "
+        "point, ok and erred apart: an erred run that failed early is fast.",
+        "s",
+        [target(
+            f"sum by (dask_workflow_name, dask_workflow_result) "
+            f"{increase_from_zero(f'dask_workflow_duration_seconds_sum{{{WORKFLOW}}}', DURATION_WINDOW)}"
+            f" / sum by (dask_workflow_name, dask_workflow_result) "
+            f"{increase_from_zero(f'dask_workflow_duration_seconds_count{{{WORKFLOW}}}', DURATION_WINDOW)}",
+            "{{dask_workflow_name}} {{dask_workflow_result}}")],
+    )
+    removed = timeseries(
+        "Workers removed, by reason",
+        "Workers that left the cluster in each interval: restarted by their nanny "
+        "for memory (memory_restart), failed hard (fail_hard), retired or scaled "
+        "down (retired), closed (closed), or lost without a word (lost).",
+        "short",
+        [target(f"sum by (dask_worker_removed_reason) "
+                f"{increase_from_zero(f'dask_worker_removed_total{{{CLUSTER}}}', '$__rate_interval')}",
+                "{{dask_worker_removed_reason}}")],
+        stack=True,
+    )
+    removed_in_range = range_bars(
+        "Workers removed in the time range, by reason",
+        "Workers that left the cluster over the dashboard's time range.",
+        "sort_desc(sum by (dask_worker_removed_reason) "
+        f"{increase_from_zero(f'dask_worker_removed_total{{{CLUSTER}}}', '$__range')})",
+        "{{dask_worker_removed_reason}}", "short", decimals=0,
+    )
+    return dashboard(
+        "dask-otel-workflows", "Dask workflows",
+        "Did each workflow run, did it fail, is it slow, and which workers left: "
+        "outcomes recorded by dask_otel once per run",
+        [
+            datasource_variable("datasource", "prometheus", "Prometheus"),
+            # The scheduler's own series: every cluster with the bridge has them,
+            # whether or not a workflow ran
+            query_variable("cluster", "Cluster", "label_values(dask_otel_span_mirrored_total, job)"),
+            query_variable("workflow", "Workflow",
+                           f"label_values(dask_workflow_runs_total{{{CLUSTER}}}, dask_workflow_name)",
+                           multi=True),
+        ],
+        [
+            (row("Runs"), 24, 1),
+            (runs, 16, 8), (runs_in_range, 8, 8),
+            (durations, 12, 8), (mean_duration, 12, 8),
+            (row("Workers"), 24, 1),
+            (removed, 16, 8), (removed_in_range, 8, 8),
+        ],
+    )
+
+
 def render() -> dict[str, str]:
     return {
         "dask-spill.json": json.dumps(spill_dashboard(), indent=2) + "\n",
         "dask-spans.json": json.dumps(spans_dashboard(), indent=2) + "\n",
+        "dask-workflows.json": json.dumps(workflows_dashboard(), indent=2) + "\n",
     }
 
 
