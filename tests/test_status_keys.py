@@ -13,7 +13,7 @@ from tests.support.processes import dask_processes
 NO_EXPORT = {"OTEL_TRACES_EXPORTER": "none", "OTEL_METRICS_EXPORTER": "none"}
 
 #: What every server's status says, whatever its kind
-SERVER_KEYS = {"error", "service_name", "shared_with", "metrics", "config"}
+SERVER_KEYS = {"error", "service_name", "config_file", "shared_with", "metrics", "config"}
 
 
 def test_the_schedulers_and_the_workers_status_carry_the_same_server_keys():
@@ -26,6 +26,7 @@ def test_the_schedulers_and_the_workers_status_carry_the_same_server_keys():
     # one cluster in the process: its exporters are its own
     assert scheduler["shared_with"] is None and worker["shared_with"] is None
     assert scheduler["service_name"] == worker["service_name"]
+    assert scheduler["config_file"] is None and worker["config_file"] is None  # no file
 
 
 def test_a_worker_without_dask_otel_shows_the_keys_of_a_worker_with_it():

@@ -110,10 +110,15 @@ def service_name_status(telemetry: Telemetry | None) -> dict[str, Any] | None:
     return {
         "name": telemetry.resource.attributes.get("service.name"),
         "from": service_name()[1],
-        # OTEL_CONFIG_FILE's path and what of it the bridge does not do, None
-        # without one (docs/configuration-file.md)
-        "config_file": telemetry.config_file.status() if telemetry.config_file else None,
     }
+
+
+def config_file_status(telemetry: Telemetry | None) -> dict[str, Any] | None:
+    """What ``status()`` shows of ``OTEL_CONFIG_FILE``: its path and what of it the
+    bridge does not do (docs/configuration-file.md); None without one"""
+    if telemetry is None or telemetry.config_file is None:
+        return None
+    return telemetry.config_file.status()
 
 
 def build_resource(**attributes: Any):

@@ -75,11 +75,12 @@ def server_status(
     or ``WORKERS``); ``features`` are the server's own keys.
     """
     if telemetry is None:
-        service_name = shared_with = config = None
+        service_name = config_file = shared_with = config = None
     else:  # dask_otel is installed here
-        from dask_otel.export.telemetry import service_name_status
+        from dask_otel.export.telemetry import config_file_status, service_name_status
 
         service_name = service_name_status(telemetry.telemetry)
+        config_file = config_file_status(telemetry.telemetry)
         shared_with = telemetry.shared_with
         config = telemetry.telemetry.config.effective(process)
     return {
@@ -87,6 +88,8 @@ def server_status(
         "error": error,
         # the service.name its spans carry, and which rule gave it
         "service_name": service_name,
+        # OTEL_CONFIG_FILE's path and the parts of it the bridge ignores (None: no file)
+        "config_file": config_file,
         # the scheduler whose exporters and metric resource it shares (two clusters
         # in one process), None when they are its own
         "shared_with": shared_with,
