@@ -63,6 +63,9 @@ def test_a_run_with_task_spans_on_exports_them_while_its_sibling_exports_none(re
         plain, _ = run(client, "plain")
         receiver.wait_for(lambda r: len(task_span_keys(r)) >= 3, timeout=60)
         wait_settled(receiver, ["traced", "plain"])
+        # status() counts the spans a block asked for, otel.tasks.spans off
+        workers = dask_otel.status(client)["workers"].values()
+        assert sum(w["task_spans"] for w in workers) == len(traced)
     assert task_span_keys(receiver) == {str(f.key) for f in traced}
     (traced_span,) = receiver.spans("traced")
     assert task_span_keys(receiver, traced_span.trace_id) == {str(f.key) for f in traced}
