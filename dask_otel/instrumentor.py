@@ -3,7 +3,7 @@
 processes it starts.
 
 It owns two wraps, made when distributed's module is imported (at once if it
-is), so that a process that never imports distributed pays nothing:
+is):
 ``Scheduler.__init__``, after which the scheduler plugin is added
 (:func:`dask_otel.scheduler.plugin.add_bridge`: one bridge whatever else asks for
 it; no dask config is read, so a ``--preload`` of something else does not drop it),
