@@ -882,9 +882,12 @@ def test_times_are_what_dask_records_bounded_by_what_the_scheduler_saw():
     heard = max(t for start, finish, t in log if start == "processing")
     assert s.start_time == ns(enqueued)
     assert ns(heard) <= s.end_time <= ns(returned)
-    # Dask's start, or moved later to when the scheduler sent the first task
+    # Dask's start, or moved later to when the scheduler sent the first task, or
+    # earlier to when it heard of the last (a worker's clock misjudged under load
+    # puts TaskGroup.start after that)
     assert group.start_time >= ns(sent)
-    assert group.start_time == ns(max(tg_start, enqueued)) or group.start_time > ns(tg_start)
+    assert (group.start_time == ns(max(tg_start, enqueued)) or group.start_time > ns(tg_start)
+            or group.start_time >= ns(heard))
     assert group.end_time <= min(ns(tg_stop), s.end_time)
     assert group.end_time == ns(tg_stop) or group.end_time >= ns(heard)
 
