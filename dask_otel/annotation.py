@@ -217,13 +217,21 @@ def block_exit(
     span_annotation: Mapping[str, Any], own: int, otel: Mapping[str, Any], exited: float
 ) -> dict[str, Any]:
     """The :data:`BLOCK_EXIT` event of a block that opened the last ``own`` Dask
-    spans of ``span_annotation`` and left at ``exited``"""
+    spans of ``span_annotation`` and left at ``exited``; the client that sends it
+    adds its id as ``client`` (:func:`exit_sender`)"""
     return {
         "span": {"name": list(span_annotation["name"]), "ids": list(span_annotation["ids"])},
         "own": own,
         "otel": otel,
         "exited": exited,
     }
+
+
+def exit_sender(msg: Mapping[str, Any]) -> str | None:
+    """The id of the client that sent a :data:`BLOCK_EXIT` event (None: not
+    said, as by clients before it was)"""
+    sender = msg.get("client")
+    return sender if isinstance(sender, str) else None
 
 
 def read_block_exit(msg: Any) -> BlockExit | None:

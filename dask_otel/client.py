@@ -134,6 +134,9 @@ def _announce_exit(msg: dict) -> None:
     try:
         if client.status != "running" or client.loop is None:
             return
+        # Sent before this client closes: the scheduler tells a late exit from
+        # a block its client left open (dask_otel.scheduler.blocks)
+        msg["client"] = client.id
         client.loop.add_callback(_send_exit, client, msg)
     except Exception:
         pass  # telemetry never fails the caller

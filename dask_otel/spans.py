@@ -233,9 +233,14 @@ class SpanMirror:
         ext = self.extension
         blocks.observe_exit(self.ledger, ext.spans if ext is not None else {}, msg, time())
 
-    def observe_client_gone(self, client: str) -> None:
-        """A client left the scheduler: the blocks it had open are over"""
-        blocks.observe_client_gone(self.ledger, client, time())
+    def observe_client_leaving(self, client: str, left: float) -> None:
+        """A client left the scheduler at ``left``: the blocks it had open wait
+        for their exit (:data:`~dask_otel.scheduler.blocks.CLIENT_GONE_GRACE`)"""
+        blocks.observe_client_leaving(self.ledger, client, left)
+
+    def observe_client_gone(self, client: str) -> list[SpanRecord]:
+        """The blocks a client left open are over: their records"""
+        return blocks.observe_client_gone(self.ledger, client)
 
     def observe_worker_lost(self, span_id: str, attributes: dict[str, Any], when: int) -> None:
         """A worker computing for, or holding results of, Dask span ``span_id`` was

@@ -5,6 +5,8 @@ spans and metrics read back from a real OTLP receiver."""
 
 from __future__ import annotations
 
+import time
+
 import dask
 import distributed
 import pytest
@@ -13,6 +15,7 @@ from opentelemetry.sdk.metrics import MeterProvider
 from packaging.version import Version
 
 import dask_otel
+from dask_otel.annotation import BLOCK_EXIT
 from dask_otel.config import ConfigError, read_config
 from dask_otel.scheduler.outcomes import MAX_WORKFLOW_NAMES, OTHER, Outcomes
 from tests.support.cluster import otel_cluster, wait_until
@@ -131,6 +134,32 @@ def test_a_client_that_leaves_inside_its_block_cancels_the_run(monkeypatch):
                 lambda r: runs(r) == {("hourly-sync", "cancelled"): 1, ("hourly-drop", "ok"): 1},
                 timeout=30,
             )
+
+
+def test_an_exit_heard_just_after_its_client_left_is_no_cancellation(monkeypatch):
+    """A client leaves its block and closes at once. Its exit goes out on the
+    scheduler's rpc, its close on its own stream: the exit can come second (seen on
+    a loaded machine). Here it comes 0.2 s after the scheduler removed the client:
+    the run is ``ok``, and its span ends at the exit, not at the close."""
+    held: list[dict] = []
+    with OTLPReceiver("grpc") as receiver:
+        set_otel_env(monkeypatch, {**receiver.env(), **ENV})
+        with otel_cluster(CONFIG, processes=True, n_workers=1) as (client, mirrored):
+            scheduler = mirrored.cluster.scheduler
+            leaving = Client(mirrored.cluster)
+            monkeypatch.setattr(dask_otel.client, "_announce_exit", held.append)
+            with dask_otel.span("nightly-etl", workflow=True):
+                leaving.submit(inc, 1).result()
+            closed = time.time()
+            leaving.close()
+            wait_until(lambda: leaving.id not in scheduler.clients, what="the client removed")
+            time.sleep(0.2)
+            (exit_msg,) = held
+            client.log_event(BLOCK_EXIT, exit_msg)
+            receiver.wait_for(lambda r: runs(r) == {("nightly-etl", "ok"): 1}, timeout=30)
+            (root,) = receiver.wait_for(lambda r: r.spans("nightly-etl"), timeout=30)
+    assert abs(root.end - exit_msg["exited"]) < 1e-6
+    assert exit_msg["exited"] < closed
 
 
 def test_a_run_the_scheduler_closes_under_is_cancelled(monkeypatch):

@@ -8,7 +8,8 @@ are the rules, called by :class:`~dask_otel.spans.SpanMirror`:
 
 - a Dask span ends no earlier than its block's exit, and is not final while its
   block is open (:meth:`SpanRecord.finished_at`);
-- a client that leaves the scheduler closes the blocks it had open;
+- a client that leaves the scheduler closes the blocks it had open, as of when it
+  left, once :data:`CLIENT_GONE_GRACE` has passed with no exit for them;
 - a block whose Dask span never came is exported on its own, from entry to exit,
   once its exit is ``otel.spans.export-delay`` old: its client-side children then
   have their parent (docs/traces.md, "A dask_otel.span block").
@@ -24,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 from dask_otel.annotation import (
     entered_at,
+    exit_sender,
     forced_sampling,
     read_block_exit,
     remote_parent,
@@ -40,6 +42,15 @@ if TYPE_CHECKING:
     from dask_otel.annotation import BlockExit
     from dask_otel.export.sink import SpanSink
     from dask_otel.scheduler.ledger import Ledger
+    from dask_otel.scheduler.record import SpanRecord
+
+
+#: How long the blocks a client had open when it left wait for their exits before
+#: they are closed as of its leaving (and their runs counted ``cancelled``). A
+#: client sends its exits on the scheduler's rpc, which may open a connection, and
+#: its close on its own stream: the exit of a block left just before the client
+#: closed can come after the close (seen: 4 ms after, on a loaded machine).
+CLIENT_GONE_GRACE = 1.0
 
 
 def caller_of(otel: Any, root_id: str) -> SpanContext | None:
@@ -55,20 +66,43 @@ def observe_exit(ledger: Ledger, spans: Mapping[str, Span], msg: Any, now: float
     if block is None:
         return
     ids, _, own, _, exited = block
+    sender = exit_sender(msg)
     for span_id in ids[-own:]:
         record = ledger.records.get(span_id)
         if record is not None:
-            record.left_block(exited)
+            record.left_block(exited, sender)
         elif span_id not in spans:
             ledger.pend_exit(span_id, now, block)
 
 
-def observe_client_gone(ledger: Ledger, client: str, now: float) -> None:
-    """A client left the scheduler: the blocks it had open are over (it will
-    announce no exit). Walks the open spans: once per client."""
+def left_by(record: SpanRecord, client: str) -> bool:
+    """Whether ``client`` itself announced it left its block of ``record``: it
+    sent that exit before it closed, however late the exit came. An exit sent by
+    another client does not tell; an old client's, which names no sender, does."""
+    return bool(record.exited) and record.exit_client in (client, None)
+
+
+def observe_client_leaving(ledger: Ledger, client: str, left: float) -> None:
+    """A client left the scheduler at ``left``: the blocks it had open wait
+    :data:`CLIENT_GONE_GRACE` for their exit (:func:`observe_client_gone`), not
+    finished meanwhile. Walks the open spans: once per client."""
     for record in ledger.records.values():
-        if record.block_client == client and not record.exited:
-            record.left_block(now)
+        if record.block_client == client and not left_by(record, client):
+            record.client_left = left
+
+
+def observe_client_gone(ledger: Ledger, client: str) -> list[SpanRecord]:
+    """:data:`CLIENT_GONE_GRACE` after ``client`` left: the blocks it had open and
+    did not announce leaving are over, as of when it left; returns their records
+    (their runs did not finish)"""
+    over = []
+    for record in ledger.records.values():
+        if record.block_client == client and record.client_left:
+            if not left_by(record, client):
+                record.left_block(record.client_left)
+                over.append(record)
+            record.client_left = 0.0
+    return over
 
 
 def due_empty_blocks(

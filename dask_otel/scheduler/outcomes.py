@@ -42,7 +42,7 @@ from dask_otel.annotation import ANNOTATION, read_block_exit, workflow_named
 from dask_otel.span_context import root_span
 
 if TYPE_CHECKING:
-    from collections.abc import Collection, Hashable
+    from collections.abc import Collection, Hashable, Iterable
 
     from distributed import Scheduler
     from opentelemetry.metrics import Counter, Histogram, MeterProvider
@@ -196,12 +196,11 @@ class Outcomes:
         if span is not None:
             _remember(self.erred, root_span(span).id)
 
-    def observe_client_gone(self, records: Mapping[str, SpanRecord], client: str) -> None:
-        """A client left the scheduler: the runs whose block it had open did not
-        finish (called before the mirror closes those blocks)"""
-        for record in records.values():
-            if record.block_client == client and not record.exited:
-                _remember(self.cancelled, root_span(record.span).id)
+    def observe_left_open(self, records: Iterable[SpanRecord]) -> None:
+        """Blocks their client left open (:func:`dask_otel.scheduler.blocks.observe_client_gone`):
+        their runs did not finish"""
+        for record in records:
+            _remember(self.cancelled, root_span(record.span).id)
 
     # --- out -----------------------------------------------------------------------
 

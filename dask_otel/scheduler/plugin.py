@@ -17,12 +17,14 @@ from typing import TYPE_CHECKING, Any
 
 import dask.config
 from distributed.diagnostics.plugin import SchedulerPlugin
+from distributed.metrics import time
 from tornado.ioloop import IOLoop, PeriodicCallback
 
 from dask_otel.annotation import BLOCK_EXIT
 from dask_otel.attributes import SCHEDULER_ADDRESS
 from dask_otel.config import SCHEDULER, ConfigError
 from dask_otel.export.lifecycle import release_telemetry, start_telemetry
+from dask_otel.scheduler.blocks import CLIENT_GONE_GRACE
 from dask_otel.scheduler.totals import failure_time
 from dask_otel.spans import SpanMirror
 from dask_otel.worker.plugin import PLUGIN_NAME, dumps_by_value, server_status
@@ -226,14 +228,29 @@ class OtelSchedulerPlugin(SchedulerPlugin):
                 logger.exception("dask_otel: could not export event %r", topic)
 
     def remove_client(self, scheduler: Scheduler, client: str) -> None:
-        if self.mirror is not None:
-            try:
-                # before the mirror closes its blocks: their runs were cancelled
-                if self.outcomes is not None:
-                    self.outcomes.observe_client_gone(self.mirror.ledger.records, client)
-                self.mirror.observe_client_gone(client)
-            except Exception:
-                logger.exception("dask_otel: could not close a client's blocks")
+        # The exits of the blocks it left last may still come: they wait
+        # (blocks.CLIENT_GONE_GRACE), then those still open are over
+        if self.mirror is None or self._closed:
+            return
+        try:
+            self.mirror.observe_client_leaving(client, time())
+        except Exception:
+            logger.exception("dask_otel: could not close a client's blocks")
+            return
+        try:
+            IOLoop.current().call_later(CLIENT_GONE_GRACE, self._client_gone, client)
+        except Exception:  # no event loop to wait on: at once
+            self._client_gone(client)
+
+    def _client_gone(self, client: str) -> None:
+        if self.mirror is None or self._closed:
+            return  # closing exports what is open, unfinished
+        try:
+            left_open = self.mirror.observe_client_gone(client)
+            if self.outcomes is not None:
+                self.outcomes.observe_left_open(left_open)
+        except Exception:
+            logger.exception("dask_otel: could not close a client's blocks")
 
     async def close(self) -> None:
         """Export what is still open and flush, within otel.flush-timeout"""

@@ -64,7 +64,8 @@ class SpanRecord:
 
     __slots__ = (
         "block_client", "carrier_read", "end", "entered", "erred", "error_type", "events",
-        "exited", "folded", "links", "open_children", "open_groups", "remote_parent", "span",
+        "client_left", "exit_client", "exited", "folded", "links", "open_children", "open_groups",
+        "remote_parent", "span",
     )
 
     #: The Dask span (``SpansSchedulerExtension.spans[id]``)
@@ -91,9 +92,14 @@ class SpanRecord:
     #: ``BLOCK_EXIT`` event, client time; 0: not yet), and the client whose
     #: graph it got while its block is open (None: no block waits for an exit).
     #: While a block is open the span is not finished; the client leaving the
-    #: scheduler closes its open blocks then.
+    #: scheduler closes its open blocks then. ``exit_client``: the client that sent
+    #: the exit (None: unknown, or none yet); its exit was sent before it left
     exited: float
     block_client: str | None
+    exit_client: str | None
+    #: When ``block_client`` left the scheduler with the block open, while its exit
+    #: may still come (``blocks.CLIENT_GONE_GRACE``; 0: it did not). Not finished then.
+    client_left: float
     #: Root spans: the caller's span it continues (from the ``otel``
     #: annotation's carrier, read once: ``carrier_read``), None if none
     remote_parent: SpanContext | None
@@ -115,8 +121,8 @@ class SpanRecord:
         self.error_type = None
         self.end = 0.0
         self.entered = None
-        self.exited = 0.0
-        self.block_client = None
+        self.exited = self.client_left = 0.0
+        self.block_client = self.exit_client = None
         self.remote_parent = None
         self.carrier_read = False
         self.links = None
@@ -134,7 +140,10 @@ class SpanRecord:
         tasks' end, that is its groups' and exported children's ends and its own
         tasks' failures as the mirror bounded them (Dask's ``Span.stop`` knows
         none of these), never before ``Span.enqueued``"""
-        if self.open_children or (self.block_client is not None and not self.exited):
+        if (
+            self.open_children or self.client_left
+            or (self.block_client is not None and not self.exited)
+        ):
             return None
         stop = groups_stop(self.span.groups)
         if stop is None:
@@ -175,10 +184,13 @@ class SpanRecord:
         self.remote_parent = parent
         self.carrier_read = True
 
-    def left_block(self, exited: float) -> None:
-        """Its client left its ``dask_otel.span`` block at ``exited`` (or left the
-        scheduler then): no earlier than an exit already heard"""
+    def left_block(self, exited: float, sender: str | None = None) -> None:
+        """Its client left its ``dask_otel.span`` block at ``exited``, as client
+        ``sender`` said (or left the scheduler then): no earlier than an exit
+        already heard"""
         self.exited = max(self.exited, exited)
+        if sender is not None:
+            self.exit_client = sender
 
     def add_event(self, name: str, attributes: dict[str, Any], timestamp: int) -> None:
         """A span event at ``timestamp`` (ns), within the span's end"""
