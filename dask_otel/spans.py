@@ -349,11 +349,11 @@ class SpanMirror:
         span = record.span
         head = self._head(span)  # before the record goes: the root's caller
         self.ledger.take_span(record)
+        end = max(stop, record.end, head.start)
         if span.parent is None and self.outcomes is not None:  # dask.workflow.*
-            self.outcomes.observe_root(record, head, stop, unfinished)
+            self.outcomes.observe_root(record, head, end, unfinished)
         if head.context is None:
             return False
-        end = max(stop, record.end, head.start)
         own = Totals.own(span, self._span_metrics(span))
         subtree = own
         if record.folded is not None:  # sub-spans exported before, summed

@@ -202,24 +202,30 @@ class DaskEvents:
         else:
             reason = f"worker-fail-hard: {msg.get('exception_text', '')}"
         address, kind = str(address), _REMOVED_BY[name]
-        if len(self.reasons) >= MAX_REASONS and address not in self.reasons:
-            del self.reasons[next(iter(self.reasons))]
         # closing-worker follows the nanny's restart: keep the first, more precise;
         # but a memory restart or a hard failure says more than a retirement
-        if kind != CLOSED and self.reasons.get(address, ("",))[0] == RETIRED:
+        if kind != CLOSED and self._retired(address):
             del self.reasons[address]
-        self.reasons.setdefault(address, (kind, reason))
+        self._keep_first(address, kind, reason)
 
     def _note_status(self, address: str, status: Any) -> None:
         """A worker's status changed (Dask logs it under the worker's address):
         ``retire_workers`` sets ``closing_gracefully`` before it removes a worker,
         on every supported version; a retirement given up sets it back"""
         if status == "closing_gracefully":
-            if len(self.reasons) >= MAX_REASONS and address not in self.reasons:
-                del self.reasons[next(iter(self.reasons))]
-            self.reasons.setdefault(address, (RETIRED, None))
-        elif self.reasons.get(address, ("",))[0] == RETIRED:
+            self._keep_first(address, RETIRED, None)
+        elif self._retired(address):
             del self.reasons[address]
+
+    def _keep_first(self, address: str, kind: str, reason: str | None) -> None:
+        """Note why ``address`` is leaving, unless a reason is noted already; at
+        most :data:`MAX_REASONS` workers, the oldest forgotten first"""
+        if len(self.reasons) >= MAX_REASONS and address not in self.reasons:
+            del self.reasons[next(iter(self.reasons))]
+        self.reasons.setdefault(address, (kind, reason))
+
+    def _retired(self, address: str) -> bool:
+        return self.reasons.get(address, ("",))[0] == RETIRED
 
     def _remove_worker(self, msg: dict, address: str, reason: str | None) -> None:
         processing = msg.get("processing-tasks") or ()

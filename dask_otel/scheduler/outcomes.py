@@ -205,18 +205,18 @@ class Outcomes:
     # --- out -----------------------------------------------------------------------
 
     def observe_root(
-        self, record: SpanRecord, head: SpanHead, stop: float, unfinished: bool = False
+        self, record: SpanRecord, head: SpanHead, end: float, unfinished: bool = False
     ) -> None:
         """A root Dask span is finished (exported, or dropped by the sampler):
-        one run, its duration as its OTel span's (``head.start`` to its end), in
+        one run, its duration as its OTel span's (``head.start`` to ``end``), in
         its trace's context. Never raises: the span is exported whatever happens here"""
         try:
-            self._record_run(record, head, stop, unfinished)
+            self._record_run(record, head, end, unfinished)
         except Exception:
             logger.exception("dask_otel: could not record the run of %r", record)
 
     def _record_run(
-        self, record: SpanRecord, head: SpanHead, stop: float, unfinished: bool
+        self, record: SpanRecord, head: SpanHead, end: float, unfinished: bool
     ) -> None:
         from opentelemetry.context import Context
         from opentelemetry.trace import NonRecordingSpan, set_span_in_context
@@ -233,7 +233,6 @@ class Outcomes:
         }
         # No sampled span: an empty context, never the scheduler's current one
         context = set_span_in_context(NonRecordingSpan(head.context)) if head.context else Context()
-        end = max(stop, record.end, head.start)
         self.instruments.duration.record(end - head.start, attributes, context=context)
         self.instruments.runs.add(1, attributes, context=context)
 

@@ -106,7 +106,6 @@ class OtelSchedulerPlugin(SchedulerPlugin):
             if own.telemetry.meter_provider is not None:
                 from dask_otel.export.dask_families import families_wanted
                 from dask_otel.scheduler.metrics import SchedulerMetrics
-
                 from dask_otel.scheduler.outcomes import Outcomes
 
                 self.metrics = SchedulerMetrics(scheduler, own, self.mirror)
