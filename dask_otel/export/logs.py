@@ -152,14 +152,14 @@ class LogExport:
             self.exporters = log_exporters(config.logs_exporters)
             # We own the lifecycle (flush bounded by otel.flush-timeout), as for spans
             self.provider = LoggerProvider(resource=resource, shutdown_on_exit=False)
-        for exporter in self.exporters if declared is None else ():
-            # The in-memory exporter is for tests: no batching delay
-            if type(exporter).__name__.startswith("InMemoryLog"):
-                self.provider.add_log_record_processor(SimpleLogRecordProcessor(exporter))
-            else:
-                accounted = accounted_log_exporter(exporter, config.retry_during_outage)
-                self.accounted_exporters.append(accounted)
-                self.provider.add_log_record_processor(BatchLogRecordProcessor(accounted))
+            for exporter in self.exporters:
+                # The in-memory exporter is for tests: no batching delay
+                if type(exporter).__name__.startswith("InMemoryLog"):
+                    self.provider.add_log_record_processor(SimpleLogRecordProcessor(exporter))
+                else:
+                    accounted = accounted_log_exporter(exporter, config.retry_during_outage)
+                    self.accounted_exporters.append(accounted)
+                    self.provider.add_log_record_processor(BatchLogRecordProcessor(accounted))
         self.handlers = {}
         root = logging.getLogger()
         loggers = [logging.getLogger(name) for name in dask_logger_names()]
