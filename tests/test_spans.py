@@ -888,8 +888,15 @@ def test_times_are_what_dask_records_bounded_by_what_the_scheduler_saw():
     assert group.start_time >= ns(sent)
     assert (group.start_time == ns(max(tg_start, enqueued)) or group.start_time > ns(tg_start)
             or group.start_time >= ns(heard))
-    assert group.end_time <= min(ns(tg_stop), s.end_time)
-    assert group.end_time == ns(tg_stop) or group.end_time >= ns(heard)
+    # Dask's stop, or moved earlier to when the scheduler heard of the last task, or
+    # later to when it sent the first (a worker's clock misjudged under load puts
+    # TaskGroup.stop before that): the hook reads the clock after Dask logs that
+    # transition and before Dask logs the next
+    first_sent = next(i for i, (_, finish, _) in enumerate(log) if finish == "processing")
+    next_logged = log[first_sent + 1][2] if first_sent + 1 < len(log) else heard
+    assert group.end_time <= s.end_time
+    assert (group.end_time == ns(tg_stop) or group.end_time >= ns(heard)
+            or ns(tg_stop) < group.end_time and ns(sent) <= group.end_time <= ns(next_logged))
 
 
 # --- Causal times: a skewed worker clock (issue 18) ---------------------------------
