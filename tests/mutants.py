@@ -132,7 +132,9 @@ def run(row: Row, mutation: Mutation | None, args) -> tuple[str, str]:
         # xdist ends a -x run that failed as interrupted (exit 2): a failure or a test's setup
         # error is a kill, a collection error (the copy does not import) is not
         failed = re.search(r"\d+ (failed|errors?)\b", last) and "ERROR collecting" not in output
-        outcome = "survived" if process.returncode == 0 else (
+        # survived only if tests ran and passed: exit 0 with "no tests ran" is no pass
+        passed = process.returncode == 0 and re.search(r"\d+ passed", last) and not failed
+        outcome = "survived" if passed else (
             "killed" if process.returncode in (1, 2) and failed else "error")
         return outcome, f"exit {process.returncode}: {last}"
     finally:
