@@ -122,9 +122,11 @@ def run(row: Row, mutation: Mutation | None, args) -> tuple[str, str]:
                                    stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
         try:
             output, _ = process.communicate(timeout=args.timeout)
-        except subprocess.TimeoutExpired:
-            os.killpg(process.pid, signal.SIGKILL)  # its own session: pytest, workers, clusters
+        except BaseException as e:  # a timeout, ^C or SIGTERM: pytest, its workers, clusters go too
+            os.killpg(process.pid, signal.SIGKILL)
             process.communicate()
+            if not isinstance(e, subprocess.TimeoutExpired):
+                raise
             return "error", f"timed out after {args.timeout:g} s"
         last = ([line for line in output.splitlines() if line.strip()] or [""])[-1]
         if args.verbose:
@@ -152,6 +154,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--timeout", type=float, default=900, help="seconds per pytest run")
     parser.add_argument("-v", "--verbose", action="store_true", help="print pytest's output")
     args = parser.parse_args(argv)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # so that the scratch copy is removed
     rows = parse(RULES.read_text())
     unknown = set(args.slugs) - {row.slug for row in rows}
     if unknown:
