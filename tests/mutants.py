@@ -101,7 +101,7 @@ def scratch_copy() -> Path:
     copy = Path(tempfile.mkdtemp(prefix="mutants-"))
     for name in filter(None, files):
         source = ROOT / name
-        if source.exists() or source.is_symlink():  # a tracked file deleted in the tree is not copied
+        if source.exists() or source.is_symlink():  # a tracked file deleted here is not copied
             (copy / name).parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(source, copy / name, follow_symlinks=False)
     return copy
@@ -144,7 +144,8 @@ def run(row: Row, mutation: Mutation | None, args) -> tuple[str, str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m tests.mutants", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m tests.mutants",
+                                     description=__doc__.split("\n")[0])
     parser.add_argument("slugs", nargs="*", help="rows to run (default: every row)")
     parser.add_argument("-k", dest="text", help="rows whose slug or rule contains TEXT")
     parser.add_argument("--list", action="store_true", help="list the selected rows and stop")
@@ -163,24 +164,24 @@ def main(argv: list[str] | None = None) -> int:
         not args.text or args.text.lower() in f"{row.slug} {row.rule}".lower())]
     if args.list:
         for row in rows:
-            print(f"{row.slug}: {len(row.mutations)} mutation(s), {len(row.tests)} test(s)  {row.rule}")
+            print(f"{row.slug}: {len(row.mutations)} mutation(s), {row.rule}")
         return 0
     tally = dict.fromkeys(["killed", "survived", "does-not-apply", "error", "broken"], 0)
     for row in rows:
-        if args.baseline:
-            start = time.monotonic()
-            outcome, last = run(row, None, args)
-            if outcome != "survived":  # the unmutated tests must pass
-                print(f"broken          {row.slug} (baseline {outcome}, {time.monotonic() - start:.0f} s) {last}",
-                      flush=True)
-                tally["broken"] += len(row.mutations)
-                continue
+        start = time.monotonic()
+        # the unmutated tests must pass, or the row is broken and its mutations not run
+        outcome, last = run(row, None, args) if args.baseline else ("survived", "")
+        if outcome != "survived":
+            print(f"{'broken':<15} {row.slug} (baseline {outcome}, "
+                  f"{time.monotonic() - start:.0f} s) {last}", flush=True)
+            tally["broken"] += len(row.mutations)
+            continue
         for i, mutation in enumerate(row.mutations, 1):
             start = time.monotonic()
             outcome, last = run(row, mutation, args)
             tally[outcome] += 1
-            print(f"{outcome:<15} {row.slug}#{i} {mutation.path} ({time.monotonic() - start:.0f} s) {last}",
-                  flush=True)
+            print(f"{outcome:<15} {row.slug}#{i} {mutation.path} "
+                  f"({time.monotonic() - start:.0f} s) {last}", flush=True)
     print("mutants: " + ", ".join(f"{count} {name}" for name, count in tally.items()))
     return 0 if tally["killed"] == sum(tally.values()) else 1
 
