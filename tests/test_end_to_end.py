@@ -143,7 +143,7 @@ def test_one_trace_from_the_request_to_the_http_calls_inside_tasks():
         assert report.parent_span_id == request_span.span_id
         assert report.span_id == f"{int(body['report_id'].replace('-', ''), 16) & (2**64 - 1):016x}"
         assert fetch.parent_span_id == report.span_id
-        (group,) = by_name["fetch_and_score"]  # the TaskGroup
+        (group,) = by_name["taskgroup/fetch_and_score"]
         assert group.parent_span_id == fetch.span_id
         calls = [s for s in spans if s.kind == "CLIENT"]
         # Each call was made in its task's context, the Dask span "fetch and score"...
