@@ -8,15 +8,15 @@ import pytest
 
 from tests.support.backends import (
     BackendError,
-    PhoenixServer,
+    JaegerServer,
     PrometheusServer,
     free_port,
     prometheus_config,
     promtool_check_config,
     promtool_check_rules,
     require_binary,
-    span_children,
 )
+from tests.support.span_tree import assert_span_tree
 
 RULES = """\
 groups:
@@ -103,74 +103,55 @@ def test_require_binary_skips_locally_fails_in_ci(monkeypatch):
         require_binary("definitely-not-a-binary-dask-otel")
 
 
-@pytest.mark.timeout(240)
-def test_phoenix_receives_nested_sdk_trace():
+@pytest.mark.timeout(120)
+def test_jaeger_receives_a_nested_sdk_trace_and_reads_it_back():
+    """JaegerServer and normalise_jaeger_span against the real Jaeger: ids, parents,
+    a link, an event, attributes of each type, status, resource and operations"""
     from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
     from opentelemetry.sdk.resources import Resource
     from opentelemetry.sdk.trace import TracerProvider
     from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+    from opentelemetry.trace import Link, Status, StatusCode
 
-    with PhoenixServer() as phx:
-        assert phx.otlp_traces_url == phx.otlp_http_endpoint + "/v1/traces"
-        assert phx.spans("no-such-project") == []
-
-        sent = {}
-        for project in ("default", "dask-otel-smoke"):
-            attrs = {"service.name": "dask-otel-smoke"}
-            if project != "default":
-                attrs["openinference.project.name"] = project
-            provider = TracerProvider(resource=Resource.create(attrs))
-            provider.add_span_processor(
-                SimpleSpanProcessor(OTLPSpanExporter(endpoint=phx.otlp_traces_url, timeout=10))
-            )
-            tracer = provider.get_tracer("dask_otel.tests")
-            ids = {}
-            root_attrs = {"dask.key": "('sum', 0)", "dask.n": 3, "ratio": 0.5, "ok": True,
-                          "names": ("a", "b")}
-            with tracer.start_as_current_span("root", attributes=root_attrs) as root:
-                ids["root"] = root.get_span_context()
-                with tracer.start_as_current_span("child-1", attributes={"i": 1}) as c1:
-                    ids["child-1"] = c1.get_span_context()
-                    with tracer.start_as_current_span("grandchild") as g:
-                        ids["grandchild"] = g.get_span_context()
-                        g.add_event("tick", {"n": 7})
-                with tracer.start_as_current_span("child-2", attributes={"i": 2}) as c2:
-                    ids["child-2"] = c2.get_span_context()
-            provider.shutdown()
-            sent[project] = {
-                k: (format(v.trace_id, "032x"), format(v.span_id, "016x")) for k, v in ids.items()
-            }
-
-        for project, ids in sent.items():
-            spans = phx.wait_for_spans(project, count=4, timeout=30)
-            by_name = {s["name"]: s for s in spans}
-            assert set(by_name) == {"root", "child-1", "child-2", "grandchild"}, spans
-            trace_id = ids["root"][0]
-            assert {s["trace_id"] for s in spans} == {trace_id}
-            for name, (_, span_id) in ids.items():
-                assert by_name[name]["span_id"] == span_id
-            root_id = ids["root"][1]
-            assert by_name["root"]["parent_id"] is None
-            assert by_name["child-1"]["parent_id"] == root_id
-            assert by_name["child-2"]["parent_id"] == root_id
-            assert by_name["grandchild"]["parent_id"] == ids["child-1"][1]
-            tree = span_children(spans)
-            assert [s["name"] for s in tree[root_id]] == ["child-1", "child-2"]
-
-            root = by_name["root"]
-            assert root["attributes"] == {
-                "dask.key": "('sum', 0)", "dask.n": 3, "ratio": 0.5, "ok": True,
-                "names": ["a", "b"],
-            }
-            assert by_name["child-2"]["attributes"] == {"i": 2}
-            assert by_name["grandchild"]["events"][0]["name"] == "tick"
-            assert by_name["grandchild"]["events"][0]["attributes"] == {"n": 7}
-            assert len(trace_id) == 32 and len(root_id) == 16
-            assert root["start_time_unix_nano"] <= by_name["child-1"]["start_time_unix_nano"]
-            assert by_name["child-2"]["end_time_unix_nano"] <= root["end_time_unix_nano"]
-            assert root["status_code"] == "UNSET"
-
-        assert "dask-otel-smoke" in phx.projects()
-        # service.name alone does not pick a project: the default one got the first trace.
-        assert {s["trace_id"] for s in phx.spans()} == {sent["default"]["root"][0]}
-    assert phx.proc is None
+    with JaegerServer() as jaeger:
+        assert jaeger.trace("0" * 31 + "1") == []
+        provider = TracerProvider(resource=Resource.create({"service.name": "dask-otel-smoke"}))
+        provider.add_span_processor(SimpleSpanProcessor(
+            OTLPSpanExporter(endpoint=jaeger.otlp_http_endpoint + "/v1/traces", timeout=10)))
+        tracer = provider.get_tracer("dask_otel.tests")
+        with tracer.start_as_current_span("other") as other:
+            linked = other.get_span_context()
+        root_attrs = {"dask.key": "('sum', 0)", "dask.n": 3, "ratio": 0.5, "ok": True,
+                      "names": ("a", "b")}
+        with tracer.start_as_current_span("root", attributes=root_attrs) as root:
+            with tracer.start_as_current_span("child", links=[Link(linked)]) as child:
+                with tracer.start_as_current_span("grandchild") as grandchild:
+                    grandchild.add_event("tick", {"n": 7})
+                    grandchild.set_status(Status(StatusCode.ERROR, "broken"))
+        provider.shutdown()
+        trace_id = f"{root.get_span_context().trace_id:032x}"
+        spans = jaeger.wait_for_trace(trace_id, count=3, timeout=30)
+        operations = jaeger.operations("dask-otel-smoke")
+        assert "dask-otel-smoke" in jaeger.services()
+        assert jaeger.find_traces("dask-otel-smoke", "grandchild") == [trace_id]
+    assert jaeger.proc is None
+    assert operations == ["child", "grandchild", "other", "root"]
+    by_name = {s["name"]: s for s in spans}
+    ids = {name: f"{span.get_span_context().span_id:016x}"
+           for name, span in (("root", root), ("child", child), ("grandchild", grandchild))}
+    for name, span_id in ids.items():
+        assert by_name[name]["span_id"] == span_id and by_name[name]["trace_id"] == trace_id
+    assert by_name["root"]["parent_id"] is None
+    assert by_name["child"]["parent_id"] == ids["root"]
+    assert by_name["grandchild"]["parent_id"] == ids["child"]
+    assert by_name["child"]["links"] == [(f"{linked.trace_id:032x}", f"{linked.span_id:016x}")]
+    # a sequence arrives as its JSON text
+    assert by_name["root"]["attributes"] == {**root_attrs, "names": '["a","b"]'}
+    assert by_name["root"]["resource"]["service.name"] == "dask-otel-smoke"
+    assert by_name["root"]["scope"] == "dask_otel.tests"
+    (tick,) = by_name["grandchild"]["events"]
+    assert tick["name"] == "tick" and tick["attributes"] == {"n": 7}
+    assert (by_name["grandchild"]["status_code"], by_name["grandchild"]["status_message"]) == (
+        "ERROR", "broken")
+    assert by_name["root"]["status_code"] == "UNSET"
+    assert_span_tree(spans, one_trace=True)

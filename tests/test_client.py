@@ -252,7 +252,7 @@ def test_processes_cluster_continues_the_callers_trace(processes_cluster):
     assert by_name["processes workflow"].parent_span_id == f"{ctx.span_id:016x}"
     assert by_name["processes workflow"].span_id == f"{dask_span_ids(root_id)[1]:016x}"
     assert by_name["step"].span_id == f"{dask_span_ids(step_id)[1]:016x}"
-    assert by_name["inc"].parent_span_id == by_name["step"].span_id
+    assert by_name["taskgroup/inc"].parent_span_id == by_name["step"].span_id
     assert_one_whole_trace(
         [*spans, *app_spans.get_finished_spans()], dask_roots=("processes workflow",)
     )

@@ -88,7 +88,7 @@ def test_a_config_file_sends_dask_processes_spans_metrics_and_logs_where_it_says
                "DASK_OTEL__TASKS__SPANS": "true"}
         with dask_processes(env, n_workers=1) as cluster, cluster.client() as client:
             _run_workflow(client)
-            spans = receiver.wait_for(lambda r: r.spans(WORKFLOW) and r.spans("inc"), timeout=60)
+            spans = receiver.wait_for(lambda r: r.spans(WORKFLOW) and r.spans("run/inc"), timeout=60)
             # the workers' spill instruments and the scheduler's self-metrics
             points = receiver.wait_for(
                 lambda r: r.metric_points("dask.spill.memory.count")
@@ -106,7 +106,7 @@ def test_a_config_file_sends_dask_processes_spans_metrics_and_logs_where_it_says
     (mirrored,) = receiver.spans(WORKFLOW)
     assert mirrored.resource["dask.scheduler.address"] == address
     # the scheduler's TaskGroup span and the worker's task span: two processes
-    tasks = receiver.spans("inc")
+    tasks = receiver.spans("taskgroup/inc") + receiver.spans("run/inc")
     assert {s.resource["dask.scheduler.address"] for s in tasks} == {address}
     assert len({s.resource["process.pid"] for s in tasks}) == 2
     assert logs[0].resource["dask.scheduler.address"] == address

@@ -13,11 +13,11 @@ from tests.support.otlp_receiver import OTLPReceiver
 TREE = [
     "Alice's workflow",
     "  data load",
-    "    load_partition",
+    "    taskgroup/load_partition",
     "  train",
     "    evaluate",
-    "      evaluate",
-    "    fit",
+    "      taskgroup/evaluate",
+    "    taskgroup/fit",
 ]
 
 

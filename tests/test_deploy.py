@@ -4,20 +4,20 @@
   that scraped a real ``dask scheduler`` + ``dask worker`` cluster during a spilling,
   nested-span workload (scraped with deploy/prometheus/prometheus.yml, its alert
   rules loaded), and returns data for every value of the dashboards' variables.
-- The workload's span tree reaches a real OTLP trace store (Arize Phoenix) intact.
+  The same through a real Collector: tests/test_collector.py; pushed straight to
+  Prometheus 3: tests/test_prometheus3.py.
+- The workload's span tree reaches a real trace store (Jaeger) intact.
 - The compose file, the Kubernetes manifests, the Helm values and the Collector,
   Tempo, Grafana and Prometheus configs parse, validate against their schemas,
   name only pinned images, and name only environment variables, dask config keys
-  and Dask CLI options that exist. The Docker engine, Kubernetes, Grafana, Tempo,
-  Jaeger and the Collector cannot run here: what is checked of them is what can be
-  without them.
+  and Dask CLI options that exist. The Docker engine, Kubernetes, Grafana and Tempo
+  cannot run here: what is checked of them is what can be without them.
 """
 
 from __future__ import annotations
 
 import importlib.resources
 import json
-import math
 import re
 import shutil
 import subprocess
@@ -35,7 +35,7 @@ from packaging.version import Version
 
 import dask_otel.config
 from tests.support.backends import (
-    PhoenixServer,
+    JaegerServer,
     PrometheusServer,
     free_port,
     http_get_json,
@@ -44,21 +44,29 @@ from tests.support.backends import (
     wait_until,
 )
 from tests.support.deploy_checks import (
+    COLLECTOR_CONFIGS,
+    COMPOSE,
     DASHBOARDS,
     DEPLOY,
     GRAFANA_BUILTINS,
+    PROMETHEUS_DIR,
     REFERENCE,
+    RULE_FILES,
+    SCRAPE_INTERVAL,
+    SPILL_ENV,
+    WORKER_ARGS,
     ContainerEnv,
+    ScrapedRun,
     check_dask_cli,
     collector_prometheus_name,
     dashboards,
     dask_config_key,
     dask_config_key_exists,
     dotted,
+    every_dashboard_problem,
     image_is_pinned,
     k8s_env,
     known_otel_variables,
-    label_values_query,
     load_workload,
     workload_pythonpath,
     load_yaml_documents,
@@ -67,24 +75,21 @@ from tests.support.deploy_checks import (
     panel_queries,
     panels,
     prometheus_label,
+    resolve_variables,
     resolved_env,
-    substitute,
+    rule_problems,
+    run_workload,
+    shipped_scrape_config,
     variable_names,
     variables,
-    vector_selectors,
 )
 from tests.support.otlp_receiver import OTLPReceiver
-from tests.support.processes import dask_processes
+from tests.support.processes import REPO, dask_processes
 from tests.support.span_tree import assert_span_tree
 
-COMPOSE = DEPLOY / "compose" / "compose.yaml"
-PROMETHEUS_DIR = DEPLOY / "prometheus"
-RULE_FILES = sorted((PROMETHEUS_DIR / "rules").glob("*.yml"))
 KUBERNETES = DEPLOY / "kubernetes"
 DASK_CLUSTER = KUBERNETES / "operator" / "daskcluster.yaml"
 HELM_VALUES = KUBERNETES / "helm" / "dask-values.yaml"
-COLLECTOR_CONFIGS = [DEPLOY / "compose" / "otel-collector.yaml",
-                     KUBERNETES / "collector" / "otel-collector.yaml"]
 #: Kubernetes version the manifests are validated against
 KUBERNETES_VERSION = "1.30"
 
@@ -406,6 +411,30 @@ def test_every_image_is_pinned_to_a_version():
     assert not unpinned
 
 
+def built_backend_images() -> dict[str, str]:
+    """The image of each backend .ci/install-backends builds, at the version it builds
+    (read from its pins and the Collector's builder manifest)"""
+    script = (REPO / ".ci" / "install-backends").read_text()
+    jaeger = re.search(r"^JAEGER_VERSION=v(\S+)$", script, re.M).group(1)
+    minor, patch = re.search(r"^PROMETHEUS_MODULE_VERSION=v0\.3(\d\d)\.(\d+)$", script, re.M).groups()
+    manifest = yaml.safe_load((REPO / ".ci" / "otelcol-builder.yaml").read_text())
+    (contrib,) = {line["gomod"].split()[1] for kind in ("receivers", "processors", "exporters",
+                                                        "extensions")
+                  for line in manifest.get(kind, []) if "collector-contrib" in line["gomod"]}
+    return {"jaegertracing/jaeger": jaeger, "prom/prometheus": f"v3.{int(minor)}.{patch}",
+            "otel/opentelemetry-collector-contrib": contrib.removeprefix("v")}
+
+
+def test_backend_images_are_the_versions_ci_builds_and_tests():
+    """What deploy/ ships is what the tests run: the Jaeger, Collector and Prometheus
+    images are pinned to the versions .ci/install-backends builds"""
+    built = built_backend_images()
+    shipped = [(where, image.rsplit(":", 1)) for where, image in shipped_images()]
+    pinned = [(where, name, tag) for where, (name, tag) in shipped if name in built]
+    assert {name for _, name, _ in pinned} == set(built)
+    assert [(where, name, tag) for where, name, tag in pinned if tag != built[name]] == []
+
+
 def test_the_dask_image_is_the_one_compose_builds():
     built = {s["image"] for s in compose()["services"].values() if "build" in s}
     assert built == {"dask-otel:0.1.0"}
@@ -637,26 +666,13 @@ def test_helm_values_use_only_keys_of_the_dask_chart():
 # =============================================================================
 
 #: Components of the contrib distribution the configs may use
-COLLECTOR_COMPONENTS = {
-    "receivers": {"otlp"},
-    "processors": {"batch", "memory_limiter"},
-    "exporters": {"otlp", "prometheus", "prometheusremotewrite", "debug"},
-    "extensions": {"health_check"},
-}
-
-
 @pytest.mark.parametrize("path", COLLECTOR_CONFIGS, ids=lambda p: str(p.relative_to(DEPLOY)))
 def test_collector_config_is_consistent(path):
+    """What the real Collector accepts (tests/test_collector.py validates each
+    config) and what the dashboards need besides"""
     config = yaml.safe_load(path.read_text())
-    for kind, known in COLLECTOR_COMPONENTS.items():
-        for name in config.get(kind, {}):
-            assert name.split("/")[0] in known, f"{kind}: {name}"
     service = config["service"]
-    assert set(service["extensions"]) <= set(config["extensions"])
-    for pipeline_name, pipeline in service["pipelines"].items():
-        for kind in ("receivers", "processors", "exporters"):
-            for name in pipeline.get(kind, []):
-                assert name in config[kind], f"{pipeline_name}: {kind} {name} is not defined"
+    for pipeline in service["pipelines"].values():
         # memory_limiter must come first
         assert pipeline["processors"][0] == "memory_limiter"
     assert set(service["pipelines"]) == {"traces", "metrics"}
@@ -683,176 +699,34 @@ def test_kubernetes_collector_config_differs_from_compose_only_in_endpoints():
 # A real cluster, scraped by a real Prometheus with the shipped config and rules
 # =============================================================================
 
-#: Workers that spill: 10 MB of managed memory each (2% of 500 MB), and a workload
-#: of 20 x 4 MB chunks per round, so that even a worker that gets a third of them
-#: spills. The spill and pause thresholds stay at their
-#: defaults (of process memory), so that the dashboards' threshold lines exist.
-SPILL_ENV = {
-    "DASK_OTEL__METRICS__EXPORTER": "prometheus,otlp",
-    "DASK_DISTRIBUTED__WORKER__MEMORY__TARGET": "0.02",
-}
-WORKER_ARGS = ("--memory-limit", "500MB")
-ROUNDS = 3
-SCRAPE_INTERVAL = 1.0
-
-
-def shipped_scrape_config(targets: list[str], rules: Path) -> dict[str, Any]:
-    """deploy/prometheus/prometheus.yml with the cluster's ports, a 1 s scrape
-    interval, and the shipped rule files, copied to ``rules`` with every group
-    evaluated every second: a group that states a longer interval (days-long
-    windows) would not be evaluated once during the run"""
-    config = yaml.safe_load((PROMETHEUS_DIR / "prometheus.yml").read_text())
-    config["global"].update(scrape_interval=f"{SCRAPE_INTERVAL:g}s",
-                            evaluation_interval=f"{SCRAPE_INTERVAL:g}s")
-    for path in RULE_FILES:
-        rule_file = yaml.safe_load(path.read_text())
-        for group in rule_file["groups"]:
-            group.pop("interval", None)
-        (rules / path.name).write_text(yaml.safe_dump(rule_file))
-    config["rule_files"] = [str(rules / Path(pattern).name) for pattern in config["rule_files"]]
-    (job,) = config["scrape_configs"]
-    job["static_configs"] = [{"targets": targets}]
-    return config
-
-
-class ScrapedRun:
-    """What one run left behind: the Prometheus that scraped it, what arrived over
-    OTLP, and when the workload ran"""
-
-    prometheus: PrometheusServer
-    receiver: OTLPReceiver
-    job: str
-    workers: list[str]
-    start: float
-    end: float
-
-    def range_query(self, expr: str) -> list[dict[str, Any]]:
-        return self.prometheus.query_range(expr, self.start, self.end, step=SCRAPE_INTERVAL)
-
-    def builtins(self) -> dict[str, str]:
-        seconds = math.ceil(self.end - self.start)
-        return {
-            # Grafana: max(4 x scrape interval, interval + scrape interval)
-            "__rate_interval": f"{4 * SCRAPE_INTERVAL:g}s",
-            "__interval": f"{SCRAPE_INTERVAL:g}s",
-            "__interval_ms": str(int(SCRAPE_INTERVAL * 1000)),
-            "__range": f"{seconds}s", "__range_s": str(seconds), "__range_ms": str(seconds * 1000),
-        }
-
-    def label_values(self, selector: str | None, label: str) -> list[str]:
-        params: dict[str, Any] = {"start": self.start, "end": time.time()}
-        if selector:
-            params["match[]"] = selector
-        body = http_get_json(f"{self.prometheus.url}/api/v1/label/{label}/values", params)
-        return body["data"]
-
-
 #: The tests of one scraped run, in one test process (pytest-xdist): the run once
 ON_THE_SCRAPED_RUN = pytest.mark.xdist_group("deploy-scraped-run")
 
 
 @pytest.fixture(scope="module")
 def scraped_run(tmp_path_factory) -> Iterator[ScrapedRun]:
-    workload = load_workload()
-    run = ScrapedRun()
+    """Pull mode: the Dask servers' /metrics scraped with deploy/prometheus/prometheus.yml;
+    the same processes push their metrics over OTLP to the harness receiver too"""
+    env = {**SPILL_ENV, "DASK_OTEL__METRICS__EXPORTER": "prometheus,otlp"}
     with OTLPReceiver("http/protobuf") as receiver, dask_processes(
-        {**receiver.env(), **SPILL_ENV, **workload_pythonpath()}, worker_args=WORKER_ARGS
+        {**receiver.env(), **env, **workload_pythonpath()}, worker_args=WORKER_ARGS
     ) as cluster, cluster.client() as client:
         info = client.scheduler_info()
         ports = [info["services"]["dashboard"]] + [
             w["services"]["dashboard"] for w in info["workers"].values()]
         targets = [f"127.0.0.1:{port}" for port in ports]
         prometheus = PrometheusServer(targets, scrape_interval=f"{SCRAPE_INTERVAL:g}s")
-        prometheus.config = shipped_scrape_config(targets, tmp_path_factory.mktemp("rules"))
+        prometheus.config = shipped_scrape_config(
+            "prometheus.yml", tmp_path_factory.mktemp("rules"), targets)
         with prometheus:
             prometheus.wait_for_targets_up(timeout=30)
             time.sleep(2 * SCRAPE_INTERVAL)  # counters scraped at 0 before the work
-            run.start = time.time()
-            for i in range(ROUNDS):
-                # Held across scrapes: the gauges of keys on disk are sampled
-                workload.run_round(client, chunks=20, chunk_bytes=4_000_000, seed=100 * i,
-                                   hold=3 * SCRAPE_INTERVAL)
-            # A worker retired, for the workflows dashboard's workers removed by
-            # reason; without the bridge in it, it has no worker series of its own
-            cluster.add_worker("retired", without_dask_otel=True)
-            client.wait_for_workers(len(info["workers"]) + 1, timeout=60)
-            client.retire_workers(names=["retired"])
-            time.sleep(3 * SCRAPE_INTERVAL)
-            run.end = time.time()
-            run.prometheus, run.receiver = prometheus, receiver
-            run.job = prometheus.config["scrape_configs"][0]["job_name"]
-            run.workers = sorted(w["name"] for w in info["workers"].values())
-            yield run
-
-
-def resolve_variables(run: ScrapedRun, board: dict[str, Any]) -> dict[str, list[str]]:
-    """Every value Grafana would offer for each query variable, from the same
-    Prometheus API calls Grafana makes; datasource variables are not needed"""
-    values: dict[str, list[str]] = {}
-    first = {**run.builtins()}
-    for name, variable in variables(board).items():
-        if variable["type"] != "query":
-            continue
-        selector, label = label_values_query(variable)
-        if selector:
-            selector = substitute(selector, {**first, **{k: v[0] for k, v in values.items()}},
-                                  variables(board))
-        found = run.label_values(selector, label)
-        assert found, f"variable {name}: label_values({selector}, {label}) is empty"
-        values[name] = found
-    return values
-
-
-#: Metrics that stay at 0 in a healthy run: panels with them need data, not a
-#: non-zero value
-ZERO_WHEN_HEALTHY = {"dask_otel_span_dropped_total", "dask_otel_export_failures_total",
-                     # zero unless OTEL_TRACES_SAMPLER drops traces; the run keeps all
-                     "dask_otel_span_sampled_out_total"}
-
-
-def _finite_values(result: list[dict[str, Any]]) -> list[float]:
-    values = []
-    for series in result:
-        for sample in series.get("values") or [series.get("value")]:
-            if sample and math.isfinite(float(sample[1])):
-                values.append(float(sample[1]))
-    return values
-
-
-def evaluate_dashboard(run: ScrapedRun, name: str) -> list[str]:
-    """Problems of one dashboard's PromQL against the run, for every single value of
-    each multi-value variable and for "All": an expression with no finite sample
-    (with "All": no non-zero one, so that the panel shows the workload), or a
-    selector in it that selects nothing"""
-    board = dashboards()[name]
-    defs = variables(board)
-    values = resolve_variables(run, board)
-    assert values.get("cluster") == [run.job]
-    settings = [{k: [v[0]] if not defs[k].get("multi") else ["$__all"] for k, v in values.items()}]
-    for variable, options in values.items():
-        if defs[variable].get("multi"):
-            settings += [{**settings[0], variable: [option]} for option in options]
-    problems, seen = [], set()
-    for query in panel_queries(name, board):
-        if query.datasource_type != "prometheus":
-            continue
-        may_be_zero = bool(ZERO_WHEN_HEALTHY & set(metric_names(query.expr)))
-        for setting in settings:
-            expr = substitute(query.expr, {**run.builtins(), **setting}, defs)
-            if expr in seen:
-                continue
-            seen.add(expr)
-            result = (run.prometheus.query(expr, time=run.end) if query.instant
-                      else run.range_query(expr))
-            values = _finite_values(result)
-            if not values:
-                problems.append(f"{query}: no data from {expr}")
-            elif setting is settings[0] and not may_be_zero and not any(values):
-                problems.append(f"{query}: only zeros from {expr}")
-            for selector in vector_selectors(expr):
-                if not run.range_query(selector):
-                    problems.append(f"{query}: {selector} selects nothing")
-    return problems
+            start = time.time()
+            run_workload(cluster, client)
+            yield ScrapedRun(
+                prometheus, job=prometheus.config["scrape_configs"][0]["job_name"],
+                workers=sorted(w["name"] for w in info["workers"].values()),
+                start=start, end=time.time(), receiver=receiver)
 
 
 @ON_THE_SCRAPED_RUN
@@ -860,13 +734,7 @@ def test_every_dashboard_query_returns_data_from_a_spilling_cluster(scraped_run)
     """Each expression, with the template variables substituted (each worker, each
     task prefix, and All), has data over the run; so does each selector in it,
     so that no metric or label value a panel names is missing."""
-    deadline = time.monotonic() + 30
-    while True:
-        scraped_run.end = time.time()
-        problems = [p for name in dashboards() for p in evaluate_dashboard(scraped_run, name)]
-        if not problems or time.monotonic() > deadline:
-            break
-        time.sleep(2)
+    problems = every_dashboard_problem(scraped_run)
     assert not problems, "\n".join(problems)
     # Every worker is a value of $worker: both spilled and show up
     spill_values = resolve_variables(scraped_run, dashboards()["dask-spill.json"])
@@ -925,17 +793,8 @@ def test_the_spill_dashboard_shows_spilling(scraped_run):
 
 @ON_THE_SCRAPED_RUN
 def test_alert_rules_load_and_stay_quiet_on_a_healthy_run(scraped_run):
-    groups = scraped_run.prometheus.rules()
-    rules = [rule for group in groups for rule in group["rules"]]
-    assert len(rules) == sum(len(g["rules"]) for f in RULE_FILES
-                             for g in yaml.safe_load(f.read_text())["groups"])
-    for rule in rules:
-        assert rule["health"] == "ok", (rule["name"], rule.get("lastError"))
-    firing = [a for a in scraped_run.prometheus.alerts() if a["state"] == "firing"]
-    assert not firing
-    # No span was lost: the loss alerts are not even pending
-    alerting = {a["labels"]["alertname"] for a in scraped_run.prometheus.alerts()}
-    assert not alerting & {"DaskOtelSpansDropped", "DaskOtelSpanExportFailing"}
+    problems = rule_problems(scraped_run)
+    assert not problems, "\n".join(problems)
 
 
 @ON_THE_SCRAPED_RUN
@@ -990,46 +849,38 @@ def test_trace_attributes_the_dashboards_search_for_are_exported(scraped_run):
 
 
 # =============================================================================
-# A real trace store: Arize Phoenix
+# A real trace store: Jaeger
 # =============================================================================
 
-PHOENIX_PROJECT = "dask-otel-deploy"
 
-
-@pytest.fixture(scope="module")
-def phoenix() -> Iterator[PhoenixServer]:
-    with PhoenixServer() as server:
-        yield server
-
-
-def test_the_workload_span_tree_reaches_a_trace_store(phoenix):
-    """The compose stack's workload, exported over OTLP/HTTP to Phoenix, reads back
-    as one trace whose id is the root Dask span's UUID, with every parent id
-    pointing at the span the Dask tree says"""
+def test_the_workload_span_tree_reaches_a_trace_store():
+    """The compose stack's workload, exported over OTLP/HTTP to Jaeger, reads back
+    through Jaeger's query API as one trace whose id is the root Dask span's UUID,
+    with every parent id pointing at the span the Dask tree says"""
     workload = load_workload()
-    env = {
-        "OTEL_EXPORTER_OTLP_PROTOCOL": "http/protobuf",
-        "OTEL_EXPORTER_OTLP_ENDPOINT": phoenix.otlp_http_endpoint,
-        "OTEL_METRICS_EXPORTER": "none",
-        "OTEL_RESOURCE_ATTRIBUTES": f"openinference.project.name={PHOENIX_PROJECT}",
-        **workload_pythonpath(),
-    }
-    with dask_processes(env) as cluster, cluster.client() as client:
-        root_id = workload.run_round(client, chunks=4, chunk_bytes=80_000)
-        trace_id = root_id.replace("-", "")
-        expected = len(workload.SPAN_TREE) + len(workload.TASK_GROUPS)
-        spans = phoenix.wait_for_spans(PHOENIX_PROJECT, count=expected, trace_id=trace_id,
-                                       timeout=30)
+    with JaegerServer() as jaeger:
+        env = {
+            "OTEL_EXPORTER_OTLP_PROTOCOL": "http/protobuf",
+            "OTEL_EXPORTER_OTLP_ENDPOINT": jaeger.otlp_http_endpoint,
+            "OTEL_METRICS_EXPORTER": "none",
+            **workload_pythonpath(),
+        }
+        with dask_processes(env) as cluster, cluster.client() as client:
+            root_id = workload.run_round(client, chunks=4, chunk_bytes=80_000)
+            trace_id = root_id.replace("-", "")
+            groups = {f"taskgroup/{group}": span for group, span in workload.TASK_GROUPS.items()}
+            expected = len(workload.SPAN_TREE) + len(groups)
+            spans = jaeger.wait_for_trace(trace_id, count=expected, timeout=30)
 
     assert len(spans) == expected
     assert {s["trace_id"] for s in spans} == {trace_id}
     by_name = {s["name"]: s for s in spans}
-    assert set(by_name) == set(workload.SPAN_TREE) | set(workload.TASK_GROUPS)
+    assert set(by_name) == set(workload.SPAN_TREE) | set(groups)
     root = by_name["spill demo"]
     assert root["parent_id"] is None
     assert root["span_id"] == trace_id[-16:]
     assert root["attributes"]["dask.span.id"] == root_id
-    for name, parent in {**workload.SPAN_TREE, **workload.TASK_GROUPS}.items():
+    for name, parent in {**workload.SPAN_TREE, **groups}.items():
         if parent is not None:
             assert by_name[name]["parent_id"] == by_name[parent]["span_id"], name
     for name in workload.SPAN_TREE:

@@ -7,7 +7,7 @@ preload variable alone), whose tasks call a second instrumented web service with
 ``requests`` (opentelemetry-instrumentation-requests, on the workers' global
 TracerProvider, which is the bridge's). Every process exports over OTLP/gRPC to the
 test receiver, which plays the collector; it hands what it received, batch by
-batch, to Arize Phoenix over OTLP/HTTP, as a collector's second exporter would.
+batch, to Jaeger over OTLP/HTTP, as a collector's second exporter would.
 The trace is read back from both.
 """
 
@@ -29,7 +29,7 @@ from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 
 import dask_otel
-from tests.support.backends import PhoenixServer
+from tests.support.backends import JaegerServer
 from tests.support.otlp_receiver import OTLPReceiver
 from tests.support.processes import dask_processes
 from tests.support.span_tree import as_node, assert_span_tree
@@ -69,13 +69,13 @@ def wsgi_server(app) -> Iterator[str]:
         thread.join(10)
 
 
-def forward_to_phoenix(receiver: OTLPReceiver, phoenix: PhoenixServer) -> None:
-    """What the receiver got, batch by batch, to Phoenix over OTLP/HTTP"""
+def forward_to_jaeger(receiver: OTLPReceiver, jaeger: JaegerServer) -> None:
+    """What the receiver got, batch by batch, to Jaeger over OTLP/HTTP"""
     for signal, request in receiver.raw_requests:
         if signal != "traces":
             continue
         post = urllib.request.Request(
-            phoenix.otlp_traces_url, data=request.SerializeToString(),
+            jaeger.otlp_http_endpoint + "/v1/traces", data=request.SerializeToString(),
             headers={"Content-Type": "application/x-protobuf"}, method="POST",
         )
         with urllib.request.urlopen(post, timeout=30) as answer:
@@ -86,7 +86,7 @@ def forward_to_phoenix(receiver: OTLPReceiver, phoenix: PhoenixServer) -> None:
 @pytest.mark.timeout(400)
 def test_one_trace_from_the_request_to_the_http_calls_inside_tasks():
     with (
-        PhoenixServer() as phoenix,
+        JaegerServer() as jaeger,
         OTLPReceiver("grpc") as receiver,
         dask_processes(receiver.env()) as cluster,
         cluster.client() as client,
@@ -143,7 +143,7 @@ def test_one_trace_from_the_request_to_the_http_calls_inside_tasks():
         assert report.parent_span_id == request_span.span_id
         assert report.span_id == f"{int(body['report_id'].replace('-', ''), 16) & (2**64 - 1):016x}"
         assert fetch.parent_span_id == report.span_id
-        (group,) = by_name["fetch_and_score"]  # the TaskGroup
+        (group,) = by_name["taskgroup/fetch_and_score"]
         assert group.parent_span_id == fetch.span_id
         calls = [s for s in spans if s.kind == "CLIENT"]
         # Each call was made in its task's context, the Dask span "fetch and score"...
@@ -154,9 +154,9 @@ def test_one_trace_from_the_request_to_the_http_calls_inside_tasks():
         assert sorted(s.parent_span_id for s in inner) == sorted(c.span_id for c in calls)
         assert by_id[calls[0].span_id].parent_id == fetch.span_id
 
-        # Phoenix's view of the same trace: the same spans, the same tree
-        forward_to_phoenix(receiver, phoenix)
-        stored = phoenix.wait_for_spans(count=len(spans), trace_id=trace_id, timeout=60)
+        # Jaeger's view of the same trace: the same spans, the same tree
+        forward_to_jaeger(receiver, jaeger)
+        stored = jaeger.wait_for_trace(trace_id, count=len(spans), timeout=60)
         assert_span_tree(stored, one_trace=True, dask_roots=("nightly report",))
         assert {(n.span_id, n.parent_id) for n in map(as_node, stored)} == {
             (s.span_id, s.parent_span_id) for s in spans

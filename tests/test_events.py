@@ -108,7 +108,7 @@ def test_a_worker_over_its_memory_limit_restarted_by_its_nanny(monkeypatch):
         assert lost.attributes["dask.worker.lost.reason"].startswith("worker-restart-memory")
     assert exported.attributes["error.type"] == "KilledWorker"
     assert "KilledWorker" in exported.status.description
-    (group,) = [s for s in mirrored.spans() if s.name == "allocate_past"]
+    (group,) = [s for s in mirrored.spans() if s.name == "taskgroup/allocate_past"]
     assert "KilledWorker, the workers running them died" in group.status.description
 
 

@@ -309,7 +309,8 @@ def test_client_restart_mid_span():
         assert s.start_time == int(dask_span.enqueued * 1e9)
         # the cancelled work, and the work after the restart (a child exported
         # after the span itself when the restart outlasted the export delay)
-        wait_until(lambda: {c.name for c in mirrored.children(s)} == {"r", "after-restart"},
+        groups = {"taskgroup/r", "taskgroup/after-restart"}
+        wait_until(lambda: {c.name for c in mirrored.children(s)} == groups,
                    what="both TaskGroups of the span")
 
 
@@ -326,7 +327,7 @@ def test_client_disconnect_mid_workflow():
         assert s.start_time == int(dask_span.enqueued * 1e9)
         assert s.attributes["dask.tasks.total"] == 4
         (group,) = mirrored.children(s)
-        assert group.name == "a" and group.attributes["dask.tasks.total"] == 4
+        assert group.name == "taskgroup/a" and group.attributes["dask.tasks.total"] == 4
         assert client.submit(inc, 1).result() == 2
 
 

@@ -35,8 +35,7 @@ def _kill_after_tasks(worker_delay_ms: int, wait: float) -> tuple[list, list]:
                 # the scheduler's mirrored span still arrives: it is the worker's loss
                 receiver.wait_for(lambda r: r.spans("killed"), timeout=60)
                 time.sleep(1)
-        # the worker's task spans (the scheduler's TaskGroup span is named "inc" too)
-        tasks = [s for s in receiver.spans("inc") if s.resource.get("process.pid") == worker.pid]
+        tasks = [s for s in receiver.spans("run/inc") if s.resource.get("process.pid") == worker.pid]
         return tasks, receiver.spans("killed")
 
 

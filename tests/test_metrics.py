@@ -538,7 +538,8 @@ def run_twice(cluster: LocalCluster, client, receiver: OTLPReceiver, name: str, 
         with span(f"{name} {run}"):
             client.gather([f for task in tasks for f in client.map(task, range(10))])
         wait_until(lambda: not cluster.scheduler.tasks, what=f"the tasks of {name!r} forgotten")
-        receiver.wait_for(lambda r: prefixes <= {s.name for s in r.spans()}, timeout=30)
+        receiver.wait_for(lambda r: {f"taskgroup/{p}" for p in prefixes} <= {s.name for s in r.spans()},
+                          timeout=30)
 
 
 def test_activity_metrics_carry_exemplars_of_exported_traces(monkeypatch):
@@ -564,7 +565,7 @@ def test_activity_metrics_carry_exemplars_of_exported_traces(monkeypatch):
                 timeout=30,
             )
     # Exemplars point at the TaskGroup spans of the prefix
-    inc_spans = {(s.trace_id, s.span_id) for s in receiver.spans() if s.name.startswith("inc")}
+    inc_spans = {(s.trace_id, s.span_id) for s in receiver.spans() if s.name == "taskgroup/inc"}
     pairs = {pair for p in receiver.metric_points("dask.activity.time") for pair in p.exemplars}
     assert traces and pairs and pairs <= inc_spans
     # A series without a task prefix (no TaskGroup span contributed) has none
@@ -631,4 +632,4 @@ def test_each_prefix_series_carries_an_exemplar_of_its_own_taskgroup_span(monkey
             )
             spans = {(s.trace_id, s.span_id): s.name for s in receiver.spans()}
     for prefix, pairs in exemplars.items():
-        assert {spans[pair] for pair in pairs} == {prefix}, (prefix, pairs)
+        assert {spans[pair] for pair in pairs} == {f"taskgroup/{prefix}"}, (prefix, pairs)

@@ -75,7 +75,8 @@ async def test_each_span_and_group_exported_once_and_then_forgotten(c, s, a, b):
         await c.submit(inc, 2, key="in-outer")
     await poll_until_open(mirror)
     spans = by_name(exporter)
-    assert set(spans) == {"outer", "inner", key_split("in-inner"), key_split("in-outer")}
+    assert set(spans) == {"outer", "inner", "taskgroup/" + key_split("in-inner"),
+                          "taskgroup/" + key_split("in-outer")}
     assert spans["outer"].context.span_id == otel_span_id(outer_id)
     assert spans["inner"].parent.span_id == otel_span_id(outer_id)
     assert spans["inner"].context.span_id == otel_span_id(inner_id)
@@ -117,7 +118,7 @@ async def test_a_span_waits_for_its_export_delay(c, s, a, b):
     assert mirror.ledger.records  # still open, kept
     await asyncio.sleep(0.5)
     await poll_until_open(mirror)
-    assert {s.name for s in exporter.get_finished_spans()} == {"wait", key_split("wait-task")}
+    assert {s.name for s in exporter.get_finished_spans()} == {"wait", "taskgroup/" + key_split("wait-task")}
 
 
 @gen_cluster(client=True)
@@ -134,7 +135,7 @@ async def test_a_span_waits_for_a_heartbeat_until_the_metrics_timeout(c, s, a, b
     assert mirror.ledger.records and mirror.ledger.groups
     mirror.config = dataclasses.replace(mirror.config, metrics_timeout=0.0)
     await poll_until_open(mirror)
-    assert {s.name for s in exporter.get_finished_spans()} == {"metrics", key_split("metrics-task")}
+    assert {s.name for s in exporter.get_finished_spans()} == {"metrics", "taskgroup/" + key_split("metrics-task")}
 
 
 def fail_slowly(x):
@@ -175,7 +176,8 @@ async def test_erred_tasks_end_their_group_and_span_when_they_failed(c, s, a, b)
     await asyncio.sleep(0.5)  # exported well after the failure
     await poll_until_open(mirror)
     spans = by_name(exporter)
-    failing, group, outer = spans["failing"], spans[key_split("fail-task")], spans["outer"]
+    failing, outer = spans["failing"], spans["outer"]
+    group = spans["taskgroup/" + key_split("fail-task")]
     for erred in (failing, group, outer):
         assert erred.status.description == "1 tasks erred"
         assert erred.attributes["dask.tasks.erred"] == 1
@@ -204,7 +206,7 @@ async def test_flush_exports_what_is_open_as_unfinished(c, s, a, b):
     mirror.flush()
     spans = by_name(exporter)
     assert spans["running"].attributes["dask.span.unfinished"] is True
-    assert key_split("never-ends") in spans
+    assert "taskgroup/" + key_split("never-ends") in spans
     assert not (mirror.ledger.records or mirror.ledger.groups or mirror.ledger.leaves)
     del running
 
@@ -226,7 +228,7 @@ async def test_task_times_are_bounded_by_what_the_scheduler_saw(c, s, a, skew):
     assert tg.stop > after if skew > 0 else tg.start < before
     await poll_until_open(mirror)
     spans = by_name(exporter)
-    group, dask_span = spans["skew"], spans["skewed"]
+    group, dask_span = spans["taskgroup/skew"], spans["skewed"]
     assert before * 1e9 <= group.start_time <= group.end_time <= after * 1e9
     assert dask_span.start_time <= group.start_time and group.end_time <= dask_span.end_time
     assert dask_span.end_time <= after * 1e9

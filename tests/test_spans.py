@@ -81,10 +81,10 @@ def test_taskgroups_are_children_named_by_prefix(cluster):
     stage = mirrored.by_dask_id(sid)
     children = wait_until(lambda: len(mirrored.children(stage)) == 2 and mirrored.children(stage))
     by_name = {c.name: c for c in children}
-    assert set(by_name) == {"inc", "double"}
-    assert by_name["inc"].attributes["dask.tasks.total"] == 5
-    assert by_name["double"].attributes["dask.taskgroup.prefix"] == "double"
-    assert by_name["inc"].attributes["dask.span.id"] == sid
+    assert set(by_name) == {"taskgroup/inc", "taskgroup/double"}
+    assert by_name["taskgroup/inc"].attributes["dask.tasks.total"] == 5
+    assert by_name["taskgroup/double"].attributes["dask.taskgroup.prefix"] == "double"
+    assert by_name["taskgroup/inc"].attributes["dask.span.id"] == sid
     for c in children:
         assert c.context.trace_id == stage.context.trace_id
         assert stage.start_time <= c.start_time <= c.end_time <= stage.end_time
@@ -351,7 +351,7 @@ def test_work_on_an_exported_span_becomes_new_children_not_a_duplicate(cluster):
         client.submit(inc, 1).result()
         first = mirrored.by_dask_id(sid)  # exported: done for longer than the delay
         client.submit(double, 2).result()  # new work under the same Dask span
-        late = wait_until(lambda: [c for c in mirrored.children(first) if c.name == "double"])
+        late = wait_until(lambda: [c for c in mirrored.children(first) if c.name == "taskgroup/double"])
     time.sleep(0.5)
     same_id = [s for s in mirrored.spans() if s.context.span_id == first.context.span_id]
     assert same_id == [first]
@@ -403,8 +403,8 @@ def test_a_running_group_is_looked_at_once_per_export_delay_and_exported_when_do
     # Dask logged the transition (the causal bound, docs/traces.md)
     stop, heard = int(tg.stop * 1e9), int(heard * 1e9)
     assert group.end_time == stop or heard <= group.end_time < stop
-    assert group.name == "waiting"
-    assert [x.name for x in mirrored.spans()] == ["waiting", "long"]  # each once
+    assert group.name == "taskgroup/waiting"
+    assert [x.name for x in mirrored.spans()] == ["taskgroup/waiting", "long"]  # each once
     assert 0.4 <= latency < 2.5  # the delay after its end, not a delay after a late look
 
 
@@ -667,7 +667,7 @@ def test_taskgroup_work_after_its_export_is_one_new_child(cluster):
         second = client.submit(inc, 2)
         second.result()
     groups = wait_until(lambda: len(c := mirrored.children(a)) == 2 and c)
-    assert [g.name for g in groups] == ["inc", "inc"]
+    assert [g.name for g in groups] == ["taskgroup/inc", "taskgroup/inc"]
     assert [g.attributes["dask.tasks.total"] for g in groups] == [1, 1]
     assert [g.attributes["dask.tasks.memory"] for g in groups] == [1, 1]
     assert groups[1].start_time >= groups[0].end_time
@@ -778,7 +778,8 @@ def test_a_length_limit_cuts_names_and_tags_but_never_ids(monkeypatch):
         group, task = wait_until(lambda: len(c := mirrored.children(s)) == 2 and sorted(
             c, key=lambda c: "dask.task.key" in c.attributes))
     assert s.name == "a long w" and s.attributes["dask.span.name"] == ("a long w",)
-    assert group.name == task.name == "lengthy_"
+    # The whole name is cut, its word included
+    assert (group.name, task.name) == ("taskgrou", "run/leng")
     assert group.attributes["dask.taskgroup.prefix"] == "lengthy_"
     assert task.attributes["dask.task.key"] == "lengthy_"
     assert group.attributes["dask.span.name"] == ("a long w",)
@@ -945,4 +946,4 @@ def test_a_skewed_worker_clock_leaves_every_span_inside_the_schedulers_window(sk
         [*spans, *app_spans.get_finished_spans()], one_trace=True, dask_roots=("skewed",)
     )
     names = sorted(n.name for n in nodes.values())
-    assert names.count("sk") == 8 + 1  # eight task spans and the TaskGroup's
+    assert names.count("run/sk") == 8 and names.count("taskgroup/sk") == 1

@@ -49,7 +49,7 @@ def test_ratio_one_exports_every_task_once_as_child_of_its_dask_span():
         assert len(spans) == 11
         keys = [s.attributes["dask.task.key"] for s in spans]
         assert sorted(keys) == sorted([str(p.key) for p in parts] + [str(summed.key)])
-        assert {s.name for s in spans} == {"current_span_id", "total"}
+        assert {s.name for s in spans} == {"run/current_span_id", "run/total"}
         for s in spans:
             assert s.parent.span_id == dask_span.context.span_id
             assert s.context.trace_id == dask_span.context.trace_id
@@ -65,7 +65,7 @@ def test_ratio_one_exports_every_task_once_as_child_of_its_dask_span():
         workers = dask_otel.status(client)["workers"].values()
         assert sum(w["task_spans"] for w in workers) == 11
         # chosen tasks ran in their task span's context
-        assert sorted(in_task) == sorted(s.context.span_id for s in spans if s.name == "current_span_id")
+        assert sorted(in_task) == sorted(s.context.span_id for s in spans if s.name == "run/current_span_id")
         assert_span_tree(mirrored.spans())
 
 
@@ -122,7 +122,7 @@ def test_erred_tasks_are_exported_with_the_exception():
         (exported,) = wait_until(lambda: task_spans(mirrored))
         time.sleep(0.3)
         assert [s.attributes["dask.task.key"] for s in task_spans(mirrored)] == [str(bad.key)]
-        assert exported.name == "fail"
+        assert exported.name == "run/fail"
         assert exported.status.status_code is StatusCode.ERROR
         assert exported.status.description == "ValueError: bad 7"
         assert exported.attributes["error.type"] == "ValueError"
@@ -193,8 +193,8 @@ def test_task_of_a_killed_worker_is_exported_once_by_the_worker_that_finished_it
                 others = client.gather(client.map(current_span_id, range(5)))
             (dask_span,) = receiver.wait_for(lambda r: r.spans("survivor"))
 
-            def tasks(r, name):  # not the scheduler's TaskGroup span of the same name
-                return [s for s in r.spans(name) if "dask.task.key" in s.attributes]
+            def tasks(r, prefix):
+                return r.spans(f"run/{prefix}")
 
             receiver.wait_for(lambda r: len(tasks(r, "current_span_id")) >= 5)
             (exported,) = receiver.wait_for(lambda r: tasks(r, "die_once"))

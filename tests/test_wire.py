@@ -63,9 +63,9 @@ def test_workflow_arrives_as_one_trace_over_otlp(protocol):
     assert by_name["data load"].parent_span_id == root.span_id
     assert by_name["cleaning"].parent_span_id == by_name["data load"].span_id
     assert by_name["train"].parent_span_id == root.span_id
-    assert by_name["load"].parent_span_id == by_name["data load"].span_id
-    assert by_name["clean"].parent_span_id == by_name["cleaning"].span_id
-    assert by_name["fit"].parent_span_id == by_name["train"].span_id
+    assert by_name["taskgroup/load"].parent_span_id == by_name["data load"].span_id
+    assert by_name["taskgroup/clean"].parent_span_id == by_name["cleaning"].span_id
+    assert by_name["taskgroup/fit"].parent_span_id == by_name["train"].span_id
     assert by_name["cleaning"].attributes["dask.span.name"] == (
         "Alice's workflow", "data load", "cleaning",
     )
@@ -75,12 +75,12 @@ def test_workflow_arrives_as_one_trace_over_otlp(protocol):
     assert_well_formed(spans)
 
     # Attributes and status
-    assert by_name["load"].attributes["dask.tasks.total"] == 4
+    assert by_name["taskgroup/load"].attributes["dask.tasks.total"] == 4
     assert by_name["data load"].attributes["dask.tasks.total"] == 8  # subtree
-    assert by_name["fit"].attributes["dask.metrics.execute.thread-noncpu.seconds"] > 0.03
+    assert by_name["taskgroup/fit"].attributes["dask.metrics.execute.thread-noncpu.seconds"] > 0.03
     assert by_name["train"].status_code == "ERROR"
     assert by_name["train"].status_message == "1 tasks erred"
-    assert by_name["broken"].status_code == "ERROR"
+    assert by_name["taskgroup/broken"].status_code == "ERROR"
     assert by_name["data load"].status_code == "UNSET"
     assert root.status_code == "ERROR"
     assert any(e[0] == "dask.first_task_start" for e in root.events)
@@ -108,9 +108,9 @@ def test_failed_tasks_end_their_spans_within_the_parent_over_otlp():
                 timeout=30,
             )
     by_name = {s.name: s for s in spans}
-    assert by_name["fail_slowly"].duration >= 0.25  # the run, not a point at enqueue
+    assert by_name["taskgroup/fail_slowly"].duration >= 0.25  # the run, not a point at enqueue
     assert by_name["fail"].duration >= 0.25
-    assert by_name["fail_slowly"].end <= by_name["fail"].end <= by_name["root"].end
+    assert by_name["taskgroup/fail_slowly"].end <= by_name["fail"].end <= by_name["root"].end
     assert_well_formed(spans)
 
 

@@ -55,6 +55,10 @@ if TYPE_CHECKING:
     from dask_otel.export.sink import SpanSink
     from dask_otel.worker.task_context import DaskSpanContext
 
+#: A task span's name: its task prefix behind a word of its own (contrib Celery's
+#: ``run/<task>``), so that a trace UI lists tasks apart from their TaskGroup and Dask
+#: span (docs/traces.md "Span names")
+TASK_SPAN_NAME = "run/{}"
 _UNSET = Status(StatusCode.UNSET)
 _HASH_SPACE = 1 << 64
 
@@ -307,7 +311,8 @@ class TaskSpans:
         # scheduler's (remote here), with the ids every process composes alike
         context = child_context(parent, run.span_id)
         return sink.span(
-            key_split(run.key), context, parent, start, stop, attributes, status, events
+            TASK_SPAN_NAME.format(key_split(run.key)), context, parent, start, stop,
+            attributes, status, events,
         )
 
 

@@ -8,16 +8,25 @@ Prometheus (Debian's ``prometheus`` package, installed by ``.ci/install-backends
         prom.wait_for_query('up{job="worker"} == 1')
         rows = prom.query("dask_otel_spill_bytes")   # [{"metric": {...}, "value": [ts, "1.5"]}]
 
-Arize Phoenix (an OTLP trace store with a REST API, installed in its own venv by
-``.ci/install-backends``; path overridable with ``DASK_OTEL_PHOENIX_VENV``)::
+Built from their Go modules by ``.ci/install-backends`` into ``$DASK_OTEL_BACKENDS/bin``
+(default ``/opt/dask-otel-backends/bin``, see :func:`require_backend`)::
 
-    with PhoenixServer() as phx:
-        exporter = OTLPSpanExporter(endpoint=phx.otlp_traces_url)   # OTLP/HTTP protobuf
+    with JaegerServer() as jaeger:                       # Jaeger v2, in-memory storage
+        env = {"OTEL_EXPORTER_OTLP_ENDPOINT": jaeger.otlp_grpc_endpoint}
         ...
-        spans = phx.wait_for_spans(count=4)   # normalised dicts, hex ids
+        spans = jaeger.wait_for_trace(trace_id, count=5)  # normalised dicts, hex ids
+        jaeger.operations("dask")                         # the UI's operation list
+
+    with CollectorServer(path, {"otlp/jaeger": jaeger.otlp_grpc_endpoint, ...}) as col:
+        ...   # col.otlp_grpc_endpoint, col.prometheus_exporter ("127.0.0.1:port")
+    collector_validate(path)                             # otelcol validate --config
+
+    with PrometheusServer([], binary=require_backend("prometheus"),
+                          otlp=PROMETHEUS3_OTLP, extra_args=PROMETHEUS3_OTLP_ARGS) as prom:
+        ...   # prom.otlp_endpoint: OTLP/HTTP metrics straight into Prometheus 3
 
 Binaries that are missing make a test skip locally but fail under CI (env ``CI`` set),
-see :func:`require_binary` and :func:`require_phoenix`.
+see :func:`require_binary` and :func:`require_backend`.
 """
 
 from __future__ import annotations
@@ -36,35 +45,39 @@ import urllib.error
 import urllib.parse
 import urllib.request
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
 import pytest
+import yaml
 
 __all__ = [
+    "BACKENDS_ENV",
     "BackendError",
-    "PHOENIX_VENV_ENV",
-    "DEFAULT_PHOENIX_VENV",
-    "PhoenixServer",
+    "CollectorServer",
+    "DEFAULT_BACKENDS",
+    "JaegerServer",
+    "PROMETHEUS3_OTLP",
+    "PROMETHEUS3_OTLP_ARGS",
+    "backends_dir",
+    "collector_config",
+    "collector_validate",
+    "normalise_jaeger_span",
+    "require_backend",
     "PrometheusServer",
     "free_port",
     "http_get_json",
     "in_ci",
-    "normalise_phoenix_span",
-    "phoenix_executable",
-    "phoenix_venv",
     "prometheus_config",
     "promtool_check_config",
     "promtool_check_rules",
     "require_binary",
-    "require_phoenix",
-    "span_children",
     "wait_until",
 ]
 
-PHOENIX_VENV_ENV = "DASK_OTEL_PHOENIX_VENV"
-DEFAULT_PHOENIX_VENV = "/opt/dask-otel-phoenix"
+#: Where .ci/install-backends puts the backends it builds from Go modules
+BACKENDS_ENV = "DASK_OTEL_BACKENDS"
+DEFAULT_BACKENDS = "/opt/dask-otel-backends"
 
 
 class BackendError(RuntimeError):
@@ -93,24 +106,18 @@ def require_binary(name: str) -> str:
     return path  # type: ignore[return-value]
 
 
-def phoenix_venv() -> Path:
-    return Path(os.environ.get(PHOENIX_VENV_ENV) or DEFAULT_PHOENIX_VENV)
+def backends_dir() -> Path:
+    return Path(os.environ.get(BACKENDS_ENV) or DEFAULT_BACKENDS)
 
 
-def phoenix_executable() -> Path | None:
-    exe = phoenix_venv() / "bin" / "phoenix"
-    return exe if os.access(exe, os.X_OK) else None
-
-
-def require_phoenix() -> Path:
-    """Return the ``phoenix`` executable of the Phoenix venv; skip if missing, fail under CI."""
-    exe = phoenix_executable()
-    if exe is None:
-        _missing(
-            f"Arize Phoenix not installed at {phoenix_venv()} (set {PHOENIX_VENV_ENV}); "
-            "run .ci/install-backends"
-        )
-    return exe  # type: ignore[return-value]
+def require_backend(name: str) -> str:
+    """The path of ``name`` (``jaeger``, ``otelcol-dask``, ``prometheus``: Prometheus 3)
+    as .ci/install-backends built it; skip the test if missing, fail under CI."""
+    path = backends_dir() / "bin" / name
+    if not os.access(path, os.X_OK):
+        _missing(f"{name!r} not built in {path.parent} (set {BACKENDS_ENV}); "
+                 "run .ci/install-backends")
+    return str(path)
 
 
 def free_port() -> int:
@@ -382,6 +389,10 @@ class PrometheusServer(_ServerProcess):
     """A real ``prometheus`` scraping ``targets``, on a free 127.0.0.1 port, with its TSDB
     in a temporary directory. Use as a context manager; the process is stopped on exit.
 
+    ``binary``: another Prometheus than Debian's on PATH (``require_backend("prometheus")``
+    for Prometheus 3); ``otlp``: the config's ``otlp:`` section, for Prometheus 3's
+    OTLP receiver (with ``PROMETHEUS3_OTLP_ARGS``).
+
     Attributes after ``__enter__``: ``url``, ``port``, ``config_path``, ``log_path``,
     ``workdir``, ``config`` (the dict written to ``config_path``)."""
 
@@ -400,7 +411,10 @@ class PrometheusServer(_ServerProcess):
         honor_labels: bool = False,
         extra_args: Sequence[str] = (),
         startup_timeout: float = 60.0,
+        binary: str | None = None,
+        otlp: Mapping[str, Any] | None = None,
     ) -> None:
+        self.binary = binary
         self.config = prometheus_config(
             list(targets),
             scrape_interval,
@@ -410,13 +424,23 @@ class PrometheusServer(_ServerProcess):
             scrape_timeout=scrape_timeout,
             honor_labels=honor_labels,
         )
+        if otlp is not None:
+            self.config["otlp"] = dict(otlp)
+            # What the OTLP receiver's docs ask for: pushed samples may arrive late
+            self.config["storage"] = {"tsdb": {"out_of_order_time_window": "30m"}}
         self.extra_args = list(extra_args)
         self.startup_timeout = startup_timeout
         self.port: int | None = None
 
+    @property
+    def otlp_endpoint(self) -> str:
+        """The base of Prometheus 3's OTLP receiver (``--web.enable-otlp-receiver``):
+        ``OTEL_EXPORTER_OTLP_METRICS_ENDPOINT`` is this plus ``/v1/metrics``"""
+        return self.url + "/api/v1/otlp"
+
     # -- lifecycle
     def _executable(self) -> str:
-        return require_binary("prometheus")
+        return self.binary or require_binary("prometheus")
 
     def _prepare(self) -> None:
         self.config_path = self.workdir / "prometheus.yml"
@@ -539,239 +563,278 @@ class PrometheusServer(_ServerProcess):
         return self._api("/api/v1/alerts")["alerts"]
 
 
-# --------------------------------------------------------------------------- Phoenix
-
-# Environment variables that must not leak from the test process into Phoenix's venv.
-_PHOENIX_ENV_DROP_PREFIXES = ("PHOENIX_", "OTEL_", "PYTHON", "VIRTUAL_ENV", "CONDA_")
-
-_PHOENIX_BASE_ENV = {
-    # No analytics pixels, web fonts, WASM sandbox download, ...: no internet on its own.
-    "PHOENIX_TELEMETRY_ENABLED": "false",
-    "PHOENIX_ALLOW_EXTERNAL_RESOURCES": "false",
-    # Features we do not need.
-    "PHOENIX_DISABLE_AGENT_ASSISTANT": "true",
-    "PHOENIX_AGENTS_DISABLE_BASH": "true",
-    "PHOENIX_AGENTS_DISABLE_WEB_ACCESS": "true",
-    "PHOENIX_ENABLE_MCP_SERVER": "false",
-    # The migrations otherwise log every SQL statement (thousands of lines).
-    "PHOENIX_LOG_MIGRATIONS": "false",
-    "PYTHONUNBUFFERED": "1",
-}
+#: Prometheus 3 as deploy/'s dashboards and rules need it when the bridge pushes OTLP
+#: straight to it (docs/deploy.md "Prometheus 3, pushed to directly"): its OTLP
+#: receiver, and exemplar storage for the exemplars that come with the points
+PROMETHEUS3_OTLP_ARGS = ("--web.enable-otlp-receiver", "--enable-feature=exemplar-storage")
+#: The config's ``otlp:`` section of that path (the translation strategy is Prometheus
+#: 3's default, written out: the names then carry unit and type suffixes, as the
+#: Collector's prometheus exporter gives them)
+PROMETHEUS3_OTLP: dict[str, Any] = {"translation_strategy": "UnderscoreEscapingWithSuffixes"}
 
 
-def _iso_to_unix_nano(value: str | None) -> int | None:
-    """Phoenix returns ISO-8601 times with microsecond precision; exact integer ns."""
-    if not value:
-        return None
-    dt = datetime.fromisoformat(value.replace("Z", "+00:00"))
-    if dt.tzinfo is None:
-        dt = dt.replace(tzinfo=timezone.utc)
-    delta = dt - datetime(1970, 1, 1, tzinfo=timezone.utc)
-    return (delta.days * 86_400 + delta.seconds) * 1_000_000_000 + delta.microseconds * 1_000
+# ---------------------------------------------------------------------------- Jaeger
 
 
-def _hex_id(value: str | None, width: int) -> str | None:
-    if not value:
-        return None
-    return value.lower().removeprefix("0x").zfill(width)
+def _jaeger_tag(tag: Mapping[str, Any]) -> Any:
+    return tag.get("value")
 
 
-def normalise_phoenix_span(raw: Mapping[str, Any]) -> dict[str, Any]:
-    """One span of ``GET /v1/projects/{p}/spans`` -> a flat dict:
+def _hex_id(value: str, width: int) -> str:
+    return value.lower().zfill(width)
+
+
+def normalise_jaeger_span(raw: Mapping[str, Any], processes: Mapping[str, Any]) -> dict[str, Any]:
+    """One span of Jaeger's ``GET /api/traces/{id}`` (the UI's JSON) -> a flat dict:
 
     ``trace_id`` (32 hex), ``span_id`` (16 hex), ``parent_id`` (16 hex or None), ``name``,
     ``start_time_unix_nano``/``end_time_unix_nano`` (int, microsecond resolution),
-    ``start_time``/``end_time`` (ISO strings as returned), ``attributes`` (dotted keys,
-    plain JSON values; sequences as lists), ``status_code`` ("UNSET"/"OK"/"ERROR"),
-    ``status_message``, ``events`` (``[{"name", "timestamp", "attributes"}]``),
-    ``span_kind`` (OpenInference kind, "UNKNOWN" for non-LLM spans), ``phoenix_id``."""
-    ctx = raw.get("context") or {}
+    ``attributes``, ``status_code`` ("UNSET"/"OK"/"ERROR"), ``status_message``,
+    ``events`` (``[{"name", "timestamp", "attributes"}]``), ``links``
+    (``[(trace_id, span_id)]``, Jaeger's FOLLOWS_FROM references), ``resource`` (the
+    process's tags and ``service.name``), ``kind`` and ``scope``.
+
+    Jaeger keeps microseconds; the OTel status is its ``otel.status_code`` /
+    ``otel.status_description`` tags (removed from ``attributes``, as are ``span.kind``,
+    ``otel.scope.*`` and the ``error`` flag it derives from an ERROR status); a
+    sequence attribute arrives as its JSON text."""
+    tags = {t["key"]: _jaeger_tag(t) for t in raw.get("tags") or []}
+    parent_id = None
+    links = []
+    for ref in raw.get("references") or []:
+        ids = (_hex_id(ref["traceID"], 32), _hex_id(ref["spanID"], 16))
+        if ref["refType"] == "CHILD_OF" and parent_id is None:
+            parent_id = ids[1]
+        else:
+            links.append(ids)
+    process = processes.get(raw.get("processID"), {})
+    resource = {t["key"]: _jaeger_tag(t) for t in process.get("tags") or []}
+    resource["service.name"] = process.get("serviceName")
+    start = int(raw["startTime"]) * 1_000
+    status = tags.pop("otel.status_code", "UNSET")
+    status_message = tags.pop("otel.status_description", "")
+    kind = tags.pop("span.kind", "internal")
+    scope = tags.pop("otel.scope.name", None)
+    for derived in ("error", "otel.scope.version"):
+        tags.pop(derived, None)
     return {
-        "trace_id": _hex_id(ctx.get("trace_id"), 32),
-        "span_id": _hex_id(ctx.get("span_id"), 16),
-        "parent_id": _hex_id(raw.get("parent_id"), 16),
-        "name": raw.get("name"),
-        "start_time_unix_nano": _iso_to_unix_nano(raw.get("start_time")),
-        "end_time_unix_nano": _iso_to_unix_nano(raw.get("end_time")),
-        "start_time": raw.get("start_time"),
-        "end_time": raw.get("end_time"),
-        "attributes": dict(raw.get("attributes") or {}),
-        "status_code": raw.get("status_code"),
-        "status_message": raw.get("status_message") or "",
-        "events": list(raw.get("events") or []),
-        "span_kind": raw.get("span_kind"),
-        "phoenix_id": raw.get("id"),
+        "trace_id": _hex_id(raw["traceID"], 32),
+        "span_id": _hex_id(raw["spanID"], 16),
+        "parent_id": parent_id,
+        "name": raw["operationName"],
+        "start_time_unix_nano": start,
+        "end_time_unix_nano": start + int(raw["duration"]) * 1_000,
+        "attributes": tags,
+        "status_code": status,
+        "status_message": status_message,
+        "events": [
+            {
+                "name": next((f["value"] for f in log["fields"] if f["key"] == "event"), None),
+                "timestamp": int(log["timestamp"]) * 1_000,
+                "attributes": {f["key"]: f["value"] for f in log["fields"] if f["key"] != "event"},
+            }
+            for log in raw.get("logs") or []
+        ],
+        "links": links,
+        "kind": kind,
+        "scope": scope,
+        "resource": resource,
     }
 
 
-def span_children(spans: Iterable[Mapping[str, Any]]) -> dict[str | None, list[Mapping[str, Any]]]:
-    """Group spans by ``parent_id`` (None = roots), each list sorted by start time."""
-    out: dict[str | None, list[Mapping[str, Any]]] = {}
-    for s in spans:
-        out.setdefault(s["parent_id"], []).append(s)
-    for lst in out.values():
-        lst.sort(key=lambda s: (s.get("start_time_unix_nano") or 0, s["span_id"]))
-    return out
+class JaegerServer(_ServerProcess):
+    """A real Jaeger v2 (``cmd/jaeger``, built by .ci/install-backends) with in-memory
+    storage: OTLP in (gRPC ``otlp_grpc_endpoint``, HTTP ``otlp_http_endpoint``), its
+    query API out on ``url`` (what its UI reads: ``/api/services``,
+    ``/api/services/{service}/operations``, ``/api/traces``), every port a free one on
+    127.0.0.1. Spans are searchable once the receiver has handed them to storage: use
+    :meth:`wait_for_trace`."""
 
+    name = "jaeger"
+    health_path = "/api/services"
 
-class PhoenixServer(_ServerProcess):
-    """A real Arize Phoenix server (OTLP trace store) from its own venv, bound to
-    127.0.0.1 on free ports, with its SQLite DB in a temporary working dir.
-
-    - ``otlp_http_endpoint``: base URL; OTLP/HTTP protobuf goes to ``<base>/v1/traces``
-      (``otlp_traces_url``). Only traces: Phoenix accepts no OTLP metrics or logs.
-    - ``otlp_grpc_endpoint``: ``http://127.0.0.1:<port>`` for the OTLP/gRPC exporter
-      (pitfall: Phoenix binds its gRPC port on all interfaces, ``[::]``, not PHOENIX_HOST).
-    - Spans land in project ``default`` unless the *resource* attribute
-      ``openinference.project.name`` names another one (``service.name`` is ignored).
-    - Ingestion is asynchronous (a queue flushed about every second): use
-      :meth:`wait_for_spans`.
-    """
-
-    name = "phoenix"
-    health_path = "/healthz"
-
-    def __init__(
-        self,
-        *,
-        venv: str | os.PathLike | None = None,
-        env: Mapping[str, str] | None = None,
-        startup_timeout: float = 120.0,
-    ) -> None:
-        self.venv = Path(venv) if venv else None
-        self.extra_env = dict(env or {})
+    def __init__(self, *, startup_timeout: float = 60.0) -> None:
         self.startup_timeout = startup_timeout
-        self.port: int | None = None
         self.grpc_port: int | None = None
-
-    @property
-    def otlp_http_endpoint(self) -> str:
-        return self.url
-
-    @property
-    def otlp_traces_url(self) -> str:
-        return self.url + "/v1/traces"
+        self.http_port: int | None = None
 
     @property
     def otlp_grpc_endpoint(self) -> str:
         return f"http://127.0.0.1:{self.grpc_port}"
 
-    # -- lifecycle
+    @property
+    def otlp_http_endpoint(self) -> str:
+        return f"http://127.0.0.1:{self.http_port}"
+
     def _executable(self) -> str:
-        if self.venv is None:
-            return str(require_phoenix())
-        exe = self.venv / "bin" / "phoenix"
-        if not os.access(exe, os.X_OK):
-            _missing(f"no Phoenix executable at {exe}")
-        return str(exe)
+        return require_backend("jaeger")
 
     def _command(self, executable: str) -> list[str]:
-        self.port, self.grpc_port = free_port(), free_port()
-        while self.grpc_port == self.port:
-            self.grpc_port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        return [executable, "serve"]
-
-    def _env(self) -> dict[str, str]:
-        env = {
-            k: v
-            for k, v in os.environ.items()
-            if not k.startswith(_PHOENIX_ENV_DROP_PREFIXES)
+        ports = set()
+        while len(ports) < 4:
+            ports.add(free_port())
+        query, query_grpc, self.grpc_port, self.http_port = ports
+        self.url = f"http://127.0.0.1:{query}"
+        config = {
+            "service": {
+                "extensions": ["jaeger_storage", "jaeger_query"],
+                "pipelines": {"traces": {"receivers": ["otlp"],
+                                         "exporters": ["jaeger_storage_exporter"]}},
+                # Its own metrics would listen on :8888, shared by every test
+                "telemetry": {"metrics": {"level": "none"}, "logs": {"level": "warn"}},
+            },
+            "extensions": {
+                "jaeger_query": {
+                    "storage": {"traces": "memory"},
+                    "http": {"endpoint": f"127.0.0.1:{query}"},
+                    "grpc": {"endpoint": f"127.0.0.1:{query_grpc}"},
+                },
+                "jaeger_storage": {"backends": {"memory": {"memory": {"max_traces": 100_000}}}},
+            },
+            "receivers": {"otlp": {"protocols": {
+                "grpc": {"endpoint": f"127.0.0.1:{self.grpc_port}"},
+                "http": {"endpoint": f"127.0.0.1:{self.http_port}"},
+            }}},
+            "exporters": {"jaeger_storage_exporter": {"trace_storage": "memory"}},
         }
-        env.update(_PHOENIX_BASE_ENV)
-        env.update(
-            PHOENIX_HOST="127.0.0.1",
-            PHOENIX_PORT=str(self.port),
-            PHOENIX_GRPC_PORT=str(self.grpc_port),
-            PHOENIX_WORKING_DIR=str(self.workdir),
+        path = self.workdir / "jaeger.yaml"
+        path.write_text(json.dumps(config, indent=2))
+        return [executable, "--config", str(path)]
+
+    # -- the query API (the UI's)
+    def _get(self, path: str, params: Mapping[str, Any] | None = None) -> Any:
+        try:
+            body = http_get_json(self.url + path, params)
+        except urllib.error.HTTPError as exc:
+            if exc.code == 404:
+                return None
+            raise BackendError(f"GET {path} -> HTTP {exc.code}: {getattr(exc, 'body', '')}") from None
+        return body.get("data")
+
+    def services(self) -> list[str]:
+        return sorted(self._get("/api/services") or [])
+
+    def operations(self, service: str) -> list[str]:
+        """The operation names of ``service``, as the UI's "Operation" list shows them"""
+        quoted = urllib.parse.quote(service, safe="")
+        return sorted(self._get(f"/api/services/{quoted}/operations") or [])
+
+    def trace(self, trace_id: str) -> list[dict[str, Any]]:
+        """The spans of one trace (``GET /api/traces/{id}``) by :func:`normalise_jaeger_span`,
+        by start time; [] while Jaeger has none"""
+        data = self._get(f"/api/traces/{trace_id}") or []
+        return sorted(
+            (normalise_jaeger_span(span, trace["processes"])
+             for trace in data for span in trace["spans"]),
+            key=lambda s: (s["start_time_unix_nano"], s["span_id"]),
         )
-        env.update(self.extra_env)
-        return env
 
-    # -- REST API
-    def version(self) -> str:
-        with urllib.request.urlopen(self.url + "/arize_phoenix_version", timeout=10) as resp:
-            return resp.read().decode().strip()
+    def find_traces(self, service: str, operation: str | None = None, *,
+                    tags: Mapping[str, str] | None = None, limit: int = 100) -> list[str]:
+        """Trace ids of the UI's search (``GET /api/traces?service=...``) over the last hour"""
+        params: dict[str, Any] = {"service": service, "limit": limit, "lookback": "1h"}
+        if operation:
+            params["operation"] = operation
+        if tags:
+            params["tags"] = json.dumps(dict(tags))
+        return [_hex_id(t["traceID"], 32) for t in self._get("/api/traces", params) or []]
 
-    def projects(self) -> list[str]:
-        """Names of all projects (``default`` always exists)."""
-        names: list[str] = []
-        cursor = None
-        while True:
-            params = {"limit": 100, **({"cursor": cursor} if cursor else {})}
-            body = http_get_json(self.url + "/v1/projects", params)
-            names += [p["name"] for p in body["data"]]
-            cursor = body.get("next_cursor")
-            if not cursor:
-                return names
-
-    def raw_spans(
+    def wait_for_trace(
         self,
-        project: str = "default",
-        *,
-        trace_id: str | Sequence[str] | None = None,
-        name: str | Sequence[str] | None = None,
-        page_size: int = 1000,
-    ) -> list[dict[str, Any]]:
-        """All spans of ``project`` as Phoenix returns them (``GET
-        /v1/projects/{project}/spans``, following ``next_cursor``), oldest first.
-        An unknown project (created only when its first span arrives) gives []."""
-        params: dict[str, Any] = {"limit": page_size, "sort": "id", "order": "asc"}
-        if trace_id:
-            params["trace_id"] = [trace_id] if isinstance(trace_id, str) else list(trace_id)
-        if name:
-            params["name"] = [name] if isinstance(name, str) else list(name)
-        path = f"{self.url}/v1/projects/{urllib.parse.quote(project, safe='')}/spans"
-        out: list[dict[str, Any]] = []
-        while True:
-            try:
-                body = http_get_json(path, params)
-            except urllib.error.HTTPError as exc:
-                if exc.code == 404 and not out:
-                    return []
-                raise BackendError(
-                    f"GET {path} -> HTTP {exc.code}: {getattr(exc, 'body', '')}"
-                ) from None
-            out += body["data"]
-            cursor = body.get("next_cursor")
-            if not cursor:
-                return out
-            params["cursor"] = cursor
-
-    def spans(
-        self,
-        project: str = "default",
-        *,
-        trace_id: str | Sequence[str] | None = None,
-        name: str | Sequence[str] | None = None,
-    ) -> list[dict[str, Any]]:
-        """Spans of ``project`` normalised by :func:`normalise_phoenix_span`, oldest first."""
-        return [
-            normalise_phoenix_span(s)
-            for s in self.raw_spans(project, trace_id=trace_id, name=name)
-        ]
-
-    def wait_for_spans(
-        self,
-        project: str = "default",
+        trace_id: str,
         count: int | None = None,
         predicate: Callable[[list[dict[str, Any]]], bool] | None = None,
         timeout: float = 30.0,
-        interval: float = 0.25,
-        **filters: Any,
     ) -> list[dict[str, Any]]:
-        """Poll :meth:`spans` until at least ``count`` spans exist and ``predicate(spans)``
-        holds (default: non-empty); return the spans. Raises TimeoutError with what was
-        there."""
+        """Poll :meth:`trace` until at least ``count`` spans are there and ``predicate``
+        holds (default: non-empty); TimeoutError with what was there"""
         deadline = time.monotonic() + timeout
         while True:
-            spans = self.spans(project, **filters)
+            spans = self.trace(trace_id)
             if (count is None or len(spans) >= count) and (predicate or bool)(spans):
                 return spans
             if time.monotonic() >= deadline:
                 raise TimeoutError(
-                    f"Phoenix project {project!r}: wanted count={count} predicate={predicate} "
+                    f"Jaeger trace {trace_id}: wanted count={count} predicate={predicate} "
                     f"within {timeout}s, have {len(spans)} spans: "
-                    f"{[(s['name'], s['span_id'], s['parent_id']) for s in spans]!r}"
+                    f"{[(s['name'], s['span_id'], s['parent_id']) for s in spans]!r}\n{self.log()}"
                 )
-            time.sleep(interval)
+            time.sleep(0.25)
+
+
+# ------------------------------------------------------------------------- Collector
+
+
+def collector_validate(path: str | os.PathLike) -> str:
+    """``otelcol-dask validate --config PATH``: the real Collector reads the config, as
+    at start, without starting it; returns its output, raises BackendError on failure."""
+    return _run_checked([require_backend("otelcol-dask"), "validate", f"--config={path}"],
+                        "otelcol validate")
+
+
+def collector_config(path: str | os.PathLike, exporters: Mapping[str, str]) -> dict[str, Any]:
+    """A Collector config of deploy/ as one that runs here: every listening endpoint
+    moved to a free 127.0.0.1 port, each ``otlp/*`` exporter sent to ``exporters[name]``
+    (``host:port``, ``http://`` or not), the Collector's own metrics off (they would
+    listen on :8888, shared by every test). Everything else as shipped."""
+    config = yaml.safe_load(Path(path).read_text())
+    for name, exporter in config["exporters"].items():
+        if name.startswith("otlp/"):
+            exporter["endpoint"] = exporters[name].removeprefix("http://")
+    listening = [exporter for exporter in config["exporters"].values()
+                 if exporter and str(exporter.get("endpoint", "")).startswith("0.0.0.0:")]
+    listening += [protocol for receiver in config["receivers"].values()
+                  for protocol in (receiver.get("protocols") or {}).values()]
+    listening += [extension for extension in config.get("extensions", {}).values()
+                  if extension and "endpoint" in extension]
+    for item in listening:
+        item["endpoint"] = f"127.0.0.1:{free_port()}"
+    config["service"].setdefault("telemetry", {})["metrics"] = {"level": "none"}
+    return config
+
+
+class CollectorServer(_ServerProcess):
+    """A real OpenTelemetry Collector (``otelcol-dask``, made by .ci/install-backends from
+    .ci/otelcol-builder.yaml) running the config at ``path`` as :func:`collector_config`
+    makes it run here, ``exporters`` its ``otlp/*`` exporters' endpoints.
+
+    ``otlp_grpc_endpoint`` / ``otlp_http_endpoint``: its OTLP receiver;
+    ``prometheus_exporter``: ``host:port`` of its prometheus exporter, if it has one;
+    ``config``: what it runs. Ready when its health_check extension answers."""
+
+    name = "otelcol"
+    health_path = "/"
+
+    def __init__(self, path: str | os.PathLike, exporters: Mapping[str, str], *,
+                 startup_timeout: float = 60.0) -> None:
+        self.path, self.exporters = Path(path), dict(exporters)
+        self.startup_timeout = startup_timeout
+        self.config: dict[str, Any] = {}
+
+    def _endpoint(self, *path: str) -> str:
+        item: Any = self.config
+        for key in path:
+            item = item[key]
+        return item["endpoint"]
+
+    @property
+    def otlp_grpc_endpoint(self) -> str:
+        return "http://" + self._endpoint("receivers", "otlp", "protocols", "grpc")
+
+    @property
+    def otlp_http_endpoint(self) -> str:
+        return "http://" + self._endpoint("receivers", "otlp", "protocols", "http")
+
+    @property
+    def prometheus_exporter(self) -> str:
+        return self._endpoint("exporters", "prometheus")
+
+    def _executable(self) -> str:
+        return require_backend("otelcol-dask")
+
+    def _command(self, executable: str) -> list[str]:
+        self.config = collector_config(self.path, self.exporters)  # fresh ports each try
+        self.url = "http://" + self._endpoint("extensions", "health_check")
+        config_path = self.workdir / "config.yaml"
+        config_path.write_text(json.dumps(self.config, indent=2))
+        return [executable, f"--config={config_path}"]

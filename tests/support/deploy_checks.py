@@ -8,6 +8,9 @@ without the services it is for (no Docker engine, no Kubernetes, no Grafana here
   OTLP metric, to compare the push path with the pull path.
 - Environment variables, Dask CLI arguments and container images named by the
   compose file and the Kubernetes manifests.
+- A run of the compose workload, and every dashboard query and alert rule against
+  the Prometheus that holds its metrics, however they got there (scraped from the
+  Dask servers, from a Collector, or pushed over OTLP).
 """
 
 from __future__ import annotations
@@ -15,11 +18,13 @@ from __future__ import annotations
 import contextlib
 import importlib.util
 import json
+import math
 import os
 import re
 import shlex
 import sys
-from collections.abc import Iterable, Iterator, Mapping
+import time
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
@@ -31,6 +36,10 @@ from tests.support.processes import REPO
 
 DEPLOY = REPO / "deploy"
 DASHBOARDS = DEPLOY / "grafana" / "dashboards"
+COMPOSE = DEPLOY / "compose" / "compose.yaml"
+#: Every OpenTelemetry Collector config deploy/ ships
+COLLECTOR_CONFIGS = [DEPLOY / "compose" / "otel-collector.yaml",
+                     DEPLOY / "kubernetes" / "collector" / "otel-collector.yaml"]
 
 
 def load_yaml_documents(path: Path) -> list[Any]:
@@ -368,3 +377,194 @@ def otel_environ(env: Mapping[str, str]) -> Iterator[None]:
         for key in [k for k in os.environ if k.startswith("OTEL_")]:
             del os.environ[key]
         os.environ.update(saved)
+
+
+# --- a run of the workload, and every dashboard query against it --------------------
+
+#: How often the test Prometheus scrapes and evaluates rules, and the step of the
+#: dashboards' range queries
+SCRAPE_INTERVAL = 1.0
+PROMETHEUS_DIR = DEPLOY / "prometheus"
+RULE_FILES = sorted((PROMETHEUS_DIR / "rules").glob("*.yml"))
+#: Workers that spill: 10 MB of managed memory each (2% of 500 MB), and a workload
+#: of 20 x 4 MB chunks per round, so that even a worker that gets a third of them
+#: spills. The spill and pause thresholds stay at their defaults (of process memory),
+#: so that the dashboards' threshold lines exist.
+SPILL_ENV = {"DASK_DISTRIBUTED__WORKER__MEMORY__TARGET": "0.02"}
+WORKER_ARGS = ("--memory-limit", "500MB")
+ROUNDS = 3
+#: Metrics that stay at 0 in a healthy run: panels with them need data, not a
+#: non-zero value
+ZERO_WHEN_HEALTHY = {"dask_otel_span_dropped_total", "dask_otel_export_failures_total",
+                     # zero unless OTEL_TRACES_SAMPLER drops traces; the run keeps all
+                     "dask_otel_span_sampled_out_total"}
+
+
+def shipped_scrape_config(name: str, rules: Path, targets: list[str] | None = None
+                          ) -> dict[str, Any]:
+    """deploy/prometheus/``name`` with a 1 s scrape interval, its one job's targets
+    replaced by ``targets`` (None: no scrape job, for a Prometheus pushed to), and
+    the shipped rule files, copied to ``rules`` with every group evaluated every
+    second: a group that states a longer interval (days-long windows) would not be
+    evaluated once during the run"""
+    config = yaml.safe_load((PROMETHEUS_DIR / name).read_text())
+    config["global"].update(scrape_interval=f"{SCRAPE_INTERVAL:g}s",
+                            evaluation_interval=f"{SCRAPE_INTERVAL:g}s")
+    for path in RULE_FILES:
+        rule_file = yaml.safe_load(path.read_text())
+        for group in rule_file["groups"]:
+            group.pop("interval", None)
+        (rules / path.name).write_text(yaml.safe_dump(rule_file))
+    config["rule_files"] = [str(rules / Path(pattern).name) for pattern in config["rule_files"]]
+    (job,) = config["scrape_configs"]
+    if targets is None:
+        config["scrape_configs"] = []
+    else:
+        job["static_configs"] = [{"targets": targets}]
+    return config
+
+
+def run_workload(cluster: Any, client: Any, settle: float = 3 * SCRAPE_INTERVAL) -> list[str]:
+    """The compose workload, ROUNDS times, holding each round's chunks across
+    scrapes (the gauges of keys on disk are sampled); then a worker retired, for the
+    workflows dashboard's workers removed by reason (without the bridge in it, it
+    has no worker series of its own); then ``settle`` seconds for the last export.
+    Returns the rounds' root Dask span ids (their trace ids without dashes)."""
+    workload = load_workload()
+    n = len(client.scheduler_info()["workers"])
+    roots = [workload.run_round(client, chunks=20, chunk_bytes=4_000_000, seed=100 * i,
+                                hold=3 * SCRAPE_INTERVAL) for i in range(ROUNDS)]
+    cluster.add_worker("retired", without_dask_otel=True)
+    client.wait_for_workers(n + 1, timeout=60)
+    client.retire_workers(names=["retired"])
+    time.sleep(settle)
+    return roots
+
+
+@dataclass
+class ScrapedRun:
+    """What one run left behind: the Prometheus that holds its metrics, the
+    ``job`` they carry (the dashboards' $cluster), the workers, and when it ran"""
+
+    prometheus: Any
+    job: str
+    workers: list[str]
+    start: float
+    end: float
+    #: what arrived over OTLP, where the run also sent it to the harness receiver
+    receiver: Any = None
+
+    def range_query(self, expr: str) -> list[dict[str, Any]]:
+        return self.prometheus.query_range(expr, self.start, self.end, step=SCRAPE_INTERVAL)
+
+    def builtins(self) -> dict[str, str]:
+        seconds = math.ceil(self.end - self.start)
+        return {
+            # Grafana: max(4 x scrape interval, interval + scrape interval)
+            "__rate_interval": f"{4 * SCRAPE_INTERVAL:g}s",
+            "__interval": f"{SCRAPE_INTERVAL:g}s",
+            "__interval_ms": str(int(SCRAPE_INTERVAL * 1000)),
+            "__range": f"{seconds}s", "__range_s": str(seconds), "__range_ms": str(seconds * 1000),
+        }
+
+    def label_values(self, selector: str | None, label: str) -> list[str]:
+        from tests.support.backends import http_get_json
+
+        params: dict[str, Any] = {"start": self.start, "end": time.time()}
+        if selector:
+            params["match[]"] = selector
+        body = http_get_json(f"{self.prometheus.url}/api/v1/label/{label}/values", params)
+        return body["data"]
+
+
+def resolve_variables(run: ScrapedRun, board: Mapping[str, Any]) -> dict[str, list[str]]:
+    """Every value Grafana would offer for each query variable, from the same
+    Prometheus API calls Grafana makes; datasource variables are not needed"""
+    values: dict[str, list[str]] = {}
+    first = {**run.builtins()}
+    for name, variable in variables(board).items():
+        if variable["type"] != "query":
+            continue
+        selector, label = label_values_query(variable)
+        if selector:
+            selector = substitute(selector, {**first, **{k: v[0] for k, v in values.items()}},
+                                  variables(board))
+        found = run.label_values(selector, label)
+        assert found, f"variable {name}: label_values({selector}, {label}) is empty"
+        values[name] = found
+    return values
+
+
+def _finite_values(result: list[dict[str, Any]]) -> list[float]:
+    values = []
+    for series in result:
+        for sample in series.get("values") or [series.get("value")]:
+            if sample and math.isfinite(float(sample[1])):
+                values.append(float(sample[1]))
+    return values
+
+
+def evaluate_dashboard(run: ScrapedRun, name: str,
+                       rewrite: Callable[[str], str] = lambda expr: expr) -> list[str]:
+    """Problems of one dashboard's PromQL against the run, for every single value of
+    each multi-value variable and for "All": an expression with no finite sample
+    (with "All": no non-zero one, so that the panel shows the workload), or a
+    selector in it that selects nothing. ``rewrite``: what a path that cannot use a
+    query as written runs instead (docs/deploy.md says which)."""
+    board = dashboards()[name]
+    defs = variables(board)
+    values = resolve_variables(run, board)
+    assert values.get("cluster") == [run.job]
+    settings = [{k: [v[0]] if not defs[k].get("multi") else ["$__all"] for k, v in values.items()}]
+    for variable, options in values.items():
+        if defs[variable].get("multi"):
+            settings += [{**settings[0], variable: [option]} for option in options]
+    problems, seen = [], set()
+    for query in panel_queries(name, board):
+        if query.datasource_type != "prometheus":
+            continue
+        may_be_zero = bool(ZERO_WHEN_HEALTHY & set(metric_names(query.expr)))
+        for setting in settings:
+            expr = rewrite(substitute(query.expr, {**run.builtins(), **setting}, defs))
+            if expr in seen:
+                continue
+            seen.add(expr)
+            result = (run.prometheus.query(expr, time=run.end) if query.instant
+                      else run.range_query(expr))
+            values = _finite_values(result)
+            if not values:
+                problems.append(f"{query}: no data from {expr}")
+            elif setting is settings[0] and not may_be_zero and not any(values):
+                problems.append(f"{query}: only zeros from {expr}")
+            for selector in vector_selectors(expr):
+                if not run.range_query(selector):
+                    problems.append(f"{query}: {selector} selects nothing")
+    return problems
+
+
+def every_dashboard_problem(run: ScrapedRun, timeout: float = 30,
+                            rewrite: Callable[[str], str] = lambda expr: expr) -> list[str]:
+    """:func:`evaluate_dashboard` over every dashboard, again until no problem is left
+    or ``timeout`` passed (the last export of the run may still be on its way)"""
+    deadline = time.monotonic() + timeout
+    while True:
+        run.end = time.time()
+        problems = [p for name in dashboards() for p in evaluate_dashboard(run, name, rewrite)]
+        if not problems or time.monotonic() > deadline:
+            return problems
+        time.sleep(2)
+
+
+def rule_problems(run: ScrapedRun) -> list[str]:
+    """Every shipped rule loaded, evaluated without error, and quiet on a healthy
+    run (not even pending for the loss alerts)"""
+    rules = [rule for group in run.prometheus.rules() for rule in group["rules"]]
+    shipped = sum(len(g["rules"]) for f in RULE_FILES for g in yaml.safe_load(f.read_text())["groups"])
+    problems = [] if len(rules) == shipped else [f"{len(rules)} rules loaded of {shipped}"]
+    problems += [f"{rule['name']}: {rule['health']} {rule.get('lastError')}" for rule in rules
+                 if rule["health"] != "ok"]
+    alerts = run.prometheus.alerts()
+    problems += [f"firing: {a['labels']}" for a in alerts if a["state"] == "firing"]
+    problems += [f"pending: {a['labels']}" for a in alerts if a["labels"]["alertname"] in
+                 {"DaskOtelSpansDropped", "DaskOtelSpanExportFailing"}]
+    return problems

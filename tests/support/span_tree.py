@@ -2,8 +2,8 @@
 any of the places spans are read back.
 
 Spans come from the SDK's in-memory exporter (``ReadableSpan``), the OTLP test
-receiver (:class:`tests.support.otlp_receiver.ReceivedSpan`) or Phoenix (a dict
-of :func:`tests.support.backends.normalise_phoenix_span`); :func:`as_node` turns
+receiver (:class:`tests.support.otlp_receiver.ReceivedSpan`) or Jaeger (a dict
+of :func:`tests.support.backends.normalise_jaeger_span`); :func:`as_node` turns
 each into one shape first. :func:`assert_span_tree` checks them all at once.
 """
 
@@ -16,9 +16,10 @@ from typing import Any, Literal
 
 from opentelemetry.attributes import BoundedAttributes
 
-#: Clock resolution of Phoenix, which stores microseconds (the SDK and OTLP carry
-#: nanoseconds): how far a Phoenix span may seem to start before its parent
-PHOENIX_SLACK_NS = 1_000
+#: Clock resolution of Jaeger, which keeps a span's start and its duration in
+#: microseconds each (the SDK and OTLP carry nanoseconds): how far a span read
+#: from Jaeger may seem to start before, or end after, its parent
+JAEGER_SLACK_NS = 2_000
 #: How late a root Dask span may end after the caller's span: the mirror bounds
 #: every task time by the scheduler's own clock (sent, heard back), so on one
 #: host a root ends before the call that waited for its results returns; the
@@ -37,7 +38,7 @@ class Node:
     start_ns: int
     end_ns: int
     #: The parent is another process's span (an SDK span's ``parent.is_remote``);
-    #: False where the source does not say (OTLP, Phoenix)
+    #: False where the source does not say (OTLP, Jaeger)
     remote_parent: bool = False
     #: How coarse the source's clock is: the slack for comparing times
     resolution_ns: int = 0
@@ -45,11 +46,11 @@ class Node:
 
 def as_node(span: Any) -> Node:
     """A Node from an SDK ``ReadableSpan``, an OTLP receiver ``ReceivedSpan`` or a
-    Phoenix span dict"""
-    if isinstance(span, dict):  # Phoenix
+    Jaeger span dict"""
+    if isinstance(span, dict):  # Jaeger
         return Node(span["trace_id"], span["span_id"], span["parent_id"], span["name"],
                     span["start_time_unix_nano"], span["end_time_unix_nano"],
-                    resolution_ns=PHOENIX_SLACK_NS)
+                    resolution_ns=JAEGER_SLACK_NS)
     if hasattr(span, "context"):  # SDK ReadableSpan
         parent = span.parent
         return Node(

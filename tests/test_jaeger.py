@@ -1,0 +1,218 @@
+"""Traces in a real Jaeger v2, read back through its query API as its UI reads them.
+
+The bridge exports over OTLP/gRPC to Jaeger (built by .ci/install-backends, in-memory
+storage); the tests read ``/api/traces/{id}`` and ``/api/services/{svc}/operations``
+and check the tree a user looks at (docs/traces.md): the caller's span >
+``dask_otel.span`` > sub-spans > TaskGroups > task spans > spans made inside tasks,
+with its links, events, status and attributes, from ``LocalCluster(processes=True)``,
+from ``dask scheduler``/``dask worker`` processes and from ``dask-otel demo``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from collections.abc import Iterator
+
+import pytest
+from distributed import wait
+from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
+from opentelemetry.sdk.resources import Resource
+from opentelemetry.sdk.trace import TracerProvider
+from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+
+import dask_otel
+from tests.support.backends import JaegerServer
+from tests.support.cluster import otel_cluster
+from tests.support.otlp_receiver import set_otel_env
+from tests.support.processes import dask_processes
+from tests.support.span_tree import assert_span_tree
+from tests.support.tasks import broken, exit_once, inc, load, total, user_work
+
+#: The names of docs/traces.md "Span names": a Dask span is its tag, a TaskGroup
+#: span and a task span carry their task prefix behind their own word
+TASKGROUP, TASK = "taskgroup/{}", "run/{}"
+
+
+@pytest.fixture(scope="module")
+def jaeger() -> Iterator[JaegerServer]:
+    with JaegerServer() as server:
+        yield server
+
+
+def jaeger_env(jaeger: JaegerServer, service: str) -> dict[str, str]:
+    return {
+        "OTEL_EXPORTER_OTLP_ENDPOINT": jaeger.otlp_grpc_endpoint,
+        "OTEL_EXPORTER_OTLP_PROTOCOL": "grpc",
+        "OTEL_EXPORTER_OTLP_INSECURE": "true",
+        "OTEL_SERVICE_NAME": service,
+        "OTEL_BSP_SCHEDULE_DELAY": "200",
+    }
+
+
+def one(spans: list[dict], name: str) -> dict:
+    (span,) = [s for s in spans if s["name"] == name]
+    return span
+
+
+def children(spans: list[dict], parent: dict) -> list[str]:
+    return sorted(s["name"] for s in spans if s["parent_id"] == parent["span_id"])
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_a_workflow_under_a_callers_span_reads_back_from_jaeger(jaeger, monkeypatch, tmp_path):
+    """processes=True: the caller's span > nightly report > stages > TaskGroups >
+    task spans > the spans tasks make; a link to the workflow that made the inputs;
+    dask.worker.lost on the stage whose worker died; ERROR on the stage that failed"""
+    service = "dask-jaeger-tree"
+    set_otel_env(monkeypatch, jaeger_env(jaeger, service))
+    caller = TracerProvider(resource=Resource.create({"service.name": "web"}))
+    caller.add_span_processor(SimpleSpanProcessor(
+        OTLPSpanExporter(endpoint=jaeger.otlp_grpc_endpoint, insecure=True)))
+    tracer = caller.get_tracer("web")
+    config = {"otel.traces.exporter": "otlp", "otel.metrics.exporter": "none"}
+    with otel_cluster(config, processes=True, n_workers=2) as (client, _):
+        with dask_otel.span("prepare") as prepare_id:
+            inputs = client.map(inc, range(2))
+            wait(inputs)
+        with tracer.start_as_current_span("handle request") as request:
+            trace_id = f"{request.get_span_context().trace_id:032x}"
+            with dask_otel.span("nightly report", tasks={"spans": True}) as report_id:
+                with dask_otel.span("load"):
+                    client.gather(client.map(load, range(3)))
+                with dask_otel.span("score"):
+                    client.gather(client.map(user_work, range(2)))
+                with dask_otel.span("combine"):
+                    client.submit(total, inputs).result()
+                # What the workers held is in Jaeger before one of them is killed
+                jaeger.wait_for_trace(trace_id, predicate=lambda spans: len(
+                    [s for s in spans if s["name"].startswith("run/")]) == 6)
+                with dask_otel.span("unstable"):
+                    assert client.submit(exit_once, str(tmp_path / "died"), 7).result() == 7
+                with dask_otel.span("failing"), pytest.raises(RuntimeError, match="diverged"):
+                    client.submit(broken, 1).result()
+        caller.shutdown()
+        expected = {
+            "handle request", "nightly report", "load", "score", "combine", "unstable",
+            "failing", *(TASKGROUP.format(p) for p in ("load", "user_work", "total",
+                                                        "exit_once", "broken")),
+        }
+        # 3 load, 2 user_work, 1 total, 1 exit_once (run again elsewhere), 1 broken
+        count = len(expected) + 8 + 2
+        spans = jaeger.wait_for_trace(trace_id, count=count, timeout=60)
+
+    assert len(spans) == count, [s["name"] for s in spans]
+    assert_span_tree(spans, one_trace=True, dask_roots=("nightly report",))
+    names = [s["name"] for s in spans]
+    assert expected <= set(names)
+    request_span, report = one(spans, "handle request"), one(spans, "nightly report")
+    assert request_span["resource"]["service.name"] == "web"
+    assert report["parent_id"] == request_span["span_id"]
+    assert report["attributes"]["dask.span.id"] == report_id
+    assert children(spans, report) == ["combine", "failing", "load", "score", "unstable"]
+    for stage, prefix, n in [("load", "load", 3), ("score", "user_work", 2),
+                             ("combine", "total", 1), ("unstable", "exit_once", 1),
+                             ("failing", "broken", 1)]:
+        stage_span = one(spans, stage)
+        group = one(spans, TASKGROUP.format(prefix))
+        assert children(spans, stage_span) == sorted([group["name"]] + [TASK.format(prefix)] * n)
+        assert group["parent_id"] == stage_span["span_id"]
+        assert group["attributes"]["dask.taskgroup.prefix"] == prefix
+        assert group["attributes"]["dask.span.id"] == stage_span["attributes"]["dask.span.id"]
+        tasks = [s for s in spans if s["name"] == TASK.format(prefix)]
+        assert len(tasks) == n, stage
+        for task in tasks:
+            # A task span is a child of its Dask span, beside its TaskGroup's span
+            assert task["parent_id"] == stage_span["span_id"]
+            assert task["attributes"]["dask.task.key"].startswith(prefix + "-")
+            assert task["attributes"]["code.function.name"] == f"tests.support.tasks.{prefix}"
+            assert task["attributes"]["dask.worker.address"].startswith("tcp://127.0.0.1:")
+        assert (stage_span["resource"]["service.name"] == group["resource"]["service.name"]
+                == tasks[0]["resource"]["service.name"] == service)
+    # Spans made inside the tasks are the children of their task spans
+    score_tasks = {s["span_id"] for s in spans if s["name"] == TASK.format("user_work")}
+    user_spans = [s for s in spans if s["name"] == "user work"]
+    assert len(user_spans) == 2 and {s["parent_id"] for s in user_spans} == score_tasks
+    # The link to the workflow that made combine's inputs, in another trace
+    prepare = f"{int(prepare_id.replace('-', ''), 16):032x}"
+    assert one(spans, "combine")["links"] == [(prepare, prepare[-16:])]
+    # The worker that died under "unstable"
+    unstable = one(spans, "unstable")
+    (lost,) = [e for e in unstable["events"] if e["name"] == "dask.worker.lost"]
+    assert lost["attributes"]["dask.worker.address"].startswith("tcp://127.0.0.1:")
+    assert unstable["start_time_unix_nano"] <= lost["timestamp"] <= unstable["end_time_unix_nano"]
+    # Status: the failed stage, its TaskGroup and its task span say so; the others do not
+    failing = one(spans, "failing")
+    assert failing["status_code"] == "ERROR" and failing["status_message"] == "1 tasks erred"
+    assert failing["attributes"]["error.type"] == "RuntimeError"
+    assert one(spans, TASKGROUP.format("broken"))["status_code"] == "ERROR"
+    failed_task = one(spans, TASK.format("broken"))
+    assert failed_task["status_code"] == "ERROR"
+    assert failed_task["status_message"] == "RuntimeError: diverged"
+    (exception,) = failed_task["events"]
+    assert exception["name"] == "exception"
+    assert exception["attributes"]["exception.type"] == "RuntimeError"
+    for stage in ("load", "score", "combine", "unstable"):
+        assert one(spans, stage)["status_code"] == "UNSET", stage
+    # The documented attributes, as Jaeger shows them (a string[] as its JSON text)
+    assert json.loads(one(spans, "load")["attributes"]["dask.span.name"]) == [
+        "nightly report", "load"]
+    assert one(spans, "load")["attributes"]["dask.tasks.total"] == 3
+    load_group = one(spans, TASKGROUP.format("load"))["attributes"]
+    assert load_group["dask.tasks.total"] == 3 and load_group["dask.taskgroup.name"] == "load"
+    assert report["attributes"]["dask.tasks.total"] == 3 + 2 + 1 + 1 + 1
+
+
+def test_dask_scheduler_and_worker_processes_give_three_kinds_of_operations(jaeger):
+    """``dask scheduler`` / ``dask worker`` switched on by the environment: the trace
+    reads back whole, and Jaeger's operation list has a Dask span, a TaskGroup and a
+    task each as an operation of its own, so each level is found and aggregated alone"""
+    service = "dask-jaeger-processes"
+    env = {**jaeger_env(jaeger, service), "DASK_OTEL__TASKS__SPANS": "true"}
+    with dask_processes(env) as cluster, cluster.client() as client:
+        with dask_otel.span("etl") as etl_id:
+            with dask_otel.span("extract"):
+                client.gather(client.map(load, range(2)))
+        trace_id = etl_id.replace("-", "")
+        spans = jaeger.wait_for_trace(trace_id, count=5, timeout=60)
+
+    assert_span_tree(spans, one_trace=True)
+    assert sorted(s["name"] for s in spans) == [
+        "etl", "extract", "run/load", "run/load", "taskgroup/load"]
+    assert one(spans, "etl")["span_id"] == trace_id[-16:]
+    extract = one(spans, "extract")
+    assert children(spans, extract) == ["run/load", "run/load", "taskgroup/load"]
+    assert jaeger.operations(service) == ["etl", "extract", "run/load", "taskgroup/load"]
+    # Each level is searched on its own, as the UI's "Operation" box does
+    assert jaeger.find_traces(service, "taskgroup/load") == [trace_id]
+    assert jaeger.find_traces(service, "run/load") == [trace_id]
+
+
+#: The demo's Dask spans (its TaskGroups: load_partition, evaluate, fit)
+DEMO_DASK_SPANS = ["Alice's workflow", "data load", "evaluate", "train"]
+
+
+def test_the_demos_printed_trace_id_is_found_in_jaeger(jaeger):
+    """``dask-otel demo --endpoint`` against Jaeger, as the README tells a newcomer"""
+    out = subprocess.run(
+        [sys.executable, "-m", "dask_otel", "demo", "--endpoint", jaeger.otlp_grpc_endpoint],
+        capture_output=True, text=True, timeout=180,
+        env={**os.environ, "OTEL_SERVICE_NAME": "dask-otel-demo"},
+    )
+    assert out.returncode == 0, out.stdout + out.stderr
+    trace_id = re.search(r"^trace ([0-9a-f]{32})$", out.stdout, re.M).group(1)
+    spans = jaeger.wait_for_trace(trace_id, count=7, timeout=60)
+    assert_span_tree(spans, one_trace=True)
+    assert sorted(s["name"] for s in spans if "/" not in s["name"]) == DEMO_DASK_SPANS
+    assert sorted(s["name"] for s in spans if "/" in s["name"]) == [
+        "taskgroup/evaluate", "taskgroup/fit", "taskgroup/load_partition"]
+    root = one(spans, "Alice's workflow")
+    assert root["parent_id"] is None and root["span_id"] == trace_id[-16:]
+    assert root["resource"]["service.name"] == "dask-otel-demo"
+    # What the demo printed is what Jaeger stored, name for name
+    printed = [m.group(1).strip() for m in re.finditer(r"^( *\S.*?)\s+[\d.]+ ms \|", out.stdout, re.M)]
+    assert sorted(printed) == sorted(s["name"] for s in spans)
