@@ -23,7 +23,7 @@ from dask_otel.export.lifecycle import (
 from dask_otel.spill import SpillInstruments
 from dask_otel.worker.execute_hook import TaskContextHook
 from dask_otel.worker.task_context import TaskContexts, default_sampler
-from dask_otel.worker.task_spans import TaskSpans
+from dask_otel.worker.task_spans import TaskRules, TaskSpans
 
 if TYPE_CHECKING:
     from distributed import Worker
@@ -66,20 +66,16 @@ class WorkerBridge:
                 self.error = f"{type(e).__name__}: {e}"
 
     def _start_task_context(self, worker: Worker, own: ServerTelemetry) -> None:
-        """Wrap ``Worker.execute``. The sampler is the bridge's TracerProvider's
-        when traces are exported (the one the scheduler's mirror asks), else the
-        SDK's default from OTEL_*."""
+        """Wrap ``Worker.execute``, with the sampler the scheduler's mirror asks too
+        (the bridge's TracerProvider's, else the SDK's default from OTEL_*). Task
+        spans, by the worker's rules or a client block's, need an exporter."""
         sink = own.span_sink
-        sampler = sink.sampler if sink is not None else default_sampler()
-        task_spans = None
-        if sink is not None:
-            # User spans inside tasks need a provider
-            adopt_global_tracer_provider()
-            # also for a client block that asks for task spans (dask_otel.span(tasks=))
-            task_spans = TaskSpans(worker, sink, own.config)
+        if sink is None:
+            self.task_context = TaskContextHook.install(worker, TaskContexts(default_sampler()))
+            return
+        adopt_global_tracer_provider()  # user spans inside tasks need a provider
         self.task_context = TaskContextHook.install(
-            worker, TaskContexts(sampler),
-            task_spans if own.config.task_spans else None, on_request=task_spans,
+            worker, TaskContexts(sink.sampler, TaskRules.of(own.config)), TaskSpans(worker, sink)
         )
 
     def _start_spill(self, worker: Worker, own: ServerTelemetry) -> None:

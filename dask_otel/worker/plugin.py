@@ -105,8 +105,7 @@ def worker_status(
     """A worker's :func:`server_status`, from its bridge's parts (None: not running):
     its :class:`~dask_otel.export.telemetry.ServerTelemetry`, its
     :class:`~dask_otel.worker.execute_hook.TaskContextHook` and its spill instruments"""
-    # otel.tasks.spans, or the TaskSpans that blocks opened with tasks=True use
-    task_spans = hook.on_request if hook is not None else None
+    task_spans = hook.task_spans if hook is not None else None
     return server_status(
         error,
         telemetry,
@@ -116,8 +115,7 @@ def worker_status(
         task_context=hook is not None,
         # tasks that ran without context because building it failed
         task_context_errors=hook.errors if hook is not None else 0,
-        # task spans exported by this worker; None when none can be (otel.tasks.spans
-        # off and no exporter for a block's tasks=True)
+        # task spans exported by this worker; None when it exports no traces
         task_spans=task_spans.exported if task_spans is not None else None,
     )
 
