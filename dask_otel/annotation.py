@@ -65,11 +65,9 @@ def write_annotation(
     workflow: bool = False,
 ) -> dict[str, Any]:
     """The ``otel`` annotation of a block that opened Dask spans ``new_ids`` at
-    ``entered_at``: the enclosing block's (from ``outer``, the annotations around
-    the block), with ``entered`` extended, and a carrier if it is a root block
-    under a valid current span in ``caller``. ``sampled``, ``tasks`` (validated)
-    and ``workflow`` are the block's own controls; ``sampled`` is written by a
-    root block only (the caller checks)."""
+    ``entered_at``: the enclosing block's (in ``outer``, the annotations around
+    it) extended, with a carrier if it is a root block under a valid current span
+    in ``caller``, and the block's own controls (validated by the caller)"""
     inherited = outer.get(ANNOTATION) or {}
     entered = {**inherited.get("entered", {}), **dict.fromkeys(new_ids, entered_at)}
     annotation: dict[str, Any] = {"v": VERSION, "entered": entered, "exits": True}
@@ -91,12 +89,9 @@ def write_annotation(
 
 
 def root_carrier(otel: Any, root_id: str) -> Mapping[str, str] | None:
-    """The carrier of a task's ``otel`` annotation if it is the one of root Dask
-    span ``root_id``: written by the block that opened that root (the root is among
-    the annotation's ``entered``). Anything else (no annotation, one of another
-    shape, or one that came with a task Dask moved onto another workflow's span)
-    is None. The scheduler and the workers apply this same rule, so they agree on
-    every task's trace."""
+    """The carrier of a task's ``otel`` annotation if the block that opened root
+    Dask span ``root_id`` wrote it (the root is among its ``entered``), else None:
+    the rule every process applies, so that they agree on every task's trace"""
     if not isinstance(otel, Mapping):
         return None
     entered = otel.get("entered")
@@ -126,9 +121,8 @@ def task_rules(otel: Any) -> dict[str, Any] | None:
 
 
 def entered_times(otel: Any) -> Mapping[str, Any] | None:
-    """When the client entered the blocks of the annotation, by Dask span id; None
-    for an annotation that is not of dask_otel's shape (values may still be of any
-    type: the caller takes the numbers)"""
+    """When the client entered the annotation's blocks, by Dask span id (values of
+    any type: the caller takes the numbers); None for another shape"""
     if not isinstance(otel, Mapping):
         return None
     times = otel.get("entered")
@@ -152,19 +146,13 @@ def block_exit(
     span_annotation: Mapping[str, Any], own: int, otel: Mapping[str, Any], exited: float
 ) -> dict[str, Any]:
     """The :data:`BLOCK_EXIT` event of a block that opened the last ``own`` Dask
-    spans of ``span_annotation`` and left at ``exited``; the client that sends it
-    adds its id as ``client`` (:func:`exit_sender`)"""
-    return {
-        "span": {"name": list(span_annotation["name"]), "ids": list(span_annotation["ids"])},
-        "own": own,
-        "otel": otel,
-        "exited": exited,
-    }
+    spans of ``span_annotation`` and left at ``exited`` (its sender adds ``client``)"""
+    span = {"name": list(span_annotation["name"]), "ids": list(span_annotation["ids"])}
+    return {"span": span, "own": own, "otel": otel, "exited": exited}
 
 
 def exit_sender(msg: Mapping[str, Any]) -> str | None:
-    """The id of the client that sent a :data:`BLOCK_EXIT` event (None: not
-    said, as by clients before it was)"""
+    """The id of the client that sent a :data:`BLOCK_EXIT` event (None: not said)"""
     sender = msg.get("client")
     return sender if isinstance(sender, str) else None
 
@@ -190,10 +178,11 @@ def read_block_exit(msg: Any) -> BlockExit | None:
     return list(ids), list(tags), own, otel, float(exited)
 
 
-def extract_caller(carrier: Mapping[str, Any] | None) -> tuple[otel_context.Context | None, SpanContext | None]:
-    """The caller's context (with its baggage) and span context from a carrier, as
-    the globally configured propagators read it; ``(None, None)`` for no carrier,
-    and a None span context if it holds none (or only values that are not strings)"""
+def extract_caller(
+    carrier: Mapping[str, Any] | None,
+) -> tuple[otel_context.Context | None, SpanContext | None]:
+    """The caller's context (with its baggage) and span context (None: it holds
+    none) from a carrier, as the globally configured propagators read it"""
     if not carrier:
         return None, None
     carrier = {k: v for k, v in carrier.items() if isinstance(k, str) and isinstance(v, str)}
@@ -208,6 +197,5 @@ def remote_parent(carrier: Mapping[str, Any] | None) -> SpanContext | None:
 
 
 def workflow_named(otel: Any) -> bool:
-    """Whether the block that wrote ``otel`` was opened with ``workflow=True``: its
-    name is a bounded workflow name (docs/metrics.md, workflow outcomes)"""
+    """Whether the block that wrote ``otel`` was opened with ``workflow=True``"""
     return isinstance(otel, Mapping) and otel.get("workflow") is True

@@ -1,16 +1,13 @@
-"""The bridge on one worker: started by the registered plugin
-(:mod:`dask_otel.worker.plugin`), it attaches the worker to its process's
-telemetry and starts the worker-side features: the OTel context tasks run in
-(:mod:`~dask_otel.worker.execute_hook`), task spans
-(:mod:`~dask_otel.worker.task_spans`, opt-in), the SpillBuffer instruments
-(:mod:`dask_otel.spill`) and Dask's own families. A feature that fails to start is
-logged and shown in ``status()``; the others run. Nothing here imports the
-scheduler's side.
+"""The bridge on one worker, started by the registered plugin: the worker's share
+of its process's telemetry, the OTel context tasks run in (with task spans), the
+SpillBuffer instruments and Dask's own families. A feature that fails to start is
+logged and shown in ``status()``; the others run. docs/traces.md, docs/metrics.md.
 """
 
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from dask_otel.attributes import SCHEDULER_ADDRESS
@@ -33,22 +30,22 @@ if TYPE_CHECKING:
 logger = logging.getLogger("dask_otel")
 
 
+@dataclass(slots=True)
 class WorkerBridge:
-    """What :class:`~dask_otel.worker.plugin.OtelWorkerPlugin` runs on one worker:
-    the in-task context (with task spans, if on) and the spill instruments"""
+    """What :class:`~dask_otel.worker.plugin.OtelWorkerPlugin` runs on one worker"""
 
-    def __init__(self) -> None:
-        self.error: str | None = None
-        #: The process's Telemetry, and this worker's share of it (its own
-        #: config, span resource and metric attributes)
-        self.telemetry: Telemetry | None = None
-        self.server_telemetry: ServerTelemetry | None = None
-        self.spill: Any = None
-        #: :class:`~dask_otel.worker.dask_families.WorkerFamilies`, with otel.metrics.dask
-        self.families: Any = None
-        #: :class:`~dask_otel.worker.execute_hook.TaskContextHook`; None where it
-        #: could not be installed
-        self.task_context: Any = None
+    #: why the bridge (or a feature of it) is off on this worker
+    error: str | None = None
+    #: the process's Telemetry, and this worker's share of it (its own config,
+    #: span resource and metric attributes)
+    telemetry: Telemetry | None = None
+    server_telemetry: ServerTelemetry | None = None
+    spill: Any = None
+    #: :class:`~dask_otel.worker.dask_families.WorkerFamilies`, with otel.metrics.dask
+    families: Any = None
+    #: :class:`~dask_otel.worker.execute_hook.TaskContextHook`; None where it
+    #: could not be installed
+    task_context: Any = None
 
     def setup(self, worker: Worker) -> None:
         own, self.error = start_telemetry(

@@ -87,7 +87,7 @@ class TaskContexts:
         return cached
 
     def _build(
-        self, ids: tuple[str, ...], name: tuple[str, ...], carrier: Mapping[str, str] | None, otel: Any
+        self, ids: tuple[str, ...], name: tuple[str, ...], carrier: Mapping | None, otel: Any
     ) -> DaskSpanContext:
         base, remote = extract_caller(carrier)
         # is_remote: the Dask span is made by the scheduler, in another process

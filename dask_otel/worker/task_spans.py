@@ -77,7 +77,8 @@ class TaskRules:
         ``spans`` is off): the decision, per Dask span"""
         if not sampled:
             return None
-        rules = replace(self, **{k.replace("-", "_"): v for k, v in block.items()}) if block else self
+        given = {k.replace("-", "_"): v for k, v in (block or {}).items()}
+        rules = replace(self, **given) if given else self
         return rules if rules.spans else None
 
     def decide(self, key: Key, erred: bool | None = None, duration: float = 0.0) -> bool | None:
@@ -164,7 +165,8 @@ class TaskSpans:
         # the Dask span starts no later than the client entered its block
         start = max(start, entered_at(run.otel, run.dask_span.dask_id))
         stop = max(stop, start)
-        if not (run.chosen or run.dask_span.rules.decide(run.key, erred, duration)):  # type: ignore[union-attr]
+        rules: TaskRules = run.dask_span.rules
+        if not (run.chosen or rules.decide(run.key, erred, duration)):
             return
         self.sink.emit(self._span(run, event, start, stop, duration, erred))
         self.exported += 1
@@ -185,10 +187,8 @@ class TaskSpans:
         return self._same_clock
 
     def thread_name(self, ident: int) -> str | None:
-        """The name of the thread ``ident`` (Dask names its executor threads,
-        e.g. ``Dask-Default-Threads-4211-0``): a dict lookup; the live threads
-        are listed again only for an id not seen yet, so the cache holds no
-        dead thread for long"""
+        """The name of the thread ``ident`` (``Dask-Default-Threads-4211-0``); the
+        live threads are listed again only for an id not seen yet"""
         name = self._thread_names.get(ident)
         if name is None:
             self._thread_names = {t.ident: t.name for t in threading.enumerate() if t.ident}
@@ -196,13 +196,8 @@ class TaskSpans:
         return name
 
     def _span(
-        self,
-        run: TaskRun,
-        event: ExecuteSuccessEvent | ExecuteFailureEvent,
-        start: float,
-        stop: float,
-        duration: float,
-        erred: bool,
+        self, run: TaskRun, event: ExecuteSuccessEvent | ExecuteFailureEvent,
+        start: float, stop: float, duration: float, erred: bool,
     ) -> ReadableSpan:
         sink = self.sink
         parent = run.dask_span.span_context
@@ -226,35 +221,25 @@ class TaskSpans:
             exc_type, message = _exception_type_and_message(event)
             status = Status(StatusCode.ERROR, sink.name(f"{exc_type}: {message}"))
             attributes[attr.ERROR_TYPE] = exc_type
-            events = (
-                Event(
-                    attr.EXCEPTION_EVENT,
-                    sink.event_attributes(
-                        {
-                            attr.EXCEPTION_TYPE: exc_type,
-                            attr.EXCEPTION_MESSAGE: message,
-                            attr.EXCEPTION_STACKTRACE: event.traceback_text or "",
-                        },
-                        count=sink.limits.max_event_attributes,
-                    ),
-                    int(stop * 1e9),
-                ),
-            )
+            exception = {
+                attr.EXCEPTION_TYPE: exc_type,
+                attr.EXCEPTION_MESSAGE: message,
+                attr.EXCEPTION_STACKTRACE: event.traceback_text or "",
+            }
+            limited = sink.event_attributes(exception, count=sink.limits.max_event_attributes)
+            events = (Event(attr.EXCEPTION_EVENT, limited, int(stop * 1e9)),)
         else:
             attributes[attr.OUTPUT_BYTES] = event.nbytes
         # The task span is this worker's; its parent, the Dask span, is the
         # scheduler's (remote here), with the ids every process composes alike
         context = child_context(parent, run.span_id)
-        return sink.span(
-            key_split(run.key), context, parent, start, stop, attributes, status, events
-        )
+        name = key_split(run.key)
+        return sink.span(name, context, parent, start, stop, attributes, status, events)
 
 
 def function_name(run_spec: Any) -> str | None:
-    """OTel's ``code.function.name`` of a task: the fully qualified name
-    (``module.qualname``) of the function Dask runs for it
-    (:func:`dask_otel._compat.task_function`), through ``functools.partial``;
-    None for an alias or a data node."""
+    """OTel's ``code.function.name`` of a task: ``module.qualname`` of the function
+    Dask runs for it, through ``functools.partial``; None for an alias or data"""
     func = task_function(run_spec)
     if func is None:
         return None
@@ -270,8 +255,7 @@ def function_name(run_spec: Any) -> str | None:
 
 def _exception_type_and_message(event: ExecuteFailureEvent) -> tuple[str, str]:
     """The exception's type name (as the SDK's ``record_exception`` writes it) and
-    message. The event holds the exception pickled (Dask truncates huge ones
-    first); if it does not unpickle here, its ``repr`` is parsed instead."""
+    message, from the pickled exception the event holds, else from its ``repr``"""
     try:
         from distributed.protocol import pickle
 
