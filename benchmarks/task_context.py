@@ -71,7 +71,7 @@ def variants(worker: Worker, sink, sampler):
     from dask_otel.config import read_config
     from dask_otel.worker.execute_hook import TaskContextHook
     from dask_otel.worker.task_context import TaskContexts
-    from dask_otel.worker.task_spans import TaskSpans
+    from dask_otel.worker.task_spans import TaskRules, TaskSpans
 
     events = {}
 
@@ -84,9 +84,10 @@ def variants(worker: Worker, sink, sampler):
             nbytes=28, type=int, stimulus_id="bench",
         )
 
-    def wrapped(task_spans):
-        hook = TaskContextHook(worker, TaskContexts(sampler), task_spans)
-        hook._wrap(stand_in)
+    def wrapped(rules):
+        task_spans = None if rules is None else TaskSpans(worker, sink)
+        hook = TaskContextHook(worker, TaskContexts(sampler, rules), task_spans)
+        hook.wrap(stand_in)
         execute = worker.execute
         del worker.execute  # each variant wraps the stand-in afresh
         return execute
@@ -96,7 +97,7 @@ def variants(worker: Worker, sink, sampler):
     for ratio in (0.0, 0.01, 1.0):
         config = base.__class__(**{**base.__dict__, "task_spans": True,
                                    "task_sample_ratio": ratio, "task_erred": True})
-        out[f"task spans, ratio {ratio:g}"] = wrapped(TaskSpans(worker, sink, config))
+        out[f"task spans, ratio {ratio:g}"] = wrapped(TaskRules.of(config))
     return out
 
 

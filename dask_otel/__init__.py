@@ -1,13 +1,8 @@
-"""Mirror a Dask distributed cluster into OpenTelemetry: what Dask already measures
-(its spans, fine performance metrics, SpillBuffer counters, events and log lines),
-handed to the OpenTelemetry SDK.
-
-The public API: the preload hooks :func:`dask_setup` and :func:`dask_teardown`
-(``distributed.scheduler.preload: [dask_otel]``), :func:`instrument` for a running
-cluster, :func:`status`, :func:`span` and :class:`ConfigError`. Importing the package
-loads the ``otel:`` config defaults and nothing of the SDK, so that a client that
-only calls :func:`span` needs opentelemetry-api alone (``tests/test_layout.py``).
-The manual: README.md; zero-code, the third way on: :mod:`dask_otel.instrumentor`.
+"""Mirror a Dask distributed cluster into OpenTelemetry: what Dask already measures,
+handed to the OpenTelemetry SDK. The public API: the preload hooks
+(``distributed.scheduler.preload: [dask_otel]``), :func:`instrument`, :func:`status`,
+:func:`span` and :class:`ConfigError`. Importing it loads the ``otel:`` config
+defaults and nothing of the SDK. The manual: README.md and docs/.
 """
 
 from __future__ import annotations
@@ -18,8 +13,7 @@ from dask_otel._version import __version__
 from dask_otel.client import span
 from dask_otel.config import ConfigError  # also loads the otel: config defaults
 
-# The plugins, and through them the OTel SDK, are imported where they are used:
-# a client that only calls dask_otel.span needs opentelemetry-api alone.
+# The plugins, and the SDK, are imported where used: dask_otel.span needs the API alone
 
 if TYPE_CHECKING:
     from distributed import Client, Scheduler
@@ -30,11 +24,8 @@ __all__ = [
 
 
 async def dask_setup(scheduler: Scheduler) -> None:
-    """Preload entry point (``distributed.scheduler.preload: [dask_otel]``).
-
-    Adds the scheduler plugin, which registers the worker plugin with the
-    scheduler, so that every current and future worker exports too.
-    """
+    """Preload entry point: adds the scheduler plugin, which hands the worker
+    plugin to every current and future worker"""
     from dask_otel.scheduler.plugin import OtelSchedulerPlugin, note_path
     from dask_otel.worker.plugin import PLUGIN_NAME
 
@@ -45,8 +36,7 @@ async def dask_setup(scheduler: Scheduler) -> None:
 
 
 async def dask_teardown(scheduler: Scheduler) -> None:
-    """Preload exit point: export and flush what is pending, within
-    ``otel.flush-timeout``."""
+    """Preload exit point: export and flush what is pending (``otel.flush-timeout``)"""
     from dask_otel.scheduler.plugin import OtelSchedulerPlugin
     from dask_otel.worker.plugin import PLUGIN_NAME
 
@@ -56,19 +46,10 @@ async def dask_teardown(scheduler: Scheduler) -> None:
 
 
 def instrument(client: Client) -> None:
-    """Turn the bridge on for the cluster ``client`` is connected to.
-
-    Does the same as the preload, through ``Client.register_plugin``; does nothing
-    if the cluster already has it, or if ``otel.enabled`` is false in this
-    process's dask config (the scheduler and each worker then read their own).
-    ``dask_otel`` must be installed on the scheduler and the workers. Dask spans
-    that finished before this call are not exported.
-
-    Raises
-    ------
-    ConfigError
-        if this process's ``otel.enabled`` is neither true nor false.
-    """
+    """Turn the bridge on for the cluster ``client`` is connected to, as the
+    preload does, through ``Client.register_plugin``: nothing if it has it already,
+    or if ``otel.enabled`` is false here (ConfigError if neither true nor false).
+    Dask spans that finished before the call are not exported."""
     from dask_otel.config import enabled
     from dask_otel.log import logger
     from dask_otel.scheduler.plugin import OtelSchedulerPlugin, note_path
@@ -83,21 +64,9 @@ def instrument(client: Client) -> None:
 
 
 def status(client: Client) -> dict[str, Any]:
-    """The bridge's state on the scheduler and on every worker.
-
-    ``{"scheduler": {"error": None, "mirrored_spans": 12, "config": {...}, ...},
-    "workers": {address: {"error": None, "metrics": True, "task_context": True,
-    "task_context_errors": 0, "task_spans": None, "config": {...}}}}``; ``None``
-    where the plugin is not installed. ``error`` says why the bridge is off there:
-    the config key or exporter at fault, or ``disabled by otel.enabled on ...``.
-    ``config`` holds the ``otel.*`` keys that process reads, with the values it
-    uses (each process reads its own dask config). ``service_name``: the
-    ``service.name`` that process's spans carry and which rule gave it; the
-    scheduler's ``paths``: which ways of turning the bridge on asked for it, the
-    one that added it first (``instrumentor``, ``preload``, ``client``).
-    ``warning``: why the scheduler has no bridge although its dask config names
-    the preload (a ``--preload`` of something else), else None.
-    """
+    """The bridge's state on the scheduler and on every worker (None where it is
+    not installed), and ``warning``: why the scheduler has no bridge although its
+    config names the preload. What each key means: README.md, "status"."""
     from dask_otel.worker.plugin import PLUGIN_NAME
 
     def _status(dask_server: Any) -> dict[str, Any] | None:

@@ -172,3 +172,26 @@ def declared_exemplar_filter(value: Any) -> Any:
 def declared_log_exporter(config: Any) -> Any:
     """A LogRecordExporter from a ``LogRecordExporter`` section of the file"""
     return _configuration("_logger_provider")._create_log_record_exporter(config)
+
+
+# ---- controls
+# The in-task context (dask_otel/worker/execute_hook.py) wraps the worker instance's
+# ``execute``: a coroutine method taking the task's key first, with the task's
+# annotations in ``state.tasks`` (distributed 2024.1.0 to 2026.8.0; feature-detected,
+# tests/test_task_context.py::test_unhookable_*).
+
+
+def execute_hookable(worker: Any) -> str | None:
+    """Why ``worker.execute`` cannot carry the in-task context, or None if it can"""
+    import inspect
+
+    execute = getattr(type(worker), "execute", None)
+    if execute is None or not inspect.iscoroutinefunction(execute):
+        return "Worker.execute is not a coroutine function"
+    if (params := list(inspect.signature(execute).parameters))[1:2] != ["key"]:
+        return f"Worker.execute takes {params[1:]}, not (key, ...)"
+    if "execute" in vars(worker):
+        return "Worker.execute is already replaced on this worker"
+    if not isinstance(getattr(getattr(worker, "state", None), "tasks", None), Mapping):
+        return "the worker has no state.tasks"
+    return None

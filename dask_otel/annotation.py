@@ -1,59 +1,27 @@
 """The ``otel`` task annotation: the wire contract between client, scheduler and
-workers, written here and read here.
+workers, written and read here only. The story of a block: docs/traces.md, "A
+dask_otel.span block" and "One workflow's controls". ``dask_otel.span`` puts it
+on every task of its block, beside Dask's own ``span`` annotation::
 
-``dask_otel.span`` puts it on every task of its block, beside Dask's own ``span``
-annotation::
-
-    {"v": 2,
-     "carrier": {"traceparent": "00-...", "baggage": "..."},  # root blocks only
-     "entered": {dask_span_uuid: client_time_entered, ...},
-     "exits": True,
+    {"v": 2,                       # VERSION; absent from version 1 (the first three keys)
+     "entered": {dask_span_uuid: client_time_entered, ...},  # its blocks and the enclosing ones
+     "exits": True,                # the client announces each block's exit (BLOCK_EXIT)
+     "carrier": {"traceparent": "00-...", "baggage": "..."},  # the caller's context, root blocks
      "sampled": True,              # dask_otel.span(sampled=...), from the root block
-     "tasks": {"spans": True, "slower-than": 0.5},  # dask_otel.span(tasks=...)
+     "tasks": {"spans": True, "slower-than": 0.5},  # dask_otel.span(tasks=...), key by key
      "workflow": True}             # dask_otel.span(workflow=True), that block only
 
-- ``v``: the version of this contract, :data:`VERSION`. Absent from what clients
-  before version 2 wrote (``carrier``, ``entered``, ``exits`` only), which every
-  reader still reads: each key below is optional.
-
-- ``carrier``: the caller's OTel context as the globally configured propagators
-  write it (``OTEL_PROPAGATORS``; W3C trace context and baggage by default). Only
-  a root block (no enclosing Dask span) under a valid current span writes one;
-  nested blocks inherit their root's.
-- ``entered``: when the client entered the block of each Dask span it opened, and
-  of the enclosing blocks (``time.time()`` on the client), so that a Dask span
-  starts no later than its block.
-- ``exits``: the client announces each of these blocks' exit (below), so the
-  scheduler keeps their Dask spans open until it hears of it. Absent from the
-  annotations of older clients, whose spans end with their tasks.
-- ``sampled``: the root block forced its whole trace kept (True) or dropped
-  (False), whatever the sampler says (:func:`forced_sampling`); nested blocks
-  inherit it.
-- ``tasks``: ``otel.tasks.*`` values (validated by the client, durations in
-  seconds) for this block's tasks, over the workers' own; a nested block's
-  override its enclosing block's, key by key (:func:`task_rules`).
-- ``workflow``: the block's name is a bounded workflow name
-  (:func:`workflow_named`); not inherited.
-
-When it leaves a block, the client tells the scheduler with one event on topic
-:data:`BLOCK_EXIT` (``Client.log_event``'s path, sent without waiting), which
-the scheduler plugin hears with ``SchedulerPlugin.log_event``; a scheduler
-without the bridge keeps it in its event log, as any event::
+Every key but ``entered`` is optional. The carrier is what the globally configured
+propagators write (``OTEL_PROPAGATORS``). Leaving a block, the client sends one
+event on topic :data:`BLOCK_EXIT` (``Client.log_event``'s path, without waiting)::
 
     {"span": {"name": [tag, ...], "ids": [uuid, ...]},  # Dask's span annotation
-     "own": n,            # the last n ids are the spans this block opened
-     "otel": {...},       # the block's ``otel`` annotation, as above
-     "exited": client_time_exited}
+     "own": n, "otel": {...}, "exited": client_time_exited, "client": client_id}
 
-Readers never trust it: an annotation of another shape (someone else's ``otel``
-key), or one that came with a task Dask moved onto another workflow's span (the
-TaskGroup collision), reads as none. Every read of a task's ``otel`` annotation
-goes through this module's readers (:func:`otel_of`, :func:`root_carrier`,
-:func:`entered_times`, :func:`entered_at`, :func:`announces_exits`,
-:func:`forced_sampling`, :func:`task_rules`, :func:`block_controls`,
-:func:`workflow_named`); each costs a
-few dict lookups. Needs only ``opentelemetry-api``. The story of a block:
-docs/traces.md.
+``own``: the last n ids are the spans the block opened. Readers never trust
+either: one of another shape (someone else's ``otel`` key), or one that came with
+a task Dask moved onto another workflow's span (the TaskGroup collision), reads
+as none. Needs opentelemetry-api only.
 """
 
 from __future__ import annotations
@@ -64,6 +32,8 @@ from typing import Any
 from opentelemetry import context as otel_context
 from opentelemetry import propagate, trace
 from opentelemetry.trace import SpanContext
+
+from dask_otel.config import parse_task_rules
 
 #: Name of the task annotation
 ANNOTATION = "otel"
@@ -95,11 +65,9 @@ def write_annotation(
     workflow: bool = False,
 ) -> dict[str, Any]:
     """The ``otel`` annotation of a block that opened Dask spans ``new_ids`` at
-    ``entered_at``: the enclosing block's (from ``outer``, the annotations around
-    the block), with ``entered`` extended, and a carrier if it is a root block
-    under a valid current span in ``caller``. ``sampled``, ``tasks`` (validated)
-    and ``workflow`` are the block's own controls; ``sampled`` is written by a
-    root block only (the caller checks)."""
+    ``entered_at``: the enclosing block's (in ``outer``, the annotations around
+    it) extended, with a carrier if it is a root block under a valid current span
+    in ``caller``, and the block's own controls (validated by the caller)"""
     inherited = outer.get(ANNOTATION) or {}
     entered = {**inherited.get("entered", {}), **dict.fromkeys(new_ids, entered_at)}
     annotation: dict[str, Any] = {"v": VERSION, "entered": entered, "exits": True}
@@ -121,12 +89,9 @@ def write_annotation(
 
 
 def root_carrier(otel: Any, root_id: str) -> Mapping[str, str] | None:
-    """The carrier of a task's ``otel`` annotation if it is the one of root Dask
-    span ``root_id``: written by the block that opened that root (the root is among
-    the annotation's ``entered``). Anything else (no annotation, one of another
-    shape, or one that came with a task Dask moved onto another workflow's span)
-    is None. The scheduler and the workers apply this same rule, so they agree on
-    every task's trace."""
+    """The carrier of a task's ``otel`` annotation if the block that opened root
+    Dask span ``root_id`` wrote it (the root is among its ``entered``), else None:
+    the rule every process applies, so that they agree on every task's trace"""
     if not isinstance(otel, Mapping):
         return None
     entered = otel.get("entered")
@@ -139,61 +104,25 @@ def root_carrier(otel: Any, root_id: str) -> Mapping[str, str] | None:
 def forced_sampling(otel: Any, root_id: str) -> bool | None:
     """Whether the client forced the trace of root Dask span ``root_id`` kept
     (True) or dropped (False); None: the sampler decides. Read by the rule of
-    :func:`root_carrier` (the annotation's own blocks include the root), so that
-    the client, the scheduler and the workers agree."""
-    if not isinstance(otel, Mapping):
-        return None
-    sampled = otel.get("sampled")
-    if sampled is None or not isinstance(sampled, bool):
+    :func:`root_carrier`, so that every process agrees."""
+    sampled = otel.get("sampled") if isinstance(otel, Mapping) else None
+    if not isinstance(sampled, bool):
         return None
     entered = otel.get("entered")
     return sampled if isinstance(entered, Mapping) and root_id in entered else None
 
 
-def block_controls(otel: Any, root_id: str) -> tuple[bool | None, dict[str, Any] | None] | None:
-    """``(forced_sampling, task_rules)`` of a task's annotation, or None when its
-    block set neither: per task, a call and two dict lookups (an annotation
-    ``dask_otel.span`` wrote is a dict once deserialized; another type is read as
-    having none)"""
-    if type(otel) is not dict or ("sampled" not in otel and "tasks" not in otel):
-        return None
-    return forced_sampling(otel, root_id), task_rules(otel)
-
-
 def task_rules(otel: Any) -> dict[str, Any] | None:
-    """The ``otel.tasks.*`` values a task's block set for it (``tasks``), the ones
-    of the right type only; None if it set none (most tasks: one dict lookup)"""
-    if not isinstance(otel, Mapping):
-        return None
-    given = otel.get("tasks")
-    if not given or not isinstance(given, Mapping):
-        return None
-    rules = {k: v for k, v in given.items() if _TASK_RULE_TYPES.get(k, _never)(v)}
-    return rules or None
-
-
-def _never(value: Any) -> bool:
-    return False
-
-
-def _number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool) and value >= 0
-
-
-#: What a value of each ``tasks`` key must be to be read (a client validated it;
-#: an annotation is never trusted)
-_TASK_RULE_TYPES = {
-    "spans": lambda v: isinstance(v, bool),
-    "erred": lambda v: isinstance(v, bool),
-    "sample-ratio": lambda v: _number(v) and v <= 1,
-    "slower-than": lambda v: v is None or _number(v),
-}
+    """The ``otel.tasks.*`` values a task's block set for it (``tasks``), the
+    valid ones (:func:`dask_otel.config.parse_task_rules`, the validator the
+    client ran); None if it set none"""
+    given = otel.get("tasks") if isinstance(otel, Mapping) else None
+    return (parse_task_rules(given, strict=False) or None) if given else None
 
 
 def entered_times(otel: Any) -> Mapping[str, Any] | None:
-    """When the client entered the blocks of the annotation, by Dask span id; None
-    for an annotation that is not of dask_otel's shape (values may still be of any
-    type: the caller takes the numbers)"""
+    """When the client entered the annotation's blocks, by Dask span id (values of
+    any type: the caller takes the numbers); None for another shape"""
     if not isinstance(otel, Mapping):
         return None
     times = otel.get("entered")
@@ -217,19 +146,13 @@ def block_exit(
     span_annotation: Mapping[str, Any], own: int, otel: Mapping[str, Any], exited: float
 ) -> dict[str, Any]:
     """The :data:`BLOCK_EXIT` event of a block that opened the last ``own`` Dask
-    spans of ``span_annotation`` and left at ``exited``; the client that sends it
-    adds its id as ``client`` (:func:`exit_sender`)"""
-    return {
-        "span": {"name": list(span_annotation["name"]), "ids": list(span_annotation["ids"])},
-        "own": own,
-        "otel": otel,
-        "exited": exited,
-    }
+    spans of ``span_annotation`` and left at ``exited`` (its sender adds ``client``)"""
+    span = {"name": list(span_annotation["name"]), "ids": list(span_annotation["ids"])}
+    return {"span": span, "own": own, "otel": otel, "exited": exited}
 
 
 def exit_sender(msg: Mapping[str, Any]) -> str | None:
-    """The id of the client that sent a :data:`BLOCK_EXIT` event (None: not
-    said, as by clients before it was)"""
+    """The id of the client that sent a :data:`BLOCK_EXIT` event (None: not said)"""
     sender = msg.get("client")
     return sender if isinstance(sender, str) else None
 
@@ -255,10 +178,11 @@ def read_block_exit(msg: Any) -> BlockExit | None:
     return list(ids), list(tags), own, otel, float(exited)
 
 
-def extract_caller(carrier: Mapping[str, Any] | None) -> tuple[otel_context.Context | None, SpanContext | None]:
-    """The caller's context (with its baggage) and span context from a carrier, as
-    the globally configured propagators read it; ``(None, None)`` for no carrier,
-    and a None span context if it holds none (or only values that are not strings)"""
+def extract_caller(
+    carrier: Mapping[str, Any] | None,
+) -> tuple[otel_context.Context | None, SpanContext | None]:
+    """The caller's context (with its baggage) and span context (None: it holds
+    none) from a carrier, as the globally configured propagators read it"""
     if not carrier:
         return None, None
     carrier = {k: v for k, v in carrier.items() if isinstance(k, str) and isinstance(v, str)}
@@ -273,6 +197,5 @@ def remote_parent(carrier: Mapping[str, Any] | None) -> SpanContext | None:
 
 
 def workflow_named(otel: Any) -> bool:
-    """Whether the block that wrote ``otel`` was opened with ``workflow=True``: its
-    name is a bounded workflow name (docs/metrics.md, workflow outcomes)"""
+    """Whether the block that wrote ``otel`` was opened with ``workflow=True``"""
     return isinstance(otel, Mapping) and otel.get("workflow") is True

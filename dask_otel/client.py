@@ -1,17 +1,10 @@
 """Client side: :func:`span`, a drop-in for ``distributed.span`` that continues the
-caller's OpenTelemetry trace.
-
-It owns the client's half of the wire contract (:mod:`dask_otel.annotation`): the
-caller's context written into the block's graphs as the ``otel`` task annotation,
-and one event when the block exits (:data:`~dask_otel.annotation.BLOCK_EXIT`), sent
-on the client's event loop without waiting. Invariants: it opens real Dask spans and
-yields the innermost one's id, as ``distributed.span`` does; inside the block the
-current OTel span is the Dask span, with the ids the scheduler exports it with
-(:mod:`dask_otel.span_context`), the caller's baggage kept; with no client, a
-closed one or a scheduler without the bridge, nothing changes and nothing is
-raised. It imports opentelemetry-api only, never the SDK or the scheduler's side
-(``tests/test_layout.py``). The manual: README.md, "One trace from the request to
-the task", and docs/traces.md, "A dask_otel.span block".
+caller's OpenTelemetry trace; it writes the client's half of the wire contract
+(:mod:`dask_otel.annotation`). Inside the block the current OTel span is the Dask
+span as the scheduler exports it; with no client, a closed one or a scheduler
+without the bridge, nothing changes and nothing is raised. opentelemetry-api only.
+The manual: README.md, "One trace from the request to the task"; docs/traces.md,
+"A dask_otel.span block" and "One workflow's controls".
 """
 
 from __future__ import annotations
@@ -48,25 +41,15 @@ def span(
     tasks: Mapping[str, Any] | None = None,
     workflow: bool = False,
 ) -> Iterator[str]:
-    """Open a Dask span, as ``distributed.span(*tags)``, that continues the caller's
-    OTel trace; yields the UUID of the innermost Dask span.
+    """Open Dask spans, as ``distributed.span(*tags)``, that continue the caller's
+    OTel trace; yields the UUID of the innermost one.
 
-    With several tags, one Dask span per tag is opened, nested, as
-    ``distributed.span`` does; each starts no later than this block was entered.
-
-    ``sampled``: True keeps, False drops, this workflow's whole trace (its Dask
-    spans, task spans, and the context its tasks run in) whatever the configured
-    sampler says; a root block's choice (a nested block may only repeat it).
-    ``tasks``: ``otel.tasks.*`` keys (``{"spans": True, "slower-than": "500ms",
-    "sample-ratio": 0.1, "erred": True}``) for this block's tasks, over the
-    workers' config; nested blocks inherit them and may override each.
-    ``workflow``: the root block's name is a bounded workflow name, for the
-    workflow outcome metrics.
-
-    Raises
-    ------
-    TypeError, ValueError
-        at the call, naming the argument and the value at fault.
+    ``sampled``: True keeps, False drops, this workflow's whole trace whatever
+    the sampler says (a root block's choice). ``tasks``: ``otel.tasks.*`` keys by
+    their last part (``{"spans": True, "slower-than": "500ms"}``) for this block's
+    tasks, over the workers' config; nested blocks inherit and override them.
+    ``workflow``: the root block's name is a bounded workflow name. A bad value
+    raises TypeError or ValueError at the call, naming the argument and value.
     """
     entered_at = time.time()
     outer = dask.get_annotations()
@@ -100,8 +83,8 @@ def span(
 def _check_controls(
     outer: Mapping[str, Any], sampled: Any, tasks: Any, workflow: Any
 ) -> dict[str, Any] | None:
-    """The block's controls checked at the call (never on a worker): ``tasks``
-    validated as the ``otel.tasks.*`` config keys are, or None"""
+    """The block's controls checked at the call: ``tasks`` validated by the
+    ``otel.tasks.*`` keys' parsers (the readers use the same), or None"""
     nested = "span" in outer
     if sampled is not None and not isinstance(sampled, bool):
         raise TypeError(f"sampled: expected True, False or None, got {sampled!r}")
@@ -123,10 +106,8 @@ def _check_controls(
 
 
 def _announce_exit(msg: dict) -> None:
-    """Send a block's exit to the default client's scheduler, without waiting:
-    the event goes out on the client's event loop, and whatever goes wrong (no
-    client, a closed one, a lost connection) is dropped. A scheduler without the
-    bridge keeps it in its event log."""
+    """Send a block's exit to the default client's scheduler on the client's
+    event loop, without waiting; whatever goes wrong is dropped"""
     try:
         client = distributed.client.default_client()
     except ValueError:  # no client: no graph of this block reached a scheduler

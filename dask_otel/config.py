@@ -1,14 +1,7 @@
-"""The ``otel:`` dask config namespace: validation, which processes read each key,
-and the choice of exporters by name. Defaults are in ``otel.yaml``, what each key
-means in ``otel-schema.yaml`` (the README's configuration table is the two and
-:func:`read_in` put together).
-
-Everything about *where* telemetry goes (endpoint, protocol, headers, certificate,
-timeouts, batching, resource attributes, service name) is read by the OpenTelemetry
-SDK itself from the standard ``OTEL_*`` environment variables. This module only
-validates the Dask-specific knobs under ``otel:`` and the exporter names, the way
-``OTEL_TRACES_EXPORTER`` / ``OTEL_METRICS_EXPORTER`` name them. The SDK objects are
-built in :mod:`dask_otel.export.exporters` and :mod:`dask_otel.export.telemetry`.
+"""The ``otel:`` dask config namespace: each key's validation, which processes
+read it (:func:`read_in`), and the exporters by name. Defaults in ``otel.yaml``,
+meanings in ``otel-schema.yaml``; together they are the README's configuration
+table. Where telemetry goes (``OTEL_*``) the OpenTelemetry SDK reads itself.
 """
 
 from __future__ import annotations
@@ -43,10 +36,8 @@ OTLP_PROTOCOLS = {"grpc": "otlp_proto_grpc", "http/protobuf": "otlp_proto_http"}
 
 
 class ConfigError(ValueError):
-    """A value under ``otel:`` or in an ``OTEL_*`` variable that the bridge cannot use.
-
-    The message names the key and the value at fault.
-    """
+    """A value under ``otel:`` or in an ``OTEL_*`` variable that the bridge cannot
+    use; the message names the key and the value at fault"""
 
     def __init__(self, key: str, value: Any, expected: str):
         self.key = key
@@ -175,23 +166,15 @@ def _exporters(
 
 @cache
 def installed_entry_points(group: str) -> dict[str, Any]:
-    """The entry points of ``group`` by name, looked up once per process.
-
-    Each ``importlib.metadata.entry_points`` call reads every installed
-    distribution's metadata (tens of ms in a large environment), and every Dask
-    server that starts reads its config and builds its exporters: a cluster
-    started again and again would pay it each time (issue 18). What is installed
-    does not change under a running process in any way the bridge supports.
-    """
+    """The entry points of ``group`` by name, looked up once per process: each
+    lookup reads every installed distribution's metadata (tens of ms), and every
+    Dask server that starts builds its exporters"""
     return {ep.name: ep for ep in entry_points(group=group)}
 
 
 def otlp_entry_point(signal: str) -> str:
-    """The exporter entry point for ``otlp``, by OTEL_EXPORTER_OTLP_[signal_]PROTOCOL.
-
-    The SDK's exporters read endpoint, headers, certificate, compression and
-    timeout themselves; only the choice between gRPC and HTTP is made here.
-    """
+    """The exporter entry point for ``otlp``, by OTEL_EXPORTER_OTLP_[signal_]PROTOCOL
+    (the SDK's exporters read the rest themselves)"""
     for var in (f"OTEL_EXPORTER_OTLP_{signal}_PROTOCOL", "OTEL_EXPORTER_OTLP_PROTOCOL"):
         if protocol := os.environ.get(var, "").strip():
             if protocol not in OTLP_PROTOCOLS:
@@ -298,24 +281,14 @@ def read_in() -> dict[str, tuple[str, ...]]:
 
 
 def enabled() -> bool:
-    """``otel.enabled`` in this process's dask config
-
-    Raises
-    ------
-    ConfigError
-        if it is not true or false
-    """
+    """``otel.enabled`` in this process's dask config (ConfigError if it is not
+    true or false)"""
     return _bool("otel.enabled")
 
 
 def read_config() -> OtelConfig:
-    """Read and validate ``otel.*`` from dask config.
-
-    Raises
-    ------
-    ConfigError
-        naming the first key (or ``OTEL_*`` variable) whose value is unusable.
-    """
+    """Read and validate ``otel.*`` from dask config; ConfigError names the first
+    key (or ``OTEL_*`` variable) whose value is unusable"""
     _warn_unknown_keys(dask.config.get("otel", default={}), DEFAULTS["otel"], "otel")
     # In field order: the first bad key is the one named
     return OtelConfig(**{
@@ -331,24 +304,26 @@ TASK_RULES: dict[str, Callable[..., Any]] = {
 }
 
 
-def parse_task_rules(given: Any, argument: str = "tasks") -> dict[str, Any]:
-    """``otel.tasks.*`` values given directly (``{"spans": True, "slower-than":
-    "500ms"}``), validated by the rules of the config keys, as the bridge uses
-    them (durations in seconds)
-
-    Raises
-    ------
-    TypeError
-        if ``given`` is not a mapping
-    ConfigError
-        (a ValueError) naming ``argument``, the key and the value at fault
-    """
+def parse_task_rules(given: Any, argument: str = "tasks", *, strict: bool = True) -> dict[str, Any]:
+    """``otel.tasks.*`` values given directly, as a ``dask_otel.span(tasks=...)``
+    block gives them (``{"spans": True, "slower-than": "500ms"}``), validated by
+    the keys' own parsers, as the bridge uses them (durations in seconds): the one
+    validator of a block's task rules, at the call and where they are read.
+    ``strict``: a bad one raises (TypeError if ``given`` is no mapping, else a
+    ConfigError naming ``argument``, the key and the value); else it is left out
+    (an annotation is never trusted)."""
     if not isinstance(given, Mapping):
-        raise TypeError(f"{argument}: expected a mapping of otel.tasks.* keys, got {given!r}")
+        if strict:
+            raise TypeError(f"{argument}: expected a mapping of otel.tasks.* keys, got {given!r}")
+        return {}
     rules = {}
     for short, value in given.items():
-        parse = TASK_RULES.get(short.replace("_", "-")) if isinstance(short, str) else None
-        if parse is None:
-            raise ConfigError(argument, short, f"keys among {', '.join(TASK_RULES)}")
-        rules[short.replace("_", "-")] = parse(f"{argument}[{short!r}]", value=value)
+        name = short.replace("_", "-") if isinstance(short, str) else short
+        try:
+            if name not in TASK_RULES:
+                raise ConfigError(argument, short, f"keys among {', '.join(TASK_RULES)}")
+            rules[name] = TASK_RULES[name](f"{argument}[{short!r}]", value=value)
+        except ConfigError:
+            if strict:
+                raise
     return rules

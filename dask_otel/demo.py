@@ -36,17 +36,14 @@ def evaluate(models: list[float]) -> float:
 
 
 def run_workflow(client: Any) -> str:
-    """Alice's workflow: a root span, two stages, a third level under "train".
-    Every stage has its own task prefixes (Dask attaches a TaskGroup to the span
-    of its first task)."""
+    """Alice's workflow: a root span, two stages, a third level under "train"; each
+    stage has its own task prefixes (a TaskGroup goes to the span of its first task)"""
     import dask
     from distributed import span, wait
 
     with span("Alice's workflow") as sid:
         with span("data load"):
-            parts = client.persist(
-                [dask.delayed(load_partition)(i) for i in range(8)]
-            )
+            parts = client.persist([dask.delayed(load_partition)(i) for i in range(8)])
             wait(parts)
         with span("train"):
             models = [dask.delayed(fit)(p) for p in parts]
@@ -98,21 +95,11 @@ def _key_metrics(s: Any) -> str:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="dask-otel demo", description=__doc__)
-    parser.add_argument(
-        "--endpoint",
-        help="also send to this OTLP collector, e.g. http://127.0.0.1:4317",
-    )
-    parser.add_argument(
-        "--protocol",
-        choices=["grpc", "http/protobuf"],
-        default="grpc",
-        help="OTLP protocol for --endpoint (default: grpc)",
-    )
-    parser.add_argument(
-        "--metrics",
-        action="store_true",
-        help="also send the cluster's metrics to --endpoint (default: traces only)",
-    )
+    parser.add_argument("--endpoint", help="also send to this OTLP collector (http://host:4317)")
+    parser.add_argument("--protocol", choices=["grpc", "http/protobuf"], default="grpc",
+                        help="OTLP protocol for --endpoint (default: grpc)")
+    parser.add_argument("--metrics", action="store_true",
+                        help="also send the cluster's metrics to --endpoint (default: traces only)")
     parser.add_argument("--workers", type=int, default=2)
     args = parser.parse_args(argv)
     if args.metrics and not args.endpoint:
@@ -128,19 +115,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         os.environ["OTEL_EXPORTER_OTLP_PROTOCOL"] = args.protocol
         exporters.append("otlp")
 
-    with dask.config.set(
-        {
-            "distributed.scheduler.preload": ["dask_otel"],
-            "otel.traces.exporter": exporters,
-            "otel.metrics.exporter": "otlp" if args.endpoint and args.metrics else "none",
-            "otel.spans.export-delay": "500ms",
-        }
-    ):
+    with dask.config.set({
+        "distributed.scheduler.preload": ["dask_otel"],
+        "otel.traces.exporter": exporters,
+        "otel.metrics.exporter": "otlp" if args.endpoint and args.metrics else "none",
+        "otel.spans.export-delay": "500ms",
+    }):
         with LocalCluster(
-            n_workers=args.workers,
-            threads_per_worker=2,
-            dashboard_address=":0",
-            host="127.0.0.1",
+            n_workers=args.workers, threads_per_worker=2, dashboard_address=":0", host="127.0.0.1"
         ) as cluster, Client(cluster) as client:
             print(f"LocalCluster {cluster.scheduler_address}, {args.workers} workers")
             sid = run_workflow(client)
@@ -149,9 +131,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             memory = plugin.telemetry.span_exporters[0]
             deadline = time.monotonic() + 30
             root_id = trace_id & ((1 << 64) - 1)
-            while not any(
-                s.context.span_id == root_id for s in memory.get_finished_spans()
-            ):
+            while not any(s.context.span_id == root_id for s in memory.get_finished_spans()):
                 if time.monotonic() > deadline:
                     print("the root span was not exported within 30 s")
                     return 1

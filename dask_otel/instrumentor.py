@@ -1,24 +1,10 @@
 """Zero-code: :class:`DaskInstrumentor`, the ``dask`` entry point of
-``opentelemetry_instrumentor``, which ``opentelemetry-instrument`` loads in the
-processes it starts.
-
-It owns two wraps, made when distributed's module is imported (at once if it
-is):
-``Scheduler.__init__``, after which the scheduler plugin is added
-(:func:`dask_otel.scheduler.plugin.add_bridge`: one bridge whatever else asks for
-it; no dask config is read, so a ``--preload`` of something else does not drop it),
-and ``Worker.start_unsafe``, after which a worker whose scheduler handed it no
-bridge logs one WARNING. Neither raises into Dask. ``uninstrument()`` undoes both;
-the import hooks cannot be unregistered, so they do nothing once it has run.
-``instrument(tracer_provider=...)`` lends the bridge that provider's
-``service.name`` only: the bridge keeps its own providers (it owns their shutdown
-and export accounting). Loading this entry point imports the package and so
-:mod:`dask_otel.log`, which gives Dask its console back where an OpenTelemetry
-handler on the root logger (opentelemetry-instrumentation-logging's, added as the
-process starts) made distributed skip it: the ``dask`` entry point is what keeps a
-server's first lines on its console. The manual, and which processes the instrumentation
-reaches on which version (Nanny-spawned workers from opentelemetry-instrumentation
-0.63b0): docs/zero-code.md.
+``opentelemetry_instrumentor`` that ``opentelemetry-instrument`` loads. When
+distributed is imported it wraps ``Scheduler.__init__`` (then adds the bridge,
+whatever ``--preload`` says) and ``Worker.start_unsafe`` (then one WARNING if the
+scheduler handed the worker no bridge); neither raises into Dask, and
+``uninstrument()`` undoes both. Loading it imports :mod:`dask_otel.log`, which
+keeps a server's console. The manual: docs/zero-code.md.
 """
 
 from __future__ import annotations
@@ -44,8 +30,8 @@ _wrapped: set[tuple[str, str]] = set()
 
 
 def _carry_the_bridge(wrapped: Any, scheduler: Any, args: Any, kwargs: Any) -> None:
-    """``Scheduler.__init__``, then the bridge's plugin added to it. Never raises
-    into Dask: a scheduler without the bridge beats no scheduler."""
+    """``Scheduler.__init__``, then the bridge added; a scheduler without the
+    bridge beats no scheduler"""
     wrapped(*args, **kwargs)
     try:
         from dask_otel.scheduler.plugin import add_bridge
@@ -57,9 +43,7 @@ def _carry_the_bridge(wrapped: Any, scheduler: Any, args: Any, kwargs: Any) -> N
 
 def _check_the_bridge(wrapped: Any, worker: Any, args: Any, kwargs: Any) -> Any:
     """``Worker.start_unsafe``, then one WARNING if the scheduler handed the worker
-    no bridge (it hands its worker plugins over as the worker registers): the
-    scheduler runs without the instrumentor and without the preload, most often
-    the ``--preload`` trap. Never raises into Dask."""
+    no bridge as it registered (most often the ``--preload`` trap)"""
 
     async def start() -> Any:
         result = await wrapped(*args, **kwargs)

@@ -245,3 +245,13 @@ def test_limits_the_sdk_caps_series_and_a_view_sets_the_cap_from_1_45_2_only():
         assert len(_points_of(2500, [])) == 2500
         with pytest.raises(TypeError):
             View(meter_name="dask_otel", aggregation_cardinality_limit=3)
+
+
+# ---- controls
+
+
+@gen_cluster(nthreads=[("127.0.0.1", 1)])
+async def test_dask_worker_execute_has_the_shape_the_task_context_hook_wraps(s, a):
+    """The in-task context's hook wraps ``Worker.execute(key, ...)`` on the
+    instance, finding the task's annotations in ``state.tasks``"""
+    assert _compat.execute_hookable(a) is None

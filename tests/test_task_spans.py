@@ -139,13 +139,21 @@ def test_erred_tasks_are_exported_with_the_exception():
 
 
 def test_erred_rule_off_exports_no_erred_task():
-    config = {**TASK_SPANS, "otel.tasks.sample-ratio": 0, "otel.tasks.erred": False}
+    """With a slower-than threshold beside it, so that the erred run is decided
+    after it ran (without one, no rule could export it and it is never looked at
+    again): the slow task is exported, the erred one is not"""
+    config = {
+        **TASK_SPANS, "otel.tasks.sample-ratio": 0, "otel.tasks.erred": False,
+        "otel.tasks.slower-than": "1s",
+    }
     with otel_cluster(config) as (client, mirrored):
         with span("doomed quietly") as sid:
-            wait(client.submit(fail, 8))
+            bad, slow = client.submit(fail, 8), client.submit(nap, 1.2)
+            wait([bad, slow])
         mirrored.by_dask_id(sid)
+        wait_until(lambda: task_spans(mirrored))
         time.sleep(0.3)
-        assert task_spans(mirrored) == []
+        assert [s.attributes["dask.task.key"] for s in task_spans(mirrored)] == [str(slow.key)]
 
 
 def test_unsampled_trace_exports_no_task_span(monkeypatch):

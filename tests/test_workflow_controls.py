@@ -10,13 +10,16 @@ import time
 
 import dask
 import pytest
-from distributed import Client, LocalCluster
+from distributed import Client, LocalCluster, wait
 from opentelemetry import trace
+from opentelemetry.trace import NonRecordingSpan, SpanContext, TraceFlags
 
 import dask_otel
 from dask_otel.annotation import task_rules, workflow_named
+from dask_otel.worker.task_spans import key_chosen
 from tests.support.cluster import UNINSTRUMENTED_CONFIG, cluster_kwargs, otel_cluster
 from tests.support.otlp_receiver import OTLPReceiver, set_otel_env
+from tests.support.tasks import fail, nap
 
 #: Every process exports over OTLP; task spans off in the workers' config
 OTLP = {
@@ -93,6 +96,75 @@ def test_sampled_overrides_the_sampler_for_the_whole_trace(receiver, monkeypatch
     assert bool(receiver.spans("forced")) is sampled
     assert bool(receiver.spans("sibling")) is not sampled
     assert task_span_keys(receiver) == {str(f.key) for f in kept}
+
+
+def flags_here(_=None) -> int:
+    """A task: the trace flags of the context it runs in"""
+    return int(trace.get_current_span().get_span_context().trace_flags)
+
+
+def test_sampled_false_drops_a_run_inside_a_sampled_callers_trace(receiver):
+    """A caller's span sampled and random (flags 03); in it a block with
+    ``sampled=False`` and a sibling without: the dropped run's block, tasks and
+    Dask spans say 02 (the caller's random flag, not sampled) and export nothing,
+    task spans asked for included; the sibling, in the same trace, is kept"""
+    caller = SpanContext(0x0AF7651916CD43DD8448EB211C80319C, 0xB7AD6B7169203331, True, TraceFlags(0x03))
+    with otel_cluster(OTLP, processes=True) as (client, _), trace.use_span(NonRecordingSpan(caller)):
+        with dask_otel.span("dropped", sampled=False, tasks={"spans": True}):
+            in_block = flags_here()
+            dropped = client.map(flags_here, range(3), key=[f"flags_dropped-{i}" for i in range(3)])
+            in_dropped = client.gather(dropped)
+        with dask_otel.span("kept", tasks={"spans": True}):
+            kept = client.map(flags_here, range(3), key=[f"flags_kept-{i}" for i in range(3)])
+            in_kept = client.gather(kept)
+        receiver.wait_for(lambda r: len(task_span_keys(r)) >= 3, timeout=60)
+        wait_settled(receiver, ["kept"])
+    assert in_block == 0x02 and set(in_dropped) == {0x02} and set(in_kept) == {0x03}
+    assert receiver.spans("dropped") == []
+    assert {s.trace_id for s in receiver.spans()} == {f"{caller.trace_id:032x}"}
+    assert task_span_keys(receiver) == {str(f.key) for f in kept}
+
+
+# A block's otel.tasks.* values, each read on worker processes whose own value
+# differs: the workers' own are spans false, sample-ratio 1, slower-than none,
+# erred false
+OWN_RULES = {**OTLP, "otel.tasks.erred": False}
+
+
+def test_a_blocks_sample_ratio_is_read_on_the_workers(receiver):
+    """``sample-ratio: 0.2`` over 200 keys: exactly the keys the hash chooses at
+    0.2 (about 40), where the workers' own ratio 1 would export all 200"""
+    with otel_cluster(OWN_RULES, processes=True) as (client, _):
+        futures, _ = run(client, "fifth", n=200, tasks={"spans": True, "sample-ratio": 0.2})
+        chosen = {str(f.key) for f in futures if key_chosen(f.key, 0.2)}
+        receiver.wait_for(lambda r: len(task_span_keys(r)) >= len(chosen), timeout=60)
+        wait_settled(receiver, ["fifth"])
+    assert 20 <= len(chosen) <= 60, len(chosen)
+    assert task_span_keys(receiver) == chosen
+
+
+def test_a_blocks_slower_than_is_read_on_the_workers(receiver):
+    """``slower-than: 1s`` (ratio 0): the 1.2-s task, not the 10-ms one, where
+    the workers' own rules export neither"""
+    rules = {"spans": True, "sample-ratio": 0, "slower-than": "1s"}
+    with otel_cluster(OWN_RULES, processes=True) as (client, _):
+        with dask_otel.span("naps", tasks=rules):
+            wait([client.submit(nap, 0.01, key="nap-fast"), client.submit(nap, 1.2, key="nap-slow")])
+        receiver.wait_for(lambda r: task_span_keys(r), timeout=60)
+        wait_settled(receiver, ["naps"])
+    assert task_span_keys(receiver) == {"nap-slow"}
+
+
+def test_a_blocks_erred_rule_is_read_on_the_workers(receiver):
+    """``erred: true`` (ratio 0): the erred task, not its sibling, where the
+    workers' own ``erred: false`` exports neither"""
+    rules = {"spans": True, "sample-ratio": 0, "erred": True}
+    with otel_cluster(OWN_RULES, processes=True) as (client, _):
+        with dask_otel.span("doomed", tasks=rules):
+            wait([client.submit(nap, 0, key="nap-ok"), client.submit(fail, 7, key="fail-7")])
+        receiver.wait_for(lambda r: task_span_keys(r), timeout=60)
+        wait_settled(receiver, ["doomed"])
+    assert task_span_keys(receiver) == {"fail-7"}
 
 
 def test_nested_blocks_inherit_the_task_rules_and_override_them(receiver):

@@ -1,16 +1,13 @@
-"""The bridge on one worker: started by the registered plugin
-(:mod:`dask_otel.worker.plugin`), it attaches the worker to its process's
-telemetry and starts the worker-side features: the OTel context tasks run in
-(:mod:`~dask_otel.worker.execute_hook`), task spans
-(:mod:`~dask_otel.worker.task_spans`, opt-in), the SpillBuffer instruments
-(:mod:`dask_otel.spill`) and Dask's own families. A feature that fails to start is
-logged and shown in ``status()``; the others run. Nothing here imports the
-scheduler's side.
+"""The bridge on one worker, started by the registered plugin: the worker's share
+of its process's telemetry, the OTel context tasks run in (with task spans), the
+SpillBuffer instruments and Dask's own families. A feature that fails to start is
+logged and shown in ``status()``; the others run. docs/traces.md, docs/metrics.md.
 """
 
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from dask_otel.attributes import SCHEDULER_ADDRESS
@@ -23,7 +20,7 @@ from dask_otel.export.lifecycle import (
 from dask_otel.spill import SpillInstruments
 from dask_otel.worker.execute_hook import TaskContextHook
 from dask_otel.worker.task_context import TaskContexts, default_sampler
-from dask_otel.worker.task_spans import TaskSpans
+from dask_otel.worker.task_spans import TaskRules, TaskSpans
 
 if TYPE_CHECKING:
     from distributed import Worker
@@ -33,22 +30,22 @@ if TYPE_CHECKING:
 logger = logging.getLogger("dask_otel")
 
 
+@dataclass(slots=True)
 class WorkerBridge:
-    """What :class:`~dask_otel.worker.plugin.OtelWorkerPlugin` runs on one worker:
-    the in-task context (with task spans, if on) and the spill instruments"""
+    """What :class:`~dask_otel.worker.plugin.OtelWorkerPlugin` runs on one worker"""
 
-    def __init__(self) -> None:
-        self.error: str | None = None
-        #: The process's Telemetry, and this worker's share of it (its own
-        #: config, span resource and metric attributes)
-        self.telemetry: Telemetry | None = None
-        self.server_telemetry: ServerTelemetry | None = None
-        self.spill: Any = None
-        #: :class:`~dask_otel.worker.dask_families.WorkerFamilies`, with otel.metrics.dask
-        self.families: Any = None
-        #: :class:`~dask_otel.worker.execute_hook.TaskContextHook`; None where it
-        #: could not be installed
-        self.task_context: Any = None
+    #: why the bridge (or a feature of it) is off on this worker
+    error: str | None = None
+    #: the process's Telemetry, and this worker's share of it (its own config,
+    #: span resource and metric attributes)
+    telemetry: Telemetry | None = None
+    server_telemetry: ServerTelemetry | None = None
+    spill: Any = None
+    #: :class:`~dask_otel.worker.dask_families.WorkerFamilies`, with otel.metrics.dask
+    families: Any = None
+    #: :class:`~dask_otel.worker.execute_hook.TaskContextHook`; None where it
+    #: could not be installed
+    task_context: Any = None
 
     def setup(self, worker: Worker) -> None:
         own, self.error = start_telemetry(
@@ -66,20 +63,16 @@ class WorkerBridge:
                 self.error = f"{type(e).__name__}: {e}"
 
     def _start_task_context(self, worker: Worker, own: ServerTelemetry) -> None:
-        """Wrap ``Worker.execute``. The sampler is the bridge's TracerProvider's
-        when traces are exported (the one the scheduler's mirror asks), else the
-        SDK's default from OTEL_*."""
+        """Wrap ``Worker.execute``, with the sampler the scheduler's mirror asks too
+        (the bridge's TracerProvider's, else the SDK's default from OTEL_*). Task
+        spans, by the worker's rules or a client block's, need an exporter."""
         sink = own.span_sink
-        sampler = sink.sampler if sink is not None else default_sampler()
-        task_spans = None
-        if sink is not None:
-            # User spans inside tasks need a provider
-            adopt_global_tracer_provider()
-            # also for a client block that asks for task spans (dask_otel.span(tasks=))
-            task_spans = TaskSpans(worker, sink, own.config)
+        if sink is None:
+            self.task_context = TaskContextHook.install(worker, TaskContexts(default_sampler()))
+            return
+        adopt_global_tracer_provider()  # user spans inside tasks need a provider
         self.task_context = TaskContextHook.install(
-            worker, TaskContexts(sampler),
-            task_spans if own.config.task_spans else None, on_request=task_spans,
+            worker, TaskContexts(sink.sampler, TaskRules.of(own.config)), TaskSpans(worker, sink)
         )
 
     def _start_spill(self, worker: Worker, own: ServerTelemetry) -> None:

@@ -1,13 +1,8 @@
 """The worker plugin, as Dask registers it on every worker, and the one builder of
-a server's status (:func:`server_status`).
-
-The scheduler plugin ships it pickled *by value*, so that a worker without
-``dask_otel`` installed can still unpickle it: a worker plugin that fails to
-unpickle makes the worker fail to start (distributed 2026.8). It is plain
-distributed code; on the worker it starts the :class:`~dask_otel.worker.bridge.WorkerBridge`,
-or logs one clear error and lets the worker compute without telemetry.
-Keep this module free of imports from ``dask_otel`` at module level
-(``tests/test_layout.py``).
+a server's status (:func:`server_status`). Shipped pickled *by value*, so that a
+worker without ``dask_otel`` still unpickles it (one that fails to unpickle stops
+the worker from starting): it starts the :class:`~dask_otel.worker.bridge.WorkerBridge`
+or logs one clear error. No ``dask_otel`` import at module level (``tests/test_layout.py``).
 """
 
 from __future__ import annotations
@@ -64,16 +59,10 @@ class OtelWorkerPlugin(WorkerPlugin):
 def server_status(
     error: str | None, telemetry: Any, process: str, **features: Any
 ) -> dict[str, Any]:
-    """What :func:`dask_otel.status` shows of one Dask server, scheduler or worker.
-
-    The one builder of a status: the scheduler plugin, the worker bridge and, on a
-    worker without ``dask_otel``, :class:`OtelWorkerPlugin` call it (it lives here
-    because this module travels by value), so every server's status carries these
-    keys. ``telemetry`` is the server's
+    """What :func:`dask_otel.status` shows of one Dask server, scheduler or worker
+    (here because this module travels by value). ``telemetry``: its
     :class:`~dask_otel.export.telemetry.ServerTelemetry`, None where the bridge is
-    off; ``process`` names the keys of ``config`` (``dask_otel.config.SCHEDULER``
-    or ``WORKERS``); ``features`` are the server's own keys.
-    """
+    off; ``process`` names the keys of ``config``; ``features``: the server's own."""
     if telemetry is None:
         service_name = config_file = shared_with = config = None
     else:  # dask_otel is installed here
@@ -102,11 +91,8 @@ def server_status(
 def worker_status(
     error: str | None, telemetry: Any = None, hook: Any = None, spill: Any = None
 ) -> dict[str, Any]:
-    """A worker's :func:`server_status`, from its bridge's parts (None: not running):
-    its :class:`~dask_otel.export.telemetry.ServerTelemetry`, its
-    :class:`~dask_otel.worker.execute_hook.TaskContextHook` and its spill instruments"""
-    # otel.tasks.spans, or the TaskSpans that blocks opened with tasks=True use
-    task_spans = hook.on_request if hook is not None else None
+    """A worker's :func:`server_status`, from its bridge's parts (None: not running)"""
+    task_spans = hook.task_spans if hook is not None else None
     return server_status(
         error,
         telemetry,
@@ -116,8 +102,7 @@ def worker_status(
         task_context=hook is not None,
         # tasks that ran without context because building it failed
         task_context_errors=hook.errors if hook is not None else 0,
-        # task spans exported by this worker; None when none can be (otel.tasks.spans
-        # off and no exporter for a block's tasks=True)
+        # task spans exported by this worker; None when it exports no traces
         task_spans=task_spans.exported if task_spans is not None else None,
     )
 

@@ -1,149 +1,106 @@
-"""The OpenTelemetry context of a task, built from its annotations.
-
-A task's annotations already name its Dask span (``ts.annotations["span"]``:
-``ids`` root first, own last, and ``name``) and, when the workflow joined a
-caller's trace, carry the caller's propagated context (the ``otel`` annotation,
-:mod:`dask_otel.annotation`). :class:`TaskContexts` turns them into the context
-the task runs in: its Dask span as the current span, with the ids the
+"""The OpenTelemetry context a task runs in, built from its annotations: its Dask
+span (``ts.annotations["span"]``) as the current span, with the ids the
 scheduler's mirror exports it with (:func:`dask_otel.span_context.dask_span_context`),
-over the caller's baggage, with its client block's controls (``sampled``, the
-``tasks`` rules: :mod:`dask_otel.annotation`). Nothing is sent for this. Contexts are cached per Dask
-span (a bounded dict, :data:`MAX_CACHED_SPANS`), so a task costs a dict lookup.
-The rules: docs/traces.md, "Inside a task".
+over the caller's baggage, and its client block's controls (``sampled``, ``tasks``)
+read once per Dask span from the ``otel`` annotation (:mod:`dask_otel.annotation`).
+Nothing is sent for this: a task costs a dict lookup. The rules: docs/traces.md,
+"Inside tasks".
 """
 
 from __future__ import annotations
 
-import logging
-from collections.abc import Hashable, Mapping
+from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from opentelemetry import trace
 from opentelemetry.trace import NonRecordingSpan, SpanContext
 
-from dask_otel.annotation import block_controls, extract_caller, otel_of, root_carrier
+from dask_otel.annotation import (
+    extract_caller, forced_sampling, otel_of, root_carrier, task_rules,
+)
 from dask_otel.span_context import dask_span_context
 
 if TYPE_CHECKING:
     from opentelemetry.context import Context
     from opentelemetry.sdk.trace.sampling import Sampler
 
-logger = logging.getLogger("dask_otel")
-
 #: Most Dask spans whose context a worker keeps; past it the cache starts over
 MAX_CACHED_SPANS = 4096
 
 
+@dataclass(slots=True)
 class DaskSpanContext:
-    """What a task of one Dask span runs in: built once per Dask span and carrier"""
+    """What the tasks of one Dask span run in: built once per Dask span, carrier
+    and controls"""
 
-    __slots__ = ("context", "dask_id", "otel", "rules", "sampled", "span_context", "tasks")
-
-    #: the ``otel`` annotation of the span's tasks, passed on to sub-tasks
-    otel: Mapping[str, Any] | None
-    #: the Dask span's UUID (``ts.annotations["span"]["ids"][-1]``)
-    dask_id: str
     #: the Dask span's ids, as the scheduler's mirror exports them
     span_context: SpanContext
     #: ``span_context`` as the current span, over the carrier's baggage if any
     context: Context
-    #: the whole trace's sampling decision
-    sampled: bool
-    #: the ``otel.tasks.*`` values its client block set (``dask_otel.span(tasks=)``,
-    #: :func:`dask_otel.annotation.task_rules`); None: the worker's config alone
-    tasks: Mapping[str, Any] | None
-    #: the task span rules of its tasks, the worker's config with ``tasks`` over
-    #: it: set by :class:`~dask_otel.worker.task_spans.TaskSpans` on first use
+    #: the Dask span's UUID (``ts.annotations["span"]["ids"][-1]``)
+    dask_id: str
+    #: the ``otel`` annotation of its tasks, passed on to sub-tasks
+    otel: Mapping[str, Any] | None
+    #: which of its tasks get task spans (:class:`~dask_otel.worker.task_spans.TaskRules`,
+    #: the worker's with its block's over them); None when none can
     rules: Any
-
-    def __init__(
-        self,
-        span_context: SpanContext,
-        base: Context | None,
-        dask_id: str,
-        otel: Mapping[str, Any] | None,
-        tasks: Mapping[str, Any] | None = None,
-    ):
-        self.otel = otel
-        self.dask_id = dask_id
-        self.span_context = span_context
-        self.context = trace.set_span_in_context(NonRecordingSpan(span_context), base)
-        self.sampled = span_context.trace_flags.sampled
-        self.tasks = tasks
-        self.rules = None
-
-
-def _carrier_key(carrier: Mapping[str, str]) -> Hashable:
-    return tuple(carrier.items())
 
 
 class TaskContexts:
     """Builds the OTel context of tasks from their annotations, cached per Dask span.
 
     ``sampler`` is the one the scheduler's mirror asks too (``OTEL_TRACES_SAMPLER``);
-    its decisions are part of the cached value, so it must not change.
+    ``rules`` the worker's own task span rules (None: it exports no traces).
+    Both are part of the cached values, so they must not change.
     """
 
-    #: the sampler that decides whether a trace is sampled
-    sampler: Sampler
-    #: by (own Dask span id, root Dask span id, carrier items)
-    _cache: dict[Hashable, DaskSpanContext]
-
-    def __init__(self, sampler: Sampler):
+    def __init__(self, sampler: Sampler, rules: Any = None):
         self.sampler = sampler
-        self._cache = {}
+        self.rules = rules
+        #: by (own Dask span id, root Dask span id, carrier items, the block's controls as sent)
+        self._cache: dict[tuple, DaskSpanContext] = {}
 
     def of(self, annotations: Mapping[str, Any] | None) -> DaskSpanContext | None:
         """The context of a task with these annotations; None for a task in no
         Dask span (annotations lost to graph optimisation, hand-made graphs).
-
-        Raises on malformed annotations; the caller runs the task without context.
-        """
-        if not annotations:
-            return None
-        span = annotations.get("span")
+        Raises on malformed annotations; the caller runs the task without context."""
+        span = annotations.get("span") if annotations else None
         if not span:
             return None
         ids = span["ids"]
         otel = otel_of(annotations)
         if otel is None:  # most tasks: a distributed.span, no caller (per task: no ABC check)
-            carrier = forced = tasks = None
+            carrier = None
             key: tuple = (ids[-1], ids[0], None)
         else:
             carrier = root_carrier(otel, ids[0])  # as the scheduler reads it
-            key = (ids[-1], ids[0], _carrier_key(carrier) if carrier else None)
-            # the block's controls (dask_otel.span(sampled=, tasks=)): rare
-            controls = block_controls(otel, ids[0])
-            if controls is None:
-                forced = tasks = None
-            else:
-                forced, tasks = controls
-                key += (forced, tuple(tasks.items()) if tasks else None)
+            key = (ids[-1], ids[0], tuple(carrier.items()) if carrier else None)
+            if type(otel) is dict and ("sampled" in otel or "tasks" in otel):  # rare
+                # as sent, unread: they are read once, below
+                key += (repr((otel.get("sampled"), otel.get("tasks"))),)
         cached = self._cache.get(key)
         if cached is None:
             if len(self._cache) >= MAX_CACHED_SPANS:
                 self._cache.clear()
-            cached = self._cache[key] = self._build(
-                ids, span["name"], carrier, otel, forced, tasks
-            )
+            cached = self._cache[key] = self._build(ids, span["name"], carrier, otel)
         return cached
 
     def _build(
-        self,
-        ids: tuple[str, ...],
-        name: tuple[str, ...],
-        carrier: Mapping[str, str] | None,
-        otel: Mapping[str, Any] | None,
-        forced: bool | None = None,
-        tasks: Mapping[str, Any] | None = None,
+        self, ids: tuple[str, ...], name: tuple[str, ...], carrier: Mapping | None, otel: Any
     ) -> DaskSpanContext:
-        root_tag = str(name[0]) if name else "default"
         base, remote = extract_caller(carrier)
         # is_remote: the Dask span is made by the scheduler, in another process
         span_context = dask_span_context(
-            ids[0], ids[-1], root_tag, remote, self.sampler, is_remote=True, forced=forced
+            ids[0], ids[-1], str(name[0]) if name else "default", remote, self.sampler,
+            is_remote=True, forced=forced_sampling(otel, ids[0]),
         )
-        return DaskSpanContext(span_context, base, str(ids[-1]), otel, tasks)
+        rules = self.rules
+        context = trace.set_span_in_context(NonRecordingSpan(span_context), base)
+        return DaskSpanContext(
+            span_context, context, str(ids[-1]), otel,
+            rules and rules.of_span(task_rules(otel), span_context.trace_flags.sampled),
+        )
 
 
 def default_sampler() -> Sampler:
@@ -152,5 +109,3 @@ def default_sampler() -> Sampler:
     from opentelemetry.sdk.trace import TracerProvider
 
     return TracerProvider(shutdown_on_exit=False).sampler
-
-

@@ -1,26 +1,8 @@
-"""Task spans: each chosen task run as an OpenTelemetry span, built by the worker
-that ran it (``otel.tasks.spans: true``); the scheduler does no work for them.
-What is exported and which tasks: docs/traces.md, "Task spans (opt-in)".
-
-Owns the rules that choose a run (:func:`key_chosen`: a hash of the key, the same
-in every process and retry; ``slower-than`` and ``erred`` decide after the run;
-:class:`TaskRules`: the worker's ``otel.tasks.*``, or a client block's values over
-them, ``dask_otel.span(tasks=...)``) and the span's times and attributes. Invariants:
-
-- only in traces the sampler keeps (the decision the mirror gets,
-  :func:`dask_otel.span_context.trace_sampled`); a child of the task's Dask span,
-  with a random id (:func:`dask_otel.span_context.child_context`);
-- its times are Dask's (``ExecuteSuccessEvent``/``ExecuteFailureEvent``), shifted
-  by Dask onto the scheduler's clock; on the scheduler's host that shift is
-  undone (exact: it is the offset Dask used), so the span lies inside its Dask
-  span; elsewhere it starts no earlier than the client entered the block of
-  its Dask span;
-- a run rescheduled (``Reschedule``, worker closing) exports nothing; one that
-  failed before its function ran is a zero-length span at the failure.
-
-Cost: per task in a sampled trace, a random id, and a hash of its key when the
-ratio is strictly between 0 and 1; per task span exported, one attribute dict
-and the sink's checks (``benchmarks/task_context.py``).
+"""Task spans: a chosen run of a task as an OpenTelemetry span, built by the
+worker that ran it (the scheduler does no work for them), and :class:`TaskRules`,
+which chooses the runs (``otel.tasks.*``, or a client block's values over them).
+What is exported, which tasks, and their times: docs/traces.md, "Task spans
+(opt-in)" and "One workflow's controls". Cost: ``benchmarks/task_context.py``.
 """
 
 from __future__ import annotations
@@ -29,6 +11,7 @@ import functools
 import random
 import threading
 from collections.abc import Mapping
+from dataclasses import dataclass, replace
 from hashlib import blake2b
 from typing import TYPE_CHECKING, Any
 
@@ -74,107 +57,80 @@ def key_chosen(key: Key, ratio: float) -> bool:
     return int.from_bytes(digest, "big") < ratio * _HASH_SPACE
 
 
+@dataclass(slots=True, frozen=True)
 class TaskRules:
-    """Which runs of a task get a span: the ``otel.tasks.*`` values, a worker's
-    config or a client block's over it (``dask_otel.span(tasks=...)``)"""
+    """The ``otel.tasks.*`` values that choose which runs of a task get a span"""
 
-    __slots__ = ("after_run", "erred", "ratio", "slower_than", "spans")
-
-    #: otel.tasks.spans
     spans: bool
-    #: otel.tasks.sample-ratio
-    ratio: float
-    #: otel.tasks.slower-than, seconds, or None
+    sample_ratio: float
+    #: seconds; None: no such rule
     slower_than: float | None
-    #: otel.tasks.erred
     erred: bool
-    #: a rule may export a task after its run: it needs a span id ready
-    after_run: bool
-
-    def __init__(self, spans: bool, ratio: float, slower_than: float | None, erred: bool):
-        self.spans = spans
-        self.ratio = ratio
-        self.slower_than = slower_than
-        self.erred = erred
-        self.after_run = slower_than is not None or erred
 
     @classmethod
     def of(cls, config: OtelConfig) -> TaskRules:
+        """A worker's own, from its config"""
         return cls(
-            config.task_spans, config.task_sample_ratio, config.task_slower_than,
-            config.task_erred,
+            config.task_spans, config.task_sample_ratio, config.task_slower_than, config.task_erred
         )
 
-    def over(self, tasks: Mapping[str, Any]) -> TaskRules:
-        """These rules with a block's values (read by
-        :func:`dask_otel.annotation.task_rules`) over them"""
-        return TaskRules(
-            tasks.get("spans", self.spans),
-            tasks.get("sample-ratio", self.ratio),
-            tasks.get("slower-than", self.slower_than),
-            tasks.get("erred", self.erred),
+    def of_span(self, block: Mapping[str, Any] | None, sampled: bool) -> TaskRules | None:
+        """The rules of one Dask span's tasks: these with its client block's values
+        over them, key by key (``block``: :func:`dask_otel.annotation.task_rules`);
+        None when none of its tasks can get a span (its trace is dropped, or
+        ``spans`` is off): the decision, per Dask span"""
+        if not sampled:
+            return None
+        given = {k.replace("-", "_"): v for k, v in (block or {}).items()}
+        rules = replace(self, **given) if given else self
+        return rules if rules.spans else None
+
+    def decide(self, key: Key, erred: bool | None = None, duration: float = 0.0) -> bool | None:
+        """Whether a run of ``key`` gets a task span: the decision, per run, for
+        rules :meth:`of_span` returned. Before the run (``erred`` None): True if
+        its key is chosen (its span is then the current span while it runs), None
+        if only the ``erred`` and ``slower-than`` rules can tell, after it, False
+        if neither can. After it: whether they do."""
+        if erred is None:
+            if key_chosen(key, self.sample_ratio):
+                return True
+            return None if self.erred or self.slower_than is not None else False
+        return (erred and self.erred) or (
+            self.slower_than is not None and duration >= self.slower_than
         )
 
 
+@dataclass(slots=True)
 class TaskRun:
-    """One run of a task in a sampled trace, which may get a task span: built by
-    :meth:`TaskSpans.start`, handed back to :meth:`TaskSpans.finish` by the hook"""
+    """One run of a task that may get a task span: made by :meth:`TaskSpans.start`,
+    handed back to :meth:`TaskSpans.finish` by the hook"""
 
-    __slots__ = ("chosen", "context", "dask_span", "delay", "key", "otel", "rules", "span_id")
-
-    #: the task's key
     key: Key
-    #: the task's ``otel`` annotation, passed on to its sub-tasks
-    otel: Mapping[str, Any] | None
-    #: the task's Dask span context
     dask_span: DaskSpanContext
-    #: the context the task runs in: its Dask span's, or its task span's
+    #: the context the task runs in: its task span's if ``chosen``, else its Dask span's
     context: Context
-    #: the task span's id, kept for the rules that decide after the run
+    #: the task span's id, ready for the rules that decide after the run
     span_id: int
-    #: True when the task span is ``context``'s current span (chosen by ratio)
+    #: chosen before the run (:meth:`TaskRules.decide`)
     chosen: bool
-    #: ``Worker.scheduler_delay`` as the run reads it (no await between this
-    #: and Dask's read): the offset Dask adds to the run's times
+    #: ``Worker.scheduler_delay`` as the run reads it (no await between this and
+    #: Dask's read): the offset Dask adds to the run's times
     delay: float
-    #: the rules that chose it, and decide after it
-    rules: TaskRules
 
-    def __init__(
-        self,
-        key: Key,
-        dask_span: DaskSpanContext,
-        context: Context,
-        span_id: int,
-        otel: Mapping[str, Any] | None,
-        rules: TaskRules,
-    ):
-        self.key = key
-        self.rules = rules
-        self.otel = otel
-        self.dask_span = dask_span
-        self.context = context
-        self.span_id = span_id
-        self.chosen = False
-        self.delay = 0.0
+    @property
+    def otel(self) -> Mapping[str, Any] | None:
+        """The task's ``otel`` annotation, passed on to its sub-tasks"""
+        return self.dask_span.otel
 
 
 class TaskSpans:
     """Starts and exports the task spans of one worker"""
 
-    #: the worker whose tasks these are
-    worker: Worker
-    #: the worker process's span processors
-    sink: SpanSink
-    #: the worker's otel.tasks.* config
-    rules: TaskRules
-    #: task spans handed to the span processors
-    exported: int
-
-    def __init__(self, worker: Worker, sink: SpanSink, config: OtelConfig):
+    def __init__(self, worker: Worker, sink: SpanSink):
         self.worker = worker
+        #: the worker process's span processors
         self.sink = sink
-        self.rules = TaskRules.of(config)
+        #: task spans handed to the span processors
         self.exported = 0
         self._random = random.Random()
         #: Whether this worker shares the scheduler's clock (same host); None:
@@ -185,29 +141,18 @@ class TaskSpans:
         self._thread_names: dict[int, str] = {}
 
     def start(self, key: Key, dask_span: DaskSpanContext) -> TaskRun | DaskSpanContext:
-        """The run of a task in a sampled trace: in its task span's context if its
-        key is chosen, else in its Dask span's (with a span id kept for the
-        threshold and erred rules, or none). The rules are the worker's, or its
-        client block's over them (``dask_span.tasks``)."""
-        rules = dask_span.rules
-        if rules is None:  # once per Dask span (the worker caches its context)
-            tasks = dask_span.tasks
-            rules = dask_span.rules = self.rules if tasks is None else self.rules.over(tasks)
-        if not rules.spans:
-            return dask_span
-        otel = dask_span.otel
-        span_id = self._random.getrandbits(64) or 1
-        if key_chosen(key, rules.ratio):
-            own = child_context(dask_span.span_context, span_id)
-            context = trace.set_span_in_context(NonRecordingSpan(own), dask_span.context)
-            run = TaskRun(key, dask_span, context, span_id, otel, rules)
-            run.chosen = True
-        elif not rules.after_run:
+        """The run of a task whose Dask span's tasks may get spans
+        (``dask_span.rules``): in its task span's context if its key is chosen,
+        else in its Dask span's"""
+        chosen = dask_span.rules.decide(key)  # type: ignore[union-attr]
+        if chosen is False:
             return dask_span  # runs as if there were no task spans
-        else:
-            run = TaskRun(key, dask_span, dask_span.context, span_id, otel, rules)
-        run.delay = self.worker.scheduler_delay
-        return run
+        span_id = self._random.getrandbits(64) or 1
+        context = dask_span.context
+        if chosen:
+            own = NonRecordingSpan(child_context(dask_span.span_context, span_id))
+            context = trace.set_span_in_context(own, context)
+        return TaskRun(key, dask_span, context, span_id, chosen, self.worker.scheduler_delay)
 
     def finish(self, run: TaskRun, event: StateMachineEvent) -> None:
         """Export the run's span if a rule says so, from the event ``execute``
@@ -224,12 +169,8 @@ class TaskSpans:
         # the Dask span starts no later than the client entered its block
         start = max(start, entered_at(run.otel, run.dask_span.dask_id))
         stop = max(stop, start)
-        rules = run.rules
-        if not (
-            run.chosen
-            or (erred and rules.erred)
-            or (rules.slower_than is not None and duration >= rules.slower_than)
-        ):
+        rules: TaskRules = run.dask_span.rules
+        if not (run.chosen or rules.decide(run.key, erred, duration)):
             return
         self.sink.emit(self._span(run, event, start, stop, duration, erred))
         self.exported += 1
@@ -250,10 +191,8 @@ class TaskSpans:
         return self._same_clock
 
     def thread_name(self, ident: int) -> str | None:
-        """The name of the thread ``ident`` (Dask names its executor threads,
-        e.g. ``Dask-Default-Threads-4211-0``): a dict lookup; the live threads
-        are listed again only for an id not seen yet, so the cache holds no
-        dead thread for long"""
+        """The name of the thread ``ident`` (``Dask-Default-Threads-4211-0``); the
+        live threads are listed again only for an id not seen yet"""
         name = self._thread_names.get(ident)
         if name is None:
             self._thread_names = {t.ident: t.name for t in threading.enumerate() if t.ident}
@@ -261,13 +200,8 @@ class TaskSpans:
         return name
 
     def _span(
-        self,
-        run: TaskRun,
-        event: ExecuteSuccessEvent | ExecuteFailureEvent,
-        start: float,
-        stop: float,
-        duration: float,
-        erred: bool,
+        self, run: TaskRun, event: ExecuteSuccessEvent | ExecuteFailureEvent,
+        start: float, stop: float, duration: float, erred: bool,
     ) -> ReadableSpan:
         sink = self.sink
         parent = run.dask_span.span_context
@@ -291,20 +225,13 @@ class TaskSpans:
             exc_type, message = _exception_type_and_message(event)
             status = Status(StatusCode.ERROR, sink.name(f"{exc_type}: {message}"))
             attributes[attr.ERROR_TYPE] = exc_type
-            events = (
-                Event(
-                    attr.EXCEPTION_EVENT,
-                    sink.event_attributes(
-                        {
-                            attr.EXCEPTION_TYPE: exc_type,
-                            attr.EXCEPTION_MESSAGE: message,
-                            attr.EXCEPTION_STACKTRACE: event.traceback_text or "",
-                        },
-                        count=sink.limits.max_event_attributes,
-                    ),
-                    int(stop * 1e9),
-                ),
-            )
+            exception = {
+                attr.EXCEPTION_TYPE: exc_type,
+                attr.EXCEPTION_MESSAGE: message,
+                attr.EXCEPTION_STACKTRACE: event.traceback_text or "",
+            }
+            limited = sink.event_attributes(exception, count=sink.limits.max_event_attributes)
+            events = (Event(attr.EXCEPTION_EVENT, limited, int(stop * 1e9)),)
         else:
             attributes[attr.OUTPUT_BYTES] = event.nbytes
         # The task span is this worker's; its parent, the Dask span, is the
@@ -317,10 +244,8 @@ class TaskSpans:
 
 
 def function_name(run_spec: Any) -> str | None:
-    """OTel's ``code.function.name`` of a task: the fully qualified name
-    (``module.qualname``) of the function Dask runs for it
-    (:func:`dask_otel._compat.task_function`), through ``functools.partial``;
-    None for an alias or a data node."""
+    """OTel's ``code.function.name`` of a task: ``module.qualname`` of the function
+    Dask runs for it, through ``functools.partial``; None for an alias or data"""
     func = task_function(run_spec)
     if func is None:
         return None
@@ -336,8 +261,7 @@ def function_name(run_spec: Any) -> str | None:
 
 def _exception_type_and_message(event: ExecuteFailureEvent) -> tuple[str, str]:
     """The exception's type name (as the SDK's ``record_exception`` writes it) and
-    message. The event holds the exception pickled (Dask truncates huge ones
-    first); if it does not unpickle here, its ``repr`` is parsed instead."""
+    message, from the pickled exception the event holds, else from its ``repr``"""
     try:
         from distributed.protocol import pickle
 
