@@ -26,6 +26,7 @@ from tests.support.tasks import (
     allocate_past,
     exit_once,
     exit_process,
+    fail_hard,
     inc,
     print_in_task,
     wait_for_event,
@@ -110,6 +111,37 @@ def test_a_worker_over_its_memory_limit_restarted_by_its_nanny(monkeypatch):
     assert "KilledWorker" in exported.status.description
     (group,) = [s for s in mirrored.spans() if s.name == "allocate_past"]
     assert "KilledWorker, the workers running them died" in group.status.description
+
+
+def test_a_worker_that_fails_hard_is_removed_for_its_first_reason(monkeypatch):
+    """A real ``@fail_hard`` (tests.support.tasks.fail_hard): Dask logs
+    worker-fail-hard, then the worker's close logs closing-worker; the first
+    reason wins, on the remove-worker record and in dask.worker.removed"""
+    from tests.test_outcomes import removed
+
+    config = {**LOGS, "otel.metrics.exporter": "otlp"}
+    with OTLPReceiver("grpc") as receiver:
+        set_otel_env(monkeypatch, {
+            **receiver.env(), **FAST_LOGS, "OTEL_METRIC_EXPORT_INTERVAL": "300",
+        })
+        with otel_cluster(config, processes=True, n_workers=1) as (client, _):
+            (doomed,) = client.scheduler_info()["workers"]
+            client.run(fail_hard, workers=[doomed], wait=False)
+            (record,) = receiver.wait_for(lambda r: [
+                g for g in events(r, "remove-worker")
+                if g.attributes["dask.worker.address"] == doomed
+            ], timeout=30)
+            receiver.wait_for(removed, timeout=30)
+    assert removed(receiver) == {"fail_hard": 1}
+    (failed,) = events(receiver, "worker-fail-hard")
+    (closing,) = [g for g in events(receiver, "closing-worker")
+                  if g.attributes["dask.worker.address"] == doomed]
+    assert failed.time <= closing.time  # both said why, fail-hard first
+    assert "fail-hard" in closing.body
+    assert record.attributes["dask.worker.lost.reason"] == (
+        "worker-fail-hard: " + failed.attributes["dask.event.exception_text"]
+    )
+    assert "NoneType" in record.attributes["dask.worker.lost.reason"]
 
 
 def test_distributed_print_in_a_task_carries_its_dask_span(monkeypatch):
