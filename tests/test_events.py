@@ -12,7 +12,6 @@ import pytest
 from distributed import Event, KilledWorker, span, wait
 from packaging.version import Version
 
-from dask_otel._compat import REMOVE_WORKER_LISTS_LOST_KEYS
 from dask_otel.config import ConfigError, read_config
 from dask_otel.scheduler.events import (
     DASK_EVENTS,
@@ -292,58 +291,36 @@ def test_a_worker_lost_holding_data_is_logged_at_its_severity(monkeypatch, lost,
         assert set(record.attributes[field]) <= {str(f.key) for f in held}
 
 
-def remove_worker_event(address: str, computed: list[str]) -> dict:
-    """Dask's remove-worker event (``Scheduler.remove_worker``, topic ``all``) for a
-    worker that held ``computed`` results and nothing else"""
-    return {
-        "action": "remove-worker", "processing-tasks": {}, "lost-computed-tasks": computed,
-        "lost-scattered-tasks": [], "stimulus_id": "test", "expected": False,
-        "worker": address,
-    }
-
-
-@pytest.mark.skipif(
-    not REMOVE_WORKER_LISTS_LOST_KEYS,
-    reason="distributed < 2024.3.0: remove-worker lists no lost keys; the bridge reads "
-    "them from the scheduler, which a hand-made event for 17 workers cannot fill",
-)
 def test_a_lost_worker_is_told_to_at_most_16_spans_and_a_span_gets_at_most_16_events(
     monkeypatch,
 ):
-    """docs/events.md: one remove-worker record per Dask span the lost tasks belong
-    to, at most 16; at most 16 dask.worker.lost events per span. Dask's own event,
-    as Scheduler.remove_worker logs it, for results of 17 open Dask spans, then 17
-    lost workers holding results of one span (a real cluster would need 17 worker
-    deaths)"""
+    """docs/events.md: one remove-worker record per Dask span the lost results
+    belong to, at most 16; at most 16 dask.worker.lost events per span. 18 workers
+    close (Worker.close: Dask's own remove-worker events), the first holding
+    results of 17 Dask spans, each of the 17 others one result of one span"""
     config = {**LOGS, "otel.spans.export-delay": "60s"}  # open until the close
     with OTLPReceiver("grpc") as receiver:
         set_otel_env(monkeypatch, {**receiver.env(), **FAST_LOGS})
-        with otel_cluster(config, n_workers=1) as (client, mirrored):
-            keys = []
+        with otel_cluster(config, n_workers=18) as (client, mirrored):
+            first, *others = sorted(client.scheduler_info()["workers"])
+            held = []
             for i in range(17):
                 with span(f"part {i}"):
-                    keys.append(client.submit(inc, i, key=f"part{i}-0"))
-            wait(keys)
-            names = [str(f.key) for f in keys]
-
-            def lose(dask_scheduler, names=names):
-                dask_scheduler.log_event("all", remove_worker_event("tcp://127.0.0.1:1", names))
-                for n in range(17):
-                    dask_scheduler.log_event(
-                        "all", remove_worker_event(f"tcp://127.0.0.1:{100 + n}", names[:1])
-                    )
-
-            client.run_on_scheduler(lose)
+                    held.append(client.submit(inc, i, key=f"part{i}-0", workers=[first]))
+            with span("shared"):
+                held += [client.submit(inc, i, key=f"shared-{i}", workers=[w])
+                         for i, w in enumerate(others)]
+            wait(held)
+            client.run(_close_itself, workers=[first, *others], wait=False)
             receiver.wait_for(lambda r: len(events(r, "remove-worker")) >= 16 + 17)
             time.sleep(0.3)
-        spans = [s for s in mirrored.spans() if s.name.startswith("part ")]
+        spans = {s.name: s for s in mirrored.spans()}
     one_worker = [g for g in events(receiver, "remove-worker")
-                  if g.attributes["dask.worker.address"] == "tcp://127.0.0.1:1"]
+                  if g.attributes["dask.worker.address"] == first]
     assert len(one_worker) == 16
     assert len({g.attributes["dask.span.id"] for g in one_worker}) == 16
     assert all(g.attributes["dask.event.lost_computed_tasks.count"] == 17 for g in one_worker)
-    by_name = {s.name: s for s in spans}
-    assert len(lost_events(by_name["part 0"])) == 16
+    assert len(lost_events(spans["shared"])) == 16
 
 
 # --- event names and the worker address (issue 25 items 4 and 6) ---------------------
