@@ -173,6 +173,35 @@ def test_a_print_while_tasks_of_two_spans_run_on_its_worker_carries_no_ids(monke
     assert "dask.span.id" not in record.attributes
 
 
+def test_a_print_in_a_trace_the_sampler_drops_carries_no_ids(monkeypatch):
+    """A ratio sampler (0.5): prints in Dask spans whose traces it keeps carry
+    their ids, prints in those it drops carry none; batches of spans until there
+    is one of each"""
+    monkeypatch.setenv("OTEL_TRACES_SAMPLER", "traceidratio")
+    monkeypatch.setenv("OTEL_TRACES_SAMPLER_ARG", "0.5")
+    with OTLPReceiver("grpc") as receiver:
+        set_otel_env(monkeypatch, {**receiver.env(), **FAST_LOGS})
+        with otel_cluster(LOGS, n_workers=1) as (client, mirrored):
+            sids: dict[int, str] = {}
+            kept: set[str] = set()
+            while (not kept or kept == set(sids.values())) and len(sids) < 40:
+                for _ in range(4):
+                    with span(f"scoring {len(sids)}") as sid:
+                        client.submit(print_in_task, len(sids), key=f"p{len(sids)}-0").result()
+                    sids[len(sids)] = sid
+                ledger = mirrored.plugin.mirror.ledger
+                wait_until(lambda: not (ledger.records or ledger.groups))
+                kept = {s.attributes["dask.span.id"] for s in mirrored.spans()
+                        if s.name.startswith("scoring")}
+            receiver.wait_for(lambda r: len(events(r, "print")) == len(sids))
+            assert kept and kept != set(sids.values())
+            for record in events(receiver, "print"):
+                sid = sids[int(record.body.split()[-1])]
+                assert record.attributes["dask.span.id"] == sid
+                expected = ids(sid) if sid in kept else (None, None)
+                assert (record.trace_id, record.span_id) == expected, (sid in kept)
+
+
 def test_distributed_warn_in_a_task_is_a_warning_with_its_message(monkeypatch):
     with OTLPReceiver("grpc") as receiver:
         set_otel_env(monkeypatch, {**receiver.env(), **FAST_LOGS})
