@@ -135,6 +135,7 @@ def test_a_worker_that_fails_hard_is_removed_for_its_first_reason(monkeypatch):
     (failed,) = events(receiver, "worker-fail-hard")
     (closing,) = [g for g in events(receiver, "closing-worker")
                   if g.attributes["dask.worker.address"] == doomed]
+    assert failed.severity_text == "ERROR"
     assert failed.time <= closing.time  # both said why, fail-hard first
     assert "fail-hard" in closing.body
     assert record.attributes["dask.worker.lost.reason"] == failed.body
