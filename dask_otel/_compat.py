@@ -195,3 +195,17 @@ def execute_hookable(worker: Any) -> str | None:
     if not isinstance(getattr(getattr(worker, "state", None), "tasks", None), Mapping):
         return "the worker has no state.tasks"
     return None
+
+
+# ---- events
+
+
+def remove_worker_lost_keys(scheduler: Any, msg: dict) -> tuple[Any, Any]:
+    """The computed and the scattered keys lost with a removed worker: listed by
+    its remove-worker event from distributed 2024.3.0; before, read from the
+    scheduler, which still holds the worker's replicas when it logs the event"""
+    if REMOVE_WORKER_LISTS_LOST_KEYS:
+        return msg.get("lost-computed-tasks") or (), msg.get("lost-scattered-tasks") or ()
+    ws = scheduler.workers.get(msg.get("worker"))
+    lost = [ts for ts in (ws.has_what if ws is not None else ()) if len(ts.who_has) <= 1]
+    return [ts.key for ts in lost if ts.run_spec], [ts.key for ts in lost if not ts.run_spec]

@@ -1,19 +1,8 @@
-"""A worker's SpillBuffer as OpenTelemetry metrics: what its managed data
-(``Worker.data``) holds in memory and on disk, and what reading, writing,
-serializing and compressing it has cost since the worker started.
-
-Nothing is sampled or recorded in between collections: the values are read from
-``Worker.data`` when the metric reader asks (every ``OTEL_METRIC_EXPORT_INTERVAL``
-ms with OTLP, at each scrape in Prometheus pull mode). ``Worker.data`` may be a
-``SpillBuffer`` (its ``cumulative_metrics``), a plain dict (spilling disabled:
-levels only), or a third-party buffer, of which whatever it has is read. On
-with the preload, on every worker; nothing to call. With ``otel.metrics.dask``,
-these counters are the only export of the SpillBuffer's: Dask's own spill
-families are left out of Dask's families (:mod:`dask_otel.worker.dask_families`).
-
-The instruments (:data:`SPILL_METRICS`, the only place their names are spelled),
-their attributes, Prometheus names and the formulas for cache hit ratio and
-bandwidth: docs/metrics.md.
+"""A worker's managed data (``Worker.data``: a SpillBuffer, a plain dict when
+spilling is disabled, or a third-party buffer, of which whatever it has is read)
+as OpenTelemetry metrics, read when the metric reader collects. The instruments
+are :data:`SPILL_METRICS`, the only place their names are spelled. What each
+means and the formulas that combine them: docs/metrics.md.
 """
 
 from __future__ import annotations
@@ -73,14 +62,9 @@ class ObservedWorker(Attached):
         return status not in ("closing", "closed", "failed")
 
 
-# --- what is read from Worker.data ------------------------------------------------
-
-
 def spill_levels(worker: Worker) -> dict[str, float]:
-    """What the worker's data holds now, keyed by the fields of :data:`LEVELS`.
-
-    Fields that this kind of ``data`` cannot tell are missing.
-    """
+    """What the worker's data holds now; what this kind of ``data`` cannot tell
+    is missing"""
     data = worker.data
     fast = getattr(data, "fast", None)
     slow = getattr(data, "slow", None)
@@ -107,18 +91,13 @@ def spill_levels(worker: Worker) -> dict[str, float]:
 
 
 def spill_totals(worker: Worker) -> dict[tuple[str, str], float]:
-    """Cumulative ``{(activity, unit): value}`` of the worker's data: its
-    ``cumulative_metrics`` (a SpillBuffer, or a third-party buffer that has them).
-    Empty when spilling is disabled.
-    """
+    """``{(activity, unit): value}`` since the worker started: its data's
+    ``cumulative_metrics``, if it has them"""
     current = getattr(worker.data, "cumulative_metrics", None)
     if not isinstance(current, Mapping):
         return {}
     out = dict.fromkeys(SPILLBUFFER_TOTALS, 0.0)
-    out.update(
-        ((str(label), str(unit)), value)
-        for (label, unit), value in copy_mapping(current).items()
-    )
+    out.update(((str(a), str(u)), v) for (a, u), v in copy_mapping(current).items())
     return out
 
 
@@ -163,62 +142,43 @@ def _total(dask_unit: str):
 #: Every spill instrument. The Dask unit in ``_total(...)`` is the second element
 #: of the keys of ``SpillBuffer.cumulative_metrics``.
 SPILL_METRICS: tuple[MetricSpec, ...] = (
-    MetricSpec(
-        "dask.spill.memory.count", GAUGE, "{key}",
-        "Keys held in memory by the worker", _level("memory_count"),
-    ),
-    MetricSpec(
-        "dask.spill.memory.size", GAUGE, "By",
-        "Size in memory (sizeof) of the keys held in memory by the worker",
-        _level("memory_size"),
-    ),
-    MetricSpec(
-        "dask.spill.disk.count", GAUGE, "{key}",
-        "Keys spilled to disk by the worker", _level("disk_count"),
-    ),
-    MetricSpec(
-        "dask.spill.disk.size", GAUGE, "By",
-        "Bytes on disk (pickled, possibly compressed) of the keys spilled by the worker",
-        _level("disk_size"),
-    ),
-    MetricSpec(
-        "dask.spill.disk.memory_size", GAUGE, "By",
-        "Size in memory (sizeof) of the keys spilled to disk by the worker",
-        _level("disk_memory_size"),
-    ),
-    MetricSpec(
-        "dask.memory.threshold", GAUGE, "By",
-        "Memory limit and thresholds of the worker (attribute dask.threshold)",
-        memory_thresholds,
-    ),
-    MetricSpec(
-        "dask.spill.count", COUNTER, "{key}",
-        "Keys read from memory or disk, or written to disk, by the worker's data "
-        "since the worker started", _total("count"),
-    ),
-    MetricSpec(
-        "dask.spill.size", COUNTER, "By",
-        "Bytes read from memory or disk, or written to disk, by the worker's data "
-        "since the worker started", _total("bytes"),
-    ),
-    MetricSpec(
-        "dask.spill.time", COUNTER, "s",
-        "Time spent spilling and unspilling (disk I/O, (de)serialization, "
-        "(de)compression) since the worker started", _total("seconds"),
-    ),
+    MetricSpec("dask.spill.memory.count", GAUGE, "{key}", "Keys held in memory by the worker",
+               _level("memory_count")),
+    MetricSpec("dask.spill.memory.size", GAUGE, "By",
+               "Size in memory (sizeof) of the keys held in memory by the worker",
+               _level("memory_size")),
+    MetricSpec("dask.spill.disk.count", GAUGE, "{key}", "Keys spilled to disk by the worker",
+               _level("disk_count")),
+    MetricSpec("dask.spill.disk.size", GAUGE, "By",
+               "Bytes on disk (pickled, possibly compressed) of the keys spilled by the worker",
+               _level("disk_size")),
+    MetricSpec("dask.spill.disk.memory_size", GAUGE, "By",
+               "Size in memory (sizeof) of the keys spilled to disk by the worker",
+               _level("disk_memory_size")),
+    MetricSpec("dask.memory.threshold", GAUGE, "By",
+               "Memory limit and thresholds of the worker (attribute dask.threshold)",
+               memory_thresholds),
+    MetricSpec("dask.spill.count", COUNTER, "{key}",
+               "Keys read from memory or disk, or written to disk, by the worker's data "
+               "since the worker started", _total("count")),
+    MetricSpec("dask.spill.size", COUNTER, "By",
+               "Bytes read from memory or disk, or written to disk, by the worker's data "
+               "since the worker started", _total("bytes")),
+    MetricSpec("dask.spill.time", COUNTER, "s",
+               "Time spent spilling and unspilling (disk I/O, (de)serialization, "
+               "(de)compression) since the worker started", _total("seconds")),
 )
 
 
 class SpillInstruments(ProcessInstruments):
-    """The spill instruments of one MeterProvider, reporting on every worker of
-    this process that is observed"""
+    """The spill instruments of one MeterProvider, on every observed worker of
+    this process"""
 
     table = SPILL_METRICS
 
     @classmethod
     def observe(cls, worker: Worker, own: ServerTelemetry) -> ObservedWorker:
-        """Report on ``worker`` from the next collection on, until the returned
-        handle's ``close()``"""
+        """Report on ``worker`` until the returned handle's ``close()``"""
         assert own.telemetry.meter_provider is not None
         instruments = cls.of(own.telemetry.meter_provider)
         observed = ObservedWorker(worker, own.metric_attributes)

@@ -12,7 +12,6 @@ import pytest
 from distributed import Event, KilledWorker, span, wait
 from packaging.version import Version
 
-from dask_otel._compat import REMOVE_WORKER_LISTS_LOST_KEYS
 from dask_otel.config import ConfigError, read_config
 from dask_otel.scheduler.events import (
     DASK_EVENTS,
@@ -26,6 +25,7 @@ from tests.support.tasks import (
     allocate_past,
     exit_once,
     exit_process,
+    fail_hard,
     inc,
     print_in_task,
     wait_for_event,
@@ -104,12 +104,42 @@ def test_a_worker_over_its_memory_limit_restarted_by_its_nanny(monkeypatch):
     if NANNY_RESTART_EVENT:
         assert restart.severity_text == "WARNING"
         assert restart.attributes["dask.event.rss"] > 0.9 * limit
-        assert removed.attributes["dask.worker.lost.reason"].startswith("worker-restart-memory")
-        assert lost.attributes["dask.worker.lost.reason"].startswith("worker-restart-memory")
+        assert removed.attributes["dask.worker.lost.reason"] == restart.body
+        assert lost.attributes["dask.worker.lost.reason"] == restart.body
     assert exported.attributes["error.type"] == "KilledWorker"
     assert "KilledWorker" in exported.status.description
     (group,) = [s for s in mirrored.spans() if s.name == "taskgroup/allocate_past"]
     assert "KilledWorker, the workers running them died" in group.status.description
+
+
+def test_a_worker_that_fails_hard_is_removed_for_its_first_reason(monkeypatch):
+    """A real ``@fail_hard`` (tests.support.tasks.fail_hard): Dask logs
+    worker-fail-hard, then the worker's close logs closing-worker; the first
+    reason wins, on the remove-worker record and in dask.worker.removed"""
+    from tests.test_outcomes import removed
+
+    config = {**LOGS, "otel.metrics.exporter": "otlp"}
+    with OTLPReceiver("grpc") as receiver:
+        set_otel_env(monkeypatch, {
+            **receiver.env(), **FAST_LOGS, "OTEL_METRIC_EXPORT_INTERVAL": "300",
+        })
+        with otel_cluster(config, processes=True, n_workers=1) as (client, _):
+            (doomed,) = client.scheduler_info()["workers"]
+            client.run(fail_hard, workers=[doomed], wait=False)
+            (record,) = receiver.wait_for(lambda r: [
+                g for g in events(r, "remove-worker")
+                if g.attributes["dask.worker.address"] == doomed
+            ], timeout=30)
+            receiver.wait_for(removed, timeout=30)
+    assert removed(receiver) == {"fail_hard": 1}
+    (failed,) = events(receiver, "worker-fail-hard")
+    (closing,) = [g for g in events(receiver, "closing-worker")
+                  if g.attributes["dask.worker.address"] == doomed]
+    assert failed.severity_text == "ERROR"
+    assert failed.time <= closing.time  # both said why, fail-hard first
+    assert "fail-hard" in closing.body
+    assert record.attributes["dask.worker.lost.reason"] == failed.body
+    assert "NoneType" in failed.body
 
 
 def test_distributed_print_in_a_task_carries_its_dask_span(monkeypatch):
@@ -144,6 +174,35 @@ def test_a_print_while_tasks_of_two_spans_run_on_its_worker_carries_no_ids(monke
     assert "dask.span.id" not in record.attributes
 
 
+def test_a_print_in_a_trace_the_sampler_drops_carries_no_ids(monkeypatch):
+    """A ratio sampler (0.5): prints in Dask spans whose traces it keeps carry
+    their ids, prints in those it drops carry none; batches of spans until there
+    is one of each"""
+    monkeypatch.setenv("OTEL_TRACES_SAMPLER", "traceidratio")
+    monkeypatch.setenv("OTEL_TRACES_SAMPLER_ARG", "0.5")
+    with OTLPReceiver("grpc") as receiver:
+        set_otel_env(monkeypatch, {**receiver.env(), **FAST_LOGS})
+        with otel_cluster(LOGS, n_workers=1) as (client, mirrored):
+            sids: dict[int, str] = {}
+            kept: set[str] = set()
+            while (not kept or kept == set(sids.values())) and len(sids) < 40:
+                for _ in range(4):
+                    with span(f"scoring {len(sids)}") as sid:
+                        client.submit(print_in_task, len(sids), key=f"p{len(sids)}-0").result()
+                    sids[len(sids)] = sid
+                ledger = mirrored.plugin.mirror.ledger
+                wait_until(lambda: not (ledger.records or ledger.groups))
+                kept = {s.attributes["dask.span.id"] for s in mirrored.spans()
+                        if s.name.startswith("scoring")}
+            receiver.wait_for(lambda r: len(events(r, "print")) == len(sids))
+            assert kept and kept != set(sids.values())
+            for record in events(receiver, "print"):
+                sid = sids[int(record.body.split()[-1])]
+                assert record.attributes["dask.span.id"] == sid
+                expected = ids(sid) if sid in kept else (None, None)
+                assert (record.trace_id, record.span_id) == expected, (sid in kept)
+
+
 def test_distributed_warn_in_a_task_is_a_warning_with_its_message(monkeypatch):
     with OTLPReceiver("grpc") as receiver:
         set_otel_env(monkeypatch, {**receiver.env(), **FAST_LOGS})
@@ -176,7 +235,7 @@ def test_users_topics_are_exported_only_when_listed(monkeypatch):
 
 
 def test_event_names_and_topics():
-    assert topics_to_export(["dask", "mine"]) == DASK_EVENTS | {"mine"}
+    assert topics_to_export(["dask", "mine"]) == {*DASK_EVENTS, "mine"}
     assert event_name("all", {"action": "remove-worker"}) == "remove-worker"
     assert event_name("all", {"action": "add-worker"}) is None
     # the address copy of remove-worker is not counted twice
@@ -262,58 +321,36 @@ def test_a_worker_lost_holding_data_is_logged_at_its_severity(monkeypatch, lost,
         assert set(record.attributes[field]) <= {str(f.key) for f in held}
 
 
-def remove_worker_event(address: str, computed: list[str]) -> dict:
-    """Dask's remove-worker event (``Scheduler.remove_worker``, topic ``all``) for a
-    worker that held ``computed`` results and nothing else"""
-    return {
-        "action": "remove-worker", "processing-tasks": {}, "lost-computed-tasks": computed,
-        "lost-scattered-tasks": [], "stimulus_id": "test", "expected": False,
-        "worker": address,
-    }
-
-
-@pytest.mark.skipif(
-    not REMOVE_WORKER_LISTS_LOST_KEYS,
-    reason="distributed < 2024.3.0: remove-worker lists no lost keys; the bridge reads "
-    "them from the scheduler, which a hand-made event for 17 workers cannot fill",
-)
 def test_a_lost_worker_is_told_to_at_most_16_spans_and_a_span_gets_at_most_16_events(
     monkeypatch,
 ):
-    """docs/events.md: one remove-worker record per Dask span the lost tasks belong
-    to, at most 16; at most 16 dask.worker.lost events per span. Dask's own event,
-    as Scheduler.remove_worker logs it, for results of 17 open Dask spans, then 17
-    lost workers holding results of one span (a real cluster would need 17 worker
-    deaths)"""
+    """docs/events.md: one remove-worker record per Dask span the lost results
+    belong to, at most 16; at most 16 dask.worker.lost events per span. 18 workers
+    close (Worker.close: Dask's own remove-worker events), the first holding
+    results of 17 Dask spans, each of the 17 others one result of one span"""
     config = {**LOGS, "otel.spans.export-delay": "60s"}  # open until the close
     with OTLPReceiver("grpc") as receiver:
         set_otel_env(monkeypatch, {**receiver.env(), **FAST_LOGS})
-        with otel_cluster(config, n_workers=1) as (client, mirrored):
-            keys = []
+        with otel_cluster(config, n_workers=18) as (client, mirrored):
+            first, *others = sorted(client.scheduler_info()["workers"])
+            held = []
             for i in range(17):
                 with span(f"part {i}"):
-                    keys.append(client.submit(inc, i, key=f"part{i}-0"))
-            wait(keys)
-            names = [str(f.key) for f in keys]
-
-            def lose(dask_scheduler, names=names):
-                dask_scheduler.log_event("all", remove_worker_event("tcp://127.0.0.1:1", names))
-                for n in range(17):
-                    dask_scheduler.log_event(
-                        "all", remove_worker_event(f"tcp://127.0.0.1:{100 + n}", names[:1])
-                    )
-
-            client.run_on_scheduler(lose)
+                    held.append(client.submit(inc, i, key=f"part{i}-0", workers=[first]))
+            with span("shared"):
+                held += [client.submit(inc, i, key=f"shared-{i}", workers=[w])
+                         for i, w in enumerate(others)]
+            wait(held)
+            client.run(_close_itself, workers=[first, *others], wait=False)
             receiver.wait_for(lambda r: len(events(r, "remove-worker")) >= 16 + 17)
             time.sleep(0.3)
-        spans = [s for s in mirrored.spans() if s.name.startswith("part ")]
+        spans = {s.name: s for s in mirrored.spans()}
     one_worker = [g for g in events(receiver, "remove-worker")
-                  if g.attributes["dask.worker.address"] == "tcp://127.0.0.1:1"]
+                  if g.attributes["dask.worker.address"] == first]
     assert len(one_worker) == 16
     assert len({g.attributes["dask.span.id"] for g in one_worker}) == 16
     assert all(g.attributes["dask.event.lost_computed_tasks.count"] == 17 for g in one_worker)
-    by_name = {s.name: s for s in spans}
-    assert len(lost_events(by_name["part 0"])) == 16
+    assert len(lost_events(spans["shared"])) == 16
 
 
 # --- event names and the worker address (issue 25 items 4 and 6) ---------------------
@@ -342,7 +379,7 @@ def test_every_dask_event_record_has_its_fixed_name_and_its_workers_address(monk
     restarted over its memory limit, a retired worker and one that closes itself.
     Every record carries the event_name of its topic (docs/events.md), with no
     dynamic value in it, and each of Dask's records the worker's address"""
-    from dask_otel.scheduler.events import EVENT_NAMES, USER_EVENT
+    from dask_otel.scheduler.events import USER_EVENT
 
     limit = 300 << 20
     config = {**LOGS, "otel.events.topics": "dask, inventory",
@@ -373,21 +410,28 @@ def test_every_dask_event_record_has_its_fixed_name_and_its_workers_address(monk
     assert {a["dask.event.topic"] for _, a in records} >= wanted
     for name, attributes in records:
         topic = attributes["dask.event.topic"]
-        assert name == EVENT_NAMES.get(topic, USER_EVENT), (topic, name)
+        row = DASK_EVENTS.get(topic)
+        assert name == (row.event_name if row else USER_EVENT), (topic, name)
         if topic != "inventory":
             assert attributes["dask.worker.address"].startswith("tcp://127.0.0.1:"), topic
     assert "dask.worker.address" not in dict(records)[USER_EVENT]
 
 
-def test_docs_list_every_event_name():
-    """docs/events.md's table of events gives each of Dask's events its event_name"""
+def test_docs_table_is_the_code_table():
+    """docs/events.md's table of events gives each of Dask's events its event_name
+    and its severity (remove-worker's, raised by what the worker held, from INFO)"""
+    import logging
     import re
     from pathlib import Path
 
-    from dask_otel.scheduler.events import EVENT_NAMES, USER_EVENT
+    from dask_otel.scheduler.events import USER_EVENT
 
     text = (Path(__file__).parent.parent / "docs" / "events.md").read_text()
-    rows = re.findall(r"^\| `([\w-]+)` \| `([\w.]+)` \|", text, re.M)
-    assert dict(rows) == EVENT_NAMES
+    rows = re.findall(r"^\| `([\w-]+)` \| `([\w.]+)` \| [^|]+ \| ([^|]+) \|", text, re.M)
+    assert {name: event for name, event, _ in rows} == {
+        name: row.event_name for name, row in DASK_EVENTS.items()
+    }
+    for name, _, severity in rows:
+        level = logging.getLevelName(DASK_EVENTS[name].severity)
+        assert severity.strip().endswith(level), (name, severity)
     assert f"`{USER_EVENT}`" in text
-    assert set(EVENT_NAMES) == DASK_EVENTS

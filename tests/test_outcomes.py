@@ -20,7 +20,7 @@ from dask_otel.config import ConfigError, read_config
 from dask_otel.scheduler.outcomes import MAX_WORKFLOW_NAMES, OTHER, Outcomes
 from tests.support.cluster import otel_cluster, wait_until
 from tests.support.otlp_receiver import OTLPReceiver, set_otel_env
-from tests.support.tasks import allocate_past, fail, inc, slow
+from tests.support.tasks import allocate_past, fail, fail_hard, inc, slow
 from tests.test_metrics import EXEMPLARS_CONFIG, EXEMPLARS_ENV
 
 #: Metrics collected every 300 ms and spans sent every 100 ms, over OTLP
@@ -218,8 +218,8 @@ def test_workers_removed_count_a_retired_and_a_memory_restarted_worker(monkeypat
 
 def test_workers_that_close_fail_hard_or_die_are_closed_fail_hard_and_lost(monkeypatch):
     """A worker closed by its own ``Worker.close`` says so first (closing-worker):
-    ``closed``; one that logged worker-fail-hard (as ``@fail_hard`` does) before
-    its process ended: ``fail_hard``; one whose process ends without a word:
+    ``closed``; one whose ``@fail_hard`` method raised (worker-fail-hard, then its
+    close's closing-worker): ``fail_hard``; one whose process ends without a word:
     ``lost``. Counted with remove-worker not among otel.events.topics"""
     config = {**CONFIG, "otel.events.topics": "print"}
     with OTLPReceiver("grpc") as receiver:
@@ -229,7 +229,7 @@ def test_workers_that_close_fail_hard_or_die_are_closed_fail_hard_and_lost(monke
             first, second, third = sorted(client.scheduler_info()["workers"])
             client.run(_close_worker, workers=[first])
             receiver.wait_for(lambda r: removed(r) == {"closed": 1}, timeout=30)
-            client.run(_fail_hard, workers=[second], wait=False)
+            client.run(fail_hard, workers=[second], wait=False)
             receiver.wait_for(lambda r: removed(r) == {"closed": 1, "fail_hard": 1}, timeout=30)
             client.run(_exit_process, workers=[third], wait=False)
             receiver.wait_for(
@@ -240,16 +240,6 @@ def test_workers_that_close_fail_hard_or_die_are_closed_fail_hard_and_lost(monke
 def _close_worker(dask_worker):
     # no nanny restart: the worker's own close, with its closing-worker event
     dask_worker.loop.add_callback(dask_worker.close, nanny=True, reason="closed-by-test")
-
-
-async def _fail_hard(dask_worker):
-    # what distributed.worker.fail_hard logs before it closes the worker
-    import asyncio
-    import os
-
-    dask_worker.log_event("worker-fail-hard", {"exception_text": "RuntimeError('test')"})
-    await asyncio.sleep(0.5)  # the batched stream sends it
-    os._exit(1)
 
 
 async def _exit_process():

@@ -1,34 +1,9 @@
 """Dask's own Prometheus families as OpenTelemetry instruments (``otel.metrics.dask``):
-an adapter over the collectors Dask serves its ``/metrics`` from, which names no
-family.
-
-At each collection, the collectors of each attached server run once, and every
-family they yield becomes one observable instrument by one rule
-(:func:`family_spec`): so a family a new distributed adds, renames or drops
-follows without a change here, and the bridge reads no attribute of Dask for
-them: the collectors do.
-
-Invariants:
-
-- Dask's own scrapes see what they would see without the bridge. The collectors
-  run on a :class:`ServerView`: its ``digests_max`` is a copy (a collection clears
-  or pops the tick-duration maximum) and its ``monitor.update()`` does nothing (a
-  scrape samples the SystemMonitor: the bridge reads the latest sample, taken by
-  the server's own periodic update or by a scrape). The bridge's tick maximum is
-  therefore the maximum since Dask's last scrape, or since the server started.
-- An instrument is created the first time a collection of any server of the
-  process yields its family: when a server is attached (its first collection
-  runs then, on its event loop), or, for a family that shows up later, on that
-  server's event loop, observed from the next collection on (the SDK registers
-  an instrument under the lock its collection holds).
-- The collectors run in the metric reader's thread while the event loop changes
-  what they read: a ``RuntimeError`` (a dict changed size) is retried, then that
-  collector is skipped for the round.
-
-Cost: one run of Dask's collectors per server and collection (what one
-``/metrics`` scrape of that server costs), then one Observation per series;
-figures in benchmarks/README.md. What is exported and the exceptions to the rule:
-docs/metrics.md#dasks-own-families.
+an adapter over the collectors Dask serves its ``/metrics`` from, naming no family.
+Each collection runs each attached server's collectors once, on a view of the
+server that leaves Dask's own scrapes unchanged, and every family they yield
+becomes an observable instrument by one rule (:func:`family_spec`). The rule, what
+is left out and why: docs/metrics.md#dasks-own-families.
 """
 
 from __future__ import annotations
@@ -38,6 +13,7 @@ import copy
 import logging
 import threading
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from opentelemetry.metrics import CallbackOptions, Observation
@@ -125,15 +101,13 @@ def family_spec(family: Metric, prefix: str, beside_gauge: bool) -> MetricSpec |
     return MetricSpec(head + rest, kind, unit, family.documentation, lambda observed: [])
 
 
+@dataclass(slots=True)
 class MonitorView:
-    """A server's SystemMonitor as Dask's collectors see it through the bridge:
-    everything but ``update()``, which would add a sample to its history"""
+    """A server's SystemMonitor but for ``update()``, which a scrape calls (from
+    distributed 2024.8) and which would add a sample to its history: the bridge
+    reads the latest sample, taken by the server or by a scrape"""
 
-    #: The server's SystemMonitor
     monitor: SystemMonitor
-
-    def __init__(self, monitor: SystemMonitor):
-        self.monitor = monitor
 
     def update(self) -> dict[str, Any]:
         return {}
@@ -142,19 +116,17 @@ class MonitorView:
         return getattr(self.monitor, name)
 
 
+@dataclass(slots=True)
 class ServerView:
-    """A Dask server as its collectors see it through the bridge: the server,
-    except what a collection resets (see the module docstring)"""
+    """A Dask server as its collectors see it through the bridge: what a
+    collection resets is a copy or does nothing"""
 
-    #: The scheduler or worker
     server: Server
-
-    def __init__(self, server: Server):
-        self.server = server
 
     @property
     def digests_max(self) -> defaultdict[Hashable, float]:
-        # a defaultdict's copy is made in C, holding the GIL: consistent
+        # a collection clears or pops the tick-duration maximum. A defaultdict's
+        # copy is made in C, holding the GIL: consistent
         return copy.copy(self.server.digests_max)
 
     @property
@@ -167,13 +139,12 @@ class ServerView:
 
 class FamilyInstruments(ProcessInstruments):
     """The instruments of Dask's families on one MeterProvider: those the
-    collections of this process's servers have yielded so far.
-
-    A collection round runs every attached server's collectors once, when the
-    first instrument is read, and builds every Observation of the round; the
-    other instruments' callbacks return their share. An instrument read twice
-    starts the next round, whatever order the SDK reads them in.
-    """
+    collections of this process's servers have yielded so far. The first
+    instrument read runs a round (every attached server's collectors once) and
+    the others return their share of it; one read twice starts the next round,
+    whatever order the SDK reads them in. A family first yielded later gets its
+    instrument on its server's event loop (the reader's thread holds the SDK's
+    lock), observed from the next collection on."""
 
     table = ()
 
@@ -242,8 +213,7 @@ class FamilyInstruments(ProcessInstruments):
 
 
 class DaskFamilies(Attached):
-    """Exports the families of one Dask server's collectors from now until
-    :meth:`close`"""
+    """Exports the families of one Dask server's collectors until :meth:`close`"""
 
     #: The scheduler or worker
     server: Server
@@ -299,6 +269,8 @@ class DaskFamilies(Attached):
         return out
 
     def _families(self, collector: PrometheusCollector) -> list[Metric]:
+        # the collectors run in the reader's thread while the event loop changes
+        # what they read: retried, then skipped for the round
         for attempt in range(ATTEMPTS):
             try:
                 return list(collector.collect())

@@ -1,9 +1,6 @@
 """The scheduler's share of Dask's own families (``otel.metrics.dask``): the
-collectors its ``/metrics`` serves from (Dask's ``COLLECTORS``: the scheduler's,
-the semaphores', work stealing's), exported by the adapter
-:mod:`dask_otel.export.dask_families`, with the attributes that name the
-scheduler. Imported only where prometheus_client is installed, as Dask's
-``/metrics`` handler is. docs/metrics.md#dasks-own-families
+collectors its ``/metrics`` serves from (Dask's ``COLLECTORS``), through
+:mod:`dask_otel.export.dask_families`. docs/metrics.md#dasks-own-families
 """
 
 from __future__ import annotations
@@ -21,7 +18,7 @@ if TYPE_CHECKING:
 
 
 class SchedulerFamilies(DaskFamilies):
-    """Exports one scheduler's Dask families from now until :meth:`close`"""
+    """Exports one scheduler's Dask families until :meth:`close`"""
 
     def __init__(self, scheduler: Scheduler, own: ServerTelemetry):
         # Dask's label sets exactly, beside the resource names the scheduler

@@ -1,13 +1,7 @@
-"""A worker's share of Dask's own families (``otel.metrics.dask``): the
-collector its ``/metrics`` serves from, exported by the adapter
-:mod:`dask_otel.export.dask_families`, each series with ``dask.worker.address``
-beside Dask's labels.
-
-Dask's SpillBuffer families (what the collector's ``collect_spillbuffer``
-yields) are left out, not even built: the bridge's spill instruments
-(:mod:`dask_otel.spill`) export the same counters, always on.
-Imported only where prometheus_client is installed, as Dask's ``/metrics``
-handler is. docs/metrics.md#dasks-own-families
+"""A worker's share of Dask's own families (``otel.metrics.dask``): the collector
+its ``/metrics`` serves from, through :mod:`dask_otel.export.dask_families`, but
+for the SpillBuffer's families (:mod:`dask_otel.spill` exports the same counters).
+docs/metrics.md#dasks-own-families
 """
 
 from __future__ import annotations
@@ -35,13 +29,10 @@ class WorkerCollector(WorkerMetricCollector):
 
 
 class WorkerFamilies(DaskFamilies):
-    """Exports one worker's Dask families from now until :meth:`close`.
-
-    Prometheus tells the workers' series apart by the ``instance`` label of the
-    endpoint it scraped, while over OTLP every worker of a cluster shares one
-    resource (its scheduler's): hence ``dask.worker.address``.
-    """
+    """Exports one worker's Dask families until :meth:`close`"""
 
     def __init__(self, worker: Worker, own: ServerTelemetry):
+        # over OTLP every worker shares its scheduler's resource, where Prometheus
+        # tells the endpoints apart by ``instance``
         attributes = {**own.metric_attributes, WORKER_ADDRESS: worker.address}
         super().__init__(worker, [WorkerCollector], attributes, own)

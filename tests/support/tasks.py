@@ -273,3 +273,13 @@ def warn_in_task(x: int) -> int:
     distributed.warn(f"partition {x} is skewed", UserWarning)
     return x
 
+
+
+async def fail_hard(dask_worker) -> None:
+    """Hands the worker's state machine a stimulus it cannot handle (free-keys
+    without keys): ``Worker.handle_stimulus`` is ``@fail_hard``, so distributed
+    logs ``worker-fail-hard``, then closes the worker, which logs ``closing-worker``
+    (distributed 2024.1.0 to 2026.8.0 alike). For ``Client.run(..., wait=False)``"""
+    from distributed.worker_state_machine import FreeKeysEvent
+
+    dask_worker.handle_stimulus(FreeKeysEvent(keys=None, stimulus_id="fail-hard-test"))
