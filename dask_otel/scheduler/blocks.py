@@ -30,9 +30,10 @@ from dask_otel.annotation import (
     read_block_exit,
     remote_parent,
     root_carrier,
+    workflow_named,
 )
 from dask_otel.scheduler import builder
-from dask_otel.span_context import dask_span_context
+from dask_otel.span_context import dask_span_context, root_span
 
 if TYPE_CHECKING:
     from distributed.spans import Span
@@ -65,14 +66,19 @@ def observe_exit(ledger: Ledger, spans: Mapping[str, Span], msg: Any, now: float
     block = read_block_exit(msg)
     if block is None:
         return
-    ids, _, own, _, exited = block
+    ids, _, own, otel, exited = block
     sender = exit_sender(msg)
     for span_id in ids[-own:]:
         record = ledger.records.get(span_id)
         if record is not None:
-            record.left_block(exited, sender)
+            record.left_block(exited, sender, names_workflow(block, span_id))
         elif span_id not in spans:
             ledger.pend_exit(span_id, now, block)
+
+
+def names_workflow(block: BlockExit, span_id: str) -> bool:
+    """Whether ``block`` opened root ``span_id`` with ``workflow=True``"""
+    return block[0][0] == span_id and workflow_named(block[3])
 
 
 def left_by(record: SpanRecord, client: str) -> bool:
@@ -91,18 +97,18 @@ def observe_client_leaving(ledger: Ledger, client: str, left: float) -> None:
             record.client_left = left
 
 
-def observe_client_gone(ledger: Ledger, client: str) -> list[SpanRecord]:
+def observe_client_gone(ledger: Ledger, client: str) -> None:
     """:data:`CLIENT_GONE_GRACE` after ``client`` left: the blocks it had open and
-    did not announce leaving are over, as of when it left; returns their records
-    (their runs did not finish)"""
-    over = []
+    did not announce leaving are over, as of when it left; their runs did not
+    finish (their roots are ``cancelled``)"""
     for record in ledger.records.values():
         if record.block_client == client and record.client_left:
             if not left_by(record, client):
                 record.left_block(record.client_left)
-                over.append(record)
+                root = ledger.records.get(root_span(record.span).id)
+                if root is not None:
+                    root.cancelled = True
             record.client_left = 0.0
-    return over
 
 
 def due_empty_blocks(

@@ -22,6 +22,7 @@ from dask_otel.annotation import (
     otel_of,
     remote_parent,
     root_carrier,
+    workflow_named,
 )
 from dask_otel.scheduler.record import GroupBatch, SpanRecord
 from dask_otel.scheduler.totals import group_done, subtree_totals
@@ -115,7 +116,9 @@ class Ledger:
     def open_span(self, span: Span) -> SpanRecord:
         record = self.records[span.id] = self.leaves[span.id] = SpanRecord(span)
         if self.pending_exits and (pending := self.pending_exits.pop(span.id, None)):
-            record.left_block(pending[1][4])  # its block was left before its graph came
+            # its block was left before its graph came
+            block = pending[1]
+            record.left_block(block[4], None, block[0][0] == span.id and workflow_named(block[3]))
         parent = span.parent
         if parent is not None and (parent_record := self.records.get(parent.id)):
             parent_record.open_children += 1
@@ -172,25 +175,24 @@ class Ledger:
     # --- what the client's annotation says ---------------------------------------
 
     def observe_annotation(self, ts: TaskState, client: str | None = None) -> None:
-        """Read the ``otel`` annotation that ``dask_otel.span`` put on a task of a
-        new graph (of ``client``): when its blocks were entered, and the caller's
-        span its root continues.
-
-        ``ts.annotations["span"]`` is the span of the task's group (Dask moves a
-        task onto the span of the first TaskGroup of its key prefix); the carrier
-        is taken for that root only if the annotation's own blocks include it
-        (:func:`dask_otel.annotation.root_carrier`), so a colliding task cannot
-        bring another workflow's caller.
-        """
+        """Read the ``otel`` annotation on a task of a new graph (of ``client``):
+        when its blocks were entered, the caller's span its root continues, and
+        whether its root is a named workflow. ``ts.annotations["span"]`` is the
+        span of the task's group (the TaskGroup collision may have moved it); the
+        carrier is taken only if the annotation's own blocks include that root
+        (:func:`dask_otel.annotation.root_carrier`)."""
         annotations = ts.annotations
         otel = otel_of(annotations)
-        entered = entered_times(otel)
-        span_annotation = annotations.get("span") if entered is not None else None
+        span_annotation = annotations.get("span") if otel is not None else None
         if not isinstance(span_annotation, Mapping) or not (ids := span_annotation.get("ids")):
             return  # none, or an "otel" annotation someone else made: not ours
+        if workflow_named(otel) and (root := self.records.get(ids[0])) is not None:
+            root.workflow = True
+        if (entered := entered_times(otel)) is None:
+            return
         announced = client if announces_exits(otel) else None
-        self.observe_entered(ids, entered, announced)  # type: ignore[arg-type]
-        if ids[0] in entered:  # type: ignore[operator]  # else a distributed.span root
+        self.observe_entered(ids, entered, announced)
+        if ids[0] in entered:  # else a distributed.span root
             self.observe_caller(ids[0], otel)
 
     def observe_entered(

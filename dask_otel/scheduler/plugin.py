@@ -25,7 +25,6 @@ from dask_otel.attributes import SCHEDULER_ADDRESS
 from dask_otel.config import SCHEDULER, ConfigError
 from dask_otel.export.lifecycle import release_telemetry, start_telemetry
 from dask_otel.scheduler.blocks import CLIENT_GONE_GRACE
-from dask_otel.scheduler.totals import failure_time
 from dask_otel.spans import SpanMirror
 from dask_otel.worker.plugin import PLUGIN_NAME, dumps_by_value, server_status
 
@@ -36,9 +35,11 @@ if TYPE_CHECKING:
     from dask_otel.export.telemetry import ServerTelemetry, Telemetry
     from dask_otel.scheduler.events import DaskEvents
     from dask_otel.scheduler.metrics import SchedulerMetrics
-    from dask_otel.scheduler.outcomes import Outcomes
 
 logger = logging.getLogger("dask_otel")
+
+#: The transitions the mirror times besides leaving ``processing``
+_TIMED = frozenset(("processing", "erred"))
 
 
 class OtelSchedulerPlugin(SchedulerPlugin):
@@ -55,15 +56,14 @@ class OtelSchedulerPlugin(SchedulerPlugin):
     #: This scheduler's share of it: its own config, span resource and metric
     #: attributes
     server_telemetry: ServerTelemetry | None
-    #: The span mirror (None: traces are off)
+    #: The span mirror (None: traces and metrics are off; ``mirror.sink`` None:
+    #: traces are off, its records make the workflow outcomes)
     mirror: SpanMirror | None
     #: The fine and self-metrics (None: metrics are off)
     metrics: SchedulerMetrics | None
     #: Dask's events out as log records, span events and removed workers (None:
     #: logs, traces and metrics are off)
     events: DaskEvents | None
-    #: Workflow runs and removed workers as metrics (None: metrics are off)
-    outcomes: Outcomes | None
     #: Which ways of turning the bridge on asked for it on this scheduler, the
     #: one that added it first: ``instrumentor``, ``preload``, ``client``
     paths: list[str]
@@ -78,7 +78,6 @@ class OtelSchedulerPlugin(SchedulerPlugin):
         #: Dask's own families (otel.metrics.dask)
         self.families: Any = None
         self.events = None
-        self.outcomes = None
         self._poller: PeriodicCallback | None = None
         self._started = False
         self._closed = False
@@ -99,34 +98,33 @@ class OtelSchedulerPlugin(SchedulerPlugin):
         self.server_telemetry, self.telemetry = own, own.telemetry
         config: OtelConfig = own.config
         try:
-            if own.span_sink is not None:
-                self.mirror = SpanMirror(scheduler, own.span_sink, config)
-                self._poller = PeriodicCallback(self._poll, config.poll_interval * 1000)
-                self._poller.start()
-            if own.telemetry.meter_provider is not None:
+            outcomes = None
+            if (provider := own.telemetry.meter_provider) is not None:
                 from dask_otel.export.dask_families import families_wanted
                 from dask_otel.scheduler.metrics import SchedulerMetrics
                 from dask_otel.scheduler.outcomes import Outcomes
 
-                self.metrics = SchedulerMetrics(scheduler, own, self.mirror)
-                self.outcomes = Outcomes(
-                    scheduler, own.telemetry.meter_provider, own.metric_attributes,
-                    config.workflows,
-                )
-                if self.mirror is not None:
-                    self.mirror.outcomes = self.outcomes
+                outcomes = Outcomes(provider, own.metric_attributes, config.workflows)
                 if families_wanted(own):
                     from dask_otel.scheduler.dask_families import SchedulerFamilies
 
                     self.families = SchedulerFamilies(scheduler, own)
+            if own.span_sink is not None or outcomes is not None:
+                # Traces, or the workflow outcomes made of its records
+                self.mirror = SpanMirror(scheduler, own.span_sink, config, outcomes)
+                self._poller = PeriodicCallback(self._poll, config.poll_interval * 1000)
+                self._poller.start()
+            if provider is not None:
+                traced = self.mirror if own.span_sink is not None else None
+                self.metrics = SchedulerMetrics(scheduler, own, traced)
             logs = own.telemetry.logs
-            if logs is not None or self.mirror is not None or self.outcomes is not None:
+            if logs is not None or self.mirror is not None:
                 from dask_otel.scheduler.events import DaskEvents
 
                 self.events = DaskEvents(
                     scheduler, self.mirror, logs.provider if logs is not None else None,
                     config.event_topics, config.logs_level,
-                    self.outcomes.worker_removed if self.outcomes is not None else None,
+                    outcomes.worker_removed if outcomes is not None else None,
                 )
         except ConfigError as e:  # an OTEL_* variable the SDK refused, named
             logger.error("dask_otel is off on scheduler %s: %s", scheduler.address, e)
@@ -162,11 +160,6 @@ class OtelSchedulerPlugin(SchedulerPlugin):
                 self.mirror.observe_graph(tasks, client)
             except Exception:
                 logger.exception("dask_otel: could not observe graph")
-        if self.outcomes is not None:
-            try:
-                self.outcomes.observe_graph(kwargs.get("annotations"))
-            except Exception:
-                logger.exception("dask_otel: could not read a graph's workflow")
 
     def transition(
         self, key: Any, start: str, finish: str, *args: Any, stimulus_id: str = "", **kwargs: Any
@@ -175,34 +168,18 @@ class OtelSchedulerPlugin(SchedulerPlugin):
         # tests. stimulus_id by name, as Dask passes it: no kwargs dict to build.
         # The scheduler's own clock when it sends a task and hears back from it
         # bounds the times the worker reports (totals.observed).
-        if finish == "processing":
-            if self.mirror is not None:
-                try:
-                    self.mirror.observe_sent(key)
-                except Exception:
-                    logger.exception("dask_otel: could not time a task")
+        if (mirror := self.mirror) is None or (start != "processing" and finish not in _TIMED):
             return
-        if start == "processing" and self.mirror is not None:
-            try:
-                self.mirror.observe_received(key)
-            except Exception:
-                logger.exception("dask_otel: could not time a task")
-        if finish == "erred":
-            self._erred(key, kwargs.get("startstops"))
-
-    def _erred(self, key: Any, startstops: Any) -> None:
-        if self.mirror is not None:
-            try:
-                # A task that ran and failed: the worker sent its startstops
-                started, failed = failure_time(startstops)
-                self.mirror.observe_erred(key, failed, started)
-            except Exception:
-                logger.exception("dask_otel: could not count erred task")
-        if self.outcomes is not None:
-            try:
-                self.outcomes.observe_erred(key)
-            except Exception:
-                logger.exception("dask_otel: could not note an erred run")
+        try:
+            if finish == "processing":
+                mirror.observe_sent(key)
+                return
+            if start == "processing":
+                mirror.observe_received(key)
+            if finish == "erred":
+                mirror.observe_erred(key, kwargs.get("startstops"))
+        except Exception:
+            logger.exception("dask_otel: could not observe task %r", key)
 
     def log_event(self, topic: Any, msg: Any) -> None:
         # Every event on every topic (Dask's broker calls it): a test or two when off.
@@ -213,11 +190,6 @@ class OtelSchedulerPlugin(SchedulerPlugin):
                     self.mirror.observe_exit(msg)
                 except Exception:
                     logger.exception("dask_otel: could not read a block's exit")
-            if self.outcomes is not None:
-                try:
-                    self.outcomes.observe_exit(msg)
-                except Exception:
-                    logger.exception("dask_otel: could not read a block's workflow")
             return
         # None after close: the workers' closing events would meet a shut provider
         if self.events is not None and not self._closed:
@@ -245,9 +217,7 @@ class OtelSchedulerPlugin(SchedulerPlugin):
         if self.mirror is None or self._closed:
             return  # closing exports what is open, unfinished
         try:
-            left_open = self.mirror.observe_client_gone(client)
-            if self.outcomes is not None:
-                self.outcomes.observe_left_open(left_open)
+            self.mirror.observe_client_gone(client)
         except Exception:
             logger.exception("dask_otel: could not close a client's blocks")
 
@@ -295,7 +265,7 @@ class OtelSchedulerPlugin(SchedulerPlugin):
             SCHEDULER,
             # who turned it on (first), and who asked again and found it there
             paths=list(getattr(self, "paths", ["client"])),
-            traces=mirror is not None,
+            traces=mirror is not None and mirror.sink is not None,
             metrics=self.metrics is not None,
             open_spans=len(mirror.ledger.records) if mirror else 0,
             open_groups=len(mirror.ledger.groups) if mirror else 0,
