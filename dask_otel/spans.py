@@ -186,9 +186,9 @@ class SpanMirror:
                 record.links = links or None
 
     def observe_erred(self, key: Hashable, startstops: Any) -> None:
-        """A task erred: count it for its open group and open spans (Dask's own
-        state counts forget it once the client releases the future), let its group
-        and span end no earlier than it failed, and its root's run is erred"""
+        """A task erred: count it for its open group and spans (Dask's state counts
+        forget it once the future is released), which end no earlier than it
+        failed; its root's run erred"""
         ts = self.scheduler.tasks.get(key)
         ext = self.extension
         if ts is None or ext is None:
@@ -216,16 +216,16 @@ class SpanMirror:
             span = span.parent
 
     def observe_sent(self, key: Hashable) -> None:
-        """The scheduler sends a task to a worker (``processing``): the first of
-        its batch bounds the batch's start. Per task: two lookups, one test."""
+        """The scheduler sends a task to a worker: the first of its batch bounds
+        the batch's start. Per task: two lookups, one test."""
         ts = self.scheduler.tasks.get(key)
         if ts is not None and (batch := self.ledger.groups.get(ts.group)) is not None:
             if not batch.sent:
                 batch.sent = time()
 
     def observe_received(self, key: Hashable) -> None:
-        """The scheduler hears a task finished or failed (it leaves
-        ``processing``): the last of its batch bounds the batch's end"""
+        """The scheduler hears a task finished or failed: the last of its batch
+        bounds the batch's end"""
         ts = self.scheduler.tasks.get(key)
         if ts is not None and (batch := self.ledger.groups.get(ts.group)) is not None:
             batch.received = time()
@@ -243,17 +243,16 @@ class SpanMirror:
         blocks.observe_client_gone(self.ledger, client)
 
     def observe_worker_lost(self, span_id: str, attributes: dict[str, Any], when: int) -> None:
-        """A worker computing for, or holding results of, Dask span ``span_id`` was
-        lost at ``when`` (ns): a ``dask.worker.lost`` event on it, if it is open"""
+        """A worker working for Dask span ``span_id`` was lost at ``when`` (ns): a
+        ``dask.worker.lost`` event on it, if it is open"""
         if (record := self.ledger.records.get(span_id)) is not None:
             record.add_event(WORKER_LOST, attributes, when)
 
     # --- when to export ------------------------------------------------------------
 
     def poll(self) -> bool:
-        """Export the open spans and groups that are finished, on the event loop,
-        for at most ``POLL_BUDGET`` seconds: True if there is more to do (the
-        plugin then polls again on the next turn of the loop)."""
+        """Export the open spans and groups that are finished, for at most
+        ``POLL_BUDGET`` seconds: True if there is more to do (next loop turn)"""
         self.observe_new_spans()
         ledger = self.ledger
         now = time()
@@ -323,9 +322,8 @@ class SpanMirror:
             self._heads.clear()
 
     def _export(self, export: Any, *args: Any, **kwargs: Any) -> None:
-        """Build a span with ``export`` and hand it to the SDK. Telemetry must never
-        take the scheduler down: a span that cannot be mirrored is logged and
-        dropped."""
+        """Build a span with ``export`` and hand it to the SDK; one that cannot be
+        mirrored is logged and dropped (never raises into the scheduler)"""
         try:
             span = export(*args, **kwargs)
             if span is False:
@@ -333,8 +331,6 @@ class SpanMirror:
             elif span is not None:
                 self.sink.emit(span)  # type: ignore[union-attr]
                 self.mirrored += 1
-                if export == self.group_span_of:
-                    _remember_exemplar(self.latest_by_prefix, args[0].prefix.name, span)
         except Exception:
             logger.exception("dask_otel: could not mirror %r; dropped", args[0])
 
@@ -344,9 +340,8 @@ class SpanMirror:
         self, record: SpanRecord, stop: float, unfinished: bool = False
     ) -> ReadableSpan | bool | None:
         """Take an open Dask span's record, end its parent no earlier, record a
-        root's run, and build its OTel span, with the ids derived from its UUID;
-        False if the sampler drops its trace (and so its parent's), None if traces
-        are off. Keeps nothing."""
+        root's run, and build its OTel span; False if the sampler drops its trace,
+        None if traces are off. Keeps nothing."""
         span = record.span
         head = self._head(span)  # before the record goes: the root's caller
         ledger = self.ledger
@@ -378,11 +373,10 @@ class SpanMirror:
         )
 
     def group_span_of(self, tg: TaskGroup, batch: GroupBatch) -> ReadableSpan | bool | None:
-        """Build the OTel span of a batch of a TaskGroup, a child of its Dask span's,
-        from its first task's start (a later batch: from when its graph arrived)
-        to when its last task finished or failed, within the Dask span's start,
-        which then ends no earlier. False if the sampler drops the trace, None if
-        traces are off or nothing ran in a later batch. Keeps nothing."""
+        """Build the OTel span of a batch of a TaskGroup, a child of its Dask span's
+        (which then ends no earlier), from its first task's start (a later batch:
+        its graph's arrival) to its last task's end. False if the sampler drops
+        the trace, None if traces are off or nothing ran. Keeps nothing."""
         span = batch.span
         head = self._head(span)
         counts = None
@@ -401,11 +395,14 @@ class SpanMirror:
         if counts is None:
             return None if self.sink is None else False
         context = child_context(head.context, self._random.getrandbits(64) or 1)
+        latest, prefix = self.latest_by_prefix, tg.prefix.name
+        if prefix in latest or len(latest) < MAX_EXEMPLAR_PREFIXES:  # bounded
+            latest[prefix] = context  # the exemplar of the prefix's fine metrics
         return builder.taskgroup_span(self.sink, tg, batch, head, context, counts, start, end)
 
     def context_of(self, span_id: str) -> SpanContext | None:
         """The OTel SpanContext of a Dask span, open or exported (None: unknown,
-        sampled out, or traces off). Not cached: for Dask's rare events."""
+        sampled out, or traces off); for Dask's rare events"""
         ext = self.extension
         span = ext.spans.get(span_id) if ext is not None else None
         return self._context(span) if span is not None else None
@@ -439,21 +436,9 @@ class SpanMirror:
         return head
 
 
-def _remember_exemplar(latest: dict[str, SpanContext], prefix: str, span: ReadableSpan) -> None:
-    """Keep a sampled TaskGroup span's context as its prefix's latest"""
-    context = span.get_span_context()
-    if context is None or not context.trace_flags.sampled:
-        return
-    if prefix not in latest and len(latest) >= MAX_EXEMPLAR_PREFIXES:
-        return  # bounded: as many prefixes as fine-metric series at most
-    latest[prefix] = context
-
-
 def _tell_no_code(name: str) -> bool:
-    """With ``otel.spans.code``: one WARNING when a Dask span has no code. The
-    client sends code with each graph only if its
-    ``distributed.diagnostics.computations.nframes`` is above 0 (Dask's default
-    is 0), a key read in the client's process, not here."""
+    """With ``otel.spans.code``: one WARNING when a Dask span has no code (a
+    client key, read in the client's process)"""
     logger.warning(
         "dask_otel: otel.spans.code is true but Dask span %r has no code: "
         "Dask records it only when distributed.diagnostics.computations.nframes "

@@ -666,7 +666,8 @@ def test_taskgroup_work_after_its_export_is_a_new_child_of_the_span_it_was_submi
     a = mirrored.by_dask_id(a_id)
     wait_until(lambda: mirrored.children(a))
     with span("B") as b_id:  # one graph: inc (A's group) and B's own group
-        second = client.compute(dask.delayed(double)(dask.delayed(inc)(2), dask_key_name="double-b"))
+        doubled = dask.delayed(double)(dask.delayed(inc)(2), dask_key_name="double-b")
+        second = client.compute(doubled)
         second.result()
     b = mirrored.by_dask_id(b_id)
     assert [g.name for g in mirrored.children(a)] == ["inc"]
@@ -732,14 +733,16 @@ def test_a_workflow_run_again_while_its_groups_live_puts_each_batch_in_its_own_r
         runs = []
         for run in range(2):
             with dask_otel.span("report") as run_id:
-                loaded = client.map(slow, range(4), delay=0.1, key=[(k, v + 4 * run) for k, v in stage])
+                keys = [(k, v + 4 * run) for k, v in stage]
+                loaded = client.map(slow, range(4), delay=0.1, key=keys)
                 name = ("first", "second")[run]  # its own group, so Dask makes its span
                 held.append(client.submit(total, loaded, key=(f"report-{name}", 0)))
                 held[-1].result()
             runs.append(mirrored.by_dask_id(run_id))  # exported before the next run
         wait_until(lambda: len(mirrored.children(runs[1])) == 2)
         for run, name in zip(runs, ("first", "second")):
-            assert sorted(g.name for g in mirrored.children(run)) == ["collide-load", f"report-{name}"]
+            names = sorted(g.name for g in mirrored.children(run))
+            assert names == ["collide-load", f"report-{name}"]
         assert_span_tree(mirrored.spans(), ends="inside")
 
 

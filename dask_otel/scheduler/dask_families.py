@@ -1,9 +1,6 @@
-"""The scheduler's share of Dask's own families (``otel.metrics.dask``): the
-collectors its ``/metrics`` serves from (Dask's ``COLLECTORS``: the scheduler's,
-the semaphores', work stealing's), exported by the adapter
-:mod:`dask_otel.export.dask_families`, with the attributes that name the
-scheduler. Imported only where prometheus_client is installed, as Dask's
-``/metrics`` handler is. docs/metrics.md#dasks-own-families
+"""The scheduler's share of Dask's own families (``otel.metrics.dask``): Dask's
+``COLLECTORS`` through the adapter :mod:`dask_otel.export.dask_families`. Imported
+only where prometheus_client is installed. docs/metrics.md#dasks-own-families
 """
 
 from __future__ import annotations

@@ -34,23 +34,17 @@ WORKFLOW_DURATION = "dask.workflow.duration"
 WORKFLOW_RUNS = "dask.workflow.runs"
 WORKERS_REMOVED = "dask.worker.removed"
 
-#: ``dask.workflow.result``: no task of the run erred; a task erred (its trace's
-#: root span has the ERROR status); the run did not finish: the client that
-#: opened its ``dask_otel.span`` block left the scheduler with the block open,
-#: or the scheduler closed under it
+#: ``dask.workflow.result``: no task erred; a task erred; the run did not finish
+#: (its client left with its block open, or the scheduler closed under it)
 OK, ERRED, CANCELLED = "ok", "erred", "cancelled"
 RESULTS = (OK, ERRED, CANCELLED)
 #: ``dask.workflow.name`` of every run whose name is not known to be bounded
 OTHER = "other"
-#: The name of Dask's own root span of work computed outside any span (one per
-#: idle-to-idle period): bounded, as Dask names it
+#: Dask's own root span of work outside any span: a bounded name
 DEFAULT = "default"
 #: Distinct workflow names given; later ones are :data:`OTHER`
 MAX_WORKFLOW_NAMES = 100
-#: ``dask.worker.removed.reason``: its nanny restarted it over its memory limit;
-#: it failed hard; it was retired (``retire_workers``, a cluster scaling down);
-#: it closed itself (``Worker.close``, its nanny closing it); it was lost
-#: without a word (heartbeats or its connection lost)
+#: ``dask.worker.removed.reason`` (docs/metrics.md has what each means)
 MEMORY_RESTART, FAIL_HARD, RETIRED, CLOSED, LOST = (
     "memory_restart", "fail_hard", "retired", "closed", "lost",
 )

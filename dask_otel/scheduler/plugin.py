@@ -1,13 +1,8 @@
-"""The scheduler plugin: Dask's hooks in, the span mirror and metrics out.
-
-Added by the instrumentor (:mod:`dask_otel.instrumentor`), the preload
-(``dask_setup``) or ``dask_otel.instrument(client)``, once per scheduler whichever
-of them ask (:func:`add_bridge`). It owns the span mirror (:mod:`dask_otel.spans`) and the scheduler's metrics
-(:mod:`dask_otel.scheduler.metrics`); on start it registers the worker plugin
-(:mod:`dask_otel.worker.plugin`) with the scheduler, which hands it to every
-current and future worker. It never raises into Dask: a bad configuration or a
-broken exporter is logged at ERROR, kept in ``.error`` for inspection
-(:func:`dask_otel.status`), and the cluster runs on without telemetry.
+"""The scheduler plugin: Dask's hooks in, each dispatched once to the span mirror
+(:mod:`dask_otel.spans`), the metrics and the events out. Added once per scheduler
+whichever path asks (:func:`add_bridge`); it registers the worker plugin. It never
+raises into Dask: an error is logged, kept in ``.error`` (:func:`dask_otel.status`).
+docs/configuration.md.
 """
 
 from __future__ import annotations
@@ -50,37 +45,26 @@ class OtelSchedulerPlugin(SchedulerPlugin):
     idempotent = True
 
     #: Why the bridge is off on this scheduler, if it is; None when all is well
-    error: str | None
-    #: The process's Telemetry (shared with the other Dask servers in it)
-    telemetry: Telemetry | None
-    #: This scheduler's share of it: its own config, span resource and metric
-    #: attributes
-    server_telemetry: ServerTelemetry | None
+    error: str | None = None
+    #: The process's Telemetry (shared with the other Dask servers in it), and
+    #: this scheduler's share of it (config, span resource, metric attributes)
+    telemetry: Telemetry | None = None
+    server_telemetry: ServerTelemetry | None = None
     #: The span mirror (None: traces and metrics are off; ``mirror.sink`` None:
     #: traces are off, its records make the workflow outcomes)
-    mirror: SpanMirror | None
-    #: The fine and self-metrics (None: metrics are off)
-    metrics: SchedulerMetrics | None
-    #: Dask's events out as log records, span events and removed workers (None:
-    #: logs, traces and metrics are off)
-    events: DaskEvents | None
-    #: Which ways of turning the bridge on asked for it on this scheduler, the
-    #: one that added it first: ``instrumentor``, ``preload``, ``client``
-    paths: list[str]
+    mirror: SpanMirror | None = None
+    #: The fine and self-metrics (None: metrics are off); Dask's own families
+    metrics: SchedulerMetrics | None = None
+    families: Any = None
+    #: Dask's events out as log records, span events and removed workers
+    events: DaskEvents | None = None
+    _poller: PeriodicCallback | None = None
+    _started = _closed = False
 
     def __init__(self, path: str = "client") -> None:
+        #: Which ways of turning the bridge on asked for it here, the one that
+        #: added it first: ``instrumentor``, ``preload``, ``client``
         self.paths = [path]
-        self.error = None
-        self.telemetry = None
-        self.server_telemetry = None
-        self.mirror = None
-        self.metrics = None
-        #: Dask's own families (otel.metrics.dask)
-        self.families: Any = None
-        self.events = None
-        self._poller: PeriodicCallback | None = None
-        self._started = False
-        self._closed = False
 
     async def start(self, scheduler: Scheduler) -> None:
         # Idempotent: the preload registers the plugin while the scheduler is
@@ -264,7 +248,7 @@ class OtelSchedulerPlugin(SchedulerPlugin):
             self.server_telemetry,
             SCHEDULER,
             # who turned it on (first), and who asked again and found it there
-            paths=list(getattr(self, "paths", ["client"])),
+            paths=list(self.paths),
             traces=mirror is not None and mirror.sink is not None,
             metrics=self.metrics is not None,
             open_spans=len(mirror.ledger.records) if mirror else 0,
@@ -306,7 +290,7 @@ def preload_trap(scheduler: Scheduler) -> str | None:
     configured = dask.config.get("distributed.scheduler.preload", None) or []
     if isinstance(configured, str):
         configured = [configured]
-    started = [preload.name for preload in getattr(scheduler, "preloads", ())]
+    started = [preload.name for preload in scheduler.preloads]
     if "dask_otel" not in configured or "dask_otel" in started:
         return None
     return (

@@ -54,49 +54,40 @@ class SpanRecord:
 
     #: The Dask span (``SpansSchedulerExtension.spans[id]``)
     span: Span
-    #: Its sub-spans and TaskGroup batches that are open. It can be ready only
-    #: when both are 0 (it finishes no earlier than they, and they are exported
-    #: first), so polls never walk its tree
+    #: Its open sub-spans and TaskGroup batches: it can be ready only when both
+    #: are 0, so polls never walk its tree
     open_children: int = 0
     open_groups: int = 0
-    #: Tasks that transitioned to erred in its subtree (its own with
-    #: ``otel.spans.totals: own``): Dask's state counts forget an erred task once
-    #: the client releases its future
+    #: Tasks that erred in its subtree (its own with ``otel.spans.totals: own``):
+    #: Dask's state counts forget one once its future is released
     erred: int = 0
     #: ``error.type`` of the first of them (:func:`~dask_otel.scheduler.totals.error_type`)
     error_type: str | None = None
-    #: The latest end of its exported children (sub-spans, TaskGroup batches) and
-    #: failure of its own tasks; its own end is no earlier, so that every child
-    #: exported before it lies within it (Dask's ``Span.stop`` knows neither)
+    #: The latest end of its exported children and failure of its own tasks: its
+    #: own end is no earlier (Dask's ``Span.stop`` knows neither)
     end: float = 0.0
     #: The earliest client time a ``dask_otel.span`` block of it or of a span
     #: below it was entered (the ``otel`` annotation's ``entered``); None: none
     entered: float | None = None
-    #: When the client left the ``dask_otel.span`` block of it (its
-    #: ``BLOCK_EXIT`` event, client time; 0: not yet), and the client whose
-    #: graph it got while its block is open (None: no block waits for an exit).
-    #: While a block is open the span is not finished; the client leaving the
-    #: scheduler closes its open blocks then. ``exit_client``: the client that sent
-    #: the exit (None: unknown, or none yet); its exit was sent before it left
+    #: When the client left its ``dask_otel.span`` block (client time; 0: not
+    #: yet); the client whose block is open (None: no block waits for an exit),
+    #: and the client that sent the exit (None: unknown, or none yet)
     exited: float = 0.0
     block_client: str | None = None
     exit_client: str | None = None
     #: When ``block_client`` left the scheduler with the block open, while its exit
-    #: may still come (``blocks.CLIENT_GONE_GRACE``; 0: it did not). Not finished then.
+    #: may still come (``blocks.CLIENT_GONE_GRACE``; 0: it did not)
     client_left: float = 0.0
-    #: Root spans: the caller's span it continues (from the ``otel``
-    #: annotation's carrier, read once: ``carrier_read``), None if none
+    #: Roots: the caller's span it continues (the ``otel`` carrier, read once)
     remote_parent: SpanContext | None = None
     carrier_read: bool = False
-    #: Links to the Dask spans of other traces whose data its tasks consume
-    #: (:mod:`dask_otel.scheduler.links`), by producer Dask span id
+    #: Links to the Dask spans of other traces whose data its tasks consume, by
+    #: producer Dask span id (:mod:`dask_otel.scheduler.links`)
     links: dict[str, Link] | None = None
-    #: The subtree totals of its sub-spans exported so far, summed: a pipeline of
-    #: 10,000 steps is summed as it goes, not walked when it ends
+    #: The subtree totals of its sub-spans exported so far, summed as they go
     folded: Totals | None = None
-    #: Span events to export with it, ``(name, attributes, time in ns)``
-    #: (``dask.worker.lost``, :mod:`dask_otel.scheduler.events`), at most
-    #: :data:`MAX_SPAN_EVENTS`; None: none
+    #: Span events to export with it, ``(name, attributes, time in ns)``, at most
+    #: :data:`MAX_SPAN_EVENTS` (``dask.worker.lost``); None: none
     events: list[tuple[str, dict[str, Any], int]] | None = None
     #: Roots, as a workflow run (:mod:`dask_otel.scheduler.outcomes`): its name is
     #: bounded (a root block opened with ``workflow=True``); a task anywhere in
@@ -112,11 +103,9 @@ class SpanRecord:
         return not self.open_children and not self.open_groups
 
     def finished_at(self) -> float | None:
-        """When the span finished if ``Span.done`` and its block (if a client
-        announces it) was left, else None: the later of its block's exit and its
-        tasks' end, that is its groups' and exported children's ends and its own
-        tasks' failures as the mirror bounded them (Dask's ``Span.stop`` knows
-        none of these), never before ``Span.enqueued``"""
+        """When the span finished if ``Span.done`` and its block (if announced)
+        was left, else None: the later of its block's exit and its tasks' end as
+        the mirror bounded them, never before ``Span.enqueued``"""
         if (
             self.open_children or self.client_left
             or (self.block_client is not None and not self.exited)
@@ -125,9 +114,8 @@ class SpanRecord:
         stop = groups_stop(self.span.groups)
         if stop is None:
             return None
-        # Every group of an open span was exported as a batch, its bounded end
-        # folded into ``end``: Dask's own ``TaskGroup.stop`` only for groups
-        # that finished before the bridge started
+        # Dask's own TaskGroup.stop only for groups finished before the bridge
+        # started; the others' bounded ends are in ``end``
         return max(self.end or stop, self.exited, self.span.enqueued)
 
     def end_no_earlier(self, end: float) -> None:
@@ -148,9 +136,9 @@ class SpanRecord:
         self.error_type = self.error_type or error_type
 
     def observe_entered(self, earliest: float, own_block: bool, client: str | None) -> None:
-        """A client entered a block of it (``own_block``) or of a span below it,
-        the earliest at ``earliest`` (inf: no time known); ``client`` announces
-        its blocks' exits: while its own block is open, it waits for the exit"""
+        """A client entered a block of it (``own_block``) or below it, the earliest
+        at ``earliest`` (inf: unknown); while ``client``'s own block is open, it
+        waits for the exit"""
         if client is not None and own_block and not self.exited and self.block_client is None:
             self.block_client = client
         if earliest != float("inf") and (self.entered is None or earliest < self.entered):
@@ -210,23 +198,18 @@ class GroupBatch:
     duration: float = 0.0
     #: ``dask.metrics.*`` of the group's prefix within its Dask span then
     metrics: dict[str, float] = field(default_factory=dict)
-    #: Tasks of this batch that erred (transitions seen), and when the last did (0:
-    #: none), and when the first of them started running (0: none did): Dask
-    #: records no run time for an erred task
+    #: Tasks of this batch that erred, when the last did and when the first of
+    #: them started running (0: none): Dask records no run time for them
     erred: int = 0
     failed: float = 0.0
     started: float = 0.0
     #: ``error.type`` of the first task of this batch that erred
     error_type: str | None = None
-    #: On the scheduler's clock: when it first sent a task of the batch to a
-    #: worker (``processing``) and when it last heard one finish or fail
-    #: (0: not yet). The batch's times are bounded by them
-    #: (:func:`~dask_otel.scheduler.totals.observed`)
+    #: On the scheduler's clock: when it first sent a task of the batch and last
+    #: heard one finish or fail (0: not yet), which bound the batch's times
     sent: float = 0.0
     received: float = 0.0
-    #: When a poll last found the group still running (0: never). Its last task
-    #: finishes later, so it cannot be ready until ``otel.spans.export-delay``
-    #: after that
+    #: When a poll last found the group still running (0: never)
     busy: float = 0.0
     #: The earliest time the group can be ready, as the last poll that looked at
     #: it found: polls pass it over until then, so that a cluster with many
@@ -248,9 +231,8 @@ class GroupBatch:
 
     def start(self, tg: TaskGroup) -> float:
         """When the batch started: a later batch when its graph arrived, a first
-        one when its first task, finished or failed, started (0: none did), no
-        earlier than the scheduler sent its first task and no later than it heard
-        of its last"""
+        one when its first task started (0: none did), bounded by the scheduler's
+        clock"""
         if self.since:
             return self.since
         if tg.start and self.started:
@@ -260,20 +242,16 @@ class GroupBatch:
         return observed(start, self.sent, self.received) if start else 0.0
 
     def end(self, tg: TaskGroup) -> float:
-        """When the group's last task finished or failed (0: none did yet; for a
-        later batch, a finish before the batch may show until its tasks end), no
-        later than the scheduler heard of it"""
+        """When the group's last task finished or failed (0: none did yet),
+        bounded by the scheduler's clock"""
         end = max(tg.stop, self.failed)
         return observed(end, self.sent, self.received) if end else 0.0
 
     def ready(self, tg: TaskGroup, now: float, heard: float, delay: float, timeout: float) -> bool:
         """Whether the batch may be exported ``now``: its last task finished
-        ``delay`` ago (``otel.spans.export-delay``), and every worker has sent a
-        heartbeat since (``heard``: the oldest last one) or ``timeout`` passed
-        (``otel.spans.metrics-timeout``), and Dask has the group done. If not,
-        it notes when to look again (:attr:`wake`)."""
-        # The cheap tests first: its last task finished, or it was still
-        # running, lately; then Dask's states
+        ``delay`` ago, every worker has sent a heartbeat since (``heard``: the
+        oldest last one) or ``timeout`` passed, and Dask has the group done. If
+        not, it notes when to look again (:attr:`wake`). Cheap tests first."""
         end = max(self.end(tg) or self.since or self.span.enqueued, self.busy)
         waited = now - end
         if waited < delay:
@@ -299,7 +277,7 @@ class GroupBatch:
     def attributes(self, tg: TaskGroup, metrics: Mapping[str, float]) -> dict[str, Any] | None:
         """Task counts, bytes, duration and fine metrics of the batch, given the
         group's prefix metrics within its span now; None for a later batch in
-        which nothing ran (its tasks were merely requested again)"""
+        which nothing ran"""
         if self.states is None:
             out = group_counts(tg)
             out.update(metrics)
