@@ -43,10 +43,9 @@ MAX_FORCED_ROOTS = 4096
 
 @dataclass(slots=True)
 class Ledger:
-    """Open Dask spans (a :class:`SpanRecord` each), open TaskGroup batches (a
-    :class:`GroupBatch` each), and the open spans with nothing open below them.
-    It writes only its own counts into a record (``open_children``,
-    ``open_groups``); what a hook learns goes through the record's methods."""
+    """Open Dask spans, open TaskGroup batches, and the open spans with nothing
+    open below them. It writes only its own counts into a record; what a hook
+    learns goes through the record's methods."""
 
     #: Open Dask spans, by id, in the order they were seen (parents first)
     records: dict[str, SpanRecord] = field(default_factory=dict)
@@ -177,10 +176,9 @@ class Ledger:
         self, ids: Sequence[str], entered: Mapping[str, Any], client: str | None = None
     ) -> None:
         """Keep, for each open span of ``ids`` (root first), the earliest time a
-        block of it or of a span below it was entered (the ``otel`` annotation's
-        ``entered``): a parent then never starts after its children. With
-        ``client`` (whose graph it is, and whose blocks announce their exits),
-        a span whose own block is entered and not yet left waits for its exit."""
+        block of it or below it was entered: a parent never starts after its
+        children. With ``client`` (whose blocks announce their exits), a span
+        whose own block is open waits for its exit."""
         records = self.records
         earliest = float("inf")
         for span_id in reversed(ids):  # innermost first: ancestors take the minimum

@@ -212,24 +212,15 @@ class SchedulerMetrics(Attached):
     """Exports one scheduler's fine performance metrics and the bridge's
     self-metrics, from now until :meth:`close`"""
 
-    #: The scheduler whose fine metrics these are
-    scheduler: Scheduler
-    #: The process's Telemetry: its accounted exporters' counts
-    telemetry: Telemetry
-    #: The scheduler's span mirror (None: traces are off): its counters
-    #: (``mirrored``, ``sampled_out``) and exemplars (``latest_by_prefix``)
-    mirror: SpanMirror | None
-    #: otel.metrics.span-label
-    span_label: bool
-
     def __init__(self, scheduler: Scheduler, own: ServerTelemetry, mirror: SpanMirror | None):
-        # No attribute names the scheduler: the process's resource does
-        # (dask.scheduler.address), and the fine metrics are the cluster's totals;
-        # but a second scheduler in the process has the first one's resource
+        # metric_attributes: a second scheduler in the process has the first's resource
         super().__init__(dict(own.metric_attributes))
         self.scheduler = scheduler
-        self.telemetry = own.telemetry
+        #: The process's Telemetry: its accounted exporters' counts
+        self.telemetry: Telemetry = own.telemetry
+        #: The span mirror (None: traces are off): its counters and exemplars
         self.mirror = mirror
+        #: otel.metrics.span-label
         self.span_label = own.config.span_label
         #: Dask unit -> {attributes: value at the previous collection}: a series
         #: that grew since carries an exemplar
@@ -239,11 +230,9 @@ class SchedulerMetrics(Attached):
 
     def with_exemplars(self, dask_unit: str, readings: Reading) -> Reading:
         """``readings`` of one fine-metrics instrument, those of a task prefix
-        that grew since the previous collection with the context of the latest
-        sampled TaskGroup span of that prefix: the SDK's exemplar filter
-        (OTEL_METRICS_EXEMPLAR_FILTER, default trace_based) takes an exemplar
-        from it. The span was exported before the metric grew past it or
-        shortly after: close enough to find a representative trace."""
+        that grew since the previous collection in the context of the latest
+        sampled TaskGroup span of that prefix: the SDK's exemplar filter takes an
+        exemplar from it"""
         mirror = self.mirror
         latest = mirror.latest_by_prefix if mirror is not None else {}
         previous, now = self._previous.get(dask_unit, {}), {}

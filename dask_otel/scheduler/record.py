@@ -14,12 +14,12 @@ from typing import TYPE_CHECKING, Any
 from distributed.metrics import time
 
 from dask_otel.scheduler.totals import (
+    SpanMetrics,
     Totals,
     group_counts,
     group_done,
     groups_stop,
     observed,
-    prefix_metrics,
     task_counts,
 )
 
@@ -172,16 +172,10 @@ class SpanRecord:
 
 @dataclass(slots=True, eq=False)
 class GroupBatch:
-    """A TaskGroup seen and not yet exported: the Dask span it is exported under,
-    and what its next export covers.
-
-    A group's first export covers all of it. Then the mirror forgets it; if new
-    tasks join it later (``SpanMirror.observe_graph``: ``client.submit(f, x)``
-    without ``key=`` puts every call of ``f`` in one TaskGroup), it opens again
-    with a snapshot of its cumulative values, so that its next export covers only
-    the tasks that ran since, as a new child span of the Dask span those tasks
-    were submitted in. The snapshot is kept only while the group is open.
-    """
+    """A TaskGroup batch seen and not yet exported: the Dask span it is exported
+    under, and what its export covers. A group's first batch covers all of it; a
+    later one (new tasks joined it after its export) holds a snapshot of the
+    group's cumulative values then, so that it covers only what ran since."""
 
     #: The Dask span it is exported under: ``TaskGroup.span_id``'s, but for a
     #: later batch submitted in another span (the TaskGroup collision)
@@ -211,11 +205,8 @@ class GroupBatch:
     received: float = 0.0
     #: When a poll last found the group still running (0: never)
     busy: float = 0.0
-    #: The earliest time the group can be ready, as the last poll that looked at
-    #: it found: polls pass it over until then, so that a cluster with many
-    #: long-running workflows open pays per group that may be ready, not per open
-    #: group. A group's end only moves later, so no group is looked at later than
-    #: it would be without this.
+    #: The earliest time the group can be ready, as the last poll found: polls
+    #: pass it over until then (a group's end only moves later)
     wake: float = 0.0
 
     @classmethod
@@ -226,7 +217,7 @@ class GroupBatch:
         states = dict(tg.states)
         return cls(
             span, time(), states, sum(states.values()) - rerun, tg.nbytes_total,
-            tg.duration, prefix_metrics(own, tg.prefix.name),
+            tg.duration, SpanMetrics.of(own).by_prefix.get(tg.prefix.name, {}),
         )
 
     def start(self, tg: TaskGroup) -> float:

@@ -19,11 +19,9 @@ if TYPE_CHECKING:
     from distributed.spans import Span
 
 
-#: What a fine-metric key ``(context, [prefix,] ..., activity, unit)`` of a Dask
-#: span means to the mirror: its attribute name, its task prefix (None unless it
-#: is an ``execute`` metric of one prefix) and whether it is seconds of the
-#: ``execute`` context. Keys come from Dask and repeat across spans; the cache is
-#: bounded.
+#: A fine-metric key ``(context, [prefix,] ..., activity, unit)`` -> its attribute
+#: name, its task prefix (``_NO_PREFIX`` unless an ``execute`` metric of one) and
+#: whether it is seconds of ``execute``; bounded
 _KEYS: dict[tuple[Hashable, ...], tuple[str, Hashable, bool]] = {}
 _MAX_KEYS = 1 << 16
 _NO_PREFIX = object()
@@ -46,26 +44,24 @@ def _key_info(key: tuple[Hashable, ...]) -> tuple[str, Hashable, bool] | None:
     return info
 
 
+@dataclass(slots=True)
 class SpanMetrics:
     """The fine performance metrics of one Dask span (its own, not its
     sub-spans'), as attributes, in one pass: summed over task prefixes for the
     span, and by task prefix for its TaskGroups."""
 
-    __slots__ = ("by_prefix", "execute_seconds", "total")
-
     #: ``dask.metrics.<context>.<activity>.<unit>``, summed over prefixes
-    total: dict[str, float]
+    total: dict[str, float] = field(default_factory=dict)
     #: the same by task prefix, ``execute`` context only
-    by_prefix: dict[Hashable, dict[str, float]]
+    by_prefix: dict[Hashable, dict[str, float]] = field(default_factory=dict)
     #: seconds of the execute context, for "idle or other spans"
-    execute_seconds: float
+    execute_seconds: float = 0.0
 
-    def __init__(self, metrics: Mapping[tuple[Hashable, ...], float]):
-        self.total = {}
-        self.by_prefix = {}
-        self.execute_seconds = 0.0
-        total, by_prefix = self.total, self.by_prefix
-        for key, value in metrics.items():
+    @classmethod
+    def of(cls, span: Span) -> SpanMetrics:
+        out = cls()
+        total, by_prefix = out.total, out.by_prefix
+        for key, value in span_own_metrics(span).items():
             if not value:
                 continue
             info = _KEYS.get(key) or _key_info(key)
@@ -79,11 +75,8 @@ class SpanMetrics:
                     attrs = by_prefix[prefix] = {}
                 attrs[name] = attrs.get(name, 0) + value
             if execute_seconds:
-                self.execute_seconds += value
-
-    @classmethod
-    def of(cls, span: Span) -> SpanMetrics:
-        return cls(span_own_metrics(span))
+                out.execute_seconds += value
+        return out
 
 
 def active_cpu_seconds(span: Span, stop: float) -> float:
@@ -174,13 +167,8 @@ def span_figures(
     if subtree and (idle := active - totals.execute_seconds) > 0:
         out[attr.IDLE] = idle
     if code:
-        out[attr.SPAN_CODE] = code_snippets(span)
+        out[attr.SPAN_CODE] = tuple(sc.code for block in span_code_blocks(span) for sc in block)
     return out
-
-
-def code_snippets(span: Span) -> tuple[str, ...]:
-    """The source of ``Span.code``'s snippets"""
-    return tuple(sc.code for block in span_code_blocks(span) for sc in block)
 
 
 def error_type(ts: TaskState, allowed_failures: int) -> str:
@@ -284,9 +272,3 @@ def subtree_totals(span: Span) -> Totals:
     for child in span.children:
         totals.add(subtree_totals(child))
     return totals
-
-
-def prefix_metrics(span: Span, prefix: Hashable) -> dict[str, float]:
-    """``dask.metrics.*`` of one task prefix within one Dask span (its own, no
-    sub-spans')"""
-    return SpanMetrics.of(span).by_prefix.get(prefix, {})
