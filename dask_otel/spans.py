@@ -1,14 +1,9 @@
-"""Dask spans -> OpenTelemetry spans: the mirror's conductor.
+"""Dask spans -> OpenTelemetry spans: the mirror's conductor. Start reading here.
 
-Start reading here to learn how a Dask span becomes an OTel span. Every Dask span
-(``with distributed.span("Alice's workflow"):``) is mirrored on the scheduler as
-one OTel span, and every batch of a TaskGroup attached directly to it as a child
-span, once it has finished; a root Dask span and everything below it form one
-trace. The mapping (ids, names, timing, attributes, when a span is exported):
-docs/traces.md.
-
-The path of a Dask span through the package, each file once (the files below
-``spans.py`` never import one above them: ``tests/test_layout.py``)::
+Every Dask span is mirrored on the scheduler as one OTel span, and every batch of
+a TaskGroup attached to it as a child span, once finished; the records also make
+the workflow outcomes, so the mirror runs when traces or metrics are on. Each file
+of the path once (``tests/test_layout.py``)::
 
     Dask hooks (update_graph, transition)      dask_otel.scheduler.plugin
       -> SpanMirror.observe_* / poll / flush     here: what to open, when to export
@@ -19,10 +14,7 @@ The path of a Dask span through the package, each file once (the files below
         -> builder: record -> ReadableSpan         dask_otel.scheduler.builder
           -> SpanSink.emit -> the SDK's processors  dask_otel.export.sink
 
-Work per poll is proportional to what may be ready, and memory to what is open:
-nothing is kept about what has been exported or dropped by the sampler. A poll
-holds the event loop at most :data:`POLL_BUDGET`; the cost per span:
-benchmarks/README.md.
+The mapping and when a span is exported: docs/traces.md; costs: benchmarks/README.md.
 """
 
 from __future__ import annotations
@@ -37,6 +29,7 @@ from typing import TYPE_CHECKING, Any
 
 from distributed.metrics import time
 
+from dask_otel.annotation import entered_times, otel_of
 from dask_otel.attributes import SPAN_CODE, WORKER_LOST
 from dask_otel.scheduler import blocks, builder
 from dask_otel.scheduler.ledger import Ledger
@@ -46,6 +39,7 @@ from dask_otel.scheduler.totals import (
     SpanMetrics,
     Totals,
     error_type,
+    failure_time,
     group_done,
     observed,
     span_figures,
@@ -54,12 +48,11 @@ from dask_otel.span_context import child_context, dask_span_context, root_span
 
 if TYPE_CHECKING:
     from distributed import Scheduler
-    from distributed.scheduler import TaskGroup
+    from distributed.scheduler import TaskGroup, TaskState
     from distributed.spans import Span, SpansSchedulerExtension
     from opentelemetry.sdk.trace import ReadableSpan
     from opentelemetry.trace import SpanContext
 
-    from dask_otel.annotation import BlockExit
     from dask_otel.config import OtelConfig
     from dask_otel.export.sink import SpanSink
     from dask_otel.scheduler.outcomes import Outcomes
@@ -77,48 +70,35 @@ _GROUP = attrgetter("group")
 
 
 class SpanMirror:
-    """Watches the scheduler's SpansSchedulerExtension and exports each Dask span
-    and each batch of a TaskGroup once it has finished.
+    """Watches the scheduler's SpansSchedulerExtension: exports each Dask span and
+    each batch of a TaskGroup once it has finished (traces on), and records each
+    root as a workflow run (metrics on). The plugin calls the ``observe_*``
+    methods from Dask's hooks, :meth:`poll` periodically, :meth:`flush` on close."""
 
-    The scheduler plugin calls the ``observe_*`` methods from Dask's hooks,
-    :meth:`poll` periodically, and :meth:`flush` on close.
-    """
-
-    #: The scheduler whose ``extensions["spans"]`` is mirrored
-    scheduler: Scheduler
-    #: Where the built spans go (the scheduler process's span processors)
-    sink: SpanSink
-    #: The scheduler's ``otel.*`` configuration
-    config: OtelConfig
-    #: What is open, a record per Dask span and a batch per TaskGroup
-    ledger: Ledger
-    #: Counters for the bridge's self-metrics (dask_otel.scheduler.metrics): spans
-    #: and TaskGroup batches handed to the SDK, dropped by the sampler, and groups
-    #: that got work after their export
-    mirrored: int
-    sampled_out: int
-    reopened: int
-    #: Whether the WARNING that Dask sent no code (otel.spans.code) was logged
-    told_no_code: bool
-    #: Task prefix name -> SpanContext of the latest sampled TaskGroup span
-    #: exported with it: the exemplar of that prefix's fine metrics
-    #: (:mod:`dask_otel.scheduler.metrics`), at most :data:`MAX_EXEMPLAR_PREFIXES`
-    latest_by_prefix: dict[str, SpanContext]
-    #: Where each finished root goes as a workflow run (set by the plugin; None: off)
-    outcomes: Outcomes | None = None
-
-    def __init__(self, scheduler: Scheduler, sink: SpanSink, config: OtelConfig):
+    def __init__(
+        self, scheduler: Scheduler, sink: SpanSink | None, config: OtelConfig,
+        outcomes: Outcomes | None = None,
+    ):
+        #: The scheduler whose ``extensions["spans"]`` is mirrored
         self.scheduler = scheduler
+        #: Where the built spans go (None: traces are off; nothing is built)
         self.sink = sink
         self.config = config
+        #: Where each finished root goes as a workflow run (None: metrics are off)
+        self.outcomes = outcomes
+        #: What is open, a record per Dask span and a batch per TaskGroup
         self.ledger = Ledger()
-        self.mirrored = self.sampled_out = self.reopened = 0
+        #: Spans and TaskGroup batches handed to the SDK and dropped by the sampler
+        #: (self-metrics, dask_otel.scheduler.metrics)
+        self.mirrored = self.sampled_out = 0
+        #: Whether the WARNING that Dask sent no code (otel.spans.code) was logged
         self.told_no_code = False
-        #: Per poll: fine metrics and heads of the Dask spans it exports
-        #: something of, worked out once
+        #: Task prefix -> SpanContext of the latest sampled TaskGroup span of it: the
+        #: exemplar of that prefix's fine metrics, at most MAX_EXEMPLAR_PREFIXES
+        self.latest_by_prefix: dict[str, SpanContext] = {}
+        #: Per poll: fine metrics and heads of the Dask spans it exports something of
         self._metrics: dict[str, SpanMetrics] = {}
         self._heads: dict[str, SpanHead] = {}
-        self.latest_by_prefix = {}
         self._random = random.Random()
         if (ext := self.extension) is not None:
             self.ledger.follow_running(ext)  # instrumented while running
@@ -137,14 +117,11 @@ class SpanMirror:
                 self.ledger.open_span(span)
 
     def observe_graph(self, keys: Iterable[Hashable], client: str | None = None) -> None:
-        """Open the TaskGroups of a graph that just reached the scheduler.
-
-        Called from ``SchedulerPlugin.update_graph``, after Dask attached the tasks
-        to their spans and before they run (new tasks are still ``released``). A
-        group that is not open and has tasks from before this graph was exported
-        (or ran before the bridge started): it opens again as a new batch, which is
-        exported only if some task runs or errs in it.
-        """
+        """Open the TaskGroups of a graph that just reached the scheduler
+        (``update_graph``: Dask attached its tasks to their spans; new ones are
+        still ``released``). A group exported before opens again as a new batch,
+        under the Dask span its tasks were submitted in (the TaskGroup collision
+        keeps them on the group's first span), exported only if some task runs."""
         ext = self.extension
         if ext is None:
             return
@@ -158,6 +135,8 @@ class SpanMirror:
         first = dict(zip(reversed(groups), reversed(tss)))
         in_graph: Counter[TaskGroup] | None = None
         rerun: dict[TaskGroup, int] | None = None
+        later: list[tuple[TaskGroup, TaskState, Span]] = []
+        fresh: Span | None = None  # the span of the graph's new groups
         for tg, ts in first.items():
             if tg in ledger.groups or tg.span_id is None:
                 continue
@@ -165,37 +144,57 @@ class SpanMirror:
             if span is None:
                 continue
             states = tg.states
-            total = sum(states.values())
             if in_graph is None:
                 in_graph = Counter(groups)
-            if not tg.stop and states.get("released", 0) == total == in_graph[tg]:
+            if not tg.stop and states.get("released", 0) == sum(states.values()) == in_graph[tg]:
                 # A new group: every task released, and in this graph
                 ledger.open_group(tg, GroupBatch(span))
+                self._read_annotation(ts, span, client)
+                fresh = span
             else:
-                if rerun is None:  # tasks of each group this graph (re)runs
-                    rerun = Counter(g for g, t in zip(groups, tss) if t.state == "released")
-                ledger.open_group(tg, GroupBatch.reopened(tg, span, rerun[tg]))
-            ledger.observe_annotation(ts, client)
+                later.append((tg, ts, span))
+        for tg, ts, own in later:
+            span = self._submitted_in(ts, own, fresh)
+            if span is None:
+                continue  # no open span to lie inside (all its spans exported)
+            if rerun is None:  # tasks of each group this graph (re)runs
+                rerun = Counter(g for g, t in zip(groups, tss) if t.state == "released")
+            ledger.open_group(tg, GroupBatch.reopened(tg, span, own, rerun[tg]))
+            self._read_annotation(ts, span, client)
+
+    def _submitted_in(self, ts: TaskState, own: Span, fresh: Span | None) -> Span | None:
+        """The open Dask span the tasks of a later batch were submitted in: the
+        innermost ``dask_otel.span`` block of their annotation, else the span of
+        the graph's new groups, else the group's own span; None if none is open
+        (Dask made no span of where they were submitted: nothing to lie inside)"""
+        records = self.ledger.records
+        entered = entered_times(otel_of(ts.annotations))
+        for span_id in (list(entered)[-1] if entered else None, fresh and fresh.id, own.id):
+            if (record := records.get(span_id)) is not None:  # type: ignore[arg-type]
+                return record.span
+        return None
+
+    def _read_annotation(self, ts: TaskState, span: Span, client: str | None) -> None:
+        ledger = self.ledger
+        ledger.observe_annotation(ts, client)
+        if ts.dependencies and self.sink is not None:
             record = ledger.records.get(span.id)
-            if record is None:
-                # New work on a span that was already exported: its groups are
-                # still exported as its children; the span itself is not again.
-                self.reopened += 1
-            elif ts.dependencies:
+            if record is not None:
                 # Links to the spans of other traces that produced its inputs
                 links = record.links if record.links is not None else {}
-                producer_links(ts, root_span(span), ext, links, self.sink.sampler)
+                producer_links(ts, root_span(span), self.extension, links, self.sink.sampler)
                 record.links = links or None
 
-    def observe_erred(self, key: Hashable, failed: float, started: float = 0.0) -> None:
-        """A task erred at ``failed`` (having started to run at ``started``, 0 if
-        it did not run): count it for its open group and open spans (Dask's own
-        state counts forget it once the client releases the future), and let its
-        group and span end no earlier"""
+    def observe_erred(self, key: Hashable, startstops: Any) -> None:
+        """A task erred: count it for its open group and spans (Dask's state counts
+        forget it once the future is released), which end no earlier than it
+        failed; its root's run erred"""
         ts = self.scheduler.tasks.get(key)
         ext = self.extension
         if ts is None or ext is None:
             return
+        # A task that ran and failed: the worker sent its startstops
+        started, failed = failure_time(startstops)
         tg = ts.group
         kind = error_type(ts, self.scheduler.allowed_failures)
         if (batch := self.ledger.groups.get(tg)) is not None:
@@ -205,24 +204,28 @@ class SpanMirror:
         if span is not None and (record := records.get(span.id)) is not None:
             sent = batch.sent if batch is not None else 0.0
             record.end_no_earlier(observed(failed, sent, time()))
+        subtree = self.config.span_totals == "subtree"
+        counted = False
         while span is not None:
-            if (record := records.get(span.id)) is not None:
+            record = records.get(span.id)
+            if record is not None and (subtree or not counted):
                 record.count_erred(kind)
-            if self.config.span_totals == "own":
-                break
+            counted = True
+            if span.parent is None and record is not None:
+                record.run_erred = True
             span = span.parent
 
     def observe_sent(self, key: Hashable) -> None:
-        """The scheduler sends a task to a worker (``processing``): the first of
-        its batch bounds the batch's start. Per task: two lookups, one test."""
+        """The scheduler sends a task to a worker: the first of its batch bounds
+        the batch's start. Per task: two lookups, one test."""
         ts = self.scheduler.tasks.get(key)
         if ts is not None and (batch := self.ledger.groups.get(ts.group)) is not None:
             if not batch.sent:
                 batch.sent = time()
 
     def observe_received(self, key: Hashable) -> None:
-        """The scheduler hears a task finished or failed (it leaves
-        ``processing``): the last of its batch bounds the batch's end"""
+        """The scheduler hears a task finished or failed: the last of its batch
+        bounds the batch's end"""
         ts = self.scheduler.tasks.get(key)
         if ts is not None and (batch := self.ledger.groups.get(ts.group)) is not None:
             batch.received = time()
@@ -234,27 +237,22 @@ class SpanMirror:
         blocks.observe_exit(self.ledger, ext.spans if ext is not None else {}, msg, time())
 
     def observe_client_leaving(self, client: str, left: float) -> None:
-        """A client left the scheduler at ``left``: the blocks it had open wait
-        for their exit (:data:`~dask_otel.scheduler.blocks.CLIENT_GONE_GRACE`)"""
         blocks.observe_client_leaving(self.ledger, client, left)
 
-    def observe_client_gone(self, client: str) -> list[SpanRecord]:
-        """The blocks a client left open are over: their records"""
-        return blocks.observe_client_gone(self.ledger, client)
+    def observe_client_gone(self, client: str) -> None:
+        blocks.observe_client_gone(self.ledger, client)
 
     def observe_worker_lost(self, span_id: str, attributes: dict[str, Any], when: int) -> None:
-        """A worker computing for, or holding results of, Dask span ``span_id`` was
-        lost at ``when`` (ns): a ``dask.worker.lost`` event on it, if it is open
-        (:mod:`dask_otel.scheduler.events`)"""
+        """A worker working for Dask span ``span_id`` was lost at ``when`` (ns): a
+        ``dask.worker.lost`` event on it, if it is open"""
         if (record := self.ledger.records.get(span_id)) is not None:
             record.add_event(WORKER_LOST, attributes, when)
 
     # --- when to export ------------------------------------------------------------
 
     def poll(self) -> bool:
-        """Export the open spans and groups that are finished, on the event loop,
-        for at most ``POLL_BUDGET`` seconds: True if there is more to do (the
-        plugin then polls again on the next turn of the loop)."""
+        """Export the open spans and groups that are finished, for at most
+        ``POLL_BUDGET`` seconds: True if there is more to do (next loop turn)"""
         self.observe_new_spans()
         ledger = self.ledger
         now = time()
@@ -303,7 +301,8 @@ class SpanMirror:
         for span_id, block in blocks.due_empty_blocks(
             self.ledger, ext.spans if ext is not None else {}, heard_before
         ):
-            self._export(self.empty_block_of, span_id, block)
+            if self.sink is not None:
+                self._export(blocks.empty_block_span, self.ledger, self.sink, span_id, block)
 
     def flush(self) -> None:
         """Export everything still open, finished or not (the scheduler is closing)"""
@@ -323,18 +322,15 @@ class SpanMirror:
             self._heads.clear()
 
     def _export(self, export: Any, *args: Any, **kwargs: Any) -> None:
-        """Build a span with ``export`` and hand it to the SDK. Telemetry must never
-        take the scheduler down: a span that cannot be mirrored is logged and
-        dropped."""
+        """Build a span with ``export`` and hand it to the SDK; one that cannot be
+        mirrored is logged and dropped (never raises into the scheduler)"""
         try:
             span = export(*args, **kwargs)
             if span is False:
                 self.sampled_out += 1
             elif span is not None:
-                self.sink.emit(span)
+                self.sink.emit(span)  # type: ignore[union-attr]
                 self.mirrored += 1
-                if export == self.group_span_of:
-                    _remember_exemplar(self.latest_by_prefix, args[0].prefix.name, span)
         except Exception:
             logger.exception("dask_otel: could not mirror %r; dropped", args[0])
 
@@ -342,30 +338,31 @@ class SpanMirror:
 
     def span_of(
         self, record: SpanRecord, stop: float, unfinished: bool = False
-    ) -> ReadableSpan | bool:
-        """Take an open Dask span's record and build its OTel span, with the ids
-        derived from its UUID; False, keeping nothing, if the sampler drops its
-        trace (and so its parent's)."""
+    ) -> ReadableSpan | bool | None:
+        """Take an open Dask span's record, end its parent no earlier, record a
+        root's run, and build its OTel span; False if the sampler drops its trace,
+        None if traces are off. Keeps nothing."""
         span = record.span
         head = self._head(span)  # before the record goes: the root's caller
-        self.ledger.take_span(record)
+        ledger = self.ledger
+        ledger.take_span(record)
         end = max(stop, record.end, head.start)
-        if span.parent is None and self.outcomes is not None:  # dask.workflow.*
-            self.outcomes.observe_root(record, head, end, unfinished)
+        parent = span.parent
+        parent_record = ledger.records.get(parent.id) if parent is not None else None
+        if parent is None and self.outcomes is not None:  # dask.workflow.*
+            self.outcomes.record_run(record, head.context, head.start, end, unfinished)
         if head.context is None:
-            return False
+            if parent_record is not None:
+                parent_record.end_no_earlier(end)
+            return None if self.sink is None else False
         own = Totals.own(span, self._span_metrics(span))
         subtree = own
         if record.folded is not None:  # sub-spans exported before, summed
             subtree = record.folded
             subtree.add(own)
-        parent = span.parent
-        if parent is not None:
-            if (parent_record := self.ledger.records.get(parent.id)) is not None:
-                parent_record.fold(subtree, end)
-            parent_context = self._head(parent).context
-        else:
-            parent_context = record.remote_parent
+        if parent_record is not None:
+            parent_record.fold(subtree, end)
+        parent_context = self._head(parent).context if parent is not None else record.remote_parent
         config = self.config
         sums = config.span_totals == "subtree"
         figures = span_figures(span, subtree if sums else own, end, sums, config.export_code)
@@ -376,42 +373,45 @@ class SpanMirror:
         )
 
     def group_span_of(self, tg: TaskGroup, batch: GroupBatch) -> ReadableSpan | bool | None:
-        """Build the OTel span of a batch of a TaskGroup, a child of its Dask span's,
-        from its first task's start (a later batch: from when its graph arrived)
-        to when its last task finished or failed, clamped into the Dask span's
-        start. False if the sampler drops the trace, None if nothing ran in a
-        later batch; keeps nothing about the group either way."""
+        """Build the OTel span of a batch of a TaskGroup, a child of its Dask span's
+        (which then ends no earlier), from its first task's start (a later batch:
+        its graph's arrival) to its last task's end. False if the sampler drops
+        the trace, None if traces are off or nothing ran. Keeps nothing."""
         span = batch.span
-        prefix_metrics = self._span_metrics(span).by_prefix.get(tg.prefix.name, {})
-        counts = batch.attributes(tg, prefix_metrics)
-        if counts is None:
-            return None
         head = self._head(span)
-        if head.context is None:
-            return False
+        counts = None
+        if head.context is not None:
+            # Dask's fine metrics of its tasks: of the group's own Dask span
+            own = self.extension.spans.get(tg.span_id, span)  # type: ignore[union-attr]
+            prefix_metrics = self._span_metrics(own).by_prefix.get(tg.prefix.name, {})
+            if (counts := batch.attributes(tg, prefix_metrics)) is None:
+                return None
         start = max(batch.start(tg) or span.enqueued, head.start)
         end = max(batch.end(tg) if group_done(tg) else time(), start)
         if (record := self.ledger.records.get(span.id)) is not None:
             # The Dask span ends no earlier than the scheduler heard of the
             # group's last task: every task, as its worker saw it, lies inside
             record.end_no_earlier(max(end, batch.received))
+        if counts is None:
+            return None if self.sink is None else False
         context = child_context(head.context, self._random.getrandbits(64) or 1)
+        latest, prefix = self.latest_by_prefix, tg.prefix.name
+        if prefix in latest or len(latest) < MAX_EXEMPLAR_PREFIXES:  # bounded
+            latest[prefix] = context  # the exemplar of the prefix's fine metrics
         return builder.taskgroup_span(self.sink, tg, batch, head, context, counts, start, end)
 
-    def empty_block_of(self, span_id: str, block: BlockExit) -> ReadableSpan | bool:
-        """The OTel span of a block that ran no task (:mod:`dask_otel.scheduler.blocks`)"""
-        return blocks.empty_block_span(self.ledger, self.sink, span_id, block)
-
     def context_of(self, span_id: str) -> SpanContext | None:
-        """The OTel SpanContext of a Dask span, open or exported (None: unknown or
-        sampled out). Not cached: for Dask's rare events (scheduler.events)."""
+        """The OTel SpanContext of a Dask span, open or exported (None: unknown,
+        sampled out, or traces off); for Dask's rare events"""
         ext = self.extension
         span = ext.spans.get(span_id) if ext is not None else None
         return self._context(span) if span is not None else None
 
     def _context(self, span: Span) -> SpanContext | None:
-        """The sampled OTel SpanContext of a Dask span (None: sampled out): one
-        decision per trace, the same in every process (``trace_sampled``)"""
+        """The sampled OTel SpanContext of a Dask span (None: sampled out or traces
+        off): one decision per trace, the same in every process"""
+        if self.sink is None:
+            return None
         root = root_span(span)
         context = dask_span_context(
             root.id, span.id, str(root.name[0]), self.ledger.remote_parent(root.id),
@@ -436,21 +436,9 @@ class SpanMirror:
         return head
 
 
-def _remember_exemplar(latest: dict[str, SpanContext], prefix: str, span: ReadableSpan) -> None:
-    """Keep a sampled TaskGroup span's context as its prefix's latest"""
-    context = span.get_span_context()
-    if context is None or not context.trace_flags.sampled:
-        return
-    if prefix not in latest and len(latest) >= MAX_EXEMPLAR_PREFIXES:
-        return  # bounded: as many prefixes as fine-metric series at most
-    latest[prefix] = context
-
-
 def _tell_no_code(name: str) -> bool:
-    """With ``otel.spans.code``: one WARNING when a Dask span has no code. The
-    client sends code with each graph only if its
-    ``distributed.diagnostics.computations.nframes`` is above 0 (Dask's default
-    is 0), a key read in the client's process, not here."""
+    """With ``otel.spans.code``: one WARNING when a Dask span has no code (a
+    client key, read in the client's process)"""
     logger.warning(
         "dask_otel: otel.spans.code is true but Dask span %r has no code: "
         "Dask records it only when distributed.diagnostics.computations.nframes "

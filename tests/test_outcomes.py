@@ -89,6 +89,68 @@ def test_an_ok_run_and_an_erred_run_carry_exemplars_of_their_traces(monkeypatch)
     assert 0 < last.value <= roots["nightly-etl"].duration + 1e-6
 
 
+def test_with_traces_off_runs_and_durations_are_still_recorded(monkeypatch):
+    """A Prometheus-only user (OTEL_TRACES_EXPORTER=none), worker processes: an
+    ok run whose only task runs 0.4 s in a sub-span, and an erred run, are
+    counted, the ok run's duration no shorter than its sub-span's task; no span
+    is exported and status() says traces are off"""
+    config = {**CONFIG, "otel.traces.exporter": None, "otel.metrics.workflows": ["nightly-*"]}
+    with OTLPReceiver("grpc") as receiver:
+        set_otel_env(monkeypatch, {**receiver.env(), **ENV, "OTEL_TRACES_EXPORTER": "none"})
+        with otel_cluster(config, processes=True, n_workers=1) as (client, _):
+            with span("nightly-etl"), span("load"):
+                client.submit(slow, 1, 0.4).result()
+            with span("nightly-score"), pytest.raises(ValueError):
+                client.submit(fail, 1).result()
+            receiver.wait_for(
+                lambda r: runs(r) == {("nightly-etl", "ok"): 1, ("nightly-score", "erred"): 1},
+                timeout=30,
+            )
+            status = dask_otel.status(client)["scheduler"]
+    assert (status["traces"], status["metrics"]) == (False, True)
+    (etl,) = [p for p in receiver.metric_points("dask.workflow.duration")
+              if p.attributes["dask.workflow.name"] == "nightly-etl"][-1:]
+    assert etl.count == 1 and etl.value >= 0.4
+    assert not receiver.spans()
+
+
+def test_the_duration_is_the_root_spans_from_the_blocks_entry(monkeypatch):
+    """dask.workflow.duration is the root OTel span's duration: from the block's
+    entry (0.3 s before its first task) to its end, so no shorter than what the
+    client saw inside the block"""
+    config = {**CONFIG, "otel.metrics.workflows": ["nightly-*"]}
+    with OTLPReceiver("grpc") as receiver:
+        set_otel_env(monkeypatch, {**receiver.env(), **ENV})
+        with otel_cluster(config, n_workers=1) as (client, _):
+            with dask_otel.span("nightly-etl"):
+                inside = time.time()
+                time.sleep(0.3)
+                client.submit(slow, 1, 0.1).result()
+                inside = time.time() - inside
+            receiver.wait_for(lambda r: runs(r) == {("nightly-etl", "ok"): 1}, timeout=30)
+            (root,) = receiver.wait_for(lambda r: r.spans("nightly-etl"), timeout=30)
+    (point,) = receiver.metric_points("dask.workflow.duration")[-1:]
+    assert point.count == 1
+    assert point.value == pytest.approx(root.duration, abs=1e-5)
+    assert point.value >= inside
+
+
+def test_an_erred_task_in_a_sub_span_errs_the_run_with_own_totals(monkeypatch):
+    """otel.spans.totals: own: the root's own span counts no erred task, its run
+    is ``erred`` all the same"""
+    config = {**CONFIG, "otel.spans.totals": "own", "otel.metrics.workflows": ["nightly-*"]}
+    with OTLPReceiver("grpc") as receiver:
+        set_otel_env(monkeypatch, {**receiver.env(), **ENV})
+        with otel_cluster(config, n_workers=1) as (client, _):
+            with span("nightly-score"):
+                client.submit(inc, 1).result()
+                with span("step"), pytest.raises(ValueError):
+                    client.submit(fail, 1).result()
+            receiver.wait_for(lambda r: runs(r) == {("nightly-score", "erred"): 1}, timeout=30)
+            (root,) = receiver.wait_for(lambda r: r.spans("nightly-score"), timeout=30)
+    assert "dask.tasks.erred" not in root.attributes
+
+
 def test_a_root_named_by_its_annotation_keeps_its_name_and_others_are_other(monkeypatch):
     """A root whose tasks say ``workflow: True`` in their otel annotation (what
     ``dask_otel.span(..., workflow=True)`` writes) is named; one that does not, and
@@ -256,7 +318,7 @@ def test_prometheus_names_through_a_collector():
     from tests.support.deploy_checks import collector_prometheus_name
 
     reader = InMemoryMetricReader()
-    outcomes = Outcomes(None, MeterProvider(metric_readers=[reader]), {})  # type: ignore[arg-type]
+    outcomes = Outcomes(MeterProvider(metric_readers=[reader]), {})  # type: ignore[arg-type]
     outcomes.instruments.runs.add(1)
     outcomes.instruments.duration.record(1.0)
     outcomes.worker_removed("lost")
@@ -274,7 +336,7 @@ def test_prometheus_names_through_a_collector():
 
 def test_names_past_the_limit_are_other():
     """At most MAX_WORKFLOW_NAMES names; a name given keeps its series"""
-    outcomes = Outcomes(None, MeterProvider(), {})  # type: ignore[arg-type]
+    outcomes = Outcomes(MeterProvider(), {})  # type: ignore[arg-type]
     names = [outcomes.workflow_name(f"etl-{i}", named=True) for i in range(MAX_WORKFLOW_NAMES + 5)]
     assert names[:MAX_WORKFLOW_NAMES] == [f"etl-{i}" for i in range(MAX_WORKFLOW_NAMES)]
     assert set(names[MAX_WORKFLOW_NAMES:]) == {OTHER}

@@ -652,30 +652,53 @@ def test_erred_only_default_span_ends_when_its_tasks_failed(cluster):
     assert_well_formed(mirrored.spans())
 
 
-def test_taskgroup_work_after_its_export_is_one_new_child(cluster):
+def test_taskgroup_work_after_its_export_is_a_new_child_of_the_span_it_was_submitted_in(
+    cluster,
+):
     """``client.submit(f, x)`` without key= puts every call of f in TaskGroup f,
-    attached to the first span (Dask's TaskGroup collision): the second call,
-    after the first was exported, is a new child covering only itself"""
+    which Dask keeps on the first span (the TaskGroup collision): the second
+    call, after the first span was exported, is a new batch covering only
+    itself, a child of span B, where it was submitted, inside it"""
     client, mirrored = cluster
     with span("A") as a_id:
         first = client.submit(inc, 1)
         first.result()
     a = mirrored.by_dask_id(a_id)
     wait_until(lambda: mirrored.children(a))
-    time.sleep(0.3)  # the group was exported, and forgotten
-    with span("B"):
-        second = client.submit(inc, 2)
+    with span("B") as b_id:  # one graph: inc (A's group) and B's own group
+        doubled = dask.delayed(double)(dask.delayed(inc)(2), dask_key_name="double-b")
+        second = client.compute(doubled)
         second.result()
-    groups = wait_until(lambda: len(c := mirrored.children(a)) == 2 and c)
-    assert [g.name for g in groups] == ["taskgroup/inc", "taskgroup/inc"]
-    assert [g.attributes["dask.tasks.total"] for g in groups] == [1, 1]
-    assert [g.attributes["dask.tasks.memory"] for g in groups] == [1, 1]
-    assert groups[1].start_time >= groups[0].end_time
-    assert all(g.attributes["dask.duration"] > 0 for g in groups)
+    b = mirrored.by_dask_id(b_id)
+    assert [g.name for g in mirrored.children(a)] == ["taskgroup/inc"]
+    groups = wait_until(lambda: len(c := mirrored.children(b)) == 2 and c)
+    assert [g.name for g in groups] == ["taskgroup/inc", "taskgroup/double-b"]
+    assert groups[0].attributes["dask.tasks.total"] == 1
+    assert groups[0].attributes["dask.duration"] > 0
     del first, second
     time.sleep(0.5)  # more polls: nothing is exported twice
-    assert len(mirrored.children(a)) == 2
-    assert_well_formed(mirrored.spans())
+    assert len(mirrored.children(a)) == 1 and len(mirrored.children(b)) == 2
+    assert_span_tree(mirrored.spans(), ends="inside")
+
+
+def test_a_later_batch_with_no_open_span_to_lie_in_is_not_exported(cluster):
+    """All of B's tasks join a group of A, exported: Dask makes no span of B, so
+    there is no span the batch could lie inside; it is not exported (never under
+    A, which ended before it ran)"""
+    client, mirrored = cluster
+    with span("A") as a_id:
+        first = client.submit(inc, 1)
+        first.result()
+    a = mirrored.by_dask_id(a_id)
+    wait_until(lambda: mirrored.children(a))
+    with span("B"):
+        client.submit(inc, 2).result()
+    client.submit(double, 3, key="double-after").result()  # a poll after B's tasks
+    wait_until(lambda: any(s.name == "taskgroup/double-after" for s in mirrored.spans()))
+    time.sleep(0.5)
+    assert [g.name for g in mirrored.children(a)] == ["taskgroup/inc"]
+    assert_span_tree(mirrored.spans(), ends="inside")
+    del first
 
 
 def test_all_erred_group_given_new_work_is_exported_once_per_batch(cluster):
@@ -685,17 +708,83 @@ def test_all_erred_group_given_new_work_is_exported_once_per_batch(cluster):
         wait(bad)
     a = mirrored.by_dask_id(a_id)
     wait_until(lambda: mirrored.children(a))
-    time.sleep(0.3)
-    with span("B"):
-        worse = client.submit(fail, 5)
+    with span("B") as b_id:  # one graph: fail (A's group) and B's own group
+        worse = client.compute([dask.delayed(fail)(5), dask.delayed(inc)(1, dask_key_name="inc-b")])
         wait(worse)
-    groups = wait_until(lambda: len(c := mirrored.children(a)) == 2 and c)
+    b = mirrored.by_dask_id(b_id)
+    groups = [*mirrored.children(a), *wait_until(lambda: len(c := mirrored.children(b)) == 2 and c)]
+    groups = [g for g in groups if g.name == "fail"]
     assert [g.attributes["dask.tasks.total"] for g in groups] == [2, 1]
     assert [g.attributes["dask.tasks.erred"] for g in groups] == [2, 1]
     assert all(g.status.status_code is StatusCode.ERROR for g in groups)
     time.sleep(0.5)
-    assert len(mirrored.children(a)) == 2
-    assert_well_formed(mirrored.spans())
+    assert len(mirrored.children(a)) == 1 and len(mirrored.children(b)) == 2
+    assert_span_tree(mirrored.spans(), ends="inside")
+
+
+def test_a_workflow_run_again_while_its_groups_live_puts_each_batch_in_its_own_run():
+    """Worker processes; the same two-stage workflow run twice in dask_otel.span
+    blocks, the first run's results still held (so Dask keeps its TaskGroups,
+    whose names the second run's keys share), the second run started after the
+    first was exported: every batch lies inside the run it was submitted in"""
+    stage = [("collide-load", i) for i in range(4)]
+    with otel_cluster(processes=True, n_workers=2) as (client, mirrored):
+        held = []
+        runs = []
+        for run in range(2):
+            with dask_otel.span("report") as run_id:
+                keys = [(k, v + 4 * run) for k, v in stage]
+                loaded = client.map(slow, range(4), delay=0.1, key=keys)
+                name = ("first", "second")[run]  # its own group, so Dask makes its span
+                held.append(client.submit(total, loaded, key=(f"report-{name}", 0)))
+                held[-1].result()
+            runs.append(mirrored.by_dask_id(run_id))  # exported before the next run
+        wait_until(lambda: len(mirrored.children(runs[1])) == 2)
+        for run, name in zip(runs, ("first", "second")):
+            names = sorted(g.name for g in mirrored.children(run))
+            assert names == ["collide-load", f"report-{name}"]
+        assert_span_tree(mirrored.spans(), ends="inside")
+
+
+def test_a_dataframe_workflow_run_twice_keeps_every_span_inside_its_parent():
+    """The user's shape: a dataframe workflow run twice on the same data in two
+    dask_otel.span blocks, on worker processes, the first run's result held so that
+    Dask still has its TaskGroups when the second starts (same tokens, same
+    TaskGroup names): every span received lies inside its parent"""
+    pd = pytest.importorskip("pandas")
+    dd = pytest.importorskip("dask.dataframe")
+    pdf = pd.DataFrame({"k": [i % 7 for i in range(4000)], "v": range(4000)})
+    df = dd.from_pandas(pdf, npartitions=8)
+    with otel_cluster(processes=True, n_workers=2) as (client, mirrored):
+        held, runs = [], []
+        for run in range(2):
+            with dask_otel.span("report") as run_id:
+                shuffled = df.shuffle("k").v
+                held.append(client.compute(shuffled.sum() if run == 0 else shuffled.max()))
+                held[-1].result()
+            runs.append(mirrored.by_dask_id(run_id))
+        wait_until(lambda: any(s.name == "max-tree" for s in mirrored.children(runs[1])))
+        time.sleep(1)  # every later batch exported
+        spans = mirrored.spans()
+        nodes = assert_span_tree(spans, ends="inside")
+        assert len(nodes) == len(spans)
+
+
+def test_a_span_waits_the_export_delay_after_its_block_exit_whatever_its_groups():
+    """otel.spans.export-delay holds for a Dask span itself: its block is left after
+    its TaskGroup was exported (the group's own wait long over), and the span is
+    still not exported 1.2 s after the exit (workers heartbeat every 0.5 s: the
+    metrics wait alone would let it go), then it is, ending at the exit"""
+    with otel_cluster({"otel.spans.export-delay": "2s"}) as (client, mirrored):
+        with dask_otel.span("late-exit") as sid:
+            client.submit(inc, 1, key="late-exit-0").result()
+            wait_until(lambda: any(s.name == "late-exit" and s.parent for s in mirrored.spans()))
+            exited = time.time()
+        time.sleep(1.2)
+        _, span_id = dask_span_ids(sid)
+        assert not [s for s in mirrored.spans() if s.context.span_id == span_id]
+        late = mirrored.by_dask_id(sid)
+    assert late.end_time / 1e9 >= exited
 
 
 def test_requesting_finished_tasks_again_exports_nothing(cluster):

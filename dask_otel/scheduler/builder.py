@@ -1,14 +1,7 @@
-"""What the mirror recorded -> finished OpenTelemetry spans: the corridor's last
-stop before the SDK.
-
-Pure functions: each takes a record (:class:`~dask_otel.scheduler.record.SpanRecord`
-or :class:`~dask_otel.scheduler.record.GroupBatch`), the :class:`SpanHead` and the
-numbers the mirror worked out (:mod:`dask_otel.scheduler.totals`), and returns a
-``ReadableSpan`` built by the :class:`~dask_otel.export.sink.SpanSink`. They keep
-nothing, decide nothing about *when* (the mirror's, :mod:`dask_otel.spans`), and
-call nothing of the modules before them: their only way out is the sink
-(``tests/test_layout.py`` holds them to it). Cost: one dict of attributes per
-span, plus a tuple per event or link. What each attribute means: docs/traces.md.
+"""What the mirror recorded -> finished OpenTelemetry spans: the corridor's last stop
+before the SDK. Pure functions of a record, its :class:`SpanHead` and the numbers the
+mirror worked out; their only way out is the sink (``tests/test_layout.py``).
+What each attribute means: docs/traces.md.
 """
 
 from __future__ import annotations
@@ -37,13 +30,9 @@ TASKGROUP_SPAN_NAME = "taskgroup/{}"
 def erred_status(
     attributes: dict[str, Any], erred: int, error_type: str | None = None
 ) -> Status | None:
-    """Record the erred count and ``error.type`` (the first erred task's,
-    :func:`~dask_otel.scheduler.totals.error_type`) in ``attributes`` and return
-    the ERROR status, if any task erred.
-
-    ``erred`` counts the erred transitions the mirror saw; the state count alone
-    would miss tasks whose futures the client released before the export.
-    """
+    """Record the erred count (the transitions the mirror saw, or the state
+    count) and ``error.type`` in ``attributes`` and return the ERROR status, if
+    any task erred"""
     erred = max(erred, attributes.get(attr.TASKS_ERRED, 0))
     if not erred:
         return None
@@ -68,10 +57,9 @@ def dask_span(
     first_task: float,
     unfinished: bool = False,
 ) -> ReadableSpan:
-    """The OTel span of an open Dask span's ``record`` (``head.context`` must be
-    sampled), from ``head.start`` to ``end``, with its ``figures``
-    (:func:`~dask_otel.scheduler.totals.span_figures`) and a
-    ``dask.first_task_start`` event at ``first_task`` (0: no task started)"""
+    """The OTel span of an open Dask span's ``record`` (sampled), from
+    ``head.start`` to ``end``, with its ``figures`` and a ``dask.first_task_start``
+    event at ``first_task`` (0: no task started)"""
     start = head.start
     attributes = {attr.SPAN_ID: record.span.id, attr.SPAN_NAME: head.tags, **figures}
     if unfinished:
@@ -105,8 +93,8 @@ def empty_block_span(
     start: float,
     end: float,
 ) -> ReadableSpan:
-    """The OTel span of a ``dask_otel.span`` block that ran no task: Dask made no
-    span of it, so only its ids, tags and the client's entry and exit are known"""
+    """The OTel span of a ``dask_otel.span`` block that ran no task: only its ids,
+    tags and the client's entry and exit are known"""
     attributes = {attr.SPAN_ID: dask_id, attr.SPAN_NAME: tags, attr.TASKS_TOTAL: 0}
     return sink.span(name, context, parent, start, end, attributes)
 
@@ -122,8 +110,7 @@ def taskgroup_span(
     end: float,
 ) -> ReadableSpan:
     """The OTel span of one ``batch`` of a TaskGroup, with ``context``, a child
-    of its Dask span's (``head.context``): ``counts`` are the batch's task
-    counts, bytes, duration and fine metrics (``GroupBatch.attributes``)"""
+    of its Dask span's, with its ``counts`` (``GroupBatch.attributes``)"""
     attributes = {
         attr.SPAN_ID: batch.span.id,
         attr.SPAN_NAME: head.tags,

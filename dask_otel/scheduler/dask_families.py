@@ -1,6 +1,6 @@
-"""The scheduler's share of Dask's own families (``otel.metrics.dask``): the
-collectors its ``/metrics`` serves from (Dask's ``COLLECTORS``), through
-:mod:`dask_otel.export.dask_families`. docs/metrics.md#dasks-own-families
+"""The scheduler's share of Dask's own families (``otel.metrics.dask``): Dask's
+``COLLECTORS`` through the adapter :mod:`dask_otel.export.dask_families`. Imported
+only where prometheus_client is installed. docs/metrics.md#dasks-own-families
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ if TYPE_CHECKING:
 
 
 class SchedulerFamilies(DaskFamilies):
-    """Exports one scheduler's Dask families until :meth:`close`"""
+    """Exports one scheduler's Dask families from now until :meth:`close`"""
 
     def __init__(self, scheduler: Scheduler, own: ServerTelemetry):
         # Dask's label sets exactly, beside the resource names the scheduler

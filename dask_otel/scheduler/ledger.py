@@ -1,17 +1,13 @@
-"""The ledger of what is open: which Dask spans and TaskGroup batches the mirror has
-seen and not yet exported, and which of them may be ready.
-
-Memory is proportional to what is open: a record is created when a span is first
-seen and deleted when it is taken for export; nothing is kept about what was
-exported, but for a bounded number of roots' callers (:data:`MAX_REOPENED_ROOTS`)
-and of block exits (:data:`MAX_PENDING_EXITS`). Opening and taking a span or a
-batch is a few dict operations; a poll looks only at :attr:`Ledger.leaves`. When
-a span is exported: docs/traces.md, "When a span is exported".
+"""The ledger of what is open: the Dask spans and TaskGroup batches the mirror has
+seen and not yet exported, and which of them may be ready (:attr:`Ledger.leaves`).
+Nothing is kept about what was exported but bounded tables of roots' callers and
+block exits. docs/traces.md, "When a span is exported".
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
 from itertools import islice
 from typing import TYPE_CHECKING, Any
 
@@ -22,6 +18,7 @@ from dask_otel.annotation import (
     otel_of,
     remote_parent,
     root_carrier,
+    workflow_named,
 )
 from dask_otel.scheduler.record import GroupBatch, SpanRecord
 from dask_otel.scheduler.totals import group_done, subtree_totals
@@ -44,47 +41,33 @@ MAX_PENDING_EXITS = 1024
 MAX_FORCED_ROOTS = 4096
 
 
+@dataclass(slots=True)
 class Ledger:
-    """Open Dask spans (a :class:`SpanRecord` each), open TaskGroup batches (a
-    :class:`GroupBatch` each), and the open spans with nothing open below them.
-    It writes only its own counts into a record (``open_children``,
-    ``open_groups``); what a hook learns goes through the record's methods."""
+    """Open Dask spans, open TaskGroup batches, and the open spans with nothing
+    open below them. It writes only its own counts into a record; what a hook
+    learns goes through the record's methods."""
 
     #: Open Dask spans, by id, in the order they were seen (parents first)
-    records: dict[str, SpanRecord]
+    records: dict[str, SpanRecord] = field(default_factory=dict)
     #: Open TaskGroup batches
-    groups: dict[TaskGroup, GroupBatch]
+    groups: dict[TaskGroup, GroupBatch] = field(default_factory=dict)
     #: The open spans with no open sub-span and no open TaskGroup batch: the only
-    #: ones that can be ready, so the only ones a poll looks at. 1,000
-    #: long-running workflows cost a poll nothing while their groups run.
-    leaves: dict[str, SpanRecord]
-    #: ``len(SpansSchedulerExtension.spans)`` when last looked at. Dask never
-    #: deletes a span and dicts keep insertion order, so the spans created since
-    #: are the ones past this count.
-    spans_seen: int
+    #: ones that can be ready, so the only ones a poll looks at
+    leaves: dict[str, SpanRecord] = field(default_factory=dict)
+    #: ``len(SpansSchedulerExtension.spans)`` when last looked at: Dask never
+    #: deletes a span, so the spans created since are the ones past this count
+    spans_seen: int = 0
     #: By exported root Dask span id: the caller's span it continues (None: none),
-    #: for work that comes under it later; at most :data:`MAX_REOPENED_ROOTS`,
-    #: oldest forgotten first
-    reopened_parents: dict[str, SpanContext | None]
+    #: for work that comes under it later; at most :data:`MAX_REOPENED_ROOTS`
+    reopened_parents: dict[str, SpanContext | None] = field(default_factory=dict)
     #: By Dask span id, the exits of ``dask_otel.span`` blocks whose span is not
-    #: open: ``(scheduler time heard, BLOCK_EXIT event as read)``, oldest
-    #: first, at most :data:`MAX_PENDING_EXITS`. A graph may reach the
-    #: scheduler after its block's exit (another connection); what is still
-    #: here ``otel.spans.export-delay`` later ran no task: an empty block.
-    pending_exits: dict[str, tuple[float, BlockExit]]
-    #: By root Dask span id: the client's ``sampled=`` for its trace, from the
-    #: first ``otel`` annotation of it that says one; at most
-    #: :data:`MAX_FORCED_ROOTS`, oldest forgotten first (then the sampler decides)
-    forced_roots: dict[str, bool]
-
-    def __init__(self) -> None:
-        self.records = {}
-        self.groups = {}
-        self.leaves = {}
-        self.spans_seen = 0
-        self.reopened_parents = {}
-        self.pending_exits = {}
-        self.forced_roots = {}
+    #: open: ``(scheduler time heard, BLOCK_EXIT event as read)``, oldest first,
+    #: at most :data:`MAX_PENDING_EXITS`. What is still here
+    #: ``otel.spans.export-delay`` later ran no task: an empty block.
+    pending_exits: dict[str, tuple[float, BlockExit]] = field(default_factory=dict)
+    #: By root Dask span id: the client's ``sampled=`` for its trace (the first
+    #: ``otel`` annotation that says one); at most :data:`MAX_FORCED_ROOTS`
+    forced_roots: dict[str, bool] = field(default_factory=dict)
 
     def new_spans(self, ext: SpansSchedulerExtension) -> list[Span]:
         """The Dask spans created since the last call, in creation order (a parent
@@ -115,7 +98,9 @@ class Ledger:
     def open_span(self, span: Span) -> SpanRecord:
         record = self.records[span.id] = self.leaves[span.id] = SpanRecord(span)
         if self.pending_exits and (pending := self.pending_exits.pop(span.id, None)):
-            record.left_block(pending[1][4])  # its block was left before its graph came
+            # its block was left before its graph came
+            block = pending[1]
+            record.left_block(block[4], None, block[0][0] == span.id and workflow_named(block[3]))
         parent = span.parent
         if parent is not None and (parent_record := self.records.get(parent.id)):
             parent_record.open_children += 1
@@ -157,50 +142,43 @@ class Ledger:
 
     def clear(self) -> None:
         """Forget everything (the scheduler is closing)"""
-        self.groups.clear()
-        self.records.clear()
-        self.leaves.clear()
-        self.reopened_parents.clear()
-        self.pending_exits.clear()
-        self.forced_roots.clear()
+        for table in (self.groups, self.records, self.leaves, self.reopened_parents,
+                      self.pending_exits, self.forced_roots):
+            table.clear()
 
     def pend_exit(self, span_id: str, heard: float, block: BlockExit) -> None:
-        if len(self.pending_exits) >= MAX_PENDING_EXITS:
-            del self.pending_exits[next(iter(self.pending_exits))]
-        self.pending_exits[span_id] = (heard, block)
+        _bounded_put(self.pending_exits, span_id, (heard, block), MAX_PENDING_EXITS, True)
 
     # --- what the client's annotation says ---------------------------------------
 
     def observe_annotation(self, ts: TaskState, client: str | None = None) -> None:
-        """Read the ``otel`` annotation that ``dask_otel.span`` put on a task of a
-        new graph (of ``client``): when its blocks were entered, and the caller's
-        span its root continues.
-
-        ``ts.annotations["span"]`` is the span of the task's group (Dask moves a
-        task onto the span of the first TaskGroup of its key prefix); the carrier
-        is taken for that root only if the annotation's own blocks include it
-        (:func:`dask_otel.annotation.root_carrier`), so a colliding task cannot
-        bring another workflow's caller.
-        """
+        """Read the ``otel`` annotation on a task of a new graph (of ``client``):
+        when its blocks were entered, the caller's span its root continues, and
+        whether its root is a named workflow. ``ts.annotations["span"]`` is the
+        span of the task's group (the TaskGroup collision may have moved it); the
+        carrier is taken only if the annotation's own blocks include that root
+        (:func:`dask_otel.annotation.root_carrier`)."""
         annotations = ts.annotations
         otel = otel_of(annotations)
-        entered = entered_times(otel)
-        span_annotation = annotations.get("span") if entered is not None else None
+        span_annotation = annotations.get("span") if otel is not None else None
         if not isinstance(span_annotation, Mapping) or not (ids := span_annotation.get("ids")):
             return  # none, or an "otel" annotation someone else made: not ours
+        if workflow_named(otel) and (root := self.records.get(ids[0])) is not None:
+            root.workflow = True
+        if (entered := entered_times(otel)) is None:
+            return
         announced = client if announces_exits(otel) else None
-        self.observe_entered(ids, entered, announced)  # type: ignore[arg-type]
-        if ids[0] in entered:  # type: ignore[operator]  # else a distributed.span root
+        self.observe_entered(ids, entered, announced)
+        if ids[0] in entered:  # else a distributed.span root
             self.observe_caller(ids[0], otel)
 
     def observe_entered(
         self, ids: Sequence[str], entered: Mapping[str, Any], client: str | None = None
     ) -> None:
         """Keep, for each open span of ``ids`` (root first), the earliest time a
-        block of it or of a span below it was entered (the ``otel`` annotation's
-        ``entered``): a parent then never starts after its children. With
-        ``client`` (whose graph it is, and whose blocks announce their exits),
-        a span whose own block is entered and not yet left waits for its exit."""
+        block of it or below it was entered: a parent never starts after its
+        children. With ``client`` (whose blocks announce their exits), a span
+        whose own block is open waits for its exit."""
         records = self.records
         earliest = float("inf")
         for span_id in reversed(ids):  # innermost first: ancestors take the minimum
@@ -215,33 +193,26 @@ class Ledger:
         """Keep the caller's span that root ``root_id`` continues, from the first
         ``otel`` annotation of it seen (open root) or seen since its export"""
         if (forced := forced_sampling(otel, root_id)) is not None:
-            self.remember_forced(root_id, forced)
+            _bounded_put(self.forced_roots, root_id, forced, MAX_FORCED_ROOTS)
         record = self.records.get(root_id)
         if record is None:
             if root_id not in self.reopened_parents:
-                carrier = root_carrier(otel, root_id)
-                self.remember_exported_root(root_id, remote_parent(carrier))
+                parent = remote_parent(root_carrier(otel, root_id))
+                _bounded_put(self.reopened_parents, root_id, parent, MAX_REOPENED_ROOTS)
         elif not record.carrier_read:
             record.observe_caller(remote_parent(root_carrier(otel, root_id)))
 
-    def started_at(self, span: Span) -> float:
-        """When a Dask span starts: ``Span.enqueued``, or earlier if a client entered
-        a ``dask_otel.span`` block of it, or of a span below it, before that (an
-        exported span's own entry is forgotten: ``Span.enqueued``)"""
-        record = self.records.get(span.id)
-        if record is None or record.entered is None:
-            return span.enqueued
-        return min(span.enqueued, record.entered)
-
     def span_start(self, span: Span) -> float:
-        """Where the OTel span of a Dask span starts: its own start, no earlier than
-        any ancestor's (as Dask clamps ``Span.start``), so that a child starts
-        within its parent; it walks the span's ancestors, never its subtree"""
-        start = self.started_at(span)
-        parent = span.parent
-        while parent is not None:
-            start = max(start, self.started_at(parent))
-            parent = parent.parent
+        """Where the OTel span of a Dask span starts: ``Span.enqueued``, or earlier
+        if a client entered a ``dask_otel.span`` block of it or below it before
+        that; no earlier than any ancestor's start (as Dask clamps ``Span.start``),
+        so that a child starts within its parent. Walks ancestors, never subtrees."""
+        start = 0.0
+        while span is not None:
+            record = self.records.get(span.id)
+            entered = record.entered if record is not None else None
+            start = max(start, span.enqueued if entered is None else min(span.enqueued, entered))
+            span = span.parent
         return start
 
     # --- callers of roots ----------------------------------------------------------
@@ -257,16 +228,12 @@ class Ledger:
         """The client's ``sampled=`` for root ``root_id``'s trace (None: none)"""
         return self.forced_roots.get(root_id) if self.forced_roots else None
 
-    def remember_forced(self, root_id: str, forced: bool) -> None:
-        if root_id in self.forced_roots:
-            return
-        if len(self.forced_roots) >= MAX_FORCED_ROOTS:
-            del self.forced_roots[next(iter(self.forced_roots))]
-        self.forced_roots[root_id] = forced
 
-    def remember_exported_root(self, root_id: str, parent: SpanContext | None) -> None:
-        if root_id in self.reopened_parents:
-            return
-        if len(self.reopened_parents) >= MAX_REOPENED_ROOTS:
-            del self.reopened_parents[next(iter(self.reopened_parents))]
-        self.reopened_parents[root_id] = parent
+def _bounded_put(table: dict, key: Any, value: Any, limit: int, replace: bool = False) -> None:
+    """Keep ``value`` (a first one only, unless ``replace``), the oldest entry
+    forgotten past ``limit``"""
+    if key in table and not replace:
+        return
+    if len(table) >= limit:
+        del table[next(iter(table))]
+    table[key] = value

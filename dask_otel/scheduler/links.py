@@ -1,22 +1,7 @@
-"""Span links across workflows: where a Dask span's inputs came from.
-
-When the tasks of a Dask span consume data that another workflow produced (a
-collection persisted under another root span and reused, a future from another
-``with span()`` block), the OTel span of the consuming Dask span carries a
-`span link <https://opentelemetry.io/docs/concepts/signals/traces/#span-links>`_
-to the OTel span of each producing Dask span, so that a trace view can jump from
-a workflow to the one that made its inputs. Producers in the same trace are not
-linked: the trace already shows them.
-
-Found on the scheduler in ``update_graph``, from the dependencies of one task of
-each TaskGroup the graph adds (the tasks of a group usually share their upstream
-groups; inputs that only other tasks of the group read are not seen), and kept
-for the consuming span until it is exported: at most :data:`MAX_LINKS` per Dask
-span, the first found. Each link's context is the producer's span context as the
-mirror exports it (its trace: its root's UUID, or the caller's trace its root
-continued), with the attributes ``dask.span.id`` and ``dask.span.name`` of the
-producing Dask span. Cost: a lookup per dependency of the one task looked at.
-How links show: docs/traces.md.
+"""Span links across workflows: the OTel span of a Dask span whose tasks consume
+data another trace produced links to each producing Dask span's (at most
+:data:`MAX_LINKS`, found in ``update_graph`` from one task of each new TaskGroup).
+docs/traces.md, "Links".
 """
 
 from __future__ import annotations
@@ -46,8 +31,8 @@ def producer_links(
     links: dict[str, Link],
     sampler: Sampler,
 ) -> None:
-    """Add to ``links`` (by producer Dask span id) a link to each Dask span, in
-    another trace than ``root``'s, that produced an input of task ``ts``"""
+    """Add to ``links`` a link to each Dask span in another trace than ``root``'s
+    that produced an input of task ``ts``"""
     for dep in ts.dependencies:
         if len(links) >= MAX_LINKS:
             return

@@ -1,21 +1,8 @@
-"""The scheduler's metrics: Dask's fine performance metrics, and the bridge's own.
-
-Workers measure where their time goes (``context_meter``) and send the totals to
-the scheduler with every heartbeat, which adds them up in
-``Scheduler.cumulative_worker_metrics`` (the "Fine Performance Metrics" dashboard
-shows the same numbers): they are exported as observable counters, one per Dask
-unit (``dask.activity.time``, ``.size``, ``.count``), read at collection time and
-so lagging the workers by up to a heartbeat. With ``otel.metrics.span-label`` the
-``execute`` and ``p2p`` contexts are read from the spans instead, each with its
-span's name (off by default: span names are user data, and every distinct one is
-a new series). Past :data:`MAX_SERIES` series per instrument and scheduler, the
-rest is summed here into one overflow series, before the SDK pays for each (the
-SDK's own limit is lifted for the bridge's instruments: docs/metrics.md#series-limits).
-
-The self-metrics (``dask.otel.*``) are for alerting on telemetry loss.
-
-:data:`SCHEDULER_METRICS` is the only place the instruments are named; what each
-means, its attributes, Prometheus names and example queries: docs/metrics.md.
+"""The scheduler's metrics: Dask's fine performance metrics
+(``Scheduler.cumulative_worker_metrics``, as observable counters, at most
+:data:`MAX_SERIES` series each) and the bridge's own (``dask.otel.*``).
+:data:`SCHEDULER_METRICS` is the only place they are named; what each means:
+docs/metrics.md.
 """
 
 from __future__ import annotations
@@ -44,46 +31,32 @@ if TYPE_CHECKING:
     from dask_otel.export.telemetry import ServerTelemetry, Telemetry
     from dask_otel.spans import SpanMirror
 
-CONTEXT = attr.ACTIVITY_CONTEXT
-TASK_PREFIX = attr.TASK_PREFIX
-WHERE = attr.ACTIVITY_WHERE
-ACTIVITY = attr.ACTIVITY
-SPAN_NAME = attr.SPAN_NAME
-EXPORTER = attr.OTEL_EXPORTER
-SIGNAL = attr.OTEL_SIGNAL
 
 
 def fine_metric_attributes(key: Hashable) -> tuple[str, dict[str, Any]] | None:
-    """``(dask unit, attributes)`` of one key of ``Scheduler.cumulative_worker_metrics``
-    or ``Span._cumulative_worker_metrics``: ``(context, [prefix or where...],
-    activity, unit)``. None for the other keys (``"latency"``, ``"tick-duration"``:
-    digests that are not fine performance metrics).
-    """
+    """``(dask unit, attributes)`` of a fine-metrics key ``(context, [prefix or
+    where...], activity, unit)``; None for other keys (``"latency"``...)"""
     if not isinstance(key, tuple) or len(key) < 3:
         return None
     context, *middle, activity, unit = key
-    attributes = {CONTEXT: str(context), ACTIVITY: str(activity)}
+    attributes = {attr.ACTIVITY_CONTEXT: str(context), attr.ACTIVITY: str(activity)}
     if middle:
         if context == "execute":
-            attributes[TASK_PREFIX] = str(middle[0])
+            attributes[attr.TASK_PREFIX] = str(middle[0])
         else:
-            attributes[WHERE] = " ".join(map(str, middle))
+            attributes[attr.ACTIVITY_WHERE] = " ".join(map(str, middle))
     return str(unit), attributes
 
 
 #: Series per fine-metrics instrument, scheduler and collection, the rest folded
-#: into one overflow series: the number opentelemetry-sdk 1.45.2 chose for its
-#: default limit (older SDKs have none; the bridge's views lift it, see
-#: :data:`dask_otel.export.instruments.NO_SERIES_LIMIT`). Folding here, not in
-#: the SDK, saves ~20 us per further series: at 10,000 task prefixes a
-#: collection took seconds of GIL.
+#: into one overflow series (the SDK 1.45.2 default; folding here, not in the
+#: SDK, saves ~20 us per further series: seconds of GIL at 10,000 prefixes)
 MAX_SERIES = 2000
 #: The series the rest is summed into: the attribute of the SDK's own overflow point
 OVERFLOW = {"otel.metric.overflow": True}
 
-#: Attributes of the exported series' keys, built once. Only the first
-#: :data:`MAX_SERIES` keys of each unit are exported, and they stay the same, so
-#: this holds a few thousand entries however many prefixes Dask accumulates.
+#: Attributes of the exported series' keys, built once (a few thousand at most:
+#: only the first MAX_SERIES keys of each unit are exported)
 _ATTRIBUTES: dict[Hashable, dict[str, Any]] = {}
 _MAX_ATTRIBUTES = 4 * MAX_SERIES
 
@@ -114,7 +87,7 @@ def _fine_metrics(dask_unit: str):
             for span in list(spans.spans.values()):
                 own = span_own_metrics(span)
                 if own:
-                    out += _readings(own, dask_unit, {SPAN_NAME: tuple(span.name)})
+                    out += _readings(own, dask_unit, {attr.SPAN_NAME: tuple(span.name)})
         return observed.with_exemplars(dask_unit, _bounded(out))
 
     return read
@@ -122,9 +95,8 @@ def _fine_metrics(dask_unit: str):
 
 def _bounded(readings: list[_Raw]) -> Reading:
     """The first :data:`MAX_SERIES` readings with their attributes, the rest summed
-    into one overflow reading. Dask's mappings only grow and keep insertion order,
-    so a series never moves between kept and overflow from one collection to the
-    next, and attributes are built for kept series only."""
+    into one overflow reading (Dask's mappings only grow, in insertion order: a
+    series never moves between the two)"""
     out: list[tuple[float, Mapping[str, Any]]] = []
     for value, key, extra in readings[:MAX_SERIES]:
         attributes = _attributes(key)
@@ -150,14 +122,12 @@ def _readings(
     ]
 
 
-def _spans_mirrored(observed: SchedulerMetrics) -> Reading:
-    mirror = observed.mirror
-    return [] if mirror is None else [(mirror.mirrored, {})]
+def _mirror_count(field: str):
+    def read(observed: SchedulerMetrics) -> Reading:
+        mirror = observed.mirror
+        return [] if mirror is None else [(getattr(mirror, field), {})]
 
-
-def _spans_sampled_out(observed: SchedulerMetrics) -> Reading:
-    mirror = observed.mirror
-    return [] if mirror is None else [(mirror.sampled_out, {})]
+    return read
 
 
 def _export_failures(observed: SchedulerMetrics) -> Reading:
@@ -169,7 +139,8 @@ def _export_failures(observed: SchedulerMetrics) -> Reading:
         ("metrics", telemetry.accounted_metric_exporters),
     ):
         for stats in list(gated):
-            attributes = {EXPORTER: type(stats.exporter).__name__, SIGNAL: signal}
+            exporter = type(stats.exporter).__name__
+            attributes = {attr.OTEL_EXPORTER: exporter, attr.OTEL_SIGNAL: signal}
             out.append((stats.outage.export_failures, attributes))
     return out
 
@@ -177,7 +148,7 @@ def _export_failures(observed: SchedulerMetrics) -> Reading:
 def _export_stat(field: str):
     def read(observed: SchedulerMetrics) -> Reading:
         return [
-            (getattr(stats, field), {EXPORTER: type(stats.exporter).__name__})
+            (getattr(stats, field), {attr.OTEL_EXPORTER: type(stats.exporter).__name__})
             for stats in list(observed.telemetry.accounted_span_exporters)
         ]
 
@@ -205,12 +176,12 @@ SCHEDULER_METRICS: tuple[MetricSpec, ...] = (
     MetricSpec(
         "dask.otel.span.mirrored", COUNTER, "{span}",
         "Dask spans and TaskGroups the bridge handed to the OpenTelemetry SDK",
-        _spans_mirrored,
+        _mirror_count("mirrored"),
     ),
     MetricSpec(
         "dask.otel.span.sampled_out", COUNTER, "{span}",
         "Dask spans and TaskGroups the sampler (OTEL_TRACES_SAMPLER) dropped",
-        _spans_sampled_out,
+        _mirror_count("sampled_out"),
     ),
     MetricSpec(
         "dask.otel.span.exported", COUNTER, "{span}",
@@ -241,24 +212,15 @@ class SchedulerMetrics(Attached):
     """Exports one scheduler's fine performance metrics and the bridge's
     self-metrics, from now until :meth:`close`"""
 
-    #: The scheduler whose fine metrics these are
-    scheduler: Scheduler
-    #: The process's Telemetry: its accounted exporters' counts
-    telemetry: Telemetry
-    #: The scheduler's span mirror (None: traces are off): its counters
-    #: (``mirrored``, ``sampled_out``) and exemplars (``latest_by_prefix``)
-    mirror: SpanMirror | None
-    #: otel.metrics.span-label
-    span_label: bool
-
     def __init__(self, scheduler: Scheduler, own: ServerTelemetry, mirror: SpanMirror | None):
-        # No attribute names the scheduler: the process's resource does
-        # (dask.scheduler.address), and the fine metrics are the cluster's totals;
-        # but a second scheduler in the process has the first one's resource
+        # metric_attributes: a second scheduler in the process has the first's resource
         super().__init__(dict(own.metric_attributes))
         self.scheduler = scheduler
-        self.telemetry = own.telemetry
+        #: The process's Telemetry: its accounted exporters' counts
+        self.telemetry: Telemetry = own.telemetry
+        #: The span mirror (None: traces are off): its counters and exemplars
         self.mirror = mirror
+        #: otel.metrics.span-label
         self.span_label = own.config.span_label
         #: Dask unit -> {attributes: value at the previous collection}: a series
         #: that grew since carries an exemplar
@@ -268,24 +230,22 @@ class SchedulerMetrics(Attached):
 
     def with_exemplars(self, dask_unit: str, readings: Reading) -> Reading:
         """``readings`` of one fine-metrics instrument, those of a task prefix
-        that grew since the previous collection with the context of the latest
-        sampled TaskGroup span of that prefix: the SDK's exemplar filter
-        (OTEL_METRICS_EXEMPLAR_FILTER, default trace_based) takes an exemplar
-        from it. The span was exported before the metric grew past it or
-        shortly after: close enough to find a representative trace."""
+        that grew since the previous collection in the context of the latest
+        sampled TaskGroup span of that prefix: the SDK's exemplar filter takes an
+        exemplar from it"""
         mirror = self.mirror
         latest = mirror.latest_by_prefix if mirror is not None else {}
         previous, now = self._previous.get(dask_unit, {}), {}
         contexts: dict[str, Context] = {}  # one per prefix, shared by its series
         out = []
         for value, attributes in readings:
-            prefix = attributes.get(TASK_PREFIX)
+            prefix = attributes.get(attr.TASK_PREFIX)
             if prefix is None or not latest:
                 out.append((value, attributes))
                 continue
             # what tells the series of a prefix apart (cheaper than all items)
-            key = (prefix, attributes.get(CONTEXT), attributes.get(ACTIVITY),
-                   attributes.get(SPAN_NAME))
+            key = (prefix, attributes.get(attr.ACTIVITY_CONTEXT), attributes.get(attr.ACTIVITY),
+                   attributes.get(attr.SPAN_NAME))
             now[key] = value
             context = latest.get(prefix)
             if context is not None and value > previous.get(key, 0):

@@ -1,13 +1,8 @@
-"""The scheduler plugin: Dask's hooks in, the span mirror and metrics out.
-
-Added by the instrumentor (:mod:`dask_otel.instrumentor`), the preload
-(``dask_setup``) or ``dask_otel.instrument(client)``, once per scheduler whichever
-of them ask (:func:`add_bridge`). It owns the span mirror (:mod:`dask_otel.spans`) and the scheduler's metrics
-(:mod:`dask_otel.scheduler.metrics`); on start it registers the worker plugin
-(:mod:`dask_otel.worker.plugin`) with the scheduler, which hands it to every
-current and future worker. It never raises into Dask: a bad configuration or a
-broken exporter is logged at ERROR, kept in ``.error`` for inspection
-(:func:`dask_otel.status`), and the cluster runs on without telemetry.
+"""The scheduler plugin: Dask's hooks in, each dispatched once to the span mirror
+(:mod:`dask_otel.spans`), the metrics and the events out. Added once per scheduler
+whichever path asks (:func:`add_bridge`); it registers the worker plugin. It never
+raises into Dask: an error is logged, kept in ``.error`` (:func:`dask_otel.status`).
+docs/configuration.md.
 """
 
 from __future__ import annotations
@@ -25,7 +20,6 @@ from dask_otel.attributes import SCHEDULER_ADDRESS
 from dask_otel.config import SCHEDULER, ConfigError
 from dask_otel.export.lifecycle import release_telemetry, start_telemetry
 from dask_otel.scheduler.blocks import CLIENT_GONE_GRACE
-from dask_otel.scheduler.totals import failure_time
 from dask_otel.spans import SpanMirror
 from dask_otel.worker.plugin import PLUGIN_NAME, dumps_by_value, server_status
 
@@ -36,9 +30,11 @@ if TYPE_CHECKING:
     from dask_otel.export.telemetry import ServerTelemetry, Telemetry
     from dask_otel.scheduler.events import DaskEvents
     from dask_otel.scheduler.metrics import SchedulerMetrics
-    from dask_otel.scheduler.outcomes import Outcomes
 
 logger = logging.getLogger("dask_otel")
+
+#: The transitions the mirror times besides leaving ``processing``
+_TIMED = frozenset(("processing", "erred"))
 
 
 class OtelSchedulerPlugin(SchedulerPlugin):
@@ -49,39 +45,26 @@ class OtelSchedulerPlugin(SchedulerPlugin):
     idempotent = True
 
     #: Why the bridge is off on this scheduler, if it is; None when all is well
-    error: str | None
-    #: The process's Telemetry (shared with the other Dask servers in it)
-    telemetry: Telemetry | None
-    #: This scheduler's share of it: its own config, span resource and metric
-    #: attributes
-    server_telemetry: ServerTelemetry | None
-    #: The span mirror (None: traces are off)
-    mirror: SpanMirror | None
-    #: The fine and self-metrics (None: metrics are off)
-    metrics: SchedulerMetrics | None
-    #: Dask's events out as log records, span events and removed workers (None:
-    #: logs, traces and metrics are off)
-    events: DaskEvents | None
-    #: Workflow runs and removed workers as metrics (None: metrics are off)
-    outcomes: Outcomes | None
-    #: Which ways of turning the bridge on asked for it on this scheduler, the
-    #: one that added it first: ``instrumentor``, ``preload``, ``client``
-    paths: list[str]
+    error: str | None = None
+    #: The process's Telemetry (shared with the other Dask servers in it), and
+    #: this scheduler's share of it (config, span resource, metric attributes)
+    telemetry: Telemetry | None = None
+    server_telemetry: ServerTelemetry | None = None
+    #: The span mirror (None: traces and metrics are off; ``mirror.sink`` None:
+    #: traces are off, its records make the workflow outcomes)
+    mirror: SpanMirror | None = None
+    #: The fine and self-metrics (None: metrics are off); Dask's own families
+    metrics: SchedulerMetrics | None = None
+    families: Any = None
+    #: Dask's events out as log records, span events and removed workers
+    events: DaskEvents | None = None
+    _poller: PeriodicCallback | None = None
+    _started = _closed = False
 
     def __init__(self, path: str = "client") -> None:
+        #: Which ways of turning the bridge on asked for it here, the one that
+        #: added it first: ``instrumentor``, ``preload``, ``client``
         self.paths = [path]
-        self.error = None
-        self.telemetry = None
-        self.server_telemetry = None
-        self.mirror = None
-        self.metrics = None
-        #: Dask's own families (otel.metrics.dask)
-        self.families: Any = None
-        self.events = None
-        self.outcomes = None
-        self._poller: PeriodicCallback | None = None
-        self._started = False
-        self._closed = False
 
     async def start(self, scheduler: Scheduler) -> None:
         # Idempotent: the preload registers the plugin while the scheduler is
@@ -99,34 +82,33 @@ class OtelSchedulerPlugin(SchedulerPlugin):
         self.server_telemetry, self.telemetry = own, own.telemetry
         config: OtelConfig = own.config
         try:
-            if own.span_sink is not None:
-                self.mirror = SpanMirror(scheduler, own.span_sink, config)
-                self._poller = PeriodicCallback(self._poll, config.poll_interval * 1000)
-                self._poller.start()
-            if own.telemetry.meter_provider is not None:
+            outcomes = None
+            if (provider := own.telemetry.meter_provider) is not None:
                 from dask_otel.export.dask_families import families_wanted
                 from dask_otel.scheduler.metrics import SchedulerMetrics
                 from dask_otel.scheduler.outcomes import Outcomes
 
-                self.metrics = SchedulerMetrics(scheduler, own, self.mirror)
-                self.outcomes = Outcomes(
-                    scheduler, own.telemetry.meter_provider, own.metric_attributes,
-                    config.workflows,
-                )
-                if self.mirror is not None:
-                    self.mirror.outcomes = self.outcomes
+                outcomes = Outcomes(provider, own.metric_attributes, config.workflows)
                 if families_wanted(own):
                     from dask_otel.scheduler.dask_families import SchedulerFamilies
 
                     self.families = SchedulerFamilies(scheduler, own)
+            if own.span_sink is not None or outcomes is not None:
+                # Traces, or the workflow outcomes made of its records
+                self.mirror = SpanMirror(scheduler, own.span_sink, config, outcomes)
+                self._poller = PeriodicCallback(self._poll, config.poll_interval * 1000)
+                self._poller.start()
+            if provider is not None:
+                traced = self.mirror if own.span_sink is not None else None
+                self.metrics = SchedulerMetrics(scheduler, own, traced)
             logs = own.telemetry.logs
-            if logs is not None or self.mirror is not None or self.outcomes is not None:
+            if logs is not None or self.mirror is not None:
                 from dask_otel.scheduler.events import DaskEvents
 
                 self.events = DaskEvents(
                     scheduler, self.mirror, logs.provider if logs is not None else None,
                     config.event_topics, config.logs_level,
-                    self.outcomes.worker_removed if self.outcomes is not None else None,
+                    outcomes.worker_removed if outcomes is not None else None,
                 )
         except ConfigError as e:  # an OTEL_* variable the SDK refused, named
             logger.error("dask_otel is off on scheduler %s: %s", scheduler.address, e)
@@ -162,11 +144,6 @@ class OtelSchedulerPlugin(SchedulerPlugin):
                 self.mirror.observe_graph(tasks, client)
             except Exception:
                 logger.exception("dask_otel: could not observe graph")
-        if self.outcomes is not None:
-            try:
-                self.outcomes.observe_graph(kwargs.get("annotations"))
-            except Exception:
-                logger.exception("dask_otel: could not read a graph's workflow")
 
     def transition(
         self, key: Any, start: str, finish: str, *args: Any, stimulus_id: str = "", **kwargs: Any
@@ -175,34 +152,18 @@ class OtelSchedulerPlugin(SchedulerPlugin):
         # tests. stimulus_id by name, as Dask passes it: no kwargs dict to build.
         # The scheduler's own clock when it sends a task and hears back from it
         # bounds the times the worker reports (totals.observed).
-        if finish == "processing":
-            if self.mirror is not None:
-                try:
-                    self.mirror.observe_sent(key)
-                except Exception:
-                    logger.exception("dask_otel: could not time a task")
+        if (mirror := self.mirror) is None or (start != "processing" and finish not in _TIMED):
             return
-        if start == "processing" and self.mirror is not None:
-            try:
-                self.mirror.observe_received(key)
-            except Exception:
-                logger.exception("dask_otel: could not time a task")
-        if finish == "erred":
-            self._erred(key, kwargs.get("startstops"))
-
-    def _erred(self, key: Any, startstops: Any) -> None:
-        if self.mirror is not None:
-            try:
-                # A task that ran and failed: the worker sent its startstops
-                started, failed = failure_time(startstops)
-                self.mirror.observe_erred(key, failed, started)
-            except Exception:
-                logger.exception("dask_otel: could not count erred task")
-        if self.outcomes is not None:
-            try:
-                self.outcomes.observe_erred(key)
-            except Exception:
-                logger.exception("dask_otel: could not note an erred run")
+        try:
+            if finish == "processing":
+                mirror.observe_sent(key)
+                return
+            if start == "processing":
+                mirror.observe_received(key)
+            if finish == "erred":
+                mirror.observe_erred(key, kwargs.get("startstops"))
+        except Exception:
+            logger.exception("dask_otel: could not observe task %r", key)
 
     def log_event(self, topic: Any, msg: Any) -> None:
         # Every event on every topic (Dask's broker calls it): a test or two when off.
@@ -213,11 +174,6 @@ class OtelSchedulerPlugin(SchedulerPlugin):
                     self.mirror.observe_exit(msg)
                 except Exception:
                     logger.exception("dask_otel: could not read a block's exit")
-            if self.outcomes is not None:
-                try:
-                    self.outcomes.observe_exit(msg)
-                except Exception:
-                    logger.exception("dask_otel: could not read a block's workflow")
             return
         # None after close: the workers' closing events would meet a shut provider
         if self.events is not None and not self._closed:
@@ -245,9 +201,7 @@ class OtelSchedulerPlugin(SchedulerPlugin):
         if self.mirror is None or self._closed:
             return  # closing exports what is open, unfinished
         try:
-            left_open = self.mirror.observe_client_gone(client)
-            if self.outcomes is not None:
-                self.outcomes.observe_left_open(left_open)
+            self.mirror.observe_client_gone(client)
         except Exception:
             logger.exception("dask_otel: could not close a client's blocks")
 
@@ -258,31 +212,21 @@ class OtelSchedulerPlugin(SchedulerPlugin):
         self._closed = True
         # Each step on its own: Dask's plugin.close re-raises, and one failing step
         # must not keep the others (above all the release) from running
-        for step in (self._stop_polling, self._flush_spans, self._close_metrics):
+        for step in (
+            self._poller and self._poller.stop, self.mirror and self.mirror.flush,
+            self.families and self.families.close, self.metrics and self.metrics.close,
+        ):
             try:
-                step()
+                if step:
+                    step()
             except Exception:
-                logger.exception("dask_otel: %s failed while closing", step.__name__)
+                logger.exception("dask_otel: %s failed while closing", step)
+        self.families = None
         if self.telemetry is not None:
             try:
                 await release_telemetry(self.telemetry)
             except Exception:
                 logger.exception("dask_otel: could not release telemetry")
-
-    def _stop_polling(self) -> None:
-        if self._poller is not None:
-            self._poller.stop()
-
-    def _flush_spans(self) -> None:
-        if self.mirror is not None:
-            self.mirror.flush()
-
-    def _close_metrics(self) -> None:
-        if self.families is not None:
-            self.families.close()
-            self.families = None
-        if self.metrics is not None:
-            self.metrics.close()
 
     def status(self) -> dict[str, Any]:
         """What :func:`dask_otel.status` reports for the scheduler"""
@@ -294,8 +238,8 @@ class OtelSchedulerPlugin(SchedulerPlugin):
             self.server_telemetry,
             SCHEDULER,
             # who turned it on (first), and who asked again and found it there
-            paths=list(getattr(self, "paths", ["client"])),
-            traces=mirror is not None,
+            paths=list(self.paths),
+            traces=mirror is not None and mirror.sink is not None,
             metrics=self.metrics is not None,
             open_spans=len(mirror.ledger.records) if mirror else 0,
             open_groups=len(mirror.ledger.groups) if mirror else 0,
@@ -336,7 +280,7 @@ def preload_trap(scheduler: Scheduler) -> str | None:
     configured = dask.config.get("distributed.scheduler.preload", None) or []
     if isinstance(configured, str):
         configured = [configured]
-    started = [preload.name for preload in getattr(scheduler, "preloads", ())]
+    started = [preload.name for preload in scheduler.preloads]
     if "dask_otel" not in configured or "dask_otel" in started:
         return None
     return (

@@ -1,30 +1,25 @@
-"""What the bridge keeps about what is open: one :class:`SpanRecord` per open Dask
-span, one :class:`GroupBatch` per open TaskGroup batch, and the :class:`SpanHead`
-a poll works out once for the OTel spans of a Dask span and of its TaskGroups.
-
-Dask keeps its spans and TaskGroups forever; the bridge keeps a record only from
-when it first sees one to when it exports it. Everything the scheduler's hooks
-learn about an open Dask span that Dask does not keep lives in its record, so
-forgetting a span is one deletion (:class:`~dask_otel.scheduler.ledger.Ledger`).
-A record is written by its own methods and by the mirror's ``observe_*`` (through
-the ledger); the builder only reads it. Each is a few hundred bytes; its lists
-(links, events) are bounded. What the fields become: docs/traces.md.
+"""What the bridge keeps about what is open: a :class:`SpanRecord` per open Dask
+span (everything the hooks learn of it that Dask does not keep, with its own
+writers), a :class:`GroupBatch` per open TaskGroup batch, and the
+:class:`SpanHead` a poll works out once. Forgetting a span is one deletion.
+docs/traces.md.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from distributed.metrics import time
 
 from dask_otel.scheduler.totals import (
+    SpanMetrics,
     Totals,
     group_counts,
     group_done,
     groups_stop,
     observed,
-    prefix_metrics,
     task_counts,
 )
 
@@ -38,96 +33,69 @@ if TYPE_CHECKING:
 MAX_SPAN_EVENTS = 16
 
 
+@dataclass(slots=True)
 class SpanHead:
     """What the OTel spans of one Dask span and of its TaskGroups share: worked
     out once per poll, which usually exports a span's groups together"""
 
-    __slots__ = ("context", "start", "tags")
-
     #: The Dask span's OTel SpanContext (the parent of its TaskGroups' spans);
-    #: None if the sampler drops its trace
+    #: None if the sampler drops its trace, or traces are off
     context: SpanContext | None
     #: Where its OTel span starts (``Ledger.span_start``)
     start: float
     #: ``Span.name`` as an attribute value
     tags: tuple[str, ...]
 
-    def __init__(self, context: SpanContext | None, start: float, tags: tuple[str, ...]):
-        self.context = context
-        self.start = start
-        self.tags = tags
 
-
+@dataclass(slots=True, eq=False)
 class SpanRecord:
     """One open Dask span: created when the mirror first sees it, taken whole
     when it is exported (or dropped by the sampler)."""
 
-    __slots__ = (
-        "block_client", "carrier_read", "end", "entered", "erred", "error_type", "events",
-        "client_left", "exit_client", "exited", "folded", "links", "open_children", "open_groups",
-        "remote_parent", "span",
-    )
-
     #: The Dask span (``SpansSchedulerExtension.spans[id]``)
     span: Span
-    #: Its sub-spans and TaskGroup batches that are open. It can be ready only
-    #: when both are 0 (it finishes no earlier than they, and they are exported
-    #: first), so polls never walk its tree
-    open_children: int
-    open_groups: int
-    #: Tasks that transitioned to erred in its subtree (its own with
-    #: ``otel.spans.totals: own``): Dask's state counts forget an erred task once
-    #: the client releases its future
-    erred: int
+    #: Its open sub-spans and TaskGroup batches: it can be ready only when both
+    #: are 0, so polls never walk its tree
+    open_children: int = 0
+    open_groups: int = 0
+    #: Tasks that erred in its subtree (its own with ``otel.spans.totals: own``):
+    #: Dask's state counts forget one once its future is released
+    erred: int = 0
     #: ``error.type`` of the first of them (:func:`~dask_otel.scheduler.totals.error_type`)
-    error_type: str | None
-    #: The latest end of its exported children (sub-spans, TaskGroup batches) and
-    #: failure of its own tasks; its own end is no earlier, so that every child
-    #: exported before it lies within it (Dask's ``Span.stop`` knows neither)
-    end: float
+    error_type: str | None = None
+    #: The latest end of its exported children and failure of its own tasks: its
+    #: own end is no earlier (Dask's ``Span.stop`` knows neither)
+    end: float = 0.0
     #: The earliest client time a ``dask_otel.span`` block of it or of a span
     #: below it was entered (the ``otel`` annotation's ``entered``); None: none
-    entered: float | None
-    #: When the client left the ``dask_otel.span`` block of it (its
-    #: ``BLOCK_EXIT`` event, client time; 0: not yet), and the client whose
-    #: graph it got while its block is open (None: no block waits for an exit).
-    #: While a block is open the span is not finished; the client leaving the
-    #: scheduler closes its open blocks then. ``exit_client``: the client that sent
-    #: the exit (None: unknown, or none yet); its exit was sent before it left
-    exited: float
-    block_client: str | None
-    exit_client: str | None
+    entered: float | None = None
+    #: When the client left its ``dask_otel.span`` block (client time; 0: not
+    #: yet); the client whose block is open (None: no block waits for an exit),
+    #: and the client that sent the exit (None: unknown, or none yet)
+    exited: float = 0.0
+    block_client: str | None = None
+    exit_client: str | None = None
     #: When ``block_client`` left the scheduler with the block open, while its exit
-    #: may still come (``blocks.CLIENT_GONE_GRACE``; 0: it did not). Not finished then.
-    client_left: float
-    #: Root spans: the caller's span it continues (from the ``otel``
-    #: annotation's carrier, read once: ``carrier_read``), None if none
-    remote_parent: SpanContext | None
-    carrier_read: bool
-    #: Links to the Dask spans of other traces whose data its tasks consume
-    #: (:mod:`dask_otel.scheduler.links`), by producer Dask span id
-    links: dict[str, Link] | None
-    #: The subtree totals of its sub-spans exported so far, summed: a pipeline of
-    #: 10,000 steps is summed as it goes, not walked when it ends
-    folded: Totals | None
-    #: Span events to export with it, ``(name, attributes, time in ns)``
-    #: (``dask.worker.lost``, :mod:`dask_otel.scheduler.events`), at most
-    #: :data:`MAX_SPAN_EVENTS`; None: none
-    events: list[tuple[str, dict[str, Any], int]] | None
-
-    def __init__(self, span: Span):
-        self.span = span
-        self.open_children = self.open_groups = self.erred = 0
-        self.error_type = None
-        self.end = 0.0
-        self.entered = None
-        self.exited = self.client_left = 0.0
-        self.block_client = self.exit_client = None
-        self.remote_parent = None
-        self.carrier_read = False
-        self.links = None
-        self.folded = None
-        self.events = None
+    #: may still come (``blocks.CLIENT_GONE_GRACE``; 0: it did not)
+    client_left: float = 0.0
+    #: Roots: the caller's span it continues (the ``otel`` carrier, read once)
+    remote_parent: SpanContext | None = None
+    carrier_read: bool = False
+    #: Links to the Dask spans of other traces whose data its tasks consume, by
+    #: producer Dask span id (:mod:`dask_otel.scheduler.links`)
+    links: dict[str, Link] | None = None
+    #: The subtree totals of its sub-spans exported so far, summed as they go
+    folded: Totals | None = None
+    #: Span events to export with it, ``(name, attributes, time in ns)``, at most
+    #: :data:`MAX_SPAN_EVENTS` (``dask.worker.lost``); None: none
+    events: list[tuple[str, dict[str, Any], int]] | None = None
+    #: Roots, as a workflow run (:mod:`dask_otel.scheduler.outcomes`): its name is
+    #: bounded (a root block opened with ``workflow=True``); a task anywhere in
+    #: its tree erred, whatever ``otel.spans.totals``; its client left with its
+    #: block open
+    workflow: bool = False
+    run_erred: bool = False
+    cancelled: bool = False
 
     @property
     def leaf(self) -> bool:
@@ -135,11 +103,9 @@ class SpanRecord:
         return not self.open_children and not self.open_groups
 
     def finished_at(self) -> float | None:
-        """When the span finished if ``Span.done`` and its block (if a client
-        announces it) was left, else None: the later of its block's exit and its
-        tasks' end, that is its groups' and exported children's ends and its own
-        tasks' failures as the mirror bounded them (Dask's ``Span.stop`` knows
-        none of these), never before ``Span.enqueued``"""
+        """When the span finished if ``Span.done`` and its block (if announced)
+        was left, else None: the later of its block's exit and its tasks' end as
+        the mirror bounded them, never before ``Span.enqueued``"""
         if (
             self.open_children or self.client_left
             or (self.block_client is not None and not self.exited)
@@ -148,9 +114,8 @@ class SpanRecord:
         stop = groups_stop(self.span.groups)
         if stop is None:
             return None
-        # Every group of an open span was exported as a batch, its bounded end
-        # folded into ``end``: Dask's own ``TaskGroup.stop`` only for groups
-        # that finished before the bridge started
+        # Dask's own TaskGroup.stop only for groups finished before the bridge
+        # started; the others' bounded ends are in ``end``
         return max(self.end or stop, self.exited, self.span.enqueued)
 
     def end_no_earlier(self, end: float) -> None:
@@ -171,9 +136,9 @@ class SpanRecord:
         self.error_type = self.error_type or error_type
 
     def observe_entered(self, earliest: float, own_block: bool, client: str | None) -> None:
-        """A client entered a block of it (``own_block``) or of a span below it,
-        the earliest at ``earliest`` (inf: no time known); ``client`` announces
-        its blocks' exits: while its own block is open, it waits for the exit"""
+        """A client entered a block of it (``own_block``) or below it, the earliest
+        at ``earliest`` (inf: unknown); while ``client``'s own block is open, it
+        waits for the exit"""
         if client is not None and own_block and not self.exited and self.block_client is None:
             self.block_client = client
         if earliest != float("inf") and (self.entered is None or earliest < self.entered):
@@ -184,13 +149,14 @@ class SpanRecord:
         self.remote_parent = parent
         self.carrier_read = True
 
-    def left_block(self, exited: float, sender: str | None = None) -> None:
+    def left_block(self, exited: float, sender: str | None = None, workflow: bool = False) -> None:
         """Its client left its ``dask_otel.span`` block at ``exited``, as client
         ``sender`` said (or left the scheduler then): no earlier than an exit
-        already heard"""
+        already heard. ``workflow``: a root block opened with ``workflow=True``"""
         self.exited = max(self.exited, exited)
         if sender is not None:
             self.exit_client = sender
+        self.workflow = self.workflow or workflow
 
     def add_event(self, name: str, attributes: dict[str, Any], timestamp: int) -> None:
         """A span event at ``timestamp`` (ns), within the span's end"""
@@ -204,96 +170,60 @@ class SpanRecord:
         return f"<SpanRecord {self.span.name!r} {self.span.id}>"
 
 
+@dataclass(slots=True, eq=False)
 class GroupBatch:
-    """A TaskGroup seen and not yet exported: the Dask span it belongs to, and what
-    its next export covers.
+    """A TaskGroup batch seen and not yet exported: the Dask span it is exported
+    under, and what its export covers. A group's first batch covers all of it; a
+    later one (new tasks joined it after its export) holds a snapshot of the
+    group's cumulative values then, so that it covers only what ran since."""
 
-    A group's first export covers all of it. Then the mirror forgets it; if new
-    tasks join it later (``SpanMirror.observe_graph``: ``client.submit(f, x)``
-    without ``key=`` puts every call of ``f`` in one TaskGroup), it opens again
-    with a snapshot of its cumulative values, so that its next export covers only
-    the tasks that ran since, as a new child span. The snapshot is kept only while
-    the group is open.
-    """
-
-    __slots__ = (
-        "busy", "duration", "erred", "error_type", "failed", "metrics", "nbytes", "received",
-        "sent", "since", "span", "started", "states", "total", "wake",
-    )
-
-    #: The Dask span the group belongs to (``TaskGroup.span_id``)
+    #: The Dask span it is exported under: ``TaskGroup.span_id``'s, but for a
+    #: later batch submitted in another span (the TaskGroup collision)
     span: Span
     #: When new work joined an exported group (0: the group's first batch, which
     #: starts at ``TaskGroup.start``)
-    since: float
+    since: float = 0.0
     #: ``TaskGroup.states`` when the group opened again (None: first batch)
-    states: dict[str, int] | None
+    states: dict[str, int] | None = None
     #: Tasks of the group then, less those the new graph (re)runs
-    total: int
+    total: int = 0
     #: ``TaskGroup.nbytes_total`` and ``TaskGroup.duration`` then
-    nbytes: int
-    duration: float
-    #: ``dask.metrics.*`` of the group's prefix within its span then
-    metrics: dict[str, float]
-    #: Tasks of this batch that erred (transitions seen), and when the last did (0:
-    #: none), and when the first of them started running (0: none did): Dask
-    #: records no run time for an erred task
-    erred: int
-    failed: float
-    started: float
+    nbytes: int = 0
+    duration: float = 0.0
+    #: ``dask.metrics.*`` of the group's prefix within its Dask span then
+    metrics: dict[str, float] = field(default_factory=dict)
+    #: Tasks of this batch that erred, when the last did and when the first of
+    #: them started running (0: none): Dask records no run time for them
+    erred: int = 0
+    failed: float = 0.0
+    started: float = 0.0
     #: ``error.type`` of the first task of this batch that erred
-    error_type: str | None
-    #: On the scheduler's clock: when it first sent a task of the batch to a
-    #: worker (``processing``) and when it last heard one finish or fail
-    #: (0: not yet). The batch's times are bounded by them
-    #: (:func:`~dask_otel.scheduler.totals.observed`)
-    sent: float
-    received: float
-    #: When a poll last found the group still running (0: never). Its last task
-    #: finishes later, so it cannot be ready until ``otel.spans.export-delay``
-    #: after that
-    busy: float
-    #: The earliest time the group can be ready, as the last poll that looked at
-    #: it found: ``otel.spans.export-delay`` after its end or after ``busy``.
-    #: Polls pass it over until then, at the cost of one comparison, so that a
-    #: cluster with many long-running workflows open pays per group that may be
-    #: ready, not per open group. A group's end only moves later (but for a
-    #: worker's clock running behind the scheduler's, which delays a look by at
-    #: most the difference), so no group is looked at later than it would be
-    #: without this.
-    wake: float
-
-    def __init__(self, span: Span):
-        self.span = span
-        self.busy = self.wake = 0.0
-        self.since = 0.0
-        self.states = None
-        self.total = self.nbytes = 0
-        self.duration = 0.0
-        self.metrics = {}
-        self.erred = 0
-        self.error_type = None
-        self.failed = self.started = 0.0
-        self.sent = self.received = 0.0
+    error_type: str | None = None
+    #: On the scheduler's clock: when it first sent a task of the batch and last
+    #: heard one finish or fail (0: not yet), which bound the batch's times
+    sent: float = 0.0
+    received: float = 0.0
+    #: When a poll last found the group still running (0: never)
+    busy: float = 0.0
+    #: The earliest time the group can be ready, as the last poll found: polls
+    #: pass it over until then (a group's end only moves later)
+    wake: float = 0.0
 
     @classmethod
-    def reopened(cls, tg: TaskGroup, span: Span, rerun: int) -> GroupBatch:
-        """A batch of new work in a group that was exported: ``rerun`` tasks of
-        the new graph are to run"""
-        batch = cls(span)
-        batch.since = time()
-        batch.states = dict(tg.states)
-        batch.total = sum(batch.states.values()) - rerun
-        batch.nbytes = tg.nbytes_total
-        batch.duration = tg.duration
-        batch.metrics = prefix_metrics(span, tg.prefix.name)
-        return batch
+    def reopened(cls, tg: TaskGroup, span: Span, own: Span, rerun: int) -> GroupBatch:
+        """A batch of new work in a group that was exported, under ``span``:
+        ``rerun`` tasks of the new graph are to run. ``own`` is the group's Dask
+        span, which Dask's fine metrics of its tasks go to."""
+        states = dict(tg.states)
+        return cls(
+            span, time(), states, sum(states.values()) - rerun, tg.nbytes_total,
+            tg.duration, SpanMetrics.of(own).by_prefix.get(tg.prefix.name, {}),
+        )
 
     def start(self, tg: TaskGroup) -> float:
         """When the batch started: a later batch when its graph arrived, a first
-        one when its first task, finished or failed, started (0: none did), no
-        earlier than the scheduler sent its first task and no later than it heard
-        of its last"""
+        one when its first task started (0: none did), bounded by the scheduler's
+        clock"""
         if self.since:
             return self.since
         if tg.start and self.started:
@@ -303,20 +233,16 @@ class GroupBatch:
         return observed(start, self.sent, self.received) if start else 0.0
 
     def end(self, tg: TaskGroup) -> float:
-        """When the group's last task finished or failed (0: none did yet; for a
-        later batch, a finish before the batch may show until its tasks end), no
-        later than the scheduler heard of it"""
+        """When the group's last task finished or failed (0: none did yet),
+        bounded by the scheduler's clock"""
         end = max(tg.stop, self.failed)
         return observed(end, self.sent, self.received) if end else 0.0
 
     def ready(self, tg: TaskGroup, now: float, heard: float, delay: float, timeout: float) -> bool:
         """Whether the batch may be exported ``now``: its last task finished
-        ``delay`` ago (``otel.spans.export-delay``), and every worker has sent a
-        heartbeat since (``heard``: the oldest last one) or ``timeout`` passed
-        (``otel.spans.metrics-timeout``), and Dask has the group done. If not,
-        it notes when to look again (:attr:`wake`)."""
-        # The cheap tests first: its last task finished, or it was still
-        # running, lately; then Dask's states
+        ``delay`` ago, every worker has sent a heartbeat since (``heard``: the
+        oldest last one) or ``timeout`` passed, and Dask has the group done. If
+        not, it notes when to look again (:attr:`wake`). Cheap tests first."""
         end = max(self.end(tg) or self.since or self.span.enqueued, self.busy)
         waited = now - end
         if waited < delay:
@@ -342,7 +268,7 @@ class GroupBatch:
     def attributes(self, tg: TaskGroup, metrics: Mapping[str, float]) -> dict[str, Any] | None:
         """Task counts, bytes, duration and fine metrics of the batch, given the
         group's prefix metrics within its span now; None for a later batch in
-        which nothing ran (its tasks were merely requested again)"""
+        which nothing ran"""
         if self.states is None:
             out = group_counts(tg)
             out.update(metrics)

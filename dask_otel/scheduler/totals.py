@@ -1,17 +1,11 @@
-"""Arithmetic over Dask's objects: what a Dask span's or TaskGroup's attributes
-sum, and when they ran.
-
-No state but two bounded caches of names: every function reads ``Span``,
-``TaskGroup``, ``TaskState`` and the fine metrics Dask keeps, and returns numbers
-(or attribute dicts of them) for the mirror to hand to the builder. Exporting a
-span reads its own TaskGroups and fine metrics once (its sub-spans' come summed,
-:class:`Totals`); a TaskGroup's ``done`` is a few dict lookups
-(:func:`group_done`). What the numbers mean as attributes: docs/traces.md.
+"""Arithmetic over Dask's objects: what a Dask span's or TaskGroup's attributes sum,
+and when they ran. No state but two bounded caches of names. docs/traces.md.
 """
 
 from __future__ import annotations
 
 from collections.abc import Hashable, Iterable, Mapping
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from distributed.metrics import time
@@ -25,11 +19,9 @@ if TYPE_CHECKING:
     from distributed.spans import Span
 
 
-#: What a fine-metric key ``(context, [prefix,] ..., activity, unit)`` of a Dask
-#: span means to the mirror: its attribute name, its task prefix (None unless it
-#: is an ``execute`` metric of one prefix) and whether it is seconds of the
-#: ``execute`` context. Keys come from Dask and repeat across spans; the cache is
-#: bounded.
+#: A fine-metric key ``(context, [prefix,] ..., activity, unit)`` -> its attribute
+#: name, its task prefix (``_NO_PREFIX`` unless an ``execute`` metric of one) and
+#: whether it is seconds of ``execute``; bounded
 _KEYS: dict[tuple[Hashable, ...], tuple[str, Hashable, bool]] = {}
 _MAX_KEYS = 1 << 16
 _NO_PREFIX = object()
@@ -52,27 +44,24 @@ def _key_info(key: tuple[Hashable, ...]) -> tuple[str, Hashable, bool] | None:
     return info
 
 
+@dataclass(slots=True)
 class SpanMetrics:
     """The fine performance metrics of one Dask span (its own, not its
-    sub-spans'), as attributes, in one pass over Dask's
-    ``Span._cumulative_worker_metrics`` (:func:`dask_otel._compat.span_own_metrics`):
-    summed over task prefixes for the span, and by task prefix for its TaskGroups."""
-
-    __slots__ = ("by_prefix", "execute_seconds", "total")
+    sub-spans'), as attributes, in one pass: summed over task prefixes for the
+    span, and by task prefix for its TaskGroups."""
 
     #: ``dask.metrics.<context>.<activity>.<unit>``, summed over prefixes
-    total: dict[str, float]
+    total: dict[str, float] = field(default_factory=dict)
     #: the same by task prefix, ``execute`` context only
-    by_prefix: dict[Hashable, dict[str, float]]
+    by_prefix: dict[Hashable, dict[str, float]] = field(default_factory=dict)
     #: seconds of the execute context, for "idle or other spans"
-    execute_seconds: float
+    execute_seconds: float = 0.0
 
-    def __init__(self, metrics: Mapping[tuple[Hashable, ...], float]):
-        self.total = {}
-        self.by_prefix = {}
-        self.execute_seconds = 0.0
-        total, by_prefix = self.total, self.by_prefix
-        for key, value in metrics.items():
+    @classmethod
+    def of(cls, span: Span) -> SpanMetrics:
+        out = cls()
+        total, by_prefix = out.total, out.by_prefix
+        for key, value in span_own_metrics(span).items():
             if not value:
                 continue
             info = _KEYS.get(key) or _key_info(key)
@@ -86,20 +75,14 @@ class SpanMetrics:
                     attrs = by_prefix[prefix] = {}
                 attrs[name] = attrs.get(name, 0) + value
             if execute_seconds:
-                self.execute_seconds += value
-
-    @classmethod
-    def of(cls, span: Span) -> SpanMetrics:
-        return cls(span_own_metrics(span))
+                out.execute_seconds += value
+        return out
 
 
 def active_cpu_seconds(span: Span, stop: float) -> float:
-    """``Span.active_cpu_seconds`` of a span that is not a merge, given its stop.
-
-    The property walks the subtree four times (for ``stop`` and ``done``) and
-    skips through the cluster's whole thread-count history; this reads only the
-    history since the span was enqueued.
-    """
+    """``Span.active_cpu_seconds`` of a span that is not a merge, given its stop:
+    the property walks the subtree four times and the cluster's whole thread-count
+    history; this reads only the history since the span was enqueued."""
     read = span_nthreads_history(span)
     if read is None:  # another Dask version: the public, slower way
         return span.active_cpu_seconds
@@ -117,13 +100,10 @@ def active_cpu_seconds(span: Span, stop: float) -> float:
 
 
 def observed(t: float, sent: float, received: float) -> float:
-    """The causal bound: a time a worker reported (``startstops``, shifted by
-    Dask's estimate of the worker's clock offset, off by up to a network round
-    trip on one host and by any skew across hosts), moved into what the
-    scheduler saw on its own clock: no earlier than it ``sent`` the task (the
-    ``processing`` transition) and no later than it ``received`` its completion
-    or failure (0: not known). Two comparisons, no allocation: applied to every
-    task, TaskGroup and Dask span time the mirror exports."""
+    """The causal bound: a time a worker reported (shifted by Dask's estimate of
+    its clock offset), moved into what the scheduler saw on its own clock: no
+    earlier than it ``sent`` the task and no later than it ``received`` its
+    completion or failure (0: not known)."""
     if received and t > received:
         t = received
     if t < sent:
@@ -154,9 +134,7 @@ def task_counts(
     states: Mapping[str, int], total: int, nbytes: int, duration: float
 ) -> dict[str, Any]:
     """The attributes every mirrored span has of its tasks: the count of each
-    state (those above 0), the total, output bytes and duration. The one
-    spelling for a Dask span's :class:`Totals`, a TaskGroup and a later batch of
-    one (whose counts are differences, and whose total is not their sum)."""
+    state (those above 0), the total, output bytes and duration"""
     names = _STATE_NAMES
     out: dict[str, Any] = {}
     for state, n in states.items():
@@ -189,24 +167,15 @@ def span_figures(
     if subtree and (idle := active - totals.execute_seconds) > 0:
         out[attr.IDLE] = idle
     if code:
-        out[attr.SPAN_CODE] = code_snippets(span)
+        out[attr.SPAN_CODE] = tuple(sc.code for block in span_code_blocks(span) for sc in block)
     return out
-
-
-def code_snippets(span: Span) -> tuple[str, ...]:
-    """The source of ``Span.code``'s snippets"""
-    return tuple(sc.code for block in span_code_blocks(span) for sc in block)
 
 
 def error_type(ts: TaskState, allowed_failures: int) -> str:
     """OTel's ``error.type`` for an erred task: the class name of the exception it
-    erred with, or that the task it depends on erred with (``exception_blame``);
-    ``KilledWorker`` when the workers running it died too often.
-
-    The scheduler holds the exception pickled, with classes it may not have: the
-    name is read from ``exception_text``, the worker's ``repr`` of it
-    (``ZeroDivisionError('division by zero')``). Dask gives a KilledWorker no text.
-    """
+    (or the task it depends on) erred with, read from ``exception_text`` (the
+    scheduler may not have its class); ``KilledWorker`` when its workers died
+    too often (Dask gives that no text)."""
     failing = ts.exception_blame or ts
     name = (failing.exception_text or "").partition("(")[0]
     if name.isidentifier():
@@ -236,40 +205,25 @@ def groups_stop(groups: Iterable[TaskGroup]) -> float | None:
     return stop
 
 
+@dataclass(slots=True)
 class Totals:
     """What a Dask span's attributes sum over TaskGroups and fine metrics: of its
-    own groups, or of its whole subtree.
-
-    A span's subtree totals are its own plus its sub-spans' subtree totals. The
-    mirror sums those as the sub-spans are exported (``SpanRecord.folded``), so
-    exporting a span reads its own groups and metrics only, however deep and
-    wide its tree. Task counts by state are each sub-span's as of its export.
-    """
-
-    __slots__ = ("duration", "execute_seconds", "metrics", "nbytes", "start", "states", "stop")
+    own groups, or of its whole subtree (its own plus its sub-spans' subtree
+    totals, summed as they are exported: ``SpanRecord.folded``)."""
 
     #: tasks by state (``TaskGroup.states``, summed)
-    states: dict[str, int]
+    states: dict[str, int] = field(default_factory=dict)
     #: ``TaskGroup.nbytes_total`` and ``TaskGroup.duration``, summed
-    nbytes: int
-    duration: float
+    nbytes: int = 0
+    duration: float = 0.0
     #: when the first task started (0: none has), as ``Span.start``
-    start: float
+    start: float = 0.0
     #: when the last task finished, as ``Span.stop`` of a finished span
-    stop: float
+    stop: float = 0.0
     #: ``dask.metrics.*`` attributes, summed over task prefixes
-    metrics: dict[str, float]
+    metrics: dict[str, float] = field(default_factory=dict)
     #: seconds of the execute context, for "idle or other spans"
-    execute_seconds: float
-
-    def __init__(self) -> None:
-        self.states = {}
-        self.nbytes = 0
-        self.duration = 0.0
-        self.start = 0.0
-        self.stop = 0.0
-        self.metrics = {}
-        self.execute_seconds = 0.0
+    execute_seconds: float = 0.0
 
     @classmethod
     def own(cls, span: Span, metrics: SpanMetrics | None = None) -> Totals:
@@ -318,9 +272,3 @@ def subtree_totals(span: Span) -> Totals:
     for child in span.children:
         totals.add(subtree_totals(child))
     return totals
-
-
-def prefix_metrics(span: Span, prefix: Hashable) -> dict[str, float]:
-    """``dask.metrics.*`` of one task prefix within one Dask span (its own, no
-    sub-spans')"""
-    return SpanMetrics.of(span).by_prefix.get(prefix, {})
