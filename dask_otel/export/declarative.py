@@ -36,6 +36,7 @@ from dask_otel._compat import (
     declared_view,
 )
 from dask_otel.config import ConfigError
+from dask_otel.export.exporters import Account, prometheus_reader
 
 logger = logging.getLogger("dask_otel")
 
@@ -128,35 +129,34 @@ class ConfigFile:
         _lifecycle_is_ours(provider)
         return provider, declared_span_limits(limits, global_limits)
 
-    def span_processors(self, account: Any) -> list:
+    def span_processors(self, account: Account, meter_provider: Any = None) -> list:
         """The file's span processors, each exporter passed through ``account``"""
         from opentelemetry.sdk.trace.export import BatchSpanProcessor, SimpleSpanProcessor
 
-        return _processors(
-            self.model.tracer_provider.processors, declared_span_exporter, account,
+        return self._processors(
+            "spans", "tracer_provider", declared_span_exporter, account,
             BatchSpanProcessor, SimpleSpanProcessor,
         )
 
-    def metric_readers(self, account: Any) -> list:
+    def metric_readers(self, account: Account) -> list:
         """The file's metric readers, each push exporter passed through
         ``account``; a Prometheus pull reader serves on Dask's ``/metrics``"""
         from opentelemetry.sdk.metrics.export import PeriodicExportingMetricReader
 
         out = []
-        for config in self.model.meter_provider.readers:
-            if config.periodic is not None:
-                periodic = config.periodic
-                options: dict[str, Any] = {}
-                if periodic.interval is not None:
-                    options["export_interval_millis"] = float(periodic.interval)
-                if periodic.timeout is not None:
-                    options["export_timeout_millis"] = float(periodic.timeout)
-                exporter = account(declared_metric_exporter(periodic.exporter))
-                out.append(PeriodicExportingMetricReader(exporter, **options))
-            else:
-                from dask_otel.export.exporters import metric_readers
-
-                out += metric_readers(["prometheus"])
+        for i, config in enumerate(self.model.meter_provider.readers):
+            if config.periodic is None:
+                out.append(prometheus_reader())
+                continue
+            periodic = config.periodic
+            interval = _or_default(periodic.interval, "metrics")
+            exporter = self._exporter(
+                f"meter_provider.readers[{i}]", declared_metric_exporter, periodic.exporter)
+            out.append(PeriodicExportingMetricReader(
+                account("metrics", exporter, interval / 1000),
+                export_interval_millis=interval,
+                export_timeout_millis=float(_or_default(periodic.timeout, "timeout")),
+            ))
         return out
 
     def meter_options(self) -> dict[str, Any]:
@@ -180,43 +180,65 @@ class ConfigFile:
         _lifecycle_is_ours(provider)
         return provider
 
-    def log_processors(self, account: Any) -> list:
+    def log_processors(self, account: Account) -> list:
         """The file's log record processors, each exporter passed through ``account``"""
         from opentelemetry.sdk._logs.export import (
             BatchLogRecordProcessor,
             SimpleLogRecordProcessor,
         )
 
-        return _processors(
-            self.model.logger_provider.processors, declared_log_exporter, account,
+        return self._processors(
+            "logs", "logger_provider", declared_log_exporter, account,
             BatchLogRecordProcessor, SimpleLogRecordProcessor,
         )
 
+    def _processors(self, signal: str, section: str, build: Any, account: Account,
+                    batch: type, simple: type) -> list:
+        """The processors of a provider ``section`` of the file (``batch`` or
+        ``simple``), each exporter built from the file and passed through
+        ``account``; a batch's settings are the file's, else the spec's defaults
+        (the ``OTEL_*`` variables are not read)"""
+        out = []
+        for i, config in enumerate(getattr(self.model, section).processors):
+            where = f"{section}.processors[{i}]"
+            if config.batch is None:
+                exporter = self._exporter(where, build, config.simple.exporter)
+                out.append(simple(account(signal, exporter, None)))
+                continue
+            b = config.batch
+            delay = _or_default(b.schedule_delay, signal)
+            exporter = account(signal, self._exporter(where, build, b.exporter), delay / 1000)
+            options = {"max_queue_size": b.max_queue_size,
+                       "max_export_batch_size": b.max_export_batch_size}
+            out.append(batch(
+                exporter, schedule_delay_millis=float(delay),
+                export_timeout_millis=float(_or_default(b.export_timeout, "timeout")),
+                **{k: v for k, v in options.items() if v is not None},
+            ))
+        return out
 
-def _processors(
-    configs: list, exporter: Any, account: Any, batch: type, simple: type
-) -> list:
-    """The processors of a provider section of the file (``batch`` or ``simple``),
-    each ``exporter`` built from the file and passed through ``account``"""
-    out = []
-    for config in configs:
-        if config.batch is not None:
-            built = account(exporter(config.batch.exporter))
-            out.append(batch(built, **_batch_options(config.batch)))
-        else:
-            out.append(simple(account(exporter(config.simple.exporter))))
-    return out
+    def _exporter(self, where: str, build: Any, config: Any) -> Any:
+        """An exporter from a section of the file; one it cannot build is a
+        ConfigError naming the variable, the file, the section and the exporter"""
+        try:
+            return build(config)
+        except Exception as e:
+            names = [f.name for f in dataclasses.fields(config) if getattr(config, f.name) is not None]
+            names += list(getattr(config, "additional_properties", None) or ())
+            raise ConfigError(
+                VARIABLE, self.path,
+                f"an exporter the SDK can build at {where}.exporter "
+                f"({', '.join(names) or 'none named'}: {type(e).__name__}: {e})",
+            ) from None
 
 
-def _batch_options(batch: Any) -> dict[str, Any]:
-    """A batch processor's settings from the file; those it leaves out are the SDK's"""
-    options = {
-        "max_queue_size": batch.max_queue_size,
-        "schedule_delay_millis": batch.schedule_delay,
-        "max_export_batch_size": batch.max_export_batch_size,
-        "export_timeout_millis": batch.export_timeout,
-    }
-    return {k: v for k, v in options.items() if v is not None}
+#: The spec's defaults, in milliseconds, for what a section of the file leaves out
+#: (the export interval of each signal, and an export's timeout)
+DEFAULTS = {"spans": 5000, "logs": 1000, "metrics": 60000, "timeout": 30000}
+
+
+def _or_default(value: int | None, what: str) -> int:
+    return DEFAULTS[what] if value is None else value
 
 
 def _lifecycle_is_ours(provider: Any) -> None:

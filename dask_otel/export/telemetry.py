@@ -25,15 +25,11 @@ from typing import TYPE_CHECKING, Any
 
 from dask_otel.attributes import SCHEDULER_ADDRESS
 from dask_otel.config import OtelConfig
-from dask_otel.export.accounting import (
-    HELD_EXPORTER_LOGS,
-    AccountedSpanExporter,
-    accounted_metric_exporter,
-)
+from dask_otel.export.accounting import HELD_EXPORTER_LOGS, AccountedExporter
 from dask_otel.export.declarative import ConfigFile, config_file
-from dask_otel.export.exporters import metric_readers, span_exporters
+from dask_otel.export.exporters import EnvRecipe
 from dask_otel.export.instruments import EXEMPLAR_VIEWS
-from dask_otel.export.sink import DEFAULT_ATTRIBUTE_LENGTH, SpanSink, span_limits
+from dask_otel.export.sink import DEFAULT_ATTRIBUTE_LENGTH, SpanSink
 
 if TYPE_CHECKING:
     from opentelemetry.sdk.trace import TracerProvider
@@ -189,12 +185,12 @@ def _process_instance_id() -> str:
 
 
 class Telemetry:
-    """The SDK providers of this process, shared by every Dask server in it.
+    """The SDK providers of this process, shared by every Dask server in it, built
+    by one recipe: the file's (:class:`~dask_otel.export.declarative.ConfigFile`)
+    or the ``OTEL_*`` one (:class:`~dask_otel.export.exporters.EnvRecipe`).
 
     ``span_sink`` and ``tracer_provider`` exist only when traces are exported,
     ``meter_provider`` only when metrics are, ``logs`` only when logs are.
-    ``span_exporters`` are kept so that tests and the demo can read an in-memory
-    exporter.
     """
 
     _lock = threading.Lock()
@@ -206,11 +202,13 @@ class Telemetry:
     #: Where this process's spans go: the scheduler's mirrored spans, the
     #: workers' task spans (spans made inside tasks go through the tracer provider)
     span_sink: SpanSink | None
-    span_exporters: list
-    #: The batched span, metric exporters wrapped with export accounting, for
-    #: the self-metrics and for shutdown
-    accounted_span_exporters: list[AccountedSpanExporter]
-    accounted_metric_exporters: list
+    #: signal -> every exporter the recipe built, unwrapped (tests and the demo
+    #: read an in-memory one)
+    exporters: dict[str, list]
+    #: The batched exporters, wrapped with export accounting: the self-metrics
+    #: read them, shutdown interrupts them
+    accounted: list[AccountedExporter]
+    metric_readers: list
     meter_provider: Any
     #: :class:`dask_otel.export.logs.LogExport`
     logs: Any
@@ -233,112 +231,56 @@ class Telemetry:
         self.resource = resource
         self.scheduler_address = scheduler_address
         self.environment = otel_environment()
-        self.config_file = declared = config_file()
+        self.config_file = config_file()
+        recipe = self.config_file or EnvRecipe(config)
         #: Schedulers whose servers were told they share this Telemetry
         self.warned: set[str] = set()
-        self.span_exporters = []
-        self.accounted_span_exporters = []
-        self.accounted_metric_exporters = []
-        self.tracer_provider = None
-        self.span_sink = None
-        self.meter_provider = None
-        self.logs = None
+        self.exporters = {"spans": [], "metrics": [], "logs": []}
+        self.accounted = []
+        self.tracer_provider = self.span_sink = self.meter_provider = self.logs = None
         self._shut_down = False
-        meter_options: dict[str, Any] = {"views": []}
-        if declared is None:
-            self.metric_readers = metric_readers(
-                config.metrics_exporters, self.accounted_metric_exporters,
-                config.retry_during_outage,
-            )
-        elif declared.metrics:
-            self.metric_readers = declared.metric_readers(self._account_metrics)
-            meter_options = declared.meter_options()
-        else:
-            self.metric_readers = []
-        declared_views = meter_options.pop("views")
+        self.metric_readers = recipe.metric_readers(self.account) if recipe.metrics else []
         if self.metric_readers:
+            options = recipe.meter_options()
             self.meter_provider = MeterProvider(
                 metric_readers=self.metric_readers,
                 resource=self.resource,
                 shutdown_on_exit=False,
                 # the file's views after the bridge's
-                views=[*EXEMPLAR_VIEWS, *declared_views],
-                **meter_options,
+                views=[*EXEMPLAR_VIEWS, *options.pop("views")],
+                **options,
             )
-        if declared.traces if declared else config.traces_exporters:
-            self.span_sink = self._build_span_sink()
-        if declared.logs if declared else config.logs_exporters:
-            from dask_otel.export.logs import LogExport
-
-            self.logs = LogExport(config, self.resource, declared)
-
-    def _account_metrics(self, exporter: Any) -> Any:
-        """A push metric exporter wrapped in export accounting and kept"""
-        accounted = accounted_metric_exporter(exporter, self.config.retry_during_outage)
-        self.accounted_metric_exporters.append(accounted)
-        HELD_EXPORTER_LOGS.attach()
-        return accounted
-
-    def _account_spans(self, exporter: Any) -> AccountedSpanExporter:
-        """A span exporter wrapped in export accounting and kept"""
-        self.span_exporters.append(exporter)
-        accounted = AccountedSpanExporter(exporter, self.config.retry_during_outage)
-        self.accounted_span_exporters.append(accounted)
-        return accounted
-
-    def _build_span_sink(self) -> SpanSink:
-        from opentelemetry.sdk.trace import TracerProvider
-        from opentelemetry.sdk.trace.export import (
-            BatchSpanProcessor,
-            SimpleSpanProcessor,
-        )
-        from opentelemetry.sdk.trace.export.in_memory_span_exporter import (
-            InMemorySpanExporter,
-        )
-
-        if self.config_file is not None:
-            self.tracer_provider, limits = self.config_file.tracer_provider(
-                self.resource, DEFAULT_ATTRIBUTE_LENGTH
-            )
-            processors = self.config_file.span_processors(self._account_spans)
+        if recipe.traces:
+            self.tracer_provider, limits = recipe.tracer_provider(
+                self.resource, DEFAULT_ATTRIBUTE_LENGTH)
+            processors = recipe.span_processors(self.account, self.meter_provider)
             for processor in processors:
                 self.tracer_provider.add_span_processor(processor)
-            HELD_EXPORTER_LOGS.attach()
-            return SpanSink(self.tracer_provider, processors, limits)
+            self.span_sink = SpanSink(self.tracer_provider, processors, limits)
+        if recipe.logs:
+            from dask_otel.export.logs import LogExport
 
-        self.span_exporters = span_exporters(
-            self.config.traces_exporters, self.meter_provider
-        )
-        limits = span_limits()
-        # The provider reads OTEL_TRACES_SAMPLER and owns flush and shutdown
-        self.tracer_provider = TracerProvider(
-            resource=self.resource,
-            span_limits=limits,
-            # We own the lifecycle (flush on close, bounded by otel.flush-timeout);
-            # an atexit shutdown could hold a dying process on a dead collector.
-            shutdown_on_exit=False,
-        )
-        processors = []
-        for exporter in self.span_exporters:
-            # The in-memory exporter is for tests and the demo: no batching delay
-            if isinstance(exporter, InMemorySpanExporter):
-                processor = SimpleSpanProcessor(exporter)
-            else:
-                accounted = AccountedSpanExporter(exporter, self.config.retry_during_outage)
-                self.accounted_span_exporters.append(accounted)
-                processor = BatchSpanProcessor(accounted, **self._sdk_metrics)
-            self.tracer_provider.add_span_processor(processor)
-            processors.append(processor)
+            self.logs = LogExport(config, recipe, self.resource, self.account)
+
+    def account(self, signal: str, exporter: Any, interval: float | None) -> Any:
+        """The one place every exporter a recipe builds passes: kept, and when
+        batched (``interval``: seconds between the SDK's scheduled exports, as the
+        recipe configured them) wrapped in export accounting and the outage policy"""
+        self.exporters[signal].append(exporter)
+        if interval is None:
+            return exporter
+        accounted = AccountedExporter(signal, exporter, interval, self.config.retry_during_outage)
+        self.accounted.append(accounted)
         HELD_EXPORTER_LOGS.attach()
-        return SpanSink(self.tracer_provider, processors, limits)
+        return accounted
 
-    @property
-    def _sdk_metrics(self) -> dict[str, Any]:
-        """The SDK's own metrics (queue size, spans dropped by a full queue, export
-        duration), opt-in with OTEL_PYTHON_SDK_INTERNAL_METRICS_ENABLED=true (always
-        on in opentelemetry-sdk 1.41), go to this MeterProvider rather than the
-        application's global one."""
-        return {"meter_provider": self.meter_provider} if self.meter_provider else {}
+    def accounted_of(self, signal: str) -> list[AccountedExporter]:
+        return [e for e in self.accounted if e.outage.signal == signal]
+
+    # What the scheduler's self-metrics and status() read
+    span_exporters = property(lambda self: self.exporters["spans"])
+    accounted_span_exporters = property(lambda self: self.accounted_of("spans"))
+    accounted_metric_exporters = property(lambda self: self.accounted_of("metrics"))
 
     @classmethod
     def acquire(cls, config: OtelConfig, **resource_attributes: Any) -> ServerTelemetry:
@@ -393,35 +335,28 @@ class Telemetry:
         )
 
     @property
-    def accounted_exporters(self) -> list:
-        """The batched exporters (OTLP and others): the ones that can wait on a
-        collector, with their :class:`~dask_otel.export.accounting.ExportOutage`"""
-        logs = self.logs.accounted_exporters if self.logs else []
-        return [*self.accounted_span_exporters, *self.accounted_metric_exporters, *logs]
-
-    @property
     def outage(self) -> bool:
         """True while some exporter waits on a collector that is not answering (see
         :attr:`~dask_otel.export.accounting.ExportOutage.stalled`): flushing would
         only wait"""
-        return any(e.outage.stalled for e in self.accounted_exporters)
+        return any(e.outage.stalled for e in self.accounted)
 
     def force_flush(self) -> None:
         """Export what is queued; what a failing exporter holds is dropped and
         counted without a probe. Blocks while a collector hangs (the SDK's batch
         processor ignores a flush timeout): :meth:`shutdown` from another thread
         ends it."""
-        for exporter in self.accounted_exporters:
+        for exporter in self.accounted:
             exporter.outage.closing = True
         timeout_ms = int(self.config.flush_timeout * 1000)
         # A provider whose every exporter is failing has nothing to flush to (and a
         # metric collection would cost CPU for nothing)
-        if self.tracer_provider and not _all_failing(self.accounted_span_exporters):
-            self.tracer_provider.force_flush(timeout_ms)
-        if self.meter_provider and not _all_failing(self.accounted_metric_exporters):
-            self.meter_provider.force_flush(timeout_ms)
-        if self.logs and not _all_failing(self.logs.accounted_exporters):
-            self.logs.force_flush(timeout_ms)
+        for signal, provider in (("spans", self.tracer_provider),
+                                 ("metrics", self.meter_provider),
+                                 ("logs", self.logs and self.logs.provider)):
+            accounted = self.accounted_of(signal)
+            if provider and not (accounted and all(e.outage.failing for e in accounted)):
+                provider.force_flush(timeout_ms)
 
     def shutdown(self) -> None:
         """Stop the SDK's threads now, whatever the collector does.
@@ -435,7 +370,7 @@ class Telemetry:
             if self._shut_down:
                 return
             self._shut_down = True
-        for exporter in self.accounted_exporters:
+        for exporter in self.accounted:
             try:
                 exporter.shutdown()
             except Exception:
@@ -447,10 +382,6 @@ class Telemetry:
             self.meter_provider.shutdown(timeout_millis=timeout_ms)
         if self.logs:
             self.logs.shutdown()
-
-
-def _all_failing(accounted: list) -> bool:
-    return bool(accounted) and all(e.outage.failing for e in accounted)
 
 
 @dataclass
