@@ -1,34 +1,12 @@
-"""Dask's own Prometheus families as OpenTelemetry instruments (``otel.metrics.dask``):
-an adapter over the collectors Dask serves its ``/metrics`` from, which names no
-family.
+"""Dask's own Prometheus families as OpenTelemetry instruments (``otel.metrics.dask``;
+docs/metrics.md#dasks-own-families): an adapter over the collectors Dask serves
+``/metrics`` from, one instrument per family by one rule (:func:`family_spec`).
 
-At each collection, the collectors of each attached server run once, and every
-family they yield becomes one observable instrument by one rule
-(:func:`family_spec`): so a family a new distributed adds, renames or drops
-follows without a change here, and the bridge reads no attribute of Dask for
-them: the collectors do.
-
-Invariants:
-
-- Dask's own scrapes see what they would see without the bridge. The collectors
-  run on a :class:`ServerView`: its ``digests_max`` is a copy (a collection clears
-  or pops the tick-duration maximum) and its ``monitor.update()`` does nothing (a
-  scrape samples the SystemMonitor: the bridge reads the latest sample, taken by
-  the server's own periodic update or by a scrape). The bridge's tick maximum is
-  therefore the maximum since Dask's last scrape, or since the server started.
-- An instrument is created the first time a collection of any server of the
-  process yields its family: when a server is attached (its first collection
-  runs then, on its event loop), or, for a family that shows up later, on that
-  server's event loop, observed from the next collection on (the SDK registers
-  an instrument under the lock its collection holds).
-- The collectors run in the metric reader's thread while the event loop changes
-  what they read: a ``RuntimeError`` (a dict changed size) is retried, then that
-  collector is skipped for the round.
-
-Cost: one run of Dask's collectors per server and collection (what one
-``/metrics`` scrape of that server costs), then one Observation per series;
-figures in benchmarks/README.md. What is exported and the exceptions to the rule:
-docs/metrics.md#dasks-own-families.
+The collectors run on a :class:`ServerView`, so that Dask's own scrapes see what
+they would see without the bridge (a collection clears ``digests_max`` and samples
+the SystemMonitor). An instrument is created on the event loop when a family first
+shows up (the SDK registers one under the lock its collection holds). A collector
+that meets a ``RuntimeError`` (a dict changed size) is retried, then skipped.
 """
 
 from __future__ import annotations

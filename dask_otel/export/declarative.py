@@ -1,22 +1,8 @@
-"""Declarative configuration: the bridge's providers from the file
-``OTEL_CONFIG_FILE`` names, as opentelemetry-sdk (1.43+) builds the
-application's from it (docs/configuration-file.md).
-
-Invariants: with ``OTEL_CONFIG_FILE`` set, the file decides which signals the
-bridge exports and where (its ``tracer_provider``, ``meter_provider`` and
-``logger_provider``: processors, readers, exporters, sampler, limits, views) and
-the resource; the ``OTEL_*`` variables the SDK ignores then are ignored here too.
-Every exporter the file names is still wrapped in the bridge's export accounting
-(:mod:`dask_otel.export.accounting`), and the resource still carries Dask's
-identity. The file is parsed and validated by opentelemetry-configuration's
-public ``load_config_file``; providers are built by its ``create_*`` functions;
-exporters from a section of the file by its factories, read in
-:mod:`dask_otel._compat`. What the bridge cannot honour is named by one WARNING
-per process and file, and by ``status()``. Without opentelemetry-configuration
-installed, ``OTEL_CONFIG_FILE`` is a :class:`~dask_otel.config.ConfigError`
-naming the variable and the extra (``dask-otel[config]``).
-
-Cost: the file is read and validated once per process and file.
+"""The ``OTEL_CONFIG_FILE`` recipe (:class:`ConfigFile`): the bridge's providers from
+the file, as opentelemetry-sdk builds the application's (docs/configuration-file.md);
+the ``OTEL_*`` variables the SDK then ignores are ignored here too. It answers what
+:class:`~dask_otel.export.exporters.EnvRecipe` answers; the file is read and
+validated once per process and file by opentelemetry-configuration.
 """
 
 from __future__ import annotations
@@ -59,28 +45,15 @@ class ConfigFile:
     ignored: tuple[str, ...]
 
     @property
-    def disabled(self) -> bool:
-        return bool(self.model.disabled)
-
-    def exports(self, section: str, items: str) -> bool:
-        """Whether the file gives ``section`` (``tracer_provider``, ...) any
-        ``items`` (``processors``, ``readers``)"""
-        if self.disabled:
-            return False
-        config = getattr(self.model, section)
-        return config is not None and bool(getattr(config, items))
-
-    @property
-    def traces(self) -> bool:
-        return self.exports("tracer_provider", "processors")
-
-    @property
-    def metrics(self) -> bool:
-        return self.exports("meter_provider", "readers")
-
-    @property
-    def logs(self) -> bool:
-        return self.exports("logger_provider", "processors")
+    def signals(self) -> set[str]:
+        """The signals exported: the providers the file gives processors or readers"""
+        if self.model.disabled:
+            return set()
+        sections = {"spans": ("tracer_provider", "processors"),
+                    "metrics": ("meter_provider", "readers"),
+                    "logs": ("logger_provider", "processors")}
+        return {signal for signal, (section, items) in sections.items()
+                if getattr(getattr(self.model, section), items, None)}
 
     def status(self) -> dict[str, Any]:
         """What ``status()`` shows of it"""

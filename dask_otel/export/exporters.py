@@ -21,14 +21,9 @@ logger = logging.getLogger("dask_otel")
 
 
 def _build_exporter(group: str, name: str, **kwargs: Any) -> Any:
-    """An exporter from its entry point; it reads its own OTEL_* variables.
-
-    The SDK's errors for a malformed variable do not always name it ("could not
-    convert string to float: 'forever'"): name the variable holding that value.
-    Header variables hold credentials: their values are never shown, and the
-    SDK's own warning about a malformed one (which quotes it) is replaced by one
-    that names the variable.
-    """
+    """An exporter from its entry point; it reads its own OTEL_* variables. An
+    error names the variable holding the bad value (the SDK's do not always), but
+    never shows a header variable's value (credentials)."""
     ep = installed_entry_points(group)[name]
     try:
         cls = ep.load()
@@ -181,16 +176,11 @@ class EnvRecipe:
     config: OtelConfig
 
     @property
-    def traces(self) -> bool:
-        return bool(self.config.traces_exporters)
-
-    @property
-    def metrics(self) -> bool:
-        return bool(self.config.metrics_exporters)
-
-    @property
-    def logs(self) -> bool:
-        return bool(self.config.logs_exporters)
+    def signals(self) -> set[str]:
+        """The signals exported"""
+        names = {"spans": self.config.traces_exporters, "metrics": self.config.metrics_exporters,
+                 "logs": self.config.logs_exporters}
+        return {signal for signal, exporters in names.items() if exporters}
 
     def tracer_provider(self, resource: Any, default_length: int) -> tuple[Any, Any]:
         """A TracerProvider (it reads ``OTEL_TRACES_SAMPLER``) and its SpanLimits"""
@@ -202,20 +192,13 @@ class EnvRecipe:
         return TracerProvider(resource=resource, span_limits=limits, shutdown_on_exit=False), limits
 
     def span_processors(self, account: Account, meter_provider: Any) -> list:
-        """OTLP exporters report their own SDK metrics to ``meter_provider``"""
-        from opentelemetry.sdk.trace.export import BatchSpanProcessor, SimpleSpanProcessor
+        """OTLP exporters and processors report their SDK metrics to ``meter_provider``"""
+        from opentelemetry.sdk.trace import export
         from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
         sdk_metrics = {"meter_provider": meter_provider} if meter_provider else {}
-        out = []
-        for name in self.config.traces_exporters:
-            if name == "memory":
-                out.append(SimpleSpanProcessor(account("spans", InMemorySpanExporter(), None)))
-                continue
-            exporter = _exporter("spans", name, **(sdk_metrics if name != "console" else {}))
-            accounted = account("spans", exporter, export_interval("spans"))
-            out.append(BatchSpanProcessor(accounted, **sdk_metrics))
-        return out
+        return self._processors("spans", self.config.traces_exporters, account, InMemorySpanExporter,
+                                export.BatchSpanProcessor, export.SimpleSpanProcessor, sdk_metrics)
 
     def metric_readers(self, account: Account) -> list:
         from opentelemetry.sdk.metrics.export import (
@@ -223,16 +206,12 @@ class EnvRecipe:
             PeriodicExportingMetricReader,
         )
 
-        out = []
-        for name in self.config.metrics_exporters:
-            if name == "memory":
-                out.append(InMemoryMetricReader())
-            elif name == "prometheus":
-                out.append(prometheus_reader())
-            else:
-                exporter = account("metrics", _exporter("metrics", name), export_interval("metrics"))
-                out.append(PeriodicExportingMetricReader(exporter))
-        return out
+        readers = {"memory": InMemoryMetricReader, "prometheus": prometheus_reader}
+        return [
+            readers[name]() if name in readers else PeriodicExportingMetricReader(
+                account("metrics", _exporter("metrics", name), export_interval("metrics")))
+            for name in self.config.metrics_exporters
+        ]
 
     def meter_options(self) -> dict[str, Any]:
         return {"views": []}
@@ -243,17 +222,21 @@ class EnvRecipe:
         return LoggerProvider(resource=resource, shutdown_on_exit=False)
 
     def log_processors(self, account: Account) -> list:
-        from opentelemetry.sdk._logs.export import (
-            BatchLogRecordProcessor,
-            InMemoryLogRecordExporter,
-            SimpleLogRecordProcessor,
-        )
+        from opentelemetry.sdk._logs import export
 
+        return self._processors("logs", self.config.logs_exporters, account,
+                                export.InMemoryLogRecordExporter, export.BatchLogRecordProcessor,
+                                export.SimpleLogRecordProcessor)
+
+    @staticmethod
+    def _processors(signal: str, names: tuple[str, ...], account: Account, memory: type,
+                    batch: type, simple: type, sdk_metrics: dict | None = None) -> list:
         out = []
-        for name in self.config.logs_exporters:
+        for name in names:
             if name == "memory":
-                out.append(SimpleLogRecordProcessor(account("logs", InMemoryLogRecordExporter(), None)))
+                out.append(simple(account(signal, memory(), None)))
             else:
-                exporter = account("logs", _exporter("logs", name), export_interval("logs"))
-                out.append(BatchLogRecordProcessor(exporter))
+                kwargs = sdk_metrics if sdk_metrics and name != "console" else {}
+                exporter = account(signal, _exporter(signal, name, **kwargs), export_interval(signal))
+                out.append(batch(exporter, **(sdk_metrics or {})))
         return out

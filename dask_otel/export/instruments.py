@@ -1,17 +1,8 @@
-"""Observable instruments shared by every Dask server of a process.
-
-A process holds one MeterProvider (see :class:`dask_otel.export.telemetry.Telemetry`), and a
-LocalCluster with ``processes=False`` runs a scheduler and several workers in it.
-An instrument name may be registered only once per MeterProvider, so each kind of
-instrument set (:class:`~dask_otel.spill.SpillInstruments`,
-:class:`~dask_otel.scheduler.metrics.SchedulerInstruments`) is created once per provider, and
-its callbacks report on every Dask server currently attached to it, each with the
-attributes that name it.
-
-Callbacks run in the metric reader's thread (or, in Prometheus pull mode, in the
-thread that serves ``/metrics``) while the event loop and the task threads change
-what they read. They copy what they read, skip a server for one round on
-``RuntimeError`` (a dict changed size during iteration), and never raise.
+"""Observable instruments shared by every Dask server of a process (docs/metrics.md):
+one instrument set per metric table and MeterProvider (:class:`ProcessInstruments`),
+whose callbacks report on each attached server with the attributes that name it.
+Callbacks run in the reader's thread while the event loop changes what they read:
+they copy, skip a server for a round on ``RuntimeError``, and never raise.
 """
 
 from __future__ import annotations

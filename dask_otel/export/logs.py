@@ -1,19 +1,9 @@
-"""Python log records of the scheduler and workers as OpenTelemetry logs: the
-process's ``LoggerProvider`` (batched exporters wrapped in the bridge's export
-accounting) and the handlers that feed it.
-
-Invariants: off unless a log exporter is named; each record is exported once at
-most. distributed's loggers do not propagate, so a handler of ours sits on each of
-:func:`dask_logger_names` as well as on the root logger, and each exports only the
-records that stop at its logger (:class:`_WhereRecordsStop`, read as each record
-arrives, so ``propagate = True`` set later changes nothing); where another OTel
-handler is on a logger (the user's, ``opentelemetry-instrument``'s) ours stands
-aside, and on the root none of ours is added. Records of the ``opentelemetry.*``
-loggers are never exported (an exporter's complaint about exporting would feed
-back). The handler is opentelemetry-instrumentation-logging's, which the SDK
-recommends (extra ``logs``), else the SDK's own; with neither, log export is a
-:class:`~dask_otel.config.ConfigError`. Cost: one filter call per record per handler
-it reaches. What is exported, at which levels: docs/logs.md.
+"""Python log records of the scheduler and workers as OpenTelemetry logs (docs/logs.md):
+the process's ``LoggerProvider`` and the handlers that feed it. distributed's loggers
+do not propagate, so a handler of ours sits on each of :func:`dask_logger_names` and
+on the root, and exports only the records that stop at its logger; where another
+OTel handler is on a logger ours stands aside. ``opentelemetry.*`` records are never
+exported (an exporter's complaint about exporting would feed back).
 """
 
 from __future__ import annotations

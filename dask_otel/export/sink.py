@@ -1,19 +1,9 @@
-"""The :class:`SpanSink`: the one place where the bridge's spans (the scheduler's
-mirrored Dask spans and TaskGroups, the workers' task spans) go to the SDK.
-
-They are built already finished, as ``ReadableSpan``s, so they skip the SDK's
-Tracer: the sink adds what a Tracer would (resource, instrumentation scope, the
-``SpanLimits`` the SDK's own spans get) and hands them to the span processors.
-
-Length limits, one rule: every string is cut to the attribute value length limit
-(``OTEL_SPAN_ATTRIBUTE_VALUE_LENGTH_LIMIT``, 4096 by default here), span names
-and status descriptions included, except :data:`WHOLE_VALUES`: the ids users
-search by are never cut (the SDK's ``BoundedAttributes`` would cut them too).
-
-The sink is the corridor's exit: it imports nothing of the scheduler or the
-workers (``tests/test_layout.py``). Cost: one pass over a span's attribute values
-when they are within the limits (:func:`within_limits`), else the SDK's own
-``BoundedAttributes``. The limits as users set them: docs/traces.md.
+"""The :class:`SpanSink`: the one place the bridge's spans (mirrored Dask spans and
+TaskGroups, task spans) go to the SDK, built finished as ``ReadableSpan``s, with what
+a Tracer would add (resource, scope, the SDK's ``SpanLimits``). Every string is cut
+to the attribute value length limit (4096 by default here), except the ids users
+search by (:data:`WHOLE_VALUES`). It imports nothing of the scheduler or the workers.
+Limits: docs/traces.md.
 """
 
 from __future__ import annotations

@@ -1,17 +1,9 @@
-"""The per-process :class:`Telemetry`: the SDK providers every Dask server of a
-process shares, and the :class:`~dask_otel.export.sink.SpanSink` the bridge hands
-its spans to; and :class:`ServerTelemetry`, one server's view of it.
-
-Invariants: one Telemetry per process at a time (a LocalCluster with
-``processes=False`` runs a scheduler and its workers in one process; a Prometheus
-registry can hold the bridge's collector only once), created by the first server
-that attaches and flushed and shut down by the last that detaches
-(:mod:`dask_otel.export.lifecycle`). Each server keeps its own ``otel.*`` values and
-resource; what belongs to the providers (:data:`PROCESS_WIDE`, the ``OTEL_*``
-variables, the metric resource) is the first server's, which a WARNING and
-``status()`` say (docs/traces.md, "Two clusters in one process"). The bridge never
-replaces an application's global providers (the one exception:
-:mod:`dask_otel.export.global_provider`).
+"""The per-process :class:`Telemetry` (the SDK providers every Dask server of a
+process shares, built by one recipe: ``OTEL_*`` or ``OTEL_CONFIG_FILE``) and
+:class:`ServerTelemetry`, one server's view of it: its own ``otel.*`` values and
+resource, the first server's providers (docs/traces.md, "Two clusters in one
+process"). Created by the first server that attaches, flushed and shut down by the
+last that detaches (:mod:`dask_otel.export.lifecycle`).
 """
 
 from __future__ import annotations
@@ -152,16 +144,9 @@ _detected: tuple[tuple, Any] | None = None
 
 
 def detected_resource():
-    """``Resource.create({})``: the SDK's default resource and its detectors'
-    (``OTEL_EXPERIMENTAL_RESOURCE_DETECTORS``), detected once per process and
-    ``OTEL_*`` variables.
-
-    Every Dask server builds its resource when it starts, and the SDK looks its
-    detectors up by entry point and runs them on a new thread pool each time: a
-    few ms per server, paid by every cluster a test suite or notebook starts
-    (issue 18). What they detect (host, process, the SDK) does not change while
-    the process and its variables do not.
-    """
+    """``Resource.create({})`` (the SDK's detectors, a few ms and a thread pool per
+    call), once per process and ``OTEL_*`` variables: what they detect does not
+    change while those do not"""
     from opentelemetry.sdk.resources import Resource
 
     global _detected
@@ -187,11 +172,8 @@ def _process_instance_id() -> str:
 class Telemetry:
     """The SDK providers of this process, shared by every Dask server in it, built
     by one recipe: the file's (:class:`~dask_otel.export.declarative.ConfigFile`)
-    or the ``OTEL_*`` one (:class:`~dask_otel.export.exporters.EnvRecipe`).
-
-    ``span_sink`` and ``tracer_provider`` exist only when traces are exported,
-    ``meter_provider`` only when metrics are, ``logs`` only when logs are.
-    """
+    or the ``OTEL_*`` one (:class:`~dask_otel.export.exporters.EnvRecipe`); each
+    provider exists only when its signal is exported."""
 
     _lock = threading.Lock()
     _current: Telemetry | None = None
@@ -239,7 +221,8 @@ class Telemetry:
         self.accounted = []
         self.tracer_provider = self.span_sink = self.meter_provider = self.logs = None
         self._shut_down = False
-        self.metric_readers = recipe.metric_readers(self.account) if recipe.metrics else []
+        signals = recipe.signals
+        self.metric_readers = recipe.metric_readers(self.account) if "metrics" in signals else []
         if self.metric_readers:
             options = recipe.meter_options()
             self.meter_provider = MeterProvider(
@@ -250,14 +233,14 @@ class Telemetry:
                 views=[*EXEMPLAR_VIEWS, *options.pop("views")],
                 **options,
             )
-        if recipe.traces:
+        if "spans" in signals:
             self.tracer_provider, limits = recipe.tracer_provider(
                 self.resource, DEFAULT_ATTRIBUTE_LENGTH)
             processors = recipe.span_processors(self.account, self.meter_provider)
             for processor in processors:
                 self.tracer_provider.add_span_processor(processor)
             self.span_sink = SpanSink(self.tracer_provider, processors, limits)
-        if recipe.logs:
+        if "logs" in signals:
             from dask_otel.export.logs import LogExport
 
             self.logs = LogExport(config, recipe, self.resource, self.account)
@@ -342,10 +325,8 @@ class Telemetry:
         return any(e.outage.stalled for e in self.accounted)
 
     def force_flush(self) -> None:
-        """Export what is queued; what a failing exporter holds is dropped and
-        counted without a probe. Blocks while a collector hangs (the SDK's batch
-        processor ignores a flush timeout): :meth:`shutdown` from another thread
-        ends it."""
+        """Export what is queued (a failing exporter's is dropped and counted, not
+        probed); blocks while a collector hangs: :meth:`shutdown` ends it"""
         for exporter in self.accounted:
             exporter.outage.closing = True
         timeout_ms = int(self.config.flush_timeout * 1000)
@@ -359,13 +340,9 @@ class Telemetry:
                 provider.force_flush(timeout_ms)
 
     def shutdown(self) -> None:
-        """Stop the SDK's threads now, whatever the collector does.
-
-        The exporters are shut down first: that interrupts a retry back-off and
-        cancels a gRPC call waiting on a hung collector, so that what is still
-        queued fails at once (dropped and counted) and the span processors',
-        metric readers' and log processors' threads, joined next, end. Runs once.
-        """
+        """Stop the SDK's threads now, whatever the collector does, once: the
+        exporters first (that ends a retry backoff and cancels a gRPC call waiting
+        on a hung collector), so that the threads joined next end at once"""
         with self._lock:
             if self._shut_down:
                 return
@@ -387,15 +364,8 @@ class Telemetry:
 @dataclass
 class ServerTelemetry:
     """One Dask server's share of its process's :class:`Telemetry`: its own
-    ``otel.*`` values and resource, the process's providers.
-
-    Its spans carry its own resource (:attr:`span_sink`); its plugin reads its own
-    :attr:`config`, except for what the providers were built with
-    (:data:`PROCESS_WIDE`, the ``OTEL_*`` variables), which is the first server's.
-    A server of another scheduler than the first (:attr:`shared_with`) puts its
-    scheduler's address on its metrics as an attribute: the MeterProvider's
-    resource names the first.
-    """
+    ``otel.*`` values (but :data:`PROCESS_WIDE`) and resource on its spans; a server
+    of another scheduler than the first puts its scheduler's address on its metrics"""
 
     telemetry: Telemetry
     #: This server's ``otel.*`` values
