@@ -16,6 +16,7 @@ import copy
 import logging
 import threading
 from collections.abc import Callable, Iterable
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from opentelemetry.metrics import CallbackOptions, Observation
@@ -103,15 +104,12 @@ def family_spec(family: Metric, prefix: str, beside_gauge: bool) -> MetricSpec |
     return MetricSpec(head + rest, kind, unit, family.documentation, lambda observed: [])
 
 
+@dataclass(slots=True, eq=False)
 class MonitorView:
     """A server's SystemMonitor as Dask's collectors see it through the bridge:
     everything but ``update()``, which would add a sample to its history"""
 
-    #: The server's SystemMonitor
     monitor: SystemMonitor
-
-    def __init__(self, monitor: SystemMonitor):
-        self.monitor = monitor
 
     def update(self) -> dict[str, Any]:
         return {}
@@ -120,15 +118,12 @@ class MonitorView:
         return getattr(self.monitor, name)
 
 
+@dataclass(slots=True, eq=False)
 class ServerView:
     """A Dask server as its collectors see it through the bridge: the server,
     except what a collection resets (see the module docstring)"""
 
-    #: The scheduler or worker
     server: Server
-
-    def __init__(self, server: Server):
-        self.server = server
 
     @property
     def digests_max(self) -> defaultdict[Hashable, float]:

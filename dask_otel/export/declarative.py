@@ -72,13 +72,15 @@ class ConfigFile:
             resource = resource.merge(Resource({"service.name": service_name}))
         return resource.merge(Resource(ours))
 
-    def service_name(self) -> str | None:
+    def service_name(self) -> tuple[str, str] | None:
         """The ``service.name`` the file's resource gives, None if it names none
         (the package then says ``unknown_service:<executable>``)"""
         from opentelemetry.configuration.file import create_resource
 
         name = create_resource(self.model.resource).attributes.get("service.name")
-        return None if name == create_resource(None).attributes.get("service.name") else name
+        if name == create_resource(None).attributes.get("service.name"):
+            return None
+        return str(name), VARIABLE
 
     # -- the providers -------------------------------------------------------------
 

@@ -167,13 +167,50 @@ def prometheus_reader() -> Any:
     return PrometheusMetricReader()
 
 
+#: (pid, OTEL_* variables) -> the SDK's detected resource, see detected_resource()
+_detected: tuple[tuple, Any] | None = None
+
+
+def detected_resource() -> Any:
+    """``Resource.create({})`` (the SDK's detectors, a few ms and a thread pool per
+    call), once per process and ``OTEL_*`` variables: what they detect does not
+    change while those do not"""
+    from opentelemetry.sdk.resources import Resource
+
+    global _detected
+    key = (os.getpid(), tuple(sorted((k, v) for k, v in os.environ.items() if k.startswith("OTEL_"))))
+    if _detected is None or _detected[0] != key:
+        _detected = (key, Resource.create({}))
+    return _detected[1]
+
+
 @dataclass(slots=True)
 class EnvRecipe:
     """The providers' parts from the ``otel.*.exporter`` keys and the ``OTEL_*``
     variables; it answers what :class:`~dask_otel.export.declarative.ConfigFile`
     answers from a file. ``memory`` exporters (tests, the demo) are not batched."""
 
-    config: OtelConfig
+    config: OtelConfig | None = None
+
+    def service_name(self) -> tuple[str, str] | None:
+        """``OTEL_SERVICE_NAME``, else ``service.name`` in ``OTEL_RESOURCE_ATTRIBUTES``,
+        and which of them says it"""
+        from opentelemetry.sdk.resources import OTELResourceDetector
+
+        name = OTELResourceDetector().detect().attributes.get("service.name")
+        if not name:
+            return None
+        return str(name), ("OTEL_SERVICE_NAME" if os.environ.get("OTEL_SERVICE_NAME")
+                           else "OTEL_RESOURCE_ATTRIBUTES")
+
+    def resource(self, ours: dict[str, Any], service_name: str) -> Any:
+        """The SDK's detected resource, ``ours`` and ``service_name`` on it (so the
+        SDK's unknown_service never shows), ``OTEL_*``'s on top"""
+        from opentelemetry.sdk.resources import OTELResourceDetector, Resource
+
+        return detected_resource().merge(
+            Resource({"service.name": service_name, **ours})
+        ).merge(OTELResourceDetector().detect())
 
     @property
     def signals(self) -> set[str]:

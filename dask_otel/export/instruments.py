@@ -63,26 +63,17 @@ class MetricSpec:
     per_process: bool = False
 
 
+@dataclass(eq=False)
 class Attached:
-    """One Dask server that a :class:`ProcessInstruments` reports on.
-
-    ``close()`` does not silence it at once: it is reported once more, by the next
-    collection, and then forgotten. That next collection is usually the flush of
-    the process's Telemetry when its last Dask server closes, so the final values
-    (whatever happened since the last periodic export) are not lost, and a
-    cluster shorter-lived than one export interval still exports something.
-    """
+    """One Dask server that a :class:`ProcessInstruments` reports on. ``close()``
+    leaves it to the next collection (usually the flush of the last server's close:
+    its final values are not lost), then it is forgotten."""
 
     #: Attributes added to every observation of this server
     attributes: dict[str, Any]
-    instruments: ProcessInstruments | None
+    instruments: ProcessInstruments | None = None
     #: Rows not yet reported since close(); None while the server is open
-    last_round: set[str] | None
-
-    def __init__(self, attributes: dict[str, Any]):
-        self.attributes = attributes
-        self.instruments = None
-        self.last_round = None
+    last_round: set[str] | None = None
 
     @property
     def active(self) -> bool:
@@ -114,14 +105,9 @@ class LazyExemplarReservoir(SimpleFixedSizeExemplarReservoir):
         return super().collect(point_attributes)
 
 
-#: The series (attribute sets) one stream of the bridge's instruments may have:
-#: no limit. opentelemetry-sdk 1.45.2 folds every attribute set past 2,000 into
-#: one ``otel.metric.overflow`` point unless a View says otherwise; the bridge
-#: bounds its data itself where it must: Dask's families have the series Dask's
-#: ``/metrics`` serves (no limit there either), the fine metrics fold their own
-#: overflow (:data:`dask_otel.scheduler.metrics.MAX_SERIES`). The SDK keeps an
-#: aggregation per series it has seen, as Dask keeps every task prefix.
-#: docs/metrics.md#series-limits
+#: The series (attribute sets) one stream of the bridge's instruments may have: no
+#: SDK limit (1.45.2 folds past 2,000); the bridge bounds its data where it must
+#: (the fine metrics' own overflow). docs/metrics.md#series-limits
 NO_SERIES_LIMIT = sys.maxsize
 
 #: The views of the bridge's observable instruments: :class:`LazyExemplarReservoir`
@@ -271,12 +257,9 @@ class ProcessInstruments:
 
 
 def copy_mapping(mapping: Mapping[Hashable, float]) -> dict[Hashable, float]:
-    """A copy of a mapping that another thread may be changing.
-
-    ``dict.copy`` runs in C without releasing the GIL, so it sees a consistent
-    state of a plain dict or defaultdict; other mappings are iterated, which may
-    raise RuntimeError (the caller skips this round).
-    """
+    """A copy of a mapping that another thread may be changing: ``dict.copy`` runs
+    in C holding the GIL (consistent); others are iterated, which may raise
+    RuntimeError (the caller skips this round)"""
     if isinstance(mapping, dict):
         return dict.copy(mapping)
     return dict(mapping)

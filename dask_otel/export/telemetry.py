@@ -51,33 +51,29 @@ def otel_environment() -> dict[str, str]:
 SERVICE_NAME_FROM: dict[str, Any] = {"tracer_provider": None}
 
 
+def recipe(config: OtelConfig | None = None) -> ConfigFile | EnvRecipe:
+    """What the providers and the resource are built from: ``OTEL_CONFIG_FILE``'s
+    file, else ``otel.*`` and the ``OTEL_*`` variables"""
+    return config_file() or EnvRecipe(config)
+
+
 def service_name() -> tuple[str, str]:
     """The bridge's ``service.name``, and where it comes from. The first of:
 
-    0. with ``OTEL_CONFIG_FILE``, the file's resource (the ``OTEL_*`` variables of
-       step 1 are ignored then, as the SDK ignores them);
-    1. ``OTEL_SERVICE_NAME``, else ``service.name`` in ``OTEL_RESOURCE_ATTRIBUTES``;
+    1. the recipe's: the file's resource, or ``OTEL_SERVICE_NAME``, else
+       ``service.name`` in ``OTEL_RESOURCE_ATTRIBUTES``;
     2. the service.name of the SDK TracerProvider given to
-       ``DaskInstrumentor.instrument(tracer_provider=)``, else of the process's
-       global TracerProvider when it is an SDK one (``opentelemetry-instrument``
-       sets one up): spans that code makes in tasks go to that provider, so the
-       bridge's spans take its name and a trace shows one service (the SDK's
-       ``unknown_service:python`` if nothing named it: set ``OTEL_SERVICE_NAME``);
+       ``DaskInstrumentor.instrument(tracer_provider=)``, else of the global one
+       when it is an SDK one (``opentelemetry-instrument``'s): spans made in tasks
+       go there, so a trace shows one service;
     3. ``dask``.
     """
     from opentelemetry import trace
-    from opentelemetry.sdk.resources import OTELResourceDetector
     from opentelemetry.sdk.trace import TracerProvider
 
-    declared = config_file()
-    from_env = None if declared else OTELResourceDetector().detect().attributes.get(
-        "service.name")
-    if declared and (from_file := declared.service_name()):
-        return str(from_file), "OTEL_CONFIG_FILE"
-    if from_env:
-        variable = "OTEL_SERVICE_NAME" if os.environ.get("OTEL_SERVICE_NAME") else (
-            "OTEL_RESOURCE_ATTRIBUTES")
-        return str(from_env), variable
+    named = recipe().service_name()
+    if named:
+        return named
     given = SERVICE_NAME_FROM["tracer_provider"]
     for provider, source in (
         (given, "DaskInstrumentor.instrument(tracer_provider=)"),
@@ -110,50 +106,18 @@ def config_file_status(telemetry: Telemetry | None) -> dict[str, Any] | None:
 
 
 def build_resource(**attributes: Any):
-    """Resource of this process: the caller's attributes and ``service.name`` as
-    :func:`service_name` says, overridden by OTEL_RESOURCE_ATTRIBUTES and
-    OTEL_SERVICE_NAME as the SDK reads them; the SDK's detectors
-    (``OTEL_EXPERIMENTAL_RESOURCE_DETECTORS``) beneath. With ``OTEL_CONFIG_FILE``:
-    the file's resource, with the caller's attributes, host and process on top.
-    """
-    from opentelemetry.sdk.resources import OTELResourceDetector, Resource
+    """Resource of this process: the recipe's (the file's, or the SDK's detectors'
+    and ``OTEL_*``'s over ``service.name`` as :func:`service_name` says), with the
+    caller's attributes, host and process"""
+    from opentelemetry.sdk.resources import Resource
 
-    ours = {
-        "host.name": socket.gethostname(),
-        "process.pid": os.getpid(),
-        **attributes,
-    }
-    declared = config_file()
-    if declared:
-        resource = declared.resource(ours, service_name()[0])
-    else:
-        # Resource.create(ours) is the detected resource with ours on top (ours
-        # names the service, so the SDK's unknown_service default never shows)
-        resource = detected_resource().merge(
-            Resource({"service.name": service_name()[0], **ours})
-        ).merge(OTELResourceDetector().detect())
+    ours = {"host.name": socket.gethostname(), "process.pid": os.getpid(), **attributes}
+    resource = recipe().resource(ours, service_name()[0])
     if "service.instance.id" not in resource.attributes:
         # opentelemetry-sdk 1.45+ sets one per process (the global provider's
         # too); before, this process's own, so every signal still names its process
         resource = resource.merge(Resource({"service.instance.id": _process_instance_id()}))
     return resource
-
-
-#: (pid, OTEL_* variables) -> the SDK's detected resource, see detected_resource()
-_detected: tuple[tuple, Any] | None = None
-
-
-def detected_resource():
-    """``Resource.create({})`` (the SDK's detectors, a few ms and a thread pool per
-    call), once per process and ``OTEL_*`` variables: what they detect does not
-    change while those do not"""
-    from opentelemetry.sdk.resources import Resource
-
-    global _detected
-    key = (os.getpid(), tuple(sorted(otel_environment().items())))
-    if _detected is None or _detected[0] != key:
-        _detected = (key, Resource.create({}))
-    return _detected[1]
 
 
 _instance_id: tuple[int, str] | None = None
@@ -214,17 +178,17 @@ class Telemetry:
         self.scheduler_address = scheduler_address
         self.environment = otel_environment()
         self.config_file = config_file()
-        recipe = self.config_file or EnvRecipe(config)
+        built = recipe(config)
         #: Schedulers whose servers were told they share this Telemetry
         self.warned: set[str] = set()
         self.exporters = {"spans": [], "metrics": [], "logs": []}
         self.accounted = []
         self.tracer_provider = self.span_sink = self.meter_provider = self.logs = None
         self._shut_down = False
-        signals = recipe.signals
-        self.metric_readers = recipe.metric_readers(self.account) if "metrics" in signals else []
+        signals = built.signals
+        self.metric_readers = built.metric_readers(self.account) if "metrics" in signals else []
         if self.metric_readers:
-            options = recipe.meter_options()
+            options = built.meter_options()
             self.meter_provider = MeterProvider(
                 metric_readers=self.metric_readers,
                 resource=self.resource,
@@ -234,16 +198,16 @@ class Telemetry:
                 **options,
             )
         if "spans" in signals:
-            self.tracer_provider, limits = recipe.tracer_provider(
+            self.tracer_provider, limits = built.tracer_provider(
                 self.resource, DEFAULT_ATTRIBUTE_LENGTH)
-            processors = recipe.span_processors(self.account, self.meter_provider)
+            processors = built.span_processors(self.account, self.meter_provider)
             for processor in processors:
                 self.tracer_provider.add_span_processor(processor)
             self.span_sink = SpanSink(self.tracer_provider, processors, limits)
         if "logs" in signals:
             from dask_otel.export.logs import LogExport
 
-            self.logs = LogExport(config, recipe, self.resource, self.account)
+            self.logs = LogExport(config, built, self.resource, self.account)
 
     def account(self, signal: str, exporter: Any, interval: float | None) -> Any:
         """The one place every exporter a recipe builds passes: kept, and when
