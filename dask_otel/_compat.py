@@ -11,7 +11,7 @@ makes dead; a private name a new release drops fails the tripwire tests in
 from __future__ import annotations
 
 import functools
-import logging
+import threading
 from collections.abc import Callable, Hashable, Iterable, Mapping
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
@@ -71,37 +71,6 @@ def span_nthreads_history(span: Span) -> tuple[list[tuple[float, int]], int] | N
     except AttributeError:
         return None
 
-
-# --- OpenTelemetry SDK ------------------------------------------------------------
-
-# The outage policy's one adapter (dask_otel/export/accounting.py). The SDK's OTLP
-# exporters (gRPC and HTTP) retry a failed export inside export() until their timeout,
-# and offer no public way to stop that cycle
-# (https://github.com/open-telemetry/opentelemetry-python/issues/3815, /issues/4331).
-# In 1.41 to 1.45 each logs a WARNING on the export thread just before its backoff
-# wait, which its public shutdown() ends ("Shutdown in progress, aborting retry").
-# The adapter is that record's level and logger, never its text; above the versions
-# tested, the policy runs on what is public (the exporter's timeout, FAILURE).
-# tests/test_compat.py::test_sdk_* trips when a release changes it.
-
-
-@functools.cache
-def sdk_version() -> tuple[int, ...]:
-    from opentelemetry.sdk.version import __version__
-
-    return tuple(int(part) for part in __version__.split(".")[:2] if part.isdigit())
-
-
-#: The SDK versions whose exporters announce a retry as above (the floor to 1.45)
-RETRY_ANNOUNCED_UP_TO = (1, 45)
-
-
-def announces_retry(record: logging.LogRecord) -> bool:
-    """An OTLP exporter of opentelemetry-sdk 1.41 to 1.45 is about to wait before
-    retrying the export under way in this thread"""
-    return record.levelno == logging.WARNING and record.name.startswith(
-        "opentelemetry.exporter"
-    )
 
 
 # -- limits --
@@ -209,3 +178,56 @@ def remove_worker_lost_keys(scheduler: Any, msg: dict) -> tuple[Any, Any]:
     ws = scheduler.workers.get(msg.get("worker"))
     lost = [ts for ts in (ws.has_what if ws is not None else ()) if len(ts.who_has) <= 1]
     return [ts.key for ts in lost if ts.run_spec], [ts.key for ts in lost if not ts.run_spec]
+
+
+# ---- export
+# The outage policy's one adapter (dask_otel/export/accounting.py). The SDK's OTLP
+# exporters (gRPC and HTTP) retry a failed export inside export() with backoff until
+# their timeout, and offer no public way to stop that cycle
+# (https://github.com/open-telemetry/opentelemetry-python/issues/3815, /issues/4331).
+# In 1.41 to 1.45.2 each waits out its backoff on a threading.Event that its public
+# shutdown() sets ("Shutdown in progress, aborting retry"); the adapter gives the
+# exporter an Event whose wait() asks the policy first, so the export ends there
+# failed, and the exporter (its channel, its session) stays as it was built. Above
+# the versions tested the policy runs on what is public (the exporter's timeout,
+# FAILURE). tests/test_compat.py::test_sdk_* trips when a release changes it.
+
+
+@functools.cache
+def sdk_version() -> tuple[int, ...]:
+    from opentelemetry.sdk.version import __version__
+
+    return tuple(int(part) for part in __version__.split(".")[:2] if part.isdigit())
+
+
+#: The SDK versions whose exporters wait as above (the floor to 1.45.2)
+RETRY_WAIT_UP_TO = (1, 45)
+#: Where the OTLP exporters keep that Event: gRPC, and HTTP spans and metrics up to
+#: 1.44; HTTP logs 1.41-1.44; HTTP from 1.45 (opentelemetry-exporter-otlp-common)
+RETRY_WAITS = ("_shutdown_in_progress", "_shutdown_is_occuring", "_client._shutdown_event")
+
+
+class _RetryWait(threading.Event):
+    """The Event an exporter's retry backoff waits on, with ``cut()`` asked first:
+    True ends the wait at once, as the exporter's shutdown() would"""
+
+    def __init__(self, cut: Callable[[], bool]):
+        super().__init__()
+        self.cut = cut
+
+    def wait(self, timeout: float | None = None) -> bool:
+        return self.cut() or super().wait(timeout)
+
+
+def cut_retry_waits(exporter: Any, cut: Callable[[], bool]) -> bool:
+    """Have ``cut()`` asked where ``exporter`` (an OTLP exporter of opentelemetry
+    1.41 to 1.45.2) is about to wait before a retry; False if it has no such wait"""
+    if sdk_version() > RETRY_WAIT_UP_TO:
+        return False
+    for path in RETRY_WAITS:
+        owner, _, name = path.rpartition(".")
+        holder = getattr(exporter, owner, None) if owner else exporter
+        if type(getattr(holder, name, None)) is threading.Event:
+            setattr(holder, name, _RetryWait(cut))
+            return True
+    return False

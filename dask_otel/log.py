@@ -1,38 +1,11 @@
-"""Dask's console and the bridge's own log lines: the ``dask_otel`` logger, set up
-as Dask's own.
+"""Dask's console and the bridge's own log lines (docs/logs.md, "What Dask prints").
 
-distributed configures logging when it is imported, from dask config's ``logging:``
-(``distributed/config.py``, ``initialize_logging``): a stream handler with
-``distributed.admin.log-format`` on the loggers it names, ``distributed`` at INFO
-among them, and ``propagate = False`` on them. In the old-style set-up (the
-default) it does so only when the root logger has no handler.
-
-**Dask's console.** ``opentelemetry-instrument`` (with
-opentelemetry-instrumentation-logging installed, as ``dask-otel[logs]`` and
-``opentelemetry-bootstrap`` install it) puts an OpenTelemetry handler on the root
-logger at start-up, whatever ``OTEL_LOGS_EXPORTER`` says; a Dask server that
-imports distributed after that prints nothing, and sends every line to that
-handler instead. So, when this module is first imported, if distributed skipped
-its console for that reason alone (the root's handlers are all OpenTelemetry
-ones, and the set-up is old style), :func:`keep_dask_console` runs distributed's
-own set-up again with those handlers set aside for the call: Dask's console,
-format, levels and ``propagate = False`` are what they are without
-OpenTelemetry. The package imports this module whenever it is imported (the
-instrumentor's entry point too), at once after distributed's set-up. What a
-server printed between importing distributed and importing the bridge is not
-printed again. The rules this gives for exporting: docs/logs.md.
-
-**The bridge's lines.** A logger distributed does not name has none of that:
-under ``dask scheduler`` or ``dask worker`` the bridge's records would reach
-Python's last-resort handler, a bare line, WARNING and above only. So, unless
-something configured ``dask_otel`` already (dask config's
-``logging: {dask_otel: debug}``, which distributed honours like any name, or the
-application), it takes the ``distributed`` logger's level, handlers and
-propagation: its lines go to the same stream, in the same format, filtered at the
-same level as Dask's.
-
-Cost: once per process, at import; nothing per record. No SDK module is imported
-here (``import dask_otel`` in a client loads none).
+:func:`keep_dask_console`: ``opentelemetry-instrument`` puts an OpenTelemetry handler
+on the root logger at start-up, and distributed then skips its own console (it adds
+one only when the root has no handler); run distributed's set-up again with those
+handlers set aside, once, at import. The ``dask_otel`` logger, unless something
+configured it, takes the ``distributed`` logger's level, handlers and propagation.
+No SDK module is imported here.
 """
 
 from __future__ import annotations

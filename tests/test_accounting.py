@@ -117,18 +117,33 @@ def finished_spans(n: int) -> list:
     return list(memory.get_finished_spans())
 
 
+def otel_config(**values):
+    """The bridge's config at its defaults, with ``values``"""
+    import dataclasses
+
+    return dataclasses.replace(dask_otel.config.read_config(), **values)
+
+
 def accounted_otlp_exporter(env: dict, monkeypatch, retry_during_outage: bool = False):
     """The SDK's OTLP span exporter, as the bridge builds and wraps it"""
-    from dask_otel.export.accounting import HELD_EXPORTER_LOGS, AccountedSpanExporter
-    from dask_otel.export.exporters import span_exporters
+    from dask_otel.export.accounting import HELD_EXPORTER_LOGS, AccountedExporter
+    from dask_otel.export.exporters import EnvRecipe, export_interval
 
     for key in [k for k in os.environ if k.startswith("OTEL_")]:
         monkeypatch.delenv(key)
     for key, value in {**PROBE_ENV, **env}.items():  # the test's own values win
         monkeypatch.setenv(key, value)
-    (exporter,) = span_exporters(["otlp"])
+    built = []
+
+    def account(signal, exporter, interval):
+        built.append(AccountedExporter(signal, exporter, interval, retry_during_outage))
+        return built[-1]
+
+    EnvRecipe(otel_config(traces_exporters=("otlp",))).span_processors(account, None)
     HELD_EXPORTER_LOGS.attach()
-    return AccountedSpanExporter(exporter, retry_during_outage)
+    (exporter,) = built
+    assert exporter.outage.interval == export_interval("spans")
+    return exporter
 
 
 def timed_export(exporter, spans) -> tuple[bool, float]:
@@ -237,7 +252,8 @@ def test_a_wrapped_metric_exporter_keeps_the_exporters_temporality(monkeypatch):
     OTEL_EXPORTER_OTLP_METRICS_TEMPORALITY_PREFERENCE says)"""
     from opentelemetry.sdk.metrics import MeterProvider
 
-    from dask_otel.export.exporters import metric_readers
+    from dask_otel.export.accounting import AccountedExporter
+    from dask_otel.export.exporters import EnvRecipe
 
     with OTLPReceiver("grpc") as receiver:
         for key in [k for k in os.environ if k.startswith("OTEL_")]:
@@ -246,8 +262,13 @@ def test_a_wrapped_metric_exporter_keeps_the_exporters_temporality(monkeypatch):
                            "OTEL_EXPORTER_OTLP_METRICS_TEMPORALITY_PREFERENCE": "delta"}.items():
             monkeypatch.setenv(key, value)
         accounted: list = []
-        provider = MeterProvider(metric_readers=metric_readers(["otlp"], accounted),
-                                 shutdown_on_exit=False)
+
+        def account(signal, exporter, interval):
+            accounted.append(AccountedExporter(signal, exporter, interval))
+            return accounted[-1]
+
+        readers = EnvRecipe(otel_config(metrics_exporters=("otlp",))).metric_readers(account)
+        provider = MeterProvider(metric_readers=readers, shutdown_on_exit=False)
         try:
             provider.get_meter("test").create_counter("wrapped.count").add(3)
             provider.force_flush()
@@ -256,3 +277,35 @@ def test_a_wrapped_metric_exporter_keeps_the_exporters_temporality(monkeypatch):
             provider.shutdown()
     assert point.temporality == "delta"
     assert accounted and accounted[0].outage.exported >= 1  # 1.41: one more at shutdown
+
+
+@pytest.mark.parametrize("protocol", ["grpc", "http/protobuf"])
+def test_the_retry_cut_holds_with_opentelemetrys_loggers_at_error(protocol, monkeypatch):
+    """A user who quiets OpenTelemetry's loggers (``setLevel(ERROR)``, or
+    ``logging: {opentelemetry: error}`` in dask config) keeps the outage policy: the
+    first export to a collector answering UNAVAILABLE ends at once (the SDK alone
+    waits ~1 s for its first retry, within its 10 s timeout), and the exporter is
+    the one built, still open"""
+    spans = finished_spans(1)
+    quiet = logging.getLogger("opentelemetry")
+    level = quiet.level
+    quiet.setLevel(logging.ERROR)  # setLevel: the loggers' cached levels are cleared
+    try:
+        with OTLPReceiver(protocol, mode="unavailable") as receiver:
+            exporter = accounted_otlp_exporter(receiver.env(), monkeypatch)
+            built = exporter.exporter
+            try:
+                ok, seconds = timed_export(exporter, spans)
+                assert not ok and seconds < 0.5, seconds
+                assert receiver.requests == 1
+                assert exporter.outage.in_outage
+                receiver.mode = "ok"
+                time.sleep(0.3)  # the probe interval (240 ms)
+                assert timed_export(exporter, spans)[0] is True
+            finally:
+                exporter.shutdown()
+    finally:
+        quiet.setLevel(level)
+    # no exporter (nor its gRPC channel, its HTTP session) built again for the cut
+    assert exporter.exporter is built
+    assert len(receiver.spans()) == 1

@@ -80,63 +80,65 @@ async def test_dask_task_function_finds_the_function_a_worker_runs(c, s, a):
 
 
 def test_sdk_retry_adapter_was_checked_against_the_installed_sdk():
-    """Above RETRY_ANNOUNCED_UP_TO the outage policy falls back to the SDK's retries
+    """Above RETRY_WAIT_UP_TO the outage policy falls back to the SDK's retries
     (an outage known when an export returns FAILURE): check the next test on the new
     release, then raise the bound"""
-    assert _compat.sdk_version() <= _compat.RETRY_ANNOUNCED_UP_TO, _compat.sdk_version()
+    assert _compat.sdk_version() <= _compat.RETRY_WAIT_UP_TO, _compat.sdk_version()
 
 
-class _CutAtTheAnnouncement(logging.Filter):
-    """What the adapter does, on its own: at the record announces_retry() reads,
-    the exporter's public shutdown()"""
+def _finished(signal: str) -> list:
+    """What an exporter of ``signal`` is handed: a finished span, or log record"""
+    if signal == "spans":
+        from opentelemetry.sdk.trace import TracerProvider
+        from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+        from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
-    def __init__(self, exporter):
-        super().__init__()
-        self.exporter = exporter
-        self.records: list[logging.LogRecord] = []
+        memory = InMemorySpanExporter()
+        provider = TracerProvider()
+        provider.add_span_processor(SimpleSpanProcessor(memory))
+        provider.get_tracer("test").start_span("one").end()
+        return list(memory.get_finished_spans())
+    from opentelemetry.sdk._logs import LoggerProvider
+    from opentelemetry.sdk._logs.export import InMemoryLogRecordExporter, SimpleLogRecordProcessor
 
-    def filter(self, record):
-        self.records.append(record)
-        if _compat.announces_retry(record) and len(self.records) == 1:
-            self.exporter.shutdown()
-        return False
+    memory = InMemoryLogRecordExporter()
+    provider = LoggerProvider(shutdown_on_exit=False)
+    provider.add_log_record_processor(SimpleLogRecordProcessor(memory))
+    logger = logging.getLogger("test_compat.finished")
+    from opentelemetry.sdk._logs import LoggingHandler
+
+    handler = LoggingHandler(logger_provider=provider)
+    logger.addHandler(handler)
+    try:
+        logger.warning("one")
+    finally:
+        logger.removeHandler(handler)
+    return list(memory.get_finished_logs())
 
 
+@pytest.mark.parametrize("signal", ["spans", "logs"])
 @pytest.mark.parametrize("protocol", ["grpc", "http/protobuf"])
-def test_sdk_otlp_exporter_announces_a_retry_that_its_shutdown_ends(protocol, monkeypatch):
-    """The SDK's OTLP span exporter, against a collector answering UNAVAILABLE (503)
-    with a 10 s timeout: its first record is the announcement of a retry, logged on
-    the export thread before its backoff wait, and its shutdown() then ends the
-    export at once, failed"""
-    from opentelemetry.sdk.trace import TracerProvider
-    from opentelemetry.sdk.trace.export import SpanExportResult
-    from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
-    from opentelemetry.sdk.trace.export import SimpleSpanProcessor
+def test_sdk_otlp_exporter_waits_for_its_retry_where_cut_retry_waits_asks(
+    protocol, signal, monkeypatch
+):
+    """The SDK's OTLP exporter, against a collector answering UNAVAILABLE (503) with
+    a 10 s timeout: cut_retry_waits() finds the wait of its retry backoff, which
+    asks the cut once and then ends the export at once, failed"""
+    from dask_otel.export.exporters import _exporter
 
-    from dask_otel.export.exporters import span_exporters
-
-    memory = InMemorySpanExporter()
-    provider = TracerProvider()
-    provider.add_span_processor(SimpleSpanProcessor(memory))
-    provider.get_tracer("test").start_span("one").end()
     with OTLPReceiver(protocol, mode="unavailable") as receiver:
         set_otel_env(monkeypatch, {**receiver.env(), "OTEL_EXPORTER_OTLP_TIMEOUT": "10"})
-        (exporter,) = span_exporters(["otlp"])
-        cut = _CutAtTheAnnouncement(exporter)
-        loggers = [logging.getLogger(name) for name in list(logging.root.manager.loggerDict)
-                   if name.startswith("opentelemetry.exporter")]
-        for sdk_logger in loggers:
-            sdk_logger.filters.insert(0, cut)
+        exporter = _exporter(signal, "otlp")
+        asked = []
+        assert _compat.cut_retry_waits(exporter, lambda: asked.append(1) or True)
         try:
             start = time.monotonic()
-            result = exporter.export(memory.get_finished_spans())
+            result = exporter.export(_finished(signal))
             seconds = time.monotonic() - start
         finally:
-            for sdk_logger in loggers:
-                sdk_logger.removeFilter(cut)
-    assert result is SpanExportResult.FAILURE
-    assert cut.records and _compat.announces_retry(cut.records[0]), [
-        (r.levelname, r.getMessage()) for r in cut.records]
+            exporter.shutdown()
+    assert result.name == "FAILURE"
+    assert asked == [1]
     assert receiver.requests == 1
     assert seconds < 0.5, seconds  # its backoff alone is about 1 s
 

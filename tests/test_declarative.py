@@ -19,6 +19,7 @@ from distributed import Client, LocalCluster
 import dask_otel
 from dask_otel.config import ConfigError
 from dask_otel.export.telemetry import ServerTelemetry, Telemetry, build_resource
+from tests.support.cluster import wait_until
 from tests.support.otlp_receiver import OTLPReceiver
 from tests.support.processes import dask_processes
 from tests.support.tasks import inc
@@ -140,9 +141,8 @@ def test_the_file_sampler_and_limits_hold_for_the_bridge(tmp_path, monkeypatch):
             assert "AlwaysOff" in type(sampler).__name__ or "off" in sampler.get_description().lower()
             assert server.span_sink.limits.max_span_attribute_length == 8
             # every exporter the file names is wrapped in the bridge's accounting
-            assert len(telemetry.accounted_span_exporters) == 1
-            assert len(telemetry.accounted_metric_exporters) == 1
-            assert len(telemetry.logs.accounted_exporters) == 1
+            for signal in ("spans", "metrics", "logs"):
+                assert len(telemetry.accounted_of(signal)) == 1
 
 
 def test_without_limits_in_the_file_the_value_length_stays_the_bridges(tmp_path, monkeypatch):
@@ -243,3 +243,117 @@ def test_a_config_file_configures_the_bridge_under_opentelemetry_instrument(tmp_
             for proc in procs:
                 proc.wait(timeout=30)
     assert spans[0].resource["service.name"] == "instrumented"
+
+
+# -- The outage policy under a file: the file's exporter, the file's intervals ---------
+
+
+def emit_span(telemetry: Telemetry, name: str) -> None:
+    telemetry.tracer_provider.get_tracer("test").start_span(name).end()
+
+
+def test_after_an_outage_spans_still_go_to_the_files_endpoint_with_its_header(
+    tmp_path, monkeypatch
+):
+    """The file's exporter (its endpoint, its header) refused once while its
+    collector is down: what follows reaches that collector with that header, and
+    nothing reaches the OTEL_* endpoint"""
+    with OTLPReceiver("grpc") as receiver, OTLPReceiver("grpc") as elsewhere:
+        for key, value in {**ELSEWHERE, **elsewhere.env()}.items():
+            monkeypatch.setenv(key, value)
+        exporter = (f"exporter: {{otlp_grpc: {{endpoint: \"{receiver.endpoint}\", "
+                    "headers: [{name: x-dask-token, value: from-the-file}]}}")
+        path = tmp_path / "otel.yaml"
+        path.write_text(f'file_format: "1.0-rc.1"\ntracer_provider:\n  processors:\n'
+                        f"    - batch: {{schedule_delay: 100, {exporter}}}\n")
+        with telemetry_of(monkeypatch, str(path)) as server:
+            telemetry = server.telemetry
+            (accounted,) = telemetry.accounted_of("spans")
+            receiver.stop()
+            emit_span(telemetry, "while down")
+            wait_until(lambda: accounted.outage.failing, what="the refused export")
+            receiver.start()
+            emit_span(telemetry, "when back")
+            receiver.wait_for(lambda r: r.spans("when back"), timeout=30)
+    assert {h.get("x-dask-token") for h in receiver.headers} == {"from-the-file"}
+    assert elsewhere.requests == 0
+
+
+def test_under_a_file_an_outage_is_probed_at_the_files_interval(tmp_path, monkeypatch):
+    """A metric reader every second in the file, the OTEL_* interval at its 60 s
+    default: while the collector answers UNAVAILABLE every scheduled export is a
+    probe, and the first after it is back delivers (none skipped for 48 s)"""
+    with OTLPReceiver("grpc", mode="unavailable") as receiver:
+        monkeypatch.delenv("OTEL_METRIC_EXPORT_INTERVAL", raising=False)
+        exporter = f"exporter: {{otlp_grpc: {{endpoint: \"{receiver.endpoint}\"}}}}"
+        path = tmp_path / "otel.yaml"
+        path.write_text(f'file_format: "1.0-rc.1"\nmeter_provider:\n  readers:\n'
+                        f"    - periodic: {{interval: 1000, {exporter}}}\n")
+        with telemetry_of(monkeypatch, str(path)) as server:
+            telemetry = server.telemetry
+            telemetry.meter_provider.get_meter("test").create_counter("probed").add(1)
+            (accounted,) = telemetry.accounted_of("metrics")
+            assert accounted.outage.interval == 1.0
+            wait_until(lambda: receiver.rejected >= 2, what="two refused exports")
+            receiver.mode = "ok"
+            skipped = accounted.outage.skipped
+            receiver.wait_for(lambda r: r.metric_points("probed"), timeout=30)
+            # a probe per scheduled export: none dropped without a request
+            assert accounted.outage.skipped - skipped == 0
+            assert accounted.outage.skipped == 0
+
+
+def test_a_file_with_logs_only_holds_the_exporters_lines(tmp_path, monkeypatch, caplog):
+    """Logs only, to a collector answering UNAVAILABLE: one WARNING of the bridge's,
+    none of the SDK exporter's own lines (one per failed batch and retry)"""
+    from dask_otel.export.accounting import HELD_EXPORTER_LOGS
+
+    for name in list(logging.root.manager.loggerDict):  # as in a fresh process
+        logging.getLogger(name).removeFilter(HELD_EXPORTER_LOGS)
+    with OTLPReceiver("grpc", mode="unavailable") as receiver:
+        exporter = f"exporter: {{otlp_grpc: {{endpoint: \"{receiver.endpoint}\"}}}}"
+        path = tmp_path / "otel.yaml"
+        path.write_text(f'file_format: "1.0-rc.1"\nlogger_provider:\n  processors:\n'
+                        f"    - batch: {{schedule_delay: 100, {exporter}}}\n")
+        with caplog.at_level(logging.WARNING), telemetry_of(monkeypatch, str(path)) as server:
+            assert server.telemetry.logs is not None and server.span_sink is None
+            logging.getLogger("distributed.scheduler").warning("a line to export")
+            wait_until(lambda: receiver.rejected >= 1, what="the refused export")
+            (accounted,) = server.telemetry.accounted_of("logs")
+            wait_until(lambda: accounted.outage.failing, what="the failed export counted")
+    sdk = [r.getMessage() for r in caplog.records if r.name.startswith("opentelemetry.exporter")]
+    assert sdk == []
+    assert [r for r in caplog.records if "cannot export logs" in r.getMessage()]
+
+
+def test_a_file_naming_an_unknown_exporter_is_one_error_naming_the_file_and_exporter(
+    tmp_path, monkeypatch, caplog
+):
+    path = tmp_path / "otel.yaml"
+    path.write_text('file_format: "1.0-rc.1"\ntracer_provider:\n  processors:\n'
+                    '    - batch: {exporter: {no_such_exporter: {}}}\n')
+    monkeypatch.setenv("OTEL_CONFIG_FILE", str(path))
+    with (
+        caplog.at_level(logging.INFO, logger="dask_otel"),
+        dask.config.set({"distributed.scheduler.preload": ["dask_otel"]}),
+        LocalCluster(n_workers=1, processes=False, dashboard_address=":0") as cluster,
+        Client(cluster) as client,
+    ):
+        assert client.submit(inc, 1).result() == 2  # the cluster runs
+        status = dask_otel.status(client)
+    errors = [r for r in caplog.records if r.levelno >= logging.ERROR]
+    assert errors and all(r.exc_info is None for r in errors)
+    for text in (errors[0].getMessage(), status["scheduler"]["error"]):
+        assert "OTEL_CONFIG_FILE" in text and str(path) in text, text
+        assert "tracer_provider.processors[0]" in text and "no_such_exporter" in text, text
+
+
+def test_the_files_general_attribute_limits_hold_for_the_bridges_spans(tmp_path, monkeypatch):
+    """``attribute_limits`` at the top of the file, none under tracer_provider: the
+    bridge's spans are cut to its length, not to the bridge's 4096"""
+    with OTLPReceiver("grpc") as receiver:
+        path = config_file(tmp_path, receiver, after=(
+            'file_format: "1.0-rc.1"', "attribute_limits:\n  attribute_value_length_limit: 8\n",
+        ))
+        with telemetry_of(monkeypatch, path) as server:
+            assert server.span_sink.limits.max_span_attribute_length == 8

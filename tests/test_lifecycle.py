@@ -5,6 +5,7 @@ and no thread of the bridge outlives the last Dask server of its process."""
 from __future__ import annotations
 
 import asyncio
+import logging
 import signal
 import statistics
 import threading
@@ -14,6 +15,7 @@ import dask
 import pytest
 from distributed import LocalCluster, span
 
+import dask_otel
 from tests.support.cluster import seconds_to_close, wait_until
 from tests.support.otlp_receiver import BlackHole, OTLPReceiver, closed_port, set_otel_env
 from tests.support.processes import dask_processes
@@ -296,3 +298,32 @@ def test_a_dask_worker_process_exits_after_its_last_export(protocol, nanny):
         worker.wait(30)
         assert time.monotonic() - start >= receiver.delay  # it waited for the answer
         assert receiver.metric_points("dask.spill.count"), cluster.log("worker-0")[-2000:]
+
+
+def test_a_process_waits_half_of_the_flush_timeout_for_a_slow_collector(monkeypatch, caplog):
+    """A collector that answers every request, each in 0.3 s (a healthy answer,
+    not an outage), and 60 spans to flush one per request: the flush would take
+    18 s; the close of the process's last server stops waiting for it at its share
+    of otel.flush-timeout (half of 12 s), 80% of that for the flush: 4.8 s"""
+    from dask_otel.export.lifecycle import release_telemetry
+    from dask_otel.export.telemetry import Telemetry
+
+    with OTLPReceiver("grpc") as receiver:
+        receiver.delay = 0.3
+        set_otel_env(monkeypatch, {**receiver.env(), "OTEL_BSP_MAX_EXPORT_BATCH_SIZE": "1",
+                                   "OTEL_BSP_SCHEDULE_DELAY": "60000"})
+        with dask.config.set({"otel.flush-timeout": "12s", "otel.traces.exporter": "otlp",
+                              "otel.metrics.exporter": None, "otel.logs.exporter": None}):
+            server = Telemetry.acquire(dask_otel.config.read_config())
+        tracer = server.telemetry.tracer_provider.get_tracer("test")
+        for i in range(60):
+            tracer.start_span(f"span {i}").end()
+        with caplog.at_level(logging.WARNING, logger="dask_otel"):
+            start = time.monotonic()
+            asyncio.run(release_telemetry(server.telemetry))
+            seconds = time.monotonic() - start
+        delivered = len(receiver.spans())
+    (warning,) = [r.getMessage() for r in caplog.records if "not flushed" in r.getMessage()]
+    assert "within 4.8s (half of otel.flush-timeout=12s)" in warning, warning
+    assert delivered < 60  # the flush was still under way when the close went on
+    assert seconds < 12 * 0.8, seconds  # the whole flush timeout's share would be 9.6 s

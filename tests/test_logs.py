@@ -221,9 +221,9 @@ def test_a_users_otel_handler_on_the_root_logger_is_not_doubled(monkeypatch, add
     from opentelemetry.sdk._logs import LoggerProvider
     from opentelemetry.sdk._logs.export import SimpleLogRecordProcessor
 
-    from dask_otel.export.exporters import log_exporters
+    from opentelemetry.sdk._logs.export import InMemoryLogRecordExporter
 
-    (users_exporter,) = log_exporters(("memory",))
+    users_exporter = InMemoryLogRecordExporter()
     users_provider = LoggerProvider(shutdown_on_exit=False)
     users_provider.add_log_record_processor(SimpleLogRecordProcessor(users_exporter))
     users_handler = LoggingHandler(logger_provider=users_provider)

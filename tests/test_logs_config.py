@@ -40,7 +40,7 @@ def test_each_handler_adds_where_the_line_was_logged(monkeypatch, handler):
     if handler == "sdk":
         monkeypatch.setitem(sys.modules, WITHOUT_INSTRUMENTATION, None)
     with otel_cluster({"otel.logs.exporter": "memory"}, n_workers=1) as (client, mirrored):
-        (exporter,) = mirrored.plugin.telemetry.logs.exporters
+        (exporter,) = mirrored.plugin.telemetry.exporters["logs"]
         client.submit(log_in_task, 7).result()
         (record,) = wait_until(lambda: [
             d.log_record for d in exporter.get_finished_logs()

@@ -1,33 +1,24 @@
-"""Export accounting and the outage policy: what each batched exporter shipped and
-lost, one WARNING per outage instead of one per failed batch and retry, and no
-export thread waiting on a collector that does not answer.
-
-One engine for the three signals (:class:`AccountedExporter`, the cut of the SDK's
-``BatchProcessor[T]``) wraps the SDK's exporter and runs in the SDK's export thread;
-batching, queues and timeouts stay the SDK's. Invariants: every item handed to an
-exporter is counted once, as exported or failed; an exporter that the bridge shut
-down is never built again. Costs: nothing per item; a request whose retry the
-policy ends builds the SDK's exporter again, once (``shutdown()``, which ends the
-retry, is final).
-
-What the policy does for users, and how to get the SDK's retries back:
-docs/deploy.md, "When telemetry fails". The SDK offers no public way to end its
-retry cycle early; the one adapter that does is :func:`dask_otel._compat.announces_retry`.
+"""Export accounting and the outage policy, one engine for the three signals: what
+each batched exporter shipped and lost, one WARNING per outage instead of one per
+failed batch and retry, one probe per export interval while it lasts, and no export
+thread waiting on a collector that does not answer (docs/deploy.md, "When telemetry
+fails"). :class:`AccountedExporter` wraps the SDK's exporter in the SDK's export
+thread; batching, queues and timeouts stay the SDK's. Every item handed to it is
+counted once, as exported or failed; the exporter is never built again.
 """
 
 from __future__ import annotations
 
+import importlib
 import logging
-import os
 import re
 import threading
 import time
-import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Generic, TypeVar
+from typing import Any
 
-from dask_otel._compat import RETRY_ANNOUNCED_UP_TO, announces_retry, sdk_version
+from dask_otel._compat import cut_retry_waits
 
 logger = logging.getLogger("dask_otel")
 
@@ -35,14 +26,6 @@ logger = logging.getLogger("dask_otel")
 #: collector answers within milliseconds, and shutdown should not wait for one
 #: that does not
 STALLED_AFTER = 1.0
-
-#: The export interval of each signal (the SDK's variable, its default in
-#: milliseconds): during an outage one export per interval is a probe
-EXPORT_INTERVAL = {
-    "spans": ("OTEL_BSP_SCHEDULE_DELAY", 5000),
-    "metrics": ("OTEL_METRIC_EXPORT_INTERVAL", 60000),
-    "logs": ("OTEL_BLRP_SCHEDULE_DELAY", 1000),
-}
 #: Share of the export interval after which the next export is a probe: the SDK's
 #: scheduled exports drift by a few milliseconds, and a probe missed by that much
 #: would delay recovery by a whole interval
@@ -55,41 +38,30 @@ SILENCED_BY = {
     "metrics": ("OTEL_METRICS_EXPORTER", "otel.metrics.exporter"),
     "logs": ("OTEL_LOGS_EXPORTER", "otel.logs.exporter"),
 }
-
-
-def export_interval(signal: str) -> float:
-    """Seconds between the SDK's scheduled exports of ``signal``, as it reads them"""
-    variable, default = EXPORT_INTERVAL[signal]
-    try:
-        milliseconds = float(os.environ.get(variable, "").strip() or default)
-    except ValueError:  # the SDK warns about it and uses its default
-        milliseconds = default
-    return max(milliseconds, 0.0) / 1000
+#: Each signal's export result (module, class): ``SUCCESS``, ``FAILURE``
+RESULTS = {
+    "spans": ("opentelemetry.sdk.trace.export", "SpanExportResult"),
+    "metrics": ("opentelemetry.sdk.metrics.export", "MetricExportResult"),
+    "logs": ("opentelemetry.sdk._logs.export", "LogRecordExportResult"),
+}
 
 
 class _HeldExporterLogs(logging.Filter):
-    """Holds back the log records that the SDK's exporters emit while an accounted
-    export runs in the current thread (one WARNING and one ERROR per failed batch,
-    per retry), so that :class:`ExportOutage` logs once per outage instead, with
-    their reason. Never raises; the only thing it does besides holding is telling
-    the export under way that the SDK announced a retry
-    (:func:`~dask_otel._compat.announces_retry`)."""
+    """Holds back the records the SDK's exporters log while an accounted export runs
+    in the current thread (a WARNING and an ERROR per failed batch and retry), so
+    that :class:`ExportOutage` logs once per outage instead, with their reason.
+    Only shown, never decided on: a logger drops a record below its level before
+    its filters run, and the levels are the user's."""
 
     def __init__(self) -> None:
         super().__init__()
         self.local = threading.local()
 
     def filter(self, record: logging.LogRecord) -> bool:
-        export: _Export | None = getattr(self.local, "export", None)
-        if export is None:
+        held = getattr(self.local, "held", None)
+        if held is None:
             return True
-        export.held.append(record)
-        if export.retrying is None and ADAPTER and announces_retry(record):
-            export.retrying = record
-            try:
-                export.on_retry()
-            except Exception:  # a filter must never raise into the SDK's logging call
-                logger.debug("dask_otel: ending an export's retry failed", exc_info=True)
+        held.append(record)
         return False
 
     def attach(self) -> None:
@@ -106,117 +78,110 @@ class _HeldExporterLogs(logging.Filter):
 
 HELD_EXPORTER_LOGS = _HeldExporterLogs()
 
-#: The SDK's exporters announce a retry as :func:`~dask_otel._compat.announces_retry` reads it
-#: (the versions tested); above them the SDK retries within its timeout, and an
-#: outage is known when the export returns FAILURE or has stalled
-ADAPTER = sdk_version() <= RETRY_ANNOUNCED_UP_TO
 
-#: exporter -> how to build another like it (filled by
-#: :mod:`dask_otel.export.exporters`): a retry the policy ends shuts an exporter down
-BUILDS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-
-
-@dataclass
+@dataclass(slots=True)
 class _Export:
     """One export under way"""
 
-    #: called in the export thread when the SDK announces a retry
-    on_retry: Callable[[], None]
     #: ``time.monotonic()`` when it started
     started: float = field(default_factory=time.monotonic)
     #: the exporter's log records so far
     held: list[logging.LogRecord] = field(default_factory=list)
-    #: the record that announced a retry, if one did
-    retrying: logging.LogRecord | None = None
+    #: True once the exporter came to wait before a retry
+    retrying: bool = False
+    #: its last line then (the retry's announcement), if its logger let it through
+    announced: str | None = None
 
 
+@dataclass(slots=True)
 class ExportOutage:
     """Counts what one exporter shipped and lost, and logs an outage once: a WARNING
     with the exporter's reason and the setting that stops the signal when exports
     start failing, one when they recover. Runs in the SDK's export thread; read
     from others."""
 
-    #: ``spans``, ``metrics`` or ``logs``, as :data:`EXPORT_INTERVAL` names them
+    #: ``spans``, ``metrics`` or ``logs``
     signal: str
+    #: seconds between the SDK's scheduled exports, as the recipe that built the
+    #: exporter configured its processor or reader: during an outage one export
+    #: per interval is a probe
+    interval: float
     #: ``otel.export.retry-during-outage``: the SDK's retries for every batch, no probes
-    retry_during_outage: bool
-    #: seconds between probes during an outage
-    probe_interval: float
+    retry_during_outage: bool = False
     #: items the collector accepted
-    exported: int
+    exported: int = 0
     #: items lost because an export failed, or was not tried during an outage
-    failed: int
+    failed: int = 0
     #: failed export calls (requests, probes included)
-    export_failures: int
+    export_failures: int = 0
     #: batches dropped without a request during an outage
-    skipped: int
+    skipped: int = 0
     #: failed export calls since the last success
-    failing: int
+    failing: int = 0
     #: True once the bridge shut the exporter down: what the SDK still hands it, or
     #: what the shutdown cut short (a metric reader's last collection), is lost and
     #: counted, and no outage logged
-    closed: bool
+    closed: bool = False
     #: True while the bridge flushes before closing: an outage is not probed then
-    closing: bool
+    closing: bool = False
     #: when the last request was sent (``time.monotonic()``)
-    _last_request: float
+    last_request: float = float("-inf")
     #: the export under way, if any
-    _export: _Export | None
-
-    def __init__(self, signal: str, retry_during_outage: bool = False):
-        self.signal = signal
-        self.retry_during_outage = retry_during_outage
-        self.probe_interval = PROBE_AFTER * export_interval(signal)
-        self.exported = self.failed = self.export_failures = 0
-        self.skipped = self.failing = 0
-        self.closed = self.closing = False
-        self._last_request = float("-inf")
-        self._export = None
+    under_way: _Export | None = None
 
     @property
     def in_outage(self) -> bool:
-        """True while exports are failing, or the one under way cannot complete
-        (:attr:`stalled`). Read from other threads (on shutdown, to not wait for
-        what would not arrive)."""
+        """True while exports are failing, or the one under way cannot complete"""
         return bool(self.failing) or self.stalled
 
     @property
     def stalled(self) -> bool:
-        """True while the export under way has announced a retry, or has had no
-        answer for :data:`STALLED_AFTER` seconds: a flush waiting for it waits on
-        the collector. (A probe of a collector that refuses the signal for good
-        comes back at once: it does not keep the close from flushing the others.)"""
-        export = self._export
+        """True while the export under way waits for a retry, or has had no answer
+        for :data:`STALLED_AFTER` seconds: a flush waiting for it waits on the
+        collector. (A collector that refuses the signal for good answers at once:
+        it does not keep the close from flushing the others.)"""
+        export = self.under_way
         return export is not None and (
-            export.retrying is not None or time.monotonic() - export.started > STALLED_AFTER
+            export.retrying or time.monotonic() - export.started > STALLED_AFTER
         )
 
-    def export(self, send: Callable[[], bool], items: int, on_retry: Callable[[], None]) -> bool:
+    def retry_wait(self) -> bool:
+        """Asked in the export thread where the SDK's exporter is about to wait
+        before a retry (:func:`dask_otel._compat.cut_retry_waits`): True ends the
+        export there, failed (the policy), False lets the SDK retry"""
+        export = self.under_way
+        if export is None:  # not an export of ours
+            return False
+        if not export.retrying:
+            export.retrying = True
+            export.announced = export.held[-1].getMessage() if export.held else None
+        return not self.retry_during_outage
+
+    def export(self, send: Callable[[], bool], items: int) -> bool:
         """``send()`` the batch unless the outage policy drops it; True if the
-        collector took it. ``on_retry`` is called (in this thread) if the SDK
-        announces a retry."""
+        collector took it"""
         if self.closed:
             self.failed += items
             return False
         now = time.monotonic()
         if self.failing and not self.retry_during_outage and (
-            self.closing or now - self._last_request < self.probe_interval
+            self.closing or now - self.last_request < PROBE_AFTER * self.interval
         ):
             # A known outage, and not yet time for the next probe: no request
             self.failed += items
             self.skipped += 1
             return False
-        self._last_request = now
-        export = self._export = _Export(on_retry)
-        HELD_EXPORTER_LOGS.local.export = export
+        self.last_request = now
+        export = self.under_way = _Export()
+        HELD_EXPORTER_LOGS.local.held = export.held
         error = None
         try:
             ok = bool(send())
         except Exception as e:
             error, ok = f"{type(e).__name__}: {e}", False
         finally:
-            HELD_EXPORTER_LOGS.local.export = None
-            self._export = None
+            HELD_EXPORTER_LOGS.local.held = None
+            self.under_way = None
         if ok:
             self.exported += items
             if self.failing:
@@ -248,89 +213,53 @@ class ExportOutage:
 def _reason(export: _Export) -> str:
     """What the user is shown of the exporter's failure: its retry announcement
     without the retry it announces, else its last line (shown, never decided on)"""
-    if export.retrying is not None:
-        return re.sub(
-            r"^Transient error |,? retrying in [0-9.]+s\.?", "", export.retrying.getMessage()
-        ).strip()
+    if export.announced is not None:
+        return re.sub(r"^Transient error |,? retrying in [0-9.]+s\.?", "", export.announced).strip()
     if export.held:
         return export.held[-1].getMessage()
     return "the exporter returned FAILURE"
 
 
-E = TypeVar("E")
-
-
-class AccountedExporter(Generic[E]):
+class AccountedExporter:
     """An SDK exporter of any signal with :class:`ExportOutage` accounting and the
     outage policy: what the SDK's batch processor or metric reader calls
     (``export``, ``force_flush``, ``shutdown``) goes through it; anything else it
     reads of an exporter (a metric exporter's preferred temporality and
     aggregation) is the wrapped exporter's.
 
-    Under the policy, a request whose retry the SDK announces ends there: the
-    exporter is shut down (its public way to end a retry wait) and the next request
-    goes to a new one from ``build``.
+    Under the policy, an export whose exporter comes to wait before a retry ends
+    there, failed; the exporter stays as it was built (endpoint, headers, TLS,
+    compression, timeout, its gRPC channel).
     """
 
-    #: the SDK exporter requests go to now
-    exporter: E
-    #: makes a new exporter like the first, after a retry was cut
-    build: Callable[[], E]
-    outage: ExportOutage
-    #: the signal's export result: ``SUCCESS``, ``FAILURE``
-    result: Any
-
-    #: items in a batch: a metric export is one
-    items: Callable[[Any], int]
-    #: True when the exporter was shut down to end a retry: the next request
-    #: builds a new one
-    _cut: bool
-
-    def __init__(
-        self, signal: str, exporter: E, result: Any, retry_during_outage: bool = False
-    ):
+    def __init__(self, signal: str, exporter: Any, interval: float,
+                 retry_during_outage: bool = False):
+        #: the SDK exporter, built once
         self.exporter = exporter
-        self.build = BUILDS.get(exporter, type(exporter))
-        self.result = result
-        self.outage = ExportOutage(signal, retry_during_outage)
-        self.items = (lambda batch: 1) if signal == "metrics" else len
-        self._lock = threading.Lock()
-        self._cut = False
+        self.outage = ExportOutage(signal, interval, retry_during_outage)
+        module, name = RESULTS[signal]
+        #: the signal's export result: ``SUCCESS``, ``FAILURE``
+        self.result = getattr(importlib.import_module(module), name)
+        #: items in a batch: a metric export is one
+        self.items: Callable[[Any], int] = (lambda batch: 1) if signal == "metrics" else len
+        cut_retry_waits(exporter, self.outage.retry_wait)
 
     def export(self, batch: Any, *args: Any, **kwargs: Any) -> Any:
         def send() -> bool:
-            # Built here, when a request is sent: a failure to build counts as the export's
-            with self._lock:
-                if self._cut and not self.outage.closed:
-                    self.exporter = self.build()
-                    self._cut = False
-                exporter = self.exporter
-            return exporter.export(batch, *args, **kwargs) == self.result.SUCCESS
+            return self.exporter.export(batch, *args, **kwargs) == self.result.SUCCESS
 
-        ok = self.outage.export(send, self.items(batch), self._on_retry)
+        ok = self.outage.export(send, self.items(batch))
         return self.result.SUCCESS if ok else self.result.FAILURE
 
-    def _on_retry(self) -> None:
-        if self.outage.retry_during_outage:
-            return  # the SDK's retries, within its timeout
-        with self._lock:
-            self._cut = True
-            exporter = self.exporter
-        exporter.shutdown()  # type: ignore[attr-defined]
-
     def force_flush(self, timeout_millis: float = 30_000, **kwargs: Any) -> bool:
-        return self.exporter.force_flush(timeout_millis)  # type: ignore[attr-defined]
+        return self.exporter.force_flush(timeout_millis)
 
     def shutdown(self, *args: Any, **kwargs: Any) -> None:
         # Called by the bridge first (to interrupt a waiting export), then by the
         # SDK's processor or reader: once is enough (a second call warns)
-        with self._lock:
-            if self.outage.closed:
-                return
+        if not self.outage.closed:
             self.outage.closed = True
-            cut = self._cut
-        if not cut:
-            self.exporter.shutdown()  # type: ignore[attr-defined]
+            self.exporter.shutdown()
 
     def __getattr__(self, name: str) -> Any:
         # Only for what this class does not define (the SDK's metric reader reads a
@@ -343,27 +272,3 @@ class AccountedExporter(Generic[E]):
     spans_exported = property(lambda self: self.outage.exported)
     spans_failed = property(lambda self: self.outage.failed)
     export_failures = property(lambda self: self.outage.export_failures)
-
-
-class AccountedSpanExporter(AccountedExporter):
-    """A span exporter with :class:`ExportOutage` accounting and policy"""
-
-    def __init__(self, exporter: Any, retry_during_outage: bool = False):
-        from opentelemetry.sdk.trace.export import SpanExportResult
-
-        super().__init__("spans", exporter, SpanExportResult, retry_during_outage)
-
-
-def accounted_metric_exporter(exporter: Any, retry_during_outage: bool = False) -> AccountedExporter:
-    """The metric exporter wrapped with :class:`ExportOutage` accounting and policy"""
-    from opentelemetry.sdk.metrics.export import MetricExportResult
-
-    return AccountedExporter("metrics", exporter, MetricExportResult, retry_during_outage)
-
-
-def accounted_log_exporter(exporter: Any, retry_during_outage: bool = False) -> AccountedExporter:
-    """The log record exporter wrapped with :class:`ExportOutage` accounting and
-    policy"""
-    from opentelemetry.sdk._logs.export import LogRecordExportResult
-
-    return AccountedExporter("logs", exporter, LogRecordExportResult, retry_during_outage)

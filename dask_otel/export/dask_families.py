@@ -101,7 +101,7 @@ def family_spec(family: Metric, prefix: str, beside_gauge: bool) -> MetricSpec |
     return MetricSpec(head + rest, kind, unit, family.documentation, lambda observed: [])
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, eq=False)
 class MonitorView:
     """A server's SystemMonitor but for ``update()``, which a scrape calls (from
     distributed 2024.8) and which would add a sample to its history: the bridge
@@ -116,7 +116,7 @@ class MonitorView:
         return getattr(self.monitor, name)
 
 
-@dataclass(slots=True)
+@dataclass(slots=True, eq=False)
 class ServerView:
     """A Dask server as its collectors see it through the bridge: what a
     collection resets is a copy or does nothing"""

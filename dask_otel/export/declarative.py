@@ -1,22 +1,8 @@
-"""Declarative configuration: the bridge's providers from the file
-``OTEL_CONFIG_FILE`` names, as opentelemetry-sdk (1.43+) builds the
-application's from it (docs/configuration-file.md).
-
-Invariants: with ``OTEL_CONFIG_FILE`` set, the file decides which signals the
-bridge exports and where (its ``tracer_provider``, ``meter_provider`` and
-``logger_provider``: processors, readers, exporters, sampler, limits, views) and
-the resource; the ``OTEL_*`` variables the SDK ignores then are ignored here too.
-Every exporter the file names is still wrapped in the bridge's export accounting
-(:mod:`dask_otel.export.accounting`), and the resource still carries Dask's
-identity. The file is parsed and validated by opentelemetry-configuration's
-public ``load_config_file``; providers are built by its ``create_*`` functions;
-exporters from a section of the file by its factories, read in
-:mod:`dask_otel._compat`. What the bridge cannot honour is named by one WARNING
-per process and file, and by ``status()``. Without opentelemetry-configuration
-installed, ``OTEL_CONFIG_FILE`` is a :class:`~dask_otel.config.ConfigError`
-naming the variable and the extra (``dask-otel[config]``).
-
-Cost: the file is read and validated once per process and file.
+"""The ``OTEL_CONFIG_FILE`` recipe (:class:`ConfigFile`): the bridge's providers from
+the file, as opentelemetry-sdk builds the application's (docs/configuration-file.md);
+the ``OTEL_*`` variables the SDK then ignores are ignored here too. It answers what
+:class:`~dask_otel.export.exporters.EnvRecipe` answers; the file is read and
+validated once per process and file by opentelemetry-configuration.
 """
 
 from __future__ import annotations
@@ -36,6 +22,7 @@ from dask_otel._compat import (
     declared_view,
 )
 from dask_otel.config import ConfigError
+from dask_otel.export.exporters import Account, prometheus_reader
 
 logger = logging.getLogger("dask_otel")
 
@@ -58,28 +45,15 @@ class ConfigFile:
     ignored: tuple[str, ...]
 
     @property
-    def disabled(self) -> bool:
-        return bool(self.model.disabled)
-
-    def exports(self, section: str, items: str) -> bool:
-        """Whether the file gives ``section`` (``tracer_provider``, ...) any
-        ``items`` (``processors``, ``readers``)"""
-        if self.disabled:
-            return False
-        config = getattr(self.model, section)
-        return config is not None and bool(getattr(config, items))
-
-    @property
-    def traces(self) -> bool:
-        return self.exports("tracer_provider", "processors")
-
-    @property
-    def metrics(self) -> bool:
-        return self.exports("meter_provider", "readers")
-
-    @property
-    def logs(self) -> bool:
-        return self.exports("logger_provider", "processors")
+    def signals(self) -> set[str]:
+        """The signals exported: the providers the file gives processors or readers"""
+        if self.model.disabled:
+            return set()
+        sections = {"spans": ("tracer_provider", "processors"),
+                    "metrics": ("meter_provider", "readers"),
+                    "logs": ("logger_provider", "processors")}
+        return {signal for signal, (section, items) in sections.items()
+                if getattr(getattr(self.model, section), items, None)}
 
     def status(self) -> dict[str, Any]:
         """What ``status()`` shows of it"""
@@ -98,13 +72,15 @@ class ConfigFile:
             resource = resource.merge(Resource({"service.name": service_name}))
         return resource.merge(Resource(ours))
 
-    def service_name(self) -> str | None:
+    def service_name(self) -> tuple[str, str] | None:
         """The ``service.name`` the file's resource gives, None if it names none
         (the package then says ``unknown_service:<executable>``)"""
         from opentelemetry.configuration.file import create_resource
 
         name = create_resource(self.model.resource).attributes.get("service.name")
-        return None if name == create_resource(None).attributes.get("service.name") else name
+        if name == create_resource(None).attributes.get("service.name"):
+            return None
+        return str(name), VARIABLE
 
     # -- the providers -------------------------------------------------------------
 
@@ -128,35 +104,34 @@ class ConfigFile:
         _lifecycle_is_ours(provider)
         return provider, declared_span_limits(limits, global_limits)
 
-    def span_processors(self, account: Any) -> list:
+    def span_processors(self, account: Account, meter_provider: Any = None) -> list:
         """The file's span processors, each exporter passed through ``account``"""
         from opentelemetry.sdk.trace.export import BatchSpanProcessor, SimpleSpanProcessor
 
-        return _processors(
-            self.model.tracer_provider.processors, declared_span_exporter, account,
+        return self._processors(
+            "spans", "tracer_provider", declared_span_exporter, account,
             BatchSpanProcessor, SimpleSpanProcessor,
         )
 
-    def metric_readers(self, account: Any) -> list:
+    def metric_readers(self, account: Account) -> list:
         """The file's metric readers, each push exporter passed through
         ``account``; a Prometheus pull reader serves on Dask's ``/metrics``"""
         from opentelemetry.sdk.metrics.export import PeriodicExportingMetricReader
 
         out = []
-        for config in self.model.meter_provider.readers:
-            if config.periodic is not None:
-                periodic = config.periodic
-                options: dict[str, Any] = {}
-                if periodic.interval is not None:
-                    options["export_interval_millis"] = float(periodic.interval)
-                if periodic.timeout is not None:
-                    options["export_timeout_millis"] = float(periodic.timeout)
-                exporter = account(declared_metric_exporter(periodic.exporter))
-                out.append(PeriodicExportingMetricReader(exporter, **options))
-            else:
-                from dask_otel.export.exporters import metric_readers
-
-                out += metric_readers(["prometheus"])
+        for i, config in enumerate(self.model.meter_provider.readers):
+            if config.periodic is None:
+                out.append(prometheus_reader())
+                continue
+            periodic = config.periodic
+            interval = _or_default(periodic.interval, "metrics")
+            exporter = self._exporter(
+                f"meter_provider.readers[{i}]", declared_metric_exporter, periodic.exporter)
+            out.append(PeriodicExportingMetricReader(
+                account("metrics", exporter, interval / 1000),
+                export_interval_millis=interval,
+                export_timeout_millis=float(_or_default(periodic.timeout, "timeout")),
+            ))
         return out
 
     def meter_options(self) -> dict[str, Any]:
@@ -180,43 +155,65 @@ class ConfigFile:
         _lifecycle_is_ours(provider)
         return provider
 
-    def log_processors(self, account: Any) -> list:
+    def log_processors(self, account: Account) -> list:
         """The file's log record processors, each exporter passed through ``account``"""
         from opentelemetry.sdk._logs.export import (
             BatchLogRecordProcessor,
             SimpleLogRecordProcessor,
         )
 
-        return _processors(
-            self.model.logger_provider.processors, declared_log_exporter, account,
+        return self._processors(
+            "logs", "logger_provider", declared_log_exporter, account,
             BatchLogRecordProcessor, SimpleLogRecordProcessor,
         )
 
+    def _processors(self, signal: str, section: str, build: Any, account: Account,
+                    batch: type, simple: type) -> list:
+        """The processors of a provider ``section`` of the file (``batch`` or
+        ``simple``), each exporter built from the file and passed through
+        ``account``; a batch's settings are the file's, else the spec's defaults
+        (the ``OTEL_*`` variables are not read)"""
+        out = []
+        for i, config in enumerate(getattr(self.model, section).processors):
+            where = f"{section}.processors[{i}]"
+            if config.batch is None:
+                exporter = self._exporter(where, build, config.simple.exporter)
+                out.append(simple(account(signal, exporter, None)))
+                continue
+            b = config.batch
+            delay = _or_default(b.schedule_delay, signal)
+            exporter = account(signal, self._exporter(where, build, b.exporter), delay / 1000)
+            options = {"max_queue_size": b.max_queue_size,
+                       "max_export_batch_size": b.max_export_batch_size}
+            out.append(batch(
+                exporter, schedule_delay_millis=float(delay),
+                export_timeout_millis=float(_or_default(b.export_timeout, "timeout")),
+                **{k: v for k, v in options.items() if v is not None},
+            ))
+        return out
 
-def _processors(
-    configs: list, exporter: Any, account: Any, batch: type, simple: type
-) -> list:
-    """The processors of a provider section of the file (``batch`` or ``simple``),
-    each ``exporter`` built from the file and passed through ``account``"""
-    out = []
-    for config in configs:
-        if config.batch is not None:
-            built = account(exporter(config.batch.exporter))
-            out.append(batch(built, **_batch_options(config.batch)))
-        else:
-            out.append(simple(account(exporter(config.simple.exporter))))
-    return out
+    def _exporter(self, where: str, build: Any, config: Any) -> Any:
+        """An exporter from a section of the file; one it cannot build is a
+        ConfigError naming the variable, the file, the section and the exporter"""
+        try:
+            return build(config)
+        except Exception as e:
+            names = [f.name for f in dataclasses.fields(config) if getattr(config, f.name) is not None]
+            names += list(getattr(config, "additional_properties", None) or ())
+            raise ConfigError(
+                VARIABLE, self.path,
+                f"an exporter the SDK can build at {where}.exporter "
+                f"({', '.join(names) or 'none named'}: {type(e).__name__}: {e})",
+            ) from None
 
 
-def _batch_options(batch: Any) -> dict[str, Any]:
-    """A batch processor's settings from the file; those it leaves out are the SDK's"""
-    options = {
-        "max_queue_size": batch.max_queue_size,
-        "schedule_delay_millis": batch.schedule_delay,
-        "max_export_batch_size": batch.max_export_batch_size,
-        "export_timeout_millis": batch.export_timeout,
-    }
-    return {k: v for k, v in options.items() if v is not None}
+#: The spec's defaults, in milliseconds, for what a section of the file leaves out
+#: (the export interval of each signal, and an export's timeout)
+DEFAULTS = {"spans": 5000, "logs": 1000, "metrics": 60000, "timeout": 30000}
+
+
+def _or_default(value: int | None, what: str) -> int:
+    return DEFAULTS[what] if value is None else value
 
 
 def _lifecycle_is_ours(provider: Any) -> None:

@@ -1,36 +1,29 @@
-"""Exporters and metric readers, built by name from their entry points.
-
-Each reads its own ``OTEL_*`` variables (endpoint, headers, certificate, timeout,
-compression); the only choices made here are which exporter, and gRPC or HTTP for
-``otlp``. Invariant: a header variable's value (a credential) never reaches a log
-line or an error. Batched exporters are wrapped with
-:mod:`dask_otel.export.accounting`, which may build one again after a failed
-export (docs/deploy.md, "When telemetry fails").
+"""The ``OTEL_*`` recipe (:class:`EnvRecipe`): the providers' processors and
+readers from ``otel.*.exporter`` names, each exporter built from its entry point
+and reading its own ``OTEL_*`` variables (endpoint, headers, certificate, timeout,
+compression); the only choices made here are which exporter, gRPC or HTTP for
+``otlp``, and nothing else. A header variable's value (a credential) never
+reaches a log line or an error. docs/traces.md, docs/metrics.md, docs/logs.md.
 """
 
 from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Any
 
-from dask_otel.config import ConfigError, installed_entry_points, otlp_entry_point
-from dask_otel.export.accounting import BUILDS, HELD_EXPORTER_LOGS, accounted_metric_exporter
+from dask_otel.config import ConfigError, OtelConfig, installed_entry_points, otlp_entry_point
 
 logger = logging.getLogger("dask_otel")
 
 
 def _build_exporter(group: str, name: str, **kwargs: Any) -> Any:
-    """An exporter from its entry point; it reads its own OTEL_* variables.
-
-    The SDK's errors for a malformed variable do not always name it ("could not
-    convert string to float: 'forever'"): name the variable holding that value.
-    Header variables hold credentials: their values are never shown, and the
-    SDK's own warning about a malformed one (which quotes it) is replaced by one
-    that names the variable.
-    """
+    """An exporter from its entry point; it reads its own OTEL_* variables. An
+    error names the variable holding the bad value (the SDK's do not always), but
+    never shows a header variable's value (credentials)."""
     ep = installed_entry_points(group)[name]
     try:
         cls = ep.load()
@@ -56,13 +49,6 @@ def _build_exporter(group: str, name: str, **kwargs: Any) -> Any:
             value,
             f"a value the OpenTelemetry SDK accepts ({text})",
         ) from e
-
-    def build() -> Any:
-        # The same variables again: their complaints were logged once, above
-        with _header_warnings_named(again=True):
-            return cls(**kwargs)
-
-    BUILDS[exporter] = build
     return exporter
 
 
@@ -114,9 +100,9 @@ _HEADER_WARNING = _HeaderWarningNamed()
 
 
 @contextmanager
-def _header_warnings_named(again: bool = False) -> Iterator[None]:
+def _header_warnings_named() -> Iterator[None]:
     sdk_logger = logging.getLogger("opentelemetry.util.re")
-    _HEADER_WARNING.warned = again
+    _HEADER_WARNING.warned = False
     sdk_logger.addFilter(_HEADER_WARNING)
     try:
         yield
@@ -124,94 +110,170 @@ def _header_warnings_named(again: bool = False) -> Iterator[None]:
         sdk_logger.removeFilter(_HEADER_WARNING)
 
 
-def span_exporters(names: Sequence[str], meter_provider: Any = None) -> list:
-    """SpanExporters for ``otel.traces.exporter`` names; each reads its own OTEL_*.
+#: Seconds between the SDK's scheduled exports of each signal under ``OTEL_*``
+#: (the SDK's variable, its default in milliseconds)
+EXPORT_INTERVAL = {
+    "spans": ("OTEL_BSP_SCHEDULE_DELAY", 5000),
+    "metrics": ("OTEL_METRIC_EXPORT_INTERVAL", 60000),
+    "logs": ("OTEL_BLRP_SCHEDULE_DELAY", 1000),
+}
+#: Each signal's exporters: entry point group, ``OTEL_EXPORTER_OTLP_<signal>_*``
+GROUPS = {
+    "spans": ("opentelemetry_traces_exporter", "TRACES"),
+    "metrics": ("opentelemetry_metrics_exporter", "METRICS"),
+    "logs": ("opentelemetry_logs_exporter", "LOGS"),
+}
 
-    OTLP exporters report their own SDK metrics to ``meter_provider``.
-    """
-    from opentelemetry.sdk.trace.export import ConsoleSpanExporter
-    from opentelemetry.sdk.trace.export.in_memory_span_exporter import (
-        InMemorySpanExporter,
-    )
-
-    out = []
-    for name in names:
-        if name == "memory":
-            out.append(InMemorySpanExporter())
-        elif name == "console":
-            out.append(ConsoleSpanExporter())
-        else:
-            if name == "otlp":
-                name = otlp_entry_point("TRACES")
-            kwargs = {"meter_provider": meter_provider} if meter_provider else {}
-            out.append(_build_exporter("opentelemetry_traces_exporter", name, **kwargs))
-    return out
+#: ``account(signal, exporter, interval)``: the one place every exporter a recipe
+#: builds passes (:meth:`dask_otel.export.telemetry.Telemetry.account`); a batched
+#: one (``interval``: seconds between its scheduled exports) comes back wrapped in
+#: export accounting, an in-memory one (None) as it is
+Account = Callable[[str, Any, "float | None"], Any]
 
 
-def metric_readers(
-    names: Sequence[str], accounted: list | None = None, retry_during_outage: bool = False
-) -> list:
-    """MetricReaders for ``otel.metrics.exporter`` names; each reads its own OTEL_*.
-    The pushing exporters are wrapped with export accounting and the outage policy
-    (``otel.export.retry-during-outage``) and appended to ``accounted``, for the
-    self-metrics and for shutdown.
-
-    ``prometheus`` registers with prometheus_client's default registry, which is
-    what Dask's own ``/metrics`` endpoint serves on every scheduler and worker.
-    """
-    from opentelemetry.sdk.metrics.export import (
-        ConsoleMetricExporter,
-        InMemoryMetricReader,
-        PeriodicExportingMetricReader,
-    )
-
-    out = []
-    for name in names:
-        if name == "memory":
-            out.append(InMemoryMetricReader())
-        elif name == "prometheus":
-            try:
-                from opentelemetry.exporter.prometheus import PrometheusMetricReader
-            except ImportError:
-                raise ConfigError(
-                    "otel.metrics.exporter",
-                    name,
-                    "opentelemetry-exporter-prometheus to be installed "
-                    "(pip install 'dask-otel[prometheus]')",
-                ) from None
-            out.append(PrometheusMetricReader())
-        elif name == "console":
-            out.append(PeriodicExportingMetricReader(ConsoleMetricExporter()))
-        else:
-            if name == "otlp":
-                name = otlp_entry_point("METRICS")
-            exporter = accounted_metric_exporter(
-                _build_exporter("opentelemetry_metrics_exporter", name),
-                retry_during_outage,
-            )
-            if accounted is not None:
-                accounted.append(exporter)
-            out.append(PeriodicExportingMetricReader(exporter))
-            HELD_EXPORTER_LOGS.attach()
-    return out
+def export_interval(signal: str) -> float:
+    """Seconds between the SDK's scheduled exports of ``signal``, as it reads them"""
+    variable, default = EXPORT_INTERVAL[signal]
+    try:
+        milliseconds = float(os.environ.get(variable, "").strip() or default)
+    except ValueError:  # the SDK warns about it and uses its default
+        milliseconds = default
+    return max(milliseconds, 0.0) / 1000
 
 
-def log_exporters(names: Sequence[str]) -> list:
-    """LogRecordExporters for ``otel.logs.exporter`` names; each reads its own OTEL_*"""
-    from opentelemetry.sdk._logs.export import (
-        ConsoleLogRecordExporter,
-        InMemoryLogRecordExporter,
-    )
+def _exporter(signal: str, name: str, **kwargs: Any) -> Any:
+    """The exporter ``name`` (``console``, ``otlp``, an entry point) of ``signal``"""
+    if name == "console":
+        from opentelemetry.sdk._logs.export import ConsoleLogRecordExporter
+        from opentelemetry.sdk.metrics.export import ConsoleMetricExporter
+        from opentelemetry.sdk.trace.export import ConsoleSpanExporter
 
-    out = []
-    for name in names:
-        if name == "memory":
-            out.append(InMemoryLogRecordExporter())
-        elif name == "console":
-            out.append(ConsoleLogRecordExporter())
-        else:
-            if name == "otlp":
-                name = otlp_entry_point("LOGS")
-            out.append(_build_exporter("opentelemetry_logs_exporter", name))
-            HELD_EXPORTER_LOGS.attach()
-    return out
+        return {"spans": ConsoleSpanExporter, "metrics": ConsoleMetricExporter,
+                "logs": ConsoleLogRecordExporter}[signal]()
+    group, otlp = GROUPS[signal]
+    return _build_exporter(group, otlp_entry_point(otlp) if name == "otlp" else name, **kwargs)
+
+
+def prometheus_reader() -> Any:
+    """The Prometheus pull reader: it registers with prometheus_client's default
+    registry, which Dask's own ``/metrics`` endpoint serves on every server"""
+    try:
+        from opentelemetry.exporter.prometheus import PrometheusMetricReader
+    except ImportError:
+        raise ConfigError(
+            "otel.metrics.exporter", "prometheus",
+            "opentelemetry-exporter-prometheus to be installed (pip install 'dask-otel[prometheus]')",
+        ) from None
+    return PrometheusMetricReader()
+
+
+#: (pid, OTEL_* variables) -> the SDK's detected resource, see detected_resource()
+_detected: tuple[tuple, Any] | None = None
+
+
+def detected_resource() -> Any:
+    """``Resource.create({})`` (the SDK's detectors, a few ms and a thread pool per
+    call), once per process and ``OTEL_*`` variables: what they detect does not
+    change while those do not"""
+    from opentelemetry.sdk.resources import Resource
+
+    global _detected
+    key = (os.getpid(), tuple(sorted((k, v) for k, v in os.environ.items() if k.startswith("OTEL_"))))
+    if _detected is None or _detected[0] != key:
+        _detected = (key, Resource.create({}))
+    return _detected[1]
+
+
+@dataclass(slots=True)
+class EnvRecipe:
+    """The providers' parts from the ``otel.*.exporter`` keys and the ``OTEL_*``
+    variables; it answers what :class:`~dask_otel.export.declarative.ConfigFile`
+    answers from a file. ``memory`` exporters (tests, the demo) are not batched."""
+
+    config: OtelConfig | None = None
+
+    def service_name(self) -> tuple[str, str] | None:
+        """``OTEL_SERVICE_NAME``, else ``service.name`` in ``OTEL_RESOURCE_ATTRIBUTES``,
+        and which of them says it"""
+        from opentelemetry.sdk.resources import OTELResourceDetector
+
+        name = OTELResourceDetector().detect().attributes.get("service.name")
+        if not name:
+            return None
+        return str(name), ("OTEL_SERVICE_NAME" if os.environ.get("OTEL_SERVICE_NAME")
+                           else "OTEL_RESOURCE_ATTRIBUTES")
+
+    def resource(self, ours: dict[str, Any], service_name: str) -> Any:
+        """The SDK's detected resource, ``ours`` and ``service_name`` on it (so the
+        SDK's unknown_service never shows), ``OTEL_*``'s on top"""
+        from opentelemetry.sdk.resources import OTELResourceDetector, Resource
+
+        return detected_resource().merge(
+            Resource({"service.name": service_name, **ours})
+        ).merge(OTELResourceDetector().detect())
+
+    @property
+    def signals(self) -> set[str]:
+        """The signals exported"""
+        names = {"spans": self.config.traces_exporters, "metrics": self.config.metrics_exporters,
+                 "logs": self.config.logs_exporters}
+        return {signal for signal, exporters in names.items() if exporters}
+
+    def tracer_provider(self, resource: Any, default_length: int) -> tuple[Any, Any]:
+        """A TracerProvider (it reads ``OTEL_TRACES_SAMPLER``) and its SpanLimits"""
+        from opentelemetry.sdk.trace import TracerProvider
+
+        from dask_otel.export.sink import span_limits
+
+        limits = span_limits()
+        return TracerProvider(resource=resource, span_limits=limits, shutdown_on_exit=False), limits
+
+    def span_processors(self, account: Account, meter_provider: Any) -> list:
+        """OTLP exporters and processors report their SDK metrics to ``meter_provider``"""
+        from opentelemetry.sdk.trace import export
+        from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+        sdk_metrics = {"meter_provider": meter_provider} if meter_provider else {}
+        return self._processors("spans", self.config.traces_exporters, account, InMemorySpanExporter,
+                                export.BatchSpanProcessor, export.SimpleSpanProcessor, sdk_metrics)
+
+    def metric_readers(self, account: Account) -> list:
+        from opentelemetry.sdk.metrics.export import (
+            InMemoryMetricReader,
+            PeriodicExportingMetricReader,
+        )
+
+        readers = {"memory": InMemoryMetricReader, "prometheus": prometheus_reader}
+        return [
+            readers[name]() if name in readers else PeriodicExportingMetricReader(
+                account("metrics", _exporter("metrics", name), export_interval("metrics")))
+            for name in self.config.metrics_exporters
+        ]
+
+    def meter_options(self) -> dict[str, Any]:
+        return {"views": []}
+
+    def logger_provider(self, resource: Any) -> Any:
+        from opentelemetry.sdk._logs import LoggerProvider
+
+        return LoggerProvider(resource=resource, shutdown_on_exit=False)
+
+    def log_processors(self, account: Account) -> list:
+        from opentelemetry.sdk._logs import export
+
+        return self._processors("logs", self.config.logs_exporters, account,
+                                export.InMemoryLogRecordExporter, export.BatchLogRecordProcessor,
+                                export.SimpleLogRecordProcessor)
+
+    @staticmethod
+    def _processors(signal: str, names: tuple[str, ...], account: Account, memory: type,
+                    batch: type, simple: type, sdk_metrics: dict | None = None) -> list:
+        out = []
+        for name in names:
+            if name == "memory":
+                out.append(simple(account(signal, memory(), None)))
+            else:
+                kwargs = sdk_metrics if sdk_metrics and name != "console" else {}
+                exporter = account(signal, _exporter(signal, name, **kwargs), export_interval(signal))
+                out.append(batch(exporter, **(sdk_metrics or {})))
+        return out

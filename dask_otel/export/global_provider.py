@@ -1,10 +1,6 @@
-"""The process's global TracerProvider, on worker processes that have none
-(docs/traces.md, "Inside tasks").
-
-Invariants: an application's global provider is never replaced; the global one is
-set once per process, and its tracers follow whichever Telemetry is current (they
-do nothing while none is). Public OpenTelemetry API only. Cost per span started in
-a task: one attribute read and one identity check.
+"""The process's global TracerProvider on worker processes that have none
+(docs/traces.md, "Inside tasks"): set once per process, never replacing an
+application's, its tracers follow whichever Telemetry is current.
 """
 
 from __future__ import annotations
@@ -18,14 +14,8 @@ from dask_otel.export.telemetry import Telemetry
 
 class TelemetryTracerProvider(trace.TracerProvider):
     """The process's global TracerProvider once the bridge has adopted that role:
-    its tracers start spans on the TracerProvider of whichever :class:`Telemetry`
-    is current, and do nothing while there is none.
-
-    The OTel API lets a process set its global provider once, while Telemetry
-    objects come and go (a LocalCluster with ``processes=False`` closed and
-    started again): this level of indirection makes "set once" hold. Tracers
-    that code got before (``trace.get_tracer`` at import) resolve through it too.
-    """
+    the API sets a global provider once, while Telemetry objects come and go, so its
+    tracers start spans on whichever :class:`Telemetry` is current (none: no-op)"""
 
     def get_tracer(
         self,
@@ -77,16 +67,9 @@ _ADOPTED: Any = None
 
 
 def adopt_global_tracer_provider() -> bool:
-    """Make the bridge's TracerProvider the process's global one, if the process
-    has none; True if the bridge's is the global one (now or since before).
-
-    "None" means ``trace.get_tracer_provider()`` is still the API's proxy: no
-    ``trace.set_tracer_provider`` call and no OTEL_PYTHON_TRACER_PROVIDER. An
-    application's provider, even a NoOpTracerProvider, is never replaced; and an
-    application that sets its own *after* the bridge did is refused by the OTel
-    API ("Overriding of current TracerProvider is not allowed"): set it before
-    the worker starts (a worker preload, or at import).
-    """
+    """Make the bridge's TracerProvider the process's global one if the global is
+    still the API's proxy; True if the bridge's is the global one. An application's
+    provider (even a NoOpTracerProvider) is never replaced."""
     global _ADOPTED
     with Telemetry._lock:
         current = trace.get_tracer_provider()

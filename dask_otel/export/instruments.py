@@ -1,17 +1,8 @@
-"""Observable instruments shared by every Dask server of a process.
-
-A process holds one MeterProvider (see :class:`dask_otel.export.telemetry.Telemetry`), and a
-LocalCluster with ``processes=False`` runs a scheduler and several workers in it.
-An instrument name may be registered only once per MeterProvider, so each kind of
-instrument set (:class:`~dask_otel.spill.SpillInstruments`,
-:class:`~dask_otel.scheduler.metrics.SchedulerInstruments`) is created once per provider, and
-its callbacks report on every Dask server currently attached to it, each with the
-attributes that name it.
-
-Callbacks run in the metric reader's thread (or, in Prometheus pull mode, in the
-thread that serves ``/metrics``) while the event loop and the task threads change
-what they read. They copy what they read, skip a server for one round on
-``RuntimeError`` (a dict changed size during iteration), and never raise.
+"""Observable instruments shared by every Dask server of a process (docs/metrics.md):
+one instrument set per metric table and MeterProvider (:class:`ProcessInstruments`),
+whose callbacks report on each attached server with the attributes that name it.
+Callbacks run in the reader's thread while the event loop changes what they read:
+they copy, skip a server for a round on ``RuntimeError``, and never raise.
 """
 
 from __future__ import annotations
@@ -72,26 +63,17 @@ class MetricSpec:
     per_process: bool = False
 
 
+@dataclass(eq=False)
 class Attached:
-    """One Dask server that a :class:`ProcessInstruments` reports on.
-
-    ``close()`` does not silence it at once: it is reported once more, by the next
-    collection, and then forgotten. That next collection is usually the flush of
-    the process's Telemetry when its last Dask server closes, so the final values
-    (whatever happened since the last periodic export) are not lost, and a
-    cluster shorter-lived than one export interval still exports something.
-    """
+    """One Dask server that a :class:`ProcessInstruments` reports on. ``close()``
+    leaves it to the next collection (usually the flush of the last server's close:
+    its final values are not lost), then it is forgotten."""
 
     #: Attributes added to every observation of this server
     attributes: dict[str, Any]
-    instruments: ProcessInstruments | None
+    instruments: ProcessInstruments | None = None
     #: Rows not yet reported since close(); None while the server is open
-    last_round: set[str] | None
-
-    def __init__(self, attributes: dict[str, Any]):
-        self.attributes = attributes
-        self.instruments = None
-        self.last_round = None
+    last_round: set[str] | None = None
 
     @property
     def active(self) -> bool:
@@ -123,14 +105,9 @@ class LazyExemplarReservoir(SimpleFixedSizeExemplarReservoir):
         return super().collect(point_attributes)
 
 
-#: The series (attribute sets) one stream of the bridge's instruments may have:
-#: no limit. opentelemetry-sdk 1.45.2 folds every attribute set past 2,000 into
-#: one ``otel.metric.overflow`` point unless a View says otherwise; the bridge
-#: bounds its data itself where it must: Dask's families have the series Dask's
-#: ``/metrics`` serves (no limit there either), the fine metrics fold their own
-#: overflow (:data:`dask_otel.scheduler.metrics.MAX_SERIES`). The SDK keeps an
-#: aggregation per series it has seen, as Dask keeps every task prefix.
-#: docs/metrics.md#series-limits
+#: The series (attribute sets) one stream of the bridge's instruments may have: no
+#: SDK limit (1.45.2 folds past 2,000); the bridge bounds its data where it must
+#: (the fine metrics' own overflow). docs/metrics.md#series-limits
 NO_SERIES_LIMIT = sys.maxsize
 
 #: The views of the bridge's observable instruments: :class:`LazyExemplarReservoir`
@@ -280,12 +257,9 @@ class ProcessInstruments:
 
 
 def copy_mapping(mapping: Mapping[Hashable, float]) -> dict[Hashable, float]:
-    """A copy of a mapping that another thread may be changing.
-
-    ``dict.copy`` runs in C without releasing the GIL, so it sees a consistent
-    state of a plain dict or defaultdict; other mappings are iterated, which may
-    raise RuntimeError (the caller skips this round).
-    """
+    """A copy of a mapping that another thread may be changing: ``dict.copy`` runs
+    in C holding the GIL (consistent); others are iterated, which may raise
+    RuntimeError (the caller skips this round)"""
     if isinstance(mapping, dict):
         return dict.copy(mapping)
     return dict(mapping)

@@ -1,13 +1,7 @@
-"""Start and release of a Dask server's telemetry: the two ends every plugin shares.
-
-:func:`start_telemetry` reads the server's config and attaches it to its process's
-:class:`~dask_otel.export.telemetry.Telemetry`; it never raises into Dask.
-:func:`release_telemetry` detaches it, and the last server of a process flushes
-and shuts the SDK down within half of ``otel.flush-timeout``, whatever the
-collector does, in one thread that wakes the event loop when done; a closing
-worker does it in the background (:func:`release_telemetry_in_background`), and
-its process's exit waits for it. What shutdown costs and how an outage shortens it:
-docs/deploy.md, "When telemetry fails".
+"""Start and release of a Dask server's telemetry, the two ends every plugin shares:
+:func:`start_telemetry` never raises into Dask; the last server of a process to
+release flushes and shuts the SDK down within its share of ``otel.flush-timeout``,
+whatever the collector does (docs/deploy.md, "When telemetry fails").
 """
 
 from __future__ import annotations
@@ -35,17 +29,11 @@ FLUSH_SHARE = 0.8
 
 
 async def release_telemetry(telemetry: Telemetry) -> None:
-    """Detach from the process's Telemetry; the last user flushes and shuts it down.
-
-    Waits at most half of otel.flush-timeout (:data:`PROCESS_SHARE`), whatever the
-    collector does. The flush, which the SDK does not bound against a hung
-    collector, runs in a thread. If it completes, the same thread shuts the SDK
-    down and joins its threads. If it does not, or exports were already failing (then nothing
-    is waited for), the SDK is shut down in the background: exporters first, which
-    interrupts a retry back-off and cancels a gRPC call waiting on the collector,
-    so that the SDK's threads end at once. What was still queued is dropped and
-    counted.
-    """
+    """Detach from the process's Telemetry; the last user flushes (in a thread: the
+    SDK does not bound a flush against a hung collector) and shuts it down, waiting
+    at most :data:`PROCESS_SHARE` of otel.flush-timeout. Past that, or when exports
+    were already failing, the SDK is shut down in the background, exporters first
+    (which ends a waiting export); what was still queued is dropped and counted."""
     if Telemetry.detach(telemetry):
         await _flush_and_shut_down(telemetry)
 
@@ -63,7 +51,7 @@ async def _flush_and_shut_down(telemetry: Telemetry) -> None:
         else:
             # One thread flushes, then shuts the SDK down (its threads joined
             # before the server reports itself closed): one thread start and one
-            # wake-up of the loop per close with a healthy collector (issue 18)
+            # wake-up of the loop per close with a healthy collector
             flushed = threading.Event()
 
             def flush_then_shut_down() -> None:
@@ -106,14 +94,10 @@ async def _flush_and_shut_down(telemetry: Telemetry) -> None:
 
 def release_telemetry_in_background(telemetry: Telemetry) -> None:
     """:func:`release_telemetry` in a thread of its own, for a worker's close: the
-    process's exit (not the caller) waits for it, within the same bound.
-
-    A worker's close must not wait for the collector: Dask stops a worker's
-    heartbeat only after its plugins' teardowns, and a heartbeat begun during the
-    wait, to a scheduler that is gone, held Dask's close until its connection timed
-    out (30 s on distributed 2024.1: issue 18 item 4, 4 Ctrl-Cs in 60 with a hung
-    collector).
-    """
+    process's exit (not the caller) waits for it, within the same bound. Dask stops
+    a worker's heartbeat only after its plugins' teardowns: a heartbeat begun during
+    the wait, to a scheduler that is gone, held the close until its connection
+    timed out (30 s on distributed 2024.1)."""
     if not Telemetry.detach(telemetry):
         return
     thread = threading.Thread(
@@ -149,12 +133,8 @@ atexit.register(_join_background_releases)
 
 
 def _in_thread(function: Any, name: str) -> asyncio.Future:
-    """Run ``function`` in a daemon thread; the future is done when it has returned.
-
-    The thread wakes the loop when it is done: a close with a healthy collector
-    (a flush and a shutdown of a few ms) goes on at once, not at the next tick of
-    a polling loop (issue 18: 10 ms polls cost every close ~20 ms).
-    """
+    """Run ``function`` in a daemon thread; the future is done when it has returned
+    (the thread wakes the loop: a healthy close goes on at once, not at a poll)"""
     loop = asyncio.get_running_loop()
     done = loop.create_future()
 
@@ -183,13 +163,8 @@ GIVE_UP_EVERY = 0.05
 
 
 async def _wait(done: asyncio.Future, deadline: float, give_up: Any = None) -> bool:
-    """Wait for :func:`_in_thread`'s future until ``deadline`` (``time.monotonic()``),
-    or until ``give_up()`` is true, without blocking the event loop; True if the
-    function returned.
-
-    Its thread ends right after (it only wakes the loop), so that no thread of
-    the bridge outlives its last server.
-    """
+    """Wait for :func:`_in_thread`'s future until ``deadline`` (``time.monotonic()``)
+    or ``give_up()``, without blocking the event loop; True if the function returned"""
     while True:
         remaining = max(0.0, deadline - time.monotonic())
         step = remaining if give_up is None else min(remaining, GIVE_UP_EVERY)
@@ -204,11 +179,7 @@ async def _wait(done: asyncio.Future, deadline: float, give_up: Any = None) -> b
 
 def start_telemetry(server: str, **resource: Any) -> tuple[ServerTelemetry | None, str | None]:
     """Read this server's config and attach it to its process's Telemetry; never
-    raises.
-
-    Returns the server's view of the Telemetry, or None and why the bridge is off
-    on ``server``.
-    """
+    raises. The server's view of the Telemetry, or None and why the bridge is off."""
     try:
         config = read_config()
         if not config.enabled:

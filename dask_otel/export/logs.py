@@ -1,19 +1,9 @@
-"""Python log records of the scheduler and workers as OpenTelemetry logs: the
-process's ``LoggerProvider`` (batched exporters wrapped in the bridge's export
-accounting) and the handlers that feed it.
-
-Invariants: off unless a log exporter is named; each record is exported once at
-most. distributed's loggers do not propagate, so a handler of ours sits on each of
-:func:`dask_logger_names` as well as on the root logger, and each exports only the
-records that stop at its logger (:class:`_WhereRecordsStop`, read as each record
-arrives, so ``propagate = True`` set later changes nothing); where another OTel
-handler is on a logger (the user's, ``opentelemetry-instrument``'s) ours stands
-aside, and on the root none of ours is added. Records of the ``opentelemetry.*``
-loggers are never exported (an exporter's complaint about exporting would feed
-back). The handler is opentelemetry-instrumentation-logging's, which the SDK
-recommends (extra ``logs``), else the SDK's own; with neither, log export is a
-:class:`~dask_otel.config.ConfigError`. Cost: one filter call per record per handler
-it reaches. What is exported, at which levels: docs/logs.md.
+"""Python log records of the scheduler and workers as OpenTelemetry logs (docs/logs.md):
+the process's ``LoggerProvider`` and the handlers that feed it. distributed's loggers
+do not propagate, so a handler of ours sits on each of :func:`dask_logger_names` and
+on the root, and exports only the records that stop at its logger; where another
+OTel handler is on a logger ours stands aside. ``opentelemetry.*`` records are never
+exported (an exporter's complaint about exporting would feed back).
 """
 
 from __future__ import annotations
@@ -25,7 +15,6 @@ import warnings
 from typing import Any
 
 from dask_otel.config import ConfigError, OtelConfig
-from dask_otel.export.exporters import log_exporters
 from dask_otel.log import dask_logging_config, otel_handler_classes
 
 #: The loggers distributed's usual set-up names whatever dask config's ``logging``
@@ -102,11 +91,8 @@ class _WhereRecordsStop(logging.Filter):
 
 
 class LogExport:
-    """The LoggerProvider of one process and the handlers that feed it.
-
-    ``exporters`` are kept so that tests can read an in-memory exporter;
-    ``accounted_exporters`` hold the accounting of batched exporters.
-    """
+    """The LoggerProvider of one process, built by the recipe of its
+    :class:`~dask_otel.export.telemetry.Telemetry`, and the handlers that feed it"""
 
     #: the SDK's LoggerProvider that the handlers feed (also the one that a
     #: scheduler's other log records, e.g. its events, are emitted through)
@@ -114,18 +100,8 @@ class LogExport:
     #: logger -> the handler of ours on it: the root logger (unless another OTel
     #: handler was there first) and each of :func:`dask_logger_names`
     handlers: dict[logging.Logger, logging.Handler]
-    exporters: list
-    accounted_exporters: list
 
-    def __init__(self, config: OtelConfig, resource: Any, declared: Any = None):
-        from opentelemetry.sdk._logs import LoggerProvider
-        from opentelemetry.sdk._logs.export import (
-            BatchLogRecordProcessor,
-            SimpleLogRecordProcessor,
-        )
-
-        from dask_otel.export.accounting import accounted_log_exporter
-
+    def __init__(self, config: OtelConfig, recipe: Any, resource: Any, account: Any):
         # before anything is built: nothing to shut down when it raises
         otel_classes = otel_handler_classes()
         if not otel_classes:
@@ -135,31 +111,9 @@ class LogExport:
                 "none, or opentelemetry-instrumentation-logging installed "
                 "(pip install 'dask-otel[logs]'): this SDK has no LoggingHandler",
             )
-        self.accounted_exporters = []
-        if declared is not None:  # OTEL_CONFIG_FILE (dask_otel.export.declarative)
-            self.exporters = []
-
-            def account(exporter: Any) -> Any:
-                self.exporters.append(exporter)
-                accounted = accounted_log_exporter(exporter, config.retry_during_outage)
-                self.accounted_exporters.append(accounted)
-                return accounted
-
-            self.provider = declared.logger_provider(resource)
-            for processor in declared.log_processors(account):
-                self.provider.add_log_record_processor(processor)
-        else:
-            self.exporters = log_exporters(config.logs_exporters)
-            # We own the lifecycle (flush bounded by otel.flush-timeout), as for spans
-            self.provider = LoggerProvider(resource=resource, shutdown_on_exit=False)
-            for exporter in self.exporters:
-                # The in-memory exporter is for tests: no batching delay
-                if type(exporter).__name__.startswith("InMemoryLog"):
-                    self.provider.add_log_record_processor(SimpleLogRecordProcessor(exporter))
-                else:
-                    accounted = accounted_log_exporter(exporter, config.retry_during_outage)
-                    self.accounted_exporters.append(accounted)
-                    self.provider.add_log_record_processor(BatchLogRecordProcessor(accounted))
+        self.provider = recipe.logger_provider(resource)
+        for processor in recipe.log_processors(account):
+            self.provider.add_log_record_processor(processor)
         self.handlers = {}
         root = logging.getLogger()
         loggers = [logging.getLogger(name) for name in dask_logger_names()]
@@ -173,9 +127,6 @@ class LogExport:
             self.handlers[target] = handler
         for target, handler in self.handlers.items():
             target.addHandler(handler)
-
-    def force_flush(self, timeout_millis: int) -> None:
-        self.provider.force_flush(timeout_millis)
 
     def shutdown(self) -> None:
         for target, handler in self.handlers.items():

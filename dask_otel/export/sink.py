@@ -1,25 +1,16 @@
-"""The :class:`SpanSink`: the one place where the bridge's spans (the scheduler's
-mirrored Dask spans and TaskGroups, the workers' task spans) go to the SDK.
-
-They are built already finished, as ``ReadableSpan``s, so they skip the SDK's
-Tracer: the sink adds what a Tracer would (resource, instrumentation scope, the
-``SpanLimits`` the SDK's own spans get) and hands them to the span processors.
-
-Length limits, one rule: every string is cut to the attribute value length limit
-(``OTEL_SPAN_ATTRIBUTE_VALUE_LENGTH_LIMIT``, 4096 by default here), span names
-and status descriptions included, except :data:`WHOLE_VALUES`: the ids users
-search by are never cut (the SDK's ``BoundedAttributes`` would cut them too).
-
-The sink is the corridor's exit: it imports nothing of the scheduler or the
-workers (``tests/test_layout.py``). Cost: one pass over a span's attribute values
-when they are within the limits (:func:`within_limits`), else the SDK's own
-``BoundedAttributes``. The limits as users set them: docs/traces.md.
+"""The :class:`SpanSink`: the one place the bridge's spans (mirrored Dask spans and
+TaskGroups, task spans) go to the SDK, built finished as ``ReadableSpan``s, with what
+a Tracer would add (resource, scope, the SDK's ``SpanLimits``). Every string is cut
+to the attribute value length limit (4096 by default here), except the ids users
+search by (:data:`WHOLE_VALUES`). It imports nothing of the scheduler or the workers.
+Limits: docs/traces.md.
 """
 
 from __future__ import annotations
 
 import os
 from collections.abc import Iterable
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from opentelemetry.attributes import BoundedAttributes
@@ -77,42 +68,31 @@ def within_limits(values: Iterable[Any], max_len: int | None) -> bool:
     return True
 
 
+@dataclass(slots=True, eq=False)
 class SpanSink:
-    """Where the mirror hands the spans it builds: already finished, so they go
-    straight to the SDK's span processors as ``ReadableSpan``s, with what a Tracer
-    would add (resource, instrumentation scope; the mirror asks :attr:`sampler`
-    and applies :attr:`limits` with the SDK's ``BoundedAttributes``, as the SDK's
-    spans do) and without what only live spans need (locks, contexts, ids from an
-    IdGenerator: the mirror's ids come from Dask).
-    """
+    """Where the mirror hands the spans it builds, finished: straight to the SDK's
+    span processors, without what only live spans need (locks, contexts, ids from
+    an IdGenerator: the mirror's come from Dask)"""
 
     #: The process's TracerProvider: its sampler
     provider: TracerProvider
     #: The span processors the spans are handed to (the provider's, or a
     #: second cluster's share of them)
     processors: list[SpanProcessor]
-    #: The exporting server's resource (the provider's by default)
-    resource: Resource
-    #: ``dask_otel`` and its version, as a Tracer of that name would have it
-    scope: InstrumentationScope
     #: The SDK's SpanLimits: attribute count (OTEL_SPAN_ATTRIBUTE_COUNT_LIMIT)
     #: and value length (OTEL_SPAN_ATTRIBUTE_VALUE_LENGTH_LIMIT, or ours)
     limits: SpanLimits
+    #: The exporting server's resource (the provider's by default)
+    resource: Resource = None  # type: ignore[assignment]
+    #: ``dask_otel`` and its version, as a Tracer of that name would have it
+    scope: InstrumentationScope = field(init=False)
 
-    def __init__(
-        self,
-        provider: TracerProvider,
-        processors: list[SpanProcessor],
-        limits: SpanLimits,
-        resource: Resource | None = None,
-    ):
+    def __post_init__(self) -> None:
         from opentelemetry.sdk.util.instrumentation import InstrumentationScope
 
-        self.provider = provider
-        self.processors = processors
-        self.resource = provider.resource if resource is None else resource
+        if self.resource is None:
+            self.resource = self.provider.resource
         self.scope = InstrumentationScope("dask_otel", __version__)
-        self.limits = limits
 
     def with_resource(self, resource: Resource) -> SpanSink:
         """The same processors and limits, for a server with another resource (a
@@ -134,17 +114,10 @@ class SpanSink:
     def bounded(
         self, attributes: dict[str, Any], count: int | None = None
     ) -> dict[str, Any] | BoundedAttributes:
-        """``attributes`` within the SDK's limits, as its own spans apply them: at
-        most ``count`` (default: the span attribute count limit) attributes, each
-        value cut to the attribute value length limit.
-
-        ``attributes`` is a new dict the caller hands over. When every value is
-        already of an OTel attribute type and within the limits (the mirror's
-        usually are) it is returned as it is: ``BoundedAttributes`` would copy
-        and re-check each value, which costs more than building the span (~2 us
-        per attribute). Otherwise ``BoundedAttributes`` applies the limits, and
-        counts what it drops, exactly as for the SDK's own spans.
-        """
+        """``attributes`` (a new dict the caller hands over) within the SDK's limits
+        (at most ``count``, default the span attribute count limit), as its own
+        spans apply them; as they are when already within them (the mirror's
+        usually are: ``BoundedAttributes`` costs ~2 us per attribute)"""
         limit = self.limits.max_span_attributes if count is None else count
         max_len = self.limits.max_span_attribute_length
         if (limit is None or len(attributes) <= limit) and within_limits(

@@ -1,17 +1,9 @@
-"""The per-process :class:`Telemetry`: the SDK providers every Dask server of a
-process shares, and the :class:`~dask_otel.export.sink.SpanSink` the bridge hands
-its spans to; and :class:`ServerTelemetry`, one server's view of it.
-
-Invariants: one Telemetry per process at a time (a LocalCluster with
-``processes=False`` runs a scheduler and its workers in one process; a Prometheus
-registry can hold the bridge's collector only once), created by the first server
-that attaches and flushed and shut down by the last that detaches
-(:mod:`dask_otel.export.lifecycle`). Each server keeps its own ``otel.*`` values and
-resource; what belongs to the providers (:data:`PROCESS_WIDE`, the ``OTEL_*``
-variables, the metric resource) is the first server's, which a WARNING and
-``status()`` say (docs/traces.md, "Two clusters in one process"). The bridge never
-replaces an application's global providers (the one exception:
-:mod:`dask_otel.export.global_provider`).
+"""The per-process :class:`Telemetry` (the SDK providers every Dask server of a
+process shares, built by one recipe: ``OTEL_*`` or ``OTEL_CONFIG_FILE``) and
+:class:`ServerTelemetry`, one server's view of it: its own ``otel.*`` values and
+resource, the first server's providers (docs/traces.md, "Two clusters in one
+process"). Created by the first server that attaches, flushed and shut down by the
+last that detaches (:mod:`dask_otel.export.lifecycle`).
 """
 
 from __future__ import annotations
@@ -25,15 +17,11 @@ from typing import TYPE_CHECKING, Any
 
 from dask_otel.attributes import SCHEDULER_ADDRESS
 from dask_otel.config import OtelConfig
-from dask_otel.export.accounting import (
-    HELD_EXPORTER_LOGS,
-    AccountedSpanExporter,
-    accounted_metric_exporter,
-)
+from dask_otel.export.accounting import HELD_EXPORTER_LOGS, AccountedExporter
 from dask_otel.export.declarative import ConfigFile, config_file
-from dask_otel.export.exporters import metric_readers, span_exporters
+from dask_otel.export.exporters import EnvRecipe
 from dask_otel.export.instruments import EXEMPLAR_VIEWS
-from dask_otel.export.sink import DEFAULT_ATTRIBUTE_LENGTH, SpanSink, span_limits
+from dask_otel.export.sink import DEFAULT_ATTRIBUTE_LENGTH, SpanSink
 
 if TYPE_CHECKING:
     from opentelemetry.sdk.trace import TracerProvider
@@ -63,33 +51,29 @@ def otel_environment() -> dict[str, str]:
 SERVICE_NAME_FROM: dict[str, Any] = {"tracer_provider": None}
 
 
+def recipe(config: OtelConfig | None = None) -> ConfigFile | EnvRecipe:
+    """What the providers and the resource are built from: ``OTEL_CONFIG_FILE``'s
+    file, else ``otel.*`` and the ``OTEL_*`` variables"""
+    return config_file() or EnvRecipe(config)
+
+
 def service_name() -> tuple[str, str]:
     """The bridge's ``service.name``, and where it comes from. The first of:
 
-    0. with ``OTEL_CONFIG_FILE``, the file's resource (the ``OTEL_*`` variables of
-       step 1 are ignored then, as the SDK ignores them);
-    1. ``OTEL_SERVICE_NAME``, else ``service.name`` in ``OTEL_RESOURCE_ATTRIBUTES``;
+    1. the recipe's: the file's resource, or ``OTEL_SERVICE_NAME``, else
+       ``service.name`` in ``OTEL_RESOURCE_ATTRIBUTES``;
     2. the service.name of the SDK TracerProvider given to
-       ``DaskInstrumentor.instrument(tracer_provider=)``, else of the process's
-       global TracerProvider when it is an SDK one (``opentelemetry-instrument``
-       sets one up): spans that code makes in tasks go to that provider, so the
-       bridge's spans take its name and a trace shows one service (the SDK's
-       ``unknown_service:python`` if nothing named it: set ``OTEL_SERVICE_NAME``);
+       ``DaskInstrumentor.instrument(tracer_provider=)``, else of the global one
+       when it is an SDK one (``opentelemetry-instrument``'s): spans made in tasks
+       go there, so a trace shows one service;
     3. ``dask``.
     """
     from opentelemetry import trace
-    from opentelemetry.sdk.resources import OTELResourceDetector
     from opentelemetry.sdk.trace import TracerProvider
 
-    declared = config_file()
-    from_env = None if declared else OTELResourceDetector().detect().attributes.get(
-        "service.name")
-    if declared and (from_file := declared.service_name()):
-        return str(from_file), "OTEL_CONFIG_FILE"
-    if from_env:
-        variable = "OTEL_SERVICE_NAME" if os.environ.get("OTEL_SERVICE_NAME") else (
-            "OTEL_RESOURCE_ATTRIBUTES")
-        return str(from_env), variable
+    named = recipe().service_name()
+    if named:
+        return named
     given = SERVICE_NAME_FROM["tracer_provider"]
     for provider, source in (
         (given, "DaskInstrumentor.instrument(tracer_provider=)"),
@@ -122,57 +106,18 @@ def config_file_status(telemetry: Telemetry | None) -> dict[str, Any] | None:
 
 
 def build_resource(**attributes: Any):
-    """Resource of this process: the caller's attributes and ``service.name`` as
-    :func:`service_name` says, overridden by OTEL_RESOURCE_ATTRIBUTES and
-    OTEL_SERVICE_NAME as the SDK reads them; the SDK's detectors
-    (``OTEL_EXPERIMENTAL_RESOURCE_DETECTORS``) beneath. With ``OTEL_CONFIG_FILE``:
-    the file's resource, with the caller's attributes, host and process on top.
-    """
-    from opentelemetry.sdk.resources import OTELResourceDetector, Resource
+    """Resource of this process: the recipe's (the file's, or the SDK's detectors'
+    and ``OTEL_*``'s over ``service.name`` as :func:`service_name` says), with the
+    caller's attributes, host and process"""
+    from opentelemetry.sdk.resources import Resource
 
-    ours = {
-        "host.name": socket.gethostname(),
-        "process.pid": os.getpid(),
-        **attributes,
-    }
-    declared = config_file()
-    if declared:
-        resource = declared.resource(ours, service_name()[0])
-    else:
-        # Resource.create(ours) is the detected resource with ours on top (ours
-        # names the service, so the SDK's unknown_service default never shows)
-        resource = detected_resource().merge(
-            Resource({"service.name": service_name()[0], **ours})
-        ).merge(OTELResourceDetector().detect())
+    ours = {"host.name": socket.gethostname(), "process.pid": os.getpid(), **attributes}
+    resource = recipe().resource(ours, service_name()[0])
     if "service.instance.id" not in resource.attributes:
         # opentelemetry-sdk 1.45+ sets one per process (the global provider's
         # too); before, this process's own, so every signal still names its process
         resource = resource.merge(Resource({"service.instance.id": _process_instance_id()}))
     return resource
-
-
-#: (pid, OTEL_* variables) -> the SDK's detected resource, see detected_resource()
-_detected: tuple[tuple, Any] | None = None
-
-
-def detected_resource():
-    """``Resource.create({})``: the SDK's default resource and its detectors'
-    (``OTEL_EXPERIMENTAL_RESOURCE_DETECTORS``), detected once per process and
-    ``OTEL_*`` variables.
-
-    Every Dask server builds its resource when it starts, and the SDK looks its
-    detectors up by entry point and runs them on a new thread pool each time: a
-    few ms per server, paid by every cluster a test suite or notebook starts
-    (issue 18). What they detect (host, process, the SDK) does not change while
-    the process and its variables do not.
-    """
-    from opentelemetry.sdk.resources import Resource
-
-    global _detected
-    key = (os.getpid(), tuple(sorted(otel_environment().items())))
-    if _detected is None or _detected[0] != key:
-        _detected = (key, Resource.create({}))
-    return _detected[1]
 
 
 _instance_id: tuple[int, str] | None = None
@@ -189,13 +134,10 @@ def _process_instance_id() -> str:
 
 
 class Telemetry:
-    """The SDK providers of this process, shared by every Dask server in it.
-
-    ``span_sink`` and ``tracer_provider`` exist only when traces are exported,
-    ``meter_provider`` only when metrics are, ``logs`` only when logs are.
-    ``span_exporters`` are kept so that tests and the demo can read an in-memory
-    exporter.
-    """
+    """The SDK providers of this process, shared by every Dask server in it, built
+    by one recipe: the file's (:class:`~dask_otel.export.declarative.ConfigFile`)
+    or the ``OTEL_*`` one (:class:`~dask_otel.export.exporters.EnvRecipe`); each
+    provider exists only when its signal is exported."""
 
     _lock = threading.Lock()
     _current: Telemetry | None = None
@@ -206,11 +148,13 @@ class Telemetry:
     #: Where this process's spans go: the scheduler's mirrored spans, the
     #: workers' task spans (spans made inside tasks go through the tracer provider)
     span_sink: SpanSink | None
-    span_exporters: list
-    #: The batched span, metric exporters wrapped with export accounting, for
-    #: the self-metrics and for shutdown
-    accounted_span_exporters: list[AccountedSpanExporter]
-    accounted_metric_exporters: list
+    #: signal -> every exporter the recipe built, unwrapped (tests and the demo
+    #: read an in-memory one)
+    exporters: dict[str, list]
+    #: The batched exporters, wrapped with export accounting: the self-metrics
+    #: read them, shutdown interrupts them
+    accounted: list[AccountedExporter]
+    metric_readers: list
     meter_provider: Any
     #: :class:`dask_otel.export.logs.LogExport`
     logs: Any
@@ -233,112 +177,57 @@ class Telemetry:
         self.resource = resource
         self.scheduler_address = scheduler_address
         self.environment = otel_environment()
-        self.config_file = declared = config_file()
+        self.config_file = config_file()
+        built = recipe(config)
         #: Schedulers whose servers were told they share this Telemetry
         self.warned: set[str] = set()
-        self.span_exporters = []
-        self.accounted_span_exporters = []
-        self.accounted_metric_exporters = []
-        self.tracer_provider = None
-        self.span_sink = None
-        self.meter_provider = None
-        self.logs = None
+        self.exporters = {"spans": [], "metrics": [], "logs": []}
+        self.accounted = []
+        self.tracer_provider = self.span_sink = self.meter_provider = self.logs = None
         self._shut_down = False
-        meter_options: dict[str, Any] = {"views": []}
-        if declared is None:
-            self.metric_readers = metric_readers(
-                config.metrics_exporters, self.accounted_metric_exporters,
-                config.retry_during_outage,
-            )
-        elif declared.metrics:
-            self.metric_readers = declared.metric_readers(self._account_metrics)
-            meter_options = declared.meter_options()
-        else:
-            self.metric_readers = []
-        declared_views = meter_options.pop("views")
+        signals = built.signals
+        self.metric_readers = built.metric_readers(self.account) if "metrics" in signals else []
         if self.metric_readers:
+            options = built.meter_options()
             self.meter_provider = MeterProvider(
                 metric_readers=self.metric_readers,
                 resource=self.resource,
                 shutdown_on_exit=False,
                 # the file's views after the bridge's
-                views=[*EXEMPLAR_VIEWS, *declared_views],
-                **meter_options,
+                views=[*EXEMPLAR_VIEWS, *options.pop("views")],
+                **options,
             )
-        if declared.traces if declared else config.traces_exporters:
-            self.span_sink = self._build_span_sink()
-        if declared.logs if declared else config.logs_exporters:
-            from dask_otel.export.logs import LogExport
-
-            self.logs = LogExport(config, self.resource, declared)
-
-    def _account_metrics(self, exporter: Any) -> Any:
-        """A push metric exporter wrapped in export accounting and kept"""
-        accounted = accounted_metric_exporter(exporter, self.config.retry_during_outage)
-        self.accounted_metric_exporters.append(accounted)
-        HELD_EXPORTER_LOGS.attach()
-        return accounted
-
-    def _account_spans(self, exporter: Any) -> AccountedSpanExporter:
-        """A span exporter wrapped in export accounting and kept"""
-        self.span_exporters.append(exporter)
-        accounted = AccountedSpanExporter(exporter, self.config.retry_during_outage)
-        self.accounted_span_exporters.append(accounted)
-        return accounted
-
-    def _build_span_sink(self) -> SpanSink:
-        from opentelemetry.sdk.trace import TracerProvider
-        from opentelemetry.sdk.trace.export import (
-            BatchSpanProcessor,
-            SimpleSpanProcessor,
-        )
-        from opentelemetry.sdk.trace.export.in_memory_span_exporter import (
-            InMemorySpanExporter,
-        )
-
-        if self.config_file is not None:
-            self.tracer_provider, limits = self.config_file.tracer_provider(
-                self.resource, DEFAULT_ATTRIBUTE_LENGTH
-            )
-            processors = self.config_file.span_processors(self._account_spans)
+        if "spans" in signals:
+            self.tracer_provider, limits = built.tracer_provider(
+                self.resource, DEFAULT_ATTRIBUTE_LENGTH)
+            processors = built.span_processors(self.account, self.meter_provider)
             for processor in processors:
                 self.tracer_provider.add_span_processor(processor)
-            HELD_EXPORTER_LOGS.attach()
-            return SpanSink(self.tracer_provider, processors, limits)
+            self.span_sink = SpanSink(self.tracer_provider, processors, limits)
+        if "logs" in signals:
+            from dask_otel.export.logs import LogExport
 
-        self.span_exporters = span_exporters(
-            self.config.traces_exporters, self.meter_provider
-        )
-        limits = span_limits()
-        # The provider reads OTEL_TRACES_SAMPLER and owns flush and shutdown
-        self.tracer_provider = TracerProvider(
-            resource=self.resource,
-            span_limits=limits,
-            # We own the lifecycle (flush on close, bounded by otel.flush-timeout);
-            # an atexit shutdown could hold a dying process on a dead collector.
-            shutdown_on_exit=False,
-        )
-        processors = []
-        for exporter in self.span_exporters:
-            # The in-memory exporter is for tests and the demo: no batching delay
-            if isinstance(exporter, InMemorySpanExporter):
-                processor = SimpleSpanProcessor(exporter)
-            else:
-                accounted = AccountedSpanExporter(exporter, self.config.retry_during_outage)
-                self.accounted_span_exporters.append(accounted)
-                processor = BatchSpanProcessor(accounted, **self._sdk_metrics)
-            self.tracer_provider.add_span_processor(processor)
-            processors.append(processor)
+            self.logs = LogExport(config, built, self.resource, self.account)
+
+    def account(self, signal: str, exporter: Any, interval: float | None) -> Any:
+        """The one place every exporter a recipe builds passes: kept, and when
+        batched (``interval``: seconds between the SDK's scheduled exports, as the
+        recipe configured them) wrapped in export accounting and the outage policy"""
+        self.exporters[signal].append(exporter)
+        if interval is None:
+            return exporter
+        accounted = AccountedExporter(signal, exporter, interval, self.config.retry_during_outage)
+        self.accounted.append(accounted)
         HELD_EXPORTER_LOGS.attach()
-        return SpanSink(self.tracer_provider, processors, limits)
+        return accounted
 
-    @property
-    def _sdk_metrics(self) -> dict[str, Any]:
-        """The SDK's own metrics (queue size, spans dropped by a full queue, export
-        duration), opt-in with OTEL_PYTHON_SDK_INTERNAL_METRICS_ENABLED=true (always
-        on in opentelemetry-sdk 1.41), go to this MeterProvider rather than the
-        application's global one."""
-        return {"meter_provider": self.meter_provider} if self.meter_provider else {}
+    def accounted_of(self, signal: str) -> list[AccountedExporter]:
+        return [e for e in self.accounted if e.outage.signal == signal]
+
+    # What the scheduler's self-metrics and status() read
+    span_exporters = property(lambda self: self.exporters["spans"])
+    accounted_span_exporters = property(lambda self: self.accounted_of("spans"))
+    accounted_metric_exporters = property(lambda self: self.accounted_of("metrics"))
 
     @classmethod
     def acquire(cls, config: OtelConfig, **resource_attributes: Any) -> ServerTelemetry:
@@ -393,49 +282,36 @@ class Telemetry:
         )
 
     @property
-    def accounted_exporters(self) -> list:
-        """The batched exporters (OTLP and others): the ones that can wait on a
-        collector, with their :class:`~dask_otel.export.accounting.ExportOutage`"""
-        logs = self.logs.accounted_exporters if self.logs else []
-        return [*self.accounted_span_exporters, *self.accounted_metric_exporters, *logs]
-
-    @property
     def outage(self) -> bool:
         """True while some exporter waits on a collector that is not answering (see
         :attr:`~dask_otel.export.accounting.ExportOutage.stalled`): flushing would
         only wait"""
-        return any(e.outage.stalled for e in self.accounted_exporters)
+        return any(e.outage.stalled for e in self.accounted)
 
     def force_flush(self) -> None:
-        """Export what is queued; what a failing exporter holds is dropped and
-        counted without a probe. Blocks while a collector hangs (the SDK's batch
-        processor ignores a flush timeout): :meth:`shutdown` from another thread
-        ends it."""
-        for exporter in self.accounted_exporters:
+        """Export what is queued (a failing exporter's is dropped and counted, not
+        probed); blocks while a collector hangs: :meth:`shutdown` ends it"""
+        for exporter in self.accounted:
             exporter.outage.closing = True
         timeout_ms = int(self.config.flush_timeout * 1000)
         # A provider whose every exporter is failing has nothing to flush to (and a
         # metric collection would cost CPU for nothing)
-        if self.tracer_provider and not _all_failing(self.accounted_span_exporters):
-            self.tracer_provider.force_flush(timeout_ms)
-        if self.meter_provider and not _all_failing(self.accounted_metric_exporters):
-            self.meter_provider.force_flush(timeout_ms)
-        if self.logs and not _all_failing(self.logs.accounted_exporters):
-            self.logs.force_flush(timeout_ms)
+        for signal, provider in (("spans", self.tracer_provider),
+                                 ("metrics", self.meter_provider),
+                                 ("logs", self.logs and self.logs.provider)):
+            accounted = self.accounted_of(signal)
+            if provider and not (accounted and all(e.outage.failing for e in accounted)):
+                provider.force_flush(timeout_ms)
 
     def shutdown(self) -> None:
-        """Stop the SDK's threads now, whatever the collector does.
-
-        The exporters are shut down first: that interrupts a retry back-off and
-        cancels a gRPC call waiting on a hung collector, so that what is still
-        queued fails at once (dropped and counted) and the span processors',
-        metric readers' and log processors' threads, joined next, end. Runs once.
-        """
+        """Stop the SDK's threads now, whatever the collector does, once: the
+        exporters first (that ends a retry backoff and cancels a gRPC call waiting
+        on a hung collector), so that the threads joined next end at once"""
         with self._lock:
             if self._shut_down:
                 return
             self._shut_down = True
-        for exporter in self.accounted_exporters:
+        for exporter in self.accounted:
             try:
                 exporter.shutdown()
             except Exception:
@@ -449,22 +325,11 @@ class Telemetry:
             self.logs.shutdown()
 
 
-def _all_failing(accounted: list) -> bool:
-    return bool(accounted) and all(e.outage.failing for e in accounted)
-
-
 @dataclass
 class ServerTelemetry:
     """One Dask server's share of its process's :class:`Telemetry`: its own
-    ``otel.*`` values and resource, the process's providers.
-
-    Its spans carry its own resource (:attr:`span_sink`); its plugin reads its own
-    :attr:`config`, except for what the providers were built with
-    (:data:`PROCESS_WIDE`, the ``OTEL_*`` variables), which is the first server's.
-    A server of another scheduler than the first (:attr:`shared_with`) puts its
-    scheduler's address on its metrics as an attribute: the MeterProvider's
-    resource names the first.
-    """
+    ``otel.*`` values (but :data:`PROCESS_WIDE`) and resource on its spans; a server
+    of another scheduler than the first puts its scheduler's address on its metrics"""
 
     telemetry: Telemetry
     #: This server's ``otel.*`` values
