@@ -342,3 +342,78 @@ def test_relative_links_in_the_documents_resolve():
             elif anchor and file.suffix == ".md" and anchor not in anchors(file):
                 broken.append(f"{doc.name}: {target}")
     assert not broken, broken
+
+
+def readme_block(marker: str) -> str:
+    """The fenced code block after ``<!-- marker`` in the README"""
+    after = README.read_text().split(f"<!-- {marker}", 1)[1]
+    return after.split("```python\n", 1)[1].split("```", 1)[0]
+
+
+@pytest.mark.timeout(180)
+def test_the_readmes_healthy_status_is_what_a_healthy_cluster_answers():
+    """README, "Is it on?": the block runs as a doctest against a cluster of two
+    workers switched on by the preload, after a workflow was exported"""
+    import doctest
+
+    from tests.support.otlp_receiver import OTLPReceiver
+    from tests.support.processes import dask_processes
+
+    with OTLPReceiver("grpc") as receiver:
+        with dask_processes(receiver.env()) as cluster, cluster.client() as client:
+            with span("checked") as sid:
+                client.submit(inc, 1).result()
+            receiver.wait_for(lambda r: [s for s in r.spans("checked")
+                                         if s.attributes["dask.span.id"] == sid])
+            test = doctest.DocTestParser().get_doctest(
+                readme_block("status"), {"dask_otel": dask_otel, "client": client},
+                "README.md status", str(README), 0)
+            runner = doctest.DocTestRunner(optionflags=doctest.NORMALIZE_WHITESPACE)
+            runner.run(test)
+    assert runner.summarize(verbose=False).failed == 0
+
+
+@pytest.mark.timeout(180)
+def test_the_readmes_one_trace_runs_as_pasted_and_a_collector_sees_flags_0(tmp_path):
+    """README, "One trace from the request to the task": the block, with the test
+    cluster's address for the placeholder, in an application whose global
+    TracerProvider exports to the receiver: ``POST /reports`` > ``nightly report`` >
+    each task's ``score``, one trace. docs/traces.md: the spans' trace flags (03 in
+    the process) reach a collector as 0: the OTLP encoder sends only the
+    is-remote bits in ``flags``"""
+    import subprocess
+    import sys
+
+    pytest.importorskip("dask.dataframe")
+    from tests.support.otlp_receiver import OTLPReceiver
+    from tests.support.processes import dask_processes
+
+    block = readme_block("one-trace")
+    assert '"tcp://scheduler:8786"' in block
+    app = tmp_path / "app.py"
+    with OTLPReceiver("grpc") as receiver:
+        with dask_processes(receiver.env(), n_workers=1) as cluster:
+            app.write_text(
+                "from opentelemetry import trace\n"
+                "from opentelemetry.sdk.trace import TracerProvider\n"
+                "from opentelemetry.sdk.trace.export import SimpleSpanProcessor\n"
+                "from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter\n"
+                "provider = TracerProvider()\n"
+                "provider.add_span_processor(SimpleSpanProcessor(OTLPSpanExporter()))\n"
+                "trace.set_tracer_provider(provider)\n"
+                + block.replace('"tcp://scheduler:8786"', repr(cluster.address))
+                + "client.close()\n"
+            )
+            run = subprocess.run([sys.executable, str(app)], env=cluster.env, cwd=tmp_path,
+                                 capture_output=True, text=True, timeout=120)
+            assert run.returncode == 0, run.stderr
+            (report,) = receiver.wait_for(lambda r: r.spans("nightly report"))
+            # one per partition, in its task (Dask may call it once more on the client)
+            scores = receiver.wait_for(lambda r: len(s := r.spans("score")) >= 4 and s)
+        (request,) = receiver.spans("POST /reports")
+    assert report.parent_span_id == request.span_id and report.trace_id == request.trace_id
+    assert {(s.trace_id, s.parent_span_id) for s in scores} == {(report.trace_id, report.span_id)}
+    flags = [span.flags for kind, message in receiver.raw_requests if kind == "traces"
+             for resource in message.resource_spans for scope in resource.scope_spans
+             for span in scope.spans]
+    assert flags and all(f & 0xFF == 0 for f in flags), sorted(set(flags))

@@ -4,8 +4,10 @@ Read statically from the source (what each module imports at any depth of its
 code), so that a lazy import inside a function counts too: no import loops
 between modules, no module reaching into the package ``__init__``, nothing on
 the workers' side importing the scheduler's, a client that uses
-``dask_otel.span`` loads no OpenTelemetry SDK module, and a Dask span's trip to
-the SDK enters each file once (no stop of it imports an earlier one).
+``dask_otel.span`` loads no OpenTelemetry SDK module, and no stop of a Dask span's
+trip to the SDK imports an earlier one. Calls, followed on a real cluster: on
+every call stack of the scheduler, from Dask's hooks to the SDK, each file of the
+package is entered once.
 """
 
 from __future__ import annotations
@@ -127,17 +129,104 @@ CORRIDOR = (
 )
 
 
-def test_a_dask_spans_trip_to_the_sdk_enters_each_file_once():
-    """No stop of the corridor can call back into one before it: none imports an
-    earlier stop, at any depth, when it runs. So the builder takes what the mirror
-    worked out (the record, the figures) and never goes back to the totals, the
-    ledger or the mirror; the sink knows nothing of the scheduler."""
+def test_no_stop_of_the_corridor_imports_an_earlier_one():
+    """Imports, read statically: no stop of :data:`CORRIDOR` imports an earlier stop,
+    at any depth, when it runs; the sink imports nothing of the scheduler's or the
+    workers'. What it does not see (calls through objects handed over, modules off
+    the list): the test below, which follows the calls."""
     graph = imports(runtime=True)
     for i, stop in enumerate(CORRIDOR):
         back = reachable(graph, stop) & set(CORRIDOR[:i])
         assert not back, f"{stop} reaches back to {sorted(back)}"
     sink = reachable(graph, "dask_otel.export.sink")
     assert not {m for m in sink if m.startswith(("dask_otel.scheduler", "dask_otel.worker"))}
+
+
+#: Where a span reaches the SDK: a span processor's ``on_end``
+SDK_ENTRY = ("opentelemetry/sdk/trace/export/__init__.py", "on_end")
+
+
+class CallStacks:
+    """A profile function for the scheduler's event loop thread: on every call of
+    a function of the package, the files of the package on the stack, each run of
+    frames of one file counted once; notes a file entered again below a file it
+    called, and the files of every stack that reaches the SDK's ``on_end``"""
+
+    def __init__(self) -> None:
+        self.reentries: set[tuple[str, ...]] = set()
+        self.trips: set[tuple[str, ...]] = set()
+
+    @staticmethod
+    def files(frame) -> tuple[str, ...]:
+        """The package's files from the outermost frame to ``frame``, runs collapsed"""
+        out: list[str] = []
+        while frame is not None:
+            path = frame.f_code.co_filename
+            if path.startswith(str(PACKAGE)):
+                name = module_name(Path(path))
+                if not out or out[-1] != name:
+                    out.append(name)
+            frame = frame.f_back
+        return tuple(reversed(out))
+
+    def __call__(self, frame, event, arg) -> None:
+        if event != "call":
+            return
+        code = frame.f_code
+        if code.co_filename.startswith(str(PACKAGE)):
+            files = self.files(frame)
+            if len(set(files)) < len(files):
+                self.reentries.add(files)
+        elif code.co_filename.endswith(SDK_ENTRY[0]) and code.co_name == SDK_ENTRY[1]:
+            self.trips.add(self.files(frame))
+
+
+def test_a_dask_spans_trip_to_the_sdk_enters_each_file_once():
+    """Calls, followed as they happen: a real cluster mirrors a workflow (nested
+    spans, a sub-span, an erred task, a named workflow) while the scheduler's event
+    loop thread is profiled, from Dask's hooks into the plugin down to the SDK's span
+    processor. On every call stack, each file of the package is entered once: no
+    module calls back into one that called it (through a callback, a handed-over
+    object or an import), whatever the module, ``_compat`` and the workflow outcomes
+    included. The stacks that reach the SDK enter it from the sink."""
+    import dask_otel.scheduler.plugin  # noqa: F401 (the profile reads module files)
+    from tests.support.cluster import otel_cluster
+    from tests.support.tasks import fail, inc
+
+    stacks = STACKS[0] = CallStacks()
+    config = {"otel.metrics.exporter": "memory", "otel.metrics.workflows": ["traced"]}
+    with otel_cluster(config) as (client, mirrored):
+        client.run_on_scheduler(profile, True)
+        try:
+            with dask_otel.span("traced", workflow=True) as sid:
+                with dask_otel.span("step"):
+                    client.gather(client.map(inc, range(4)))
+                failed = client.submit(fail, 1)
+                wait_for_error(failed)
+            mirrored.by_dask_id(sid)
+        finally:
+            client.run_on_scheduler(profile, False)
+    assert stacks.trips, "no span reached the SDK's on_end from the scheduler's thread"
+    for trip in stacks.trips:
+        assert trip[-1] == "dask_otel.export.sink", trip
+    assert not stacks.reentries, "\n".join(" -> ".join(s) for s in sorted(stacks.reentries))
+
+
+#: The CallStacks of the test running (a function sent to the scheduler is pickled:
+#: by reference, so that it profiles into this one)
+STACKS: list[CallStacks] = [CallStacks()]
+
+
+def profile(on: bool) -> None:
+    """Run on the scheduler's event loop thread: profile it with STACKS[0], or stop"""
+    sys.setprofile(STACKS[0] if on else None)
+
+
+def wait_for_error(future) -> None:
+    from distributed import wait
+
+    wait(future)
+    assert future.status == "error"
 
 
 def test_the_spans_docstring_draws_the_corridor_the_test_checks():

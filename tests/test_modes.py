@@ -1,0 +1,488 @@
+"""Modes, combined: every capability users read about, in each way to switch the
+bridge on and to configure it, with each set of signals users run, on real
+``dask scheduler``/``dask worker`` processes and a real OTLP receiver.
+
+The factors:
+
+- **switch**: the preload key (``DASK_DISTRIBUTED__SCHEDULER__PRELOAD``),
+  ``dask_otel.instrument(client)`` on a cluster started without it, or
+  ``opentelemetry-instrument`` (the ``dask`` instrumentor, no dask config);
+- **config**: the standard ``OTEL_*`` variables, or ``OTEL_CONFIG_FILE`` (with
+  ``OTEL_*`` variables set to values the file must override: a wrong endpoint,
+  a wrong service name, export intervals of a minute);
+- **signals**: traces only, metrics only, logs only, or all three.
+
+:data:`CELLS` is a covering array of strength 2: every pair of levels of two
+factors is in some cell (12 cells, not the 24 of the full product;
+``test_the_cells_cover_every_pair`` checks it). One cluster per cell serves every
+capability (:data:`CAPABILITIES`): where the cell's signals carry it, it must work
+as the README and docs/ say; where they do not, nothing of it may arrive and
+``status()`` must say the signal is off. Each cell reports every capability that
+failed, not only the first.
+
+The outage policy and its recovery run last in every cell: the receiver goes
+away, a workflow and a log line are dropped, one WARNING per signal names the
+outage (the SDK's own per-retry lines held back), and once the receiver is back
+data flows again within :data:`RECOVERY` seconds (docs/deploy.md, "When
+telemetry fails": one probe per export interval).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import itertools
+import logging
+import os
+import re
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+from distributed import Client, span, wait
+
+import dask_otel
+from tests.support.cluster import wait_until
+from tests.support.otlp_receiver import OTLPReceiver
+from tests.support.processes import FAST_ENV, PRELOAD_ENV, DaskProcesses
+from tests.support.tasks import double, inc, log_in_task, make_chunk
+
+SWITCHES = ("preload", "client", "zero-code")
+CONFIGS = ("env", "file")
+SIGNALS = {
+    "traces": ("traces",),
+    "metrics": ("metrics",),
+    "logs": ("logs",),
+    "all": ("traces", "metrics", "logs"),
+}
+
+
+@dataclass(frozen=True)
+class Cell:
+    switch: str
+    config: str
+    signals: str
+
+    @property
+    def exported(self) -> tuple[str, ...]:
+        return SIGNALS[self.signals]
+
+    def __str__(self) -> str:
+        return f"{self.switch}-{self.config}-{self.signals}"
+
+
+#: A covering array of strength 2 over (switch, config, signals): each switch
+#: meets each signal set once, and each switch and each signal set meets both
+#: configs
+CELLS = [
+    Cell("preload", "env", "traces"),
+    Cell("preload", "file", "metrics"),
+    Cell("preload", "env", "logs"),
+    Cell("preload", "file", "all"),
+    Cell("client", "file", "traces"),
+    Cell("client", "env", "metrics"),
+    Cell("client", "file", "logs"),
+    Cell("client", "env", "all"),
+    Cell("zero-code", "env", "traces"),
+    Cell("zero-code", "file", "metrics"),
+    Cell("zero-code", "file", "logs"),
+    Cell("zero-code", "env", "all"),
+]
+
+#: What each capability needs exported to apply (README, docs/traces.md,
+#: docs/metrics.md, docs/logs.md, docs/events.md, docs/deploy.md)
+CAPABILITIES = {
+    "mirrored spans": "traces",
+    "task spans": "traces",
+    "per-workflow controls": "traces",
+    "fine metrics": "metrics",
+    "spill": "metrics",
+    "Dask's families": "metrics",
+    "workflow outcomes": "metrics",
+    "removed workers": "metrics",
+    "Dask's log lines and task logs": "logs",
+    "events": "logs",
+}
+
+#: Seconds within which data flows again once the collector is back: one probe per
+#: export interval (200 ms for spans and logs, 500 ms for metrics here), and gRPC's
+#: reconnection, with room for a loaded machine. The SDK's own retries (a backoff
+#: up to 32 s) or an interval of OTEL_* instead of the file's (60 s) would not fit.
+RECOVERY = 15
+
+#: The workflow every cell runs: a named workflow whose block asks for its task spans
+WORKFLOW = "modes-run"
+#: ... and a sibling that asks for nothing (otel.tasks.spans stays false)
+PLAIN = "modes-plain"
+#: The service name the cell's configuration gives (the file's, or OTEL_SERVICE_NAME)
+SERVICE = {"env": "modes-env", "file": "modes-file"}
+#: What the variables say in file mode, which the file must override: an endpoint
+#: nothing listens on, another service name, export intervals of a minute
+OVERRIDDEN_BY_THE_FILE = {
+    "OTEL_EXPORTER_OTLP_ENDPOINT": "http://127.0.0.1:9",
+    "OTEL_EXPORTER_OTLP_INSECURE": "true",
+    "OTEL_SERVICE_NAME": "from-the-variables",
+    "OTEL_TRACES_EXPORTER": "otlp",
+    "OTEL_METRICS_EXPORTER": "otlp",
+    "OTEL_LOGS_EXPORTER": "otlp",
+    "OTEL_BSP_SCHEDULE_DELAY": "60000",
+    "OTEL_BLRP_SCHEDULE_DELAY": "60000",
+    "OTEL_METRIC_EXPORT_INTERVAL": "60000",
+}
+#: Workers spill past 10 MB of data (memory limit 100 MB); the memory monitor's
+#: thresholds are off, so that a worker process's own size does not pause it
+SPILL_ENV = {
+    "DASK_DISTRIBUTED__WORKER__MEMORY__TARGET": "0.1",
+    "DASK_DISTRIBUTED__WORKER__MEMORY__SPILL": "False",
+    "DASK_DISTRIBUTED__WORKER__MEMORY__PAUSE": "False",
+    "DASK_DISTRIBUTED__WORKER__MEMORY__TERMINATE": "False",
+}
+WORKER_ARGS = ("--memory-limit", "100MB")
+#: What the SDK's OTLP exporters log per failed export and per retry: the bridge
+#: holds them back and logs one WARNING per outage instead (docs/deploy.md)
+SDK_EXPORT_LINES = re.compile(r"encountered while exporting|Failed to export")
+
+
+def test_the_cells_cover_every_pair():
+    levels = {"switch": SWITCHES, "config": CONFIGS, "signals": tuple(SIGNALS)}
+    for a, b in itertools.combinations(levels, 2):
+        seen = {(getattr(c, a), getattr(c, b)) for c in CELLS}
+        assert seen == set(itertools.product(levels[a], levels[b])), (a, b)
+
+
+# --- the cluster of a cell -----------------------------------------------------------
+
+
+def config_file(path: Path, receiver: OTLPReceiver, signals: tuple[str, ...]) -> str:
+    """A declarative configuration file exporting ``signals`` to ``receiver``, fast"""
+    exporter = f'exporter: {{otlp_grpc: {{endpoint: "{receiver.endpoint}"}}}}'
+    batch = f"  processors:\n    - batch: {{schedule_delay: 200, {exporter}}}\n"
+    text = (
+        'file_format: "1.0-rc.1"\n'
+        f"resource:\n  attributes:\n    - {{name: service.name, value: {SERVICE['file']}}}\n"
+    )
+    if "traces" in signals:
+        text += f"tracer_provider:\n{batch}"
+    if "metrics" in signals:
+        text += f"meter_provider:\n  readers:\n    - periodic: {{interval: 500, {exporter}}}\n"
+    if "logs" in signals:
+        text += f"logger_provider:\n{batch}"
+    path.write_text(text)
+    return str(path)
+
+
+def cell_env(cell: Cell, receiver: OTLPReceiver, tmp_path: Path) -> dict[str, str]:
+    env = {
+        **FAST_ENV,
+        **SPILL_ENV,
+        "OTEL_BLRP_SCHEDULE_DELAY": "200",
+        "DASK_OTEL__METRICS__DASK": "true",
+        # what docs/zero-code.md advises for Dask servers (only read there)
+        "OTEL_PYTHON_DISABLED_INSTRUMENTATIONS": "click,asyncio,tornado",
+    }
+    if cell.switch == "preload":
+        env.update(PRELOAD_ENV)
+    if cell.config == "env":
+        env.update(receiver.env())
+        env["OTEL_SERVICE_NAME"] = SERVICE["env"]
+        for signal, variable in (("traces", "OTEL_TRACES_EXPORTER"),
+                                 ("metrics", "OTEL_METRICS_EXPORTER"),
+                                 ("logs", "OTEL_LOGS_EXPORTER")):
+            env[variable] = "otlp" if signal in cell.exported else "none"
+    else:
+        env.update(OVERRIDDEN_BY_THE_FILE)
+        env["OTEL_CONFIG_FILE"] = config_file(tmp_path / "otel.yaml", receiver, cell.exported)
+    return env
+
+
+class CellProcesses(DaskProcesses):
+    """DaskProcesses with only the cell's OTEL_* and DASK_* variables (none of the
+    test process's), under ``opentelemetry-instrument`` for zero-code"""
+
+    def __init__(self, cell: Cell, env: dict[str, str]):
+        super().__init__(env, n_workers=2, worker_args=WORKER_ARGS)
+        self.env = {
+            k: v for k, v in self.env.items()
+            if not k.startswith(("OTEL_", "DASK_")) or k in env
+        }
+        self.zero_code = cell.switch == "zero-code"
+
+    def _spawn(self, name, cmd):
+        if self.zero_code:
+            from tests.test_instrumentor import OPENTELEMETRY_INSTRUMENT
+
+            cmd = [*OPENTELEMETRY_INSTRUMENT, *cmd]
+        return super()._spawn(name, cmd)
+
+
+@dataclass
+class Ran:
+    """What a cell's workload did, for the checks to compare with what arrived"""
+
+    run: str  # the Dask span id of WORKFLOW
+    plain: str  # ... of PLAIN
+    spiller: str  # the worker that spilled
+    retired: str  # the worker retired
+    spilled: int  # bytes the spiller's SpillBuffer wrote to disk
+    scheduler_pid: int
+    status: dict
+    chunks: list  # the spilled data, held until the checks are done
+
+
+def run_workload(client: Client) -> Ran:
+    spiller, retired = sorted(client.scheduler_info()["workers"])
+    with dask_otel.span(WORKFLOW, workflow=True, tasks={"spans": True}) as run:
+        with span("load"):
+            assert client.gather(client.map(log_in_task, range(2))) == [0, 1]
+        # 16 MB on one worker whose target is 10 MB
+        chunks = client.map(make_chunk, range(4), workers=[spiller])
+        wait(chunks)
+    with dask_otel.span(PLAIN) as plain:
+        assert client.submit(double, 1).result() == 2
+    spilled = client.run(
+        lambda dask_worker: dask_worker.data.spilled_total.disk, workers=[spiller]
+    )[spiller]
+    client.run_on_scheduler(
+        lambda: logging.getLogger("distributed.scheduler").warning("from the scheduler")
+    )
+    client.retire_workers([retired])
+    wait_until(lambda: len(client.scheduler_info()["workers"]) == 1, 30, "the retirement")
+    return Ran(run, plain, spiller, retired, spilled,
+               client.run_on_scheduler(os.getpid), dask_otel.status(client), chunks)
+
+
+# --- the capabilities ----------------------------------------------------------------
+
+
+def hex_of(dask_id: str) -> tuple[str, str]:
+    """(trace id, span id) in hex of the span mirroring a root Dask span"""
+    trace_id = dask_id.replace("-", "")
+    return trace_id, trace_id[16:]
+
+
+def mirrored_spans(r: OTLPReceiver, ran: Ran, cell: Cell) -> None:
+    trace_id, span_id = hex_of(ran.run)
+    root = r.wait_for(lambda r: [s for s in r.spans(WORKFLOW) if s.span_id == span_id])[0]
+    assert root.trace_id == trace_id and root.parent_span_id is None
+    (load,) = r.wait_for(lambda r: r.spans("load"))
+    assert load.parent_span_id == span_id and load.trace_id == trace_id
+    assert root.resource["service.name"] == SERVICE[cell.config], root.resource
+
+
+def task_spans(r: OTLPReceiver, ran: Ran, cell: Cell) -> None:
+    (load,) = r.wait_for(lambda r: r.spans("load"))
+    tasks = r.wait_for(lambda r: len(s := task_spans_of(r, "log_in_task")) == 2 and s)
+    for task in tasks:
+        assert task.parent_span_id == load.span_id and task.trace_id == load.trace_id
+        assert task.resource["process.pid"] != ran.scheduler_pid  # from the workers
+        assert task.resource["service.name"] == SERVICE[cell.config], task.resource
+
+
+def task_spans_of(r: OTLPReceiver, prefix: str) -> list:
+    return [s for s in r.spans(prefix) if "dask.task.key" in s.attributes]
+
+
+def per_workflow_controls(r: OTLPReceiver, ran: Ran, cell: Cell) -> None:
+    """The block's ``tasks={"spans": True}`` exported its tasks (above) while the
+    workers' otel.tasks.spans is false; its sibling's tasks are not exported"""
+    r.wait_for(lambda r: task_spans_of(r, "make_chunk"))
+    # the sibling's TaskGroup span arrived (so its tasks were done long before)
+    (group,) = r.wait_for(lambda r: r.spans("double"))
+    assert group.trace_id == hex_of(ran.plain)[0]
+    assert task_spans_of(r, "double") == []
+
+
+def latest(r: OTLPReceiver, name: str, **attributes) -> float | None:
+    """The value of the newest point of ``name`` whose attributes include
+    ``attributes`` (keyword ``a_b`` means ``a.b``)"""
+    wanted = {k.replace("_", "."): v for k, v in attributes.items()}
+    points = [p for p in r.metric_points(name)
+              if all(p.attributes.get(k) == v for k, v in wanted.items())]
+    return points[-1].value if points else None
+
+
+def fine_metrics(r: OTLPReceiver, ran: Ran, cell: Cell) -> None:
+    r.wait_for(lambda r: (latest(r, "dask.activity.time", dask_task_prefix="log_in_task",
+                                 dask_activity_name="thread-cpu") or 0) > 0)
+    point = r.metric_points("dask.activity.time")[-1]
+    assert point.resource["service.name"] == SERVICE[cell.config], point.resource
+
+
+def spill(r: OTLPReceiver, ran: Ran, cell: Cell) -> None:
+    assert ran.spilled > 0
+    r.wait_for(lambda r: latest(r, "dask.spill.disk.size",
+                                dask_worker_address=ran.spiller) == ran.spilled)
+
+
+def dask_families(r: OTLPReceiver, ran: Ran, cell: Cell) -> None:
+    # the scheduler's and a worker's, under Dask's names
+    r.wait_for(lambda r: r.metric_points("dask.scheduler.tasks"))
+    r.wait_for(lambda r: latest(r, "dask.worker.threads", dask_worker_address=ran.spiller) == 1)
+
+
+def workflow_outcomes(r: OTLPReceiver, ran: Ran, cell: Cell) -> None:
+    r.wait_for(lambda r: latest(r, "dask.workflow.runs", dask_workflow_name=WORKFLOW,
+                                dask_workflow_result="ok") == 1, timeout=20)
+    r.wait_for(lambda r: latest(r, "dask.workflow.runs", dask_workflow_name="other",
+                                dask_workflow_result="ok") == 1, timeout=5)
+
+
+def removed_workers(r: OTLPReceiver, ran: Ran, cell: Cell) -> None:
+    r.wait_for(lambda r: latest(r, "dask.worker.removed",
+                                dask_worker_removed_reason="retired") == 1)
+
+
+def log_lines(r: OTLPReceiver, ran: Ran, cell: Cell) -> None:
+    def lines(body):
+        return [x for x in r.logs() if x.body == body]
+
+    (scheduler,) = r.wait_for(lambda r: lines("from the scheduler"))
+    assert scheduler.resource["process.pid"] == ran.scheduler_pid
+    assert scheduler.resource["service.name"] == SERVICE[cell.config], scheduler.resource
+    tasks = r.wait_for(lambda r: len(x := lines("scored partition 0") + lines(
+        "scored partition 1")) == 2 and x)
+    # in their task's trace
+    assert {x.trace_id for x in tasks} == {hex_of(ran.run)[0]}, tasks
+
+
+def events(r: OTLPReceiver, ran: Ran, cell: Cell) -> None:
+    r.wait_for(lambda r: [x for x in r.logs()
+                          if x.attributes.get("dask.event.topic") == "remove-worker"
+                          and x.attributes.get("dask.worker.address") == ran.retired])
+
+
+CHECKS: dict[str, Callable[[OTLPReceiver, Ran, Cell], None]] = {
+    "mirrored spans": mirrored_spans,
+    "task spans": task_spans,
+    "per-workflow controls": per_workflow_controls,
+    "fine metrics": fine_metrics,
+    "spill": spill,
+    "Dask's families": dask_families,
+    "workflow outcomes": workflow_outcomes,
+    "removed workers": removed_workers,
+    "Dask's log lines and task logs": log_lines,
+    "events": events,
+}
+
+
+def signal_is_off(r: OTLPReceiver, ran: Ran, signal: str) -> None:
+    """Nothing of ``signal`` arrived, and status() says it is off where it says"""
+    received = {"traces": r.spans, "metrics": r.metric_points, "logs": r.logs}[signal]()
+    assert received == [], f"{signal} are off, yet {len(received)} arrived"
+    scheduler = ran.status["scheduler"]
+    if signal in ("traces", "metrics"):
+        assert scheduler[signal] is False, scheduler
+    if signal == "metrics":
+        assert all(w["metrics"] is False for w in ran.status["workers"].values())
+
+
+# --- the outage ----------------------------------------------------------------------
+
+
+def outage(r: OTLPReceiver, client: Client, procs: CellProcesses, cell: Cell) -> None:
+    """docs/deploy.md, "When telemetry fails": the collector goes away; one WARNING
+    per signal when the outage starts, the SDK's own per-retry lines held back"""
+    r.stop()
+    with dask_otel.span("modes-outage"):
+        client.submit(inc, 10).result()
+    client.run_on_scheduler(
+        lambda: logging.getLogger("distributed.scheduler").warning("during the outage"))
+    for signal in outage_signals(cell):
+        warning = wait_until(lambda: re.search(f".*cannot export {signal}.*", procs.log("scheduler")),
+                             30, f"the scheduler's WARNING that {signal} cannot be exported")
+        # with its reason: a refused connection is UNAVAILABLE to gRPC
+        assert "UNAVAILABLE" in warning.group(), warning.group()
+    held = [f"{name}: {line}" for name in procs.logs for line in procs.log(name).splitlines()
+            if SDK_EXPORT_LINES.search(line) and "dask_otel" not in line]
+    assert not held, f"the SDK's own export lines reached the console: {held[:3]}"
+
+
+def recovery(r: OTLPReceiver, client: Client, procs: CellProcesses, cell: Cell) -> None:
+    """... and once it is back, data again within RECOVERY seconds, and one WARNING
+    per signal that says so"""
+    r.start()
+    back = time.time()
+    with dask_otel.span("modes-after"):
+        client.submit(inc, 20).result()
+    client.run_on_scheduler(
+        lambda: logging.getLogger("distributed.scheduler").warning("after the outage"))
+    arrived = {
+        "spans": lambda r: r.spans("modes-after"),
+        "metrics": lambda r: [p for p in r.metric_points("dask.otel.export.failures")
+                              if p.time > back],
+        "logs": lambda r: [x for x in r.logs() if x.body == "after the outage"],
+    }
+    late = []
+    for signal in outage_signals(cell):
+        with contextlib.suppress(AssertionError):
+            r.wait_for(arrived[signal], timeout=max(RECOVERY - (time.time() - back), 0.1))
+            continue
+        late.append(signal)
+    assert not late, f"{late} did not arrive within {RECOVERY} s of the collector's return"
+    log = procs.log("scheduler")
+    for signal in outage_signals(cell):
+        assert log.count(f"cannot export {signal}") == 1, log
+        wait_until(lambda: f"{signal} export recovered" in procs.log("scheduler"), 5,
+                   f"the scheduler's WARNING that {signal} export recovered")
+
+
+def outage_signals(cell: Cell) -> list[str]:
+    """The accounting's names of the signals the cell exports"""
+    return [{"traces": "spans"}.get(s, s) for s in cell.exported]
+
+
+# --- the cells -----------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def cell_cluster(cell: Cell, tmp_path: Path) -> Iterator[tuple]:
+    if cell.switch == "zero-code":
+        from tests.test_instrumentor import entry_point_installed
+
+        if not entry_point_installed() and not os.environ.get("CI"):  # as test_instrumentor
+            pytest.skip("the dask entry point of opentelemetry_instrumentor is not installed")
+    if cell.config == "file":
+        pytest.importorskip("opentelemetry.configuration",
+                            reason="dask-otel[config] not installed")
+    with OTLPReceiver("grpc") as receiver:
+        with CellProcesses(cell, cell_env(cell, receiver, tmp_path)) as procs:
+            with procs.client() as client:
+                if cell.switch == "client":
+                    dask_otel.instrument(client)
+                yield receiver, procs, client
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("cell", CELLS, ids=str)
+def test_every_capability_works_or_says_it_does_not_apply(cell, tmp_path):
+    failed: dict[str, str] = {}
+
+    def check(name: str, run: Callable[[], None]) -> None:
+        try:
+            run()
+        except AssertionError as e:
+            failed[name] = str(e)[:400]
+
+    with cell_cluster(cell, tmp_path) as (receiver, procs, client):
+        ran = run_workload(client)
+        scheduler = ran.status["scheduler"]
+        assert scheduler is not None and scheduler["error"] is None, ran.status
+        assert scheduler["paths"] == [
+            {"preload": "preload", "client": "client", "zero-code": "instrumentor"}[cell.switch]
+        ]
+        for status in (scheduler, *ran.status["workers"].values()):
+            assert status["error"] is None, status
+            assert status["service_name"]["name"] == SERVICE[cell.config], status
+            assert (status["config_file"] is None) == (cell.config == "env"), status
+        for name, signal in CAPABILITIES.items():
+            if signal in cell.exported:
+                check(name, lambda: CHECKS[name](receiver, ran, cell))
+        time.sleep(1)  # what a signal that is off would send comes within its interval
+        for signal in SIGNALS["all"]:
+            if signal not in cell.exported:
+                check(f"{signal} off", lambda: signal_is_off(receiver, ran, signal))
+        ran.chunks.clear()
+        check("outage", lambda: outage(receiver, client, procs, cell))
+        check("recovery", lambda: recovery(receiver, client, procs, cell))
+    assert not failed, "\n".join(f"{name}: {why}" for name, why in failed.items())
