@@ -247,7 +247,8 @@ def run_workload(client: Client) -> Ran:
         lambda: logging.getLogger("distributed.scheduler").warning("from the scheduler")
     )
     client.retire_workers([retired])
-    wait_until(lambda: len(client.scheduler_info()["workers"]) == 1, 30, "the retirement")
+    wait_until(lambda: client.run_on_scheduler(lambda dask_scheduler: len(dask_scheduler.workers))
+               == 1, 30, "the retirement")
     return Ran(run, plain, spiller, retired, spilled,
                client.run_on_scheduler(os.getpid), dask_otel.status(client), chunks)
 
