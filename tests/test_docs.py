@@ -374,13 +374,11 @@ def test_the_readmes_healthy_status_is_what_a_healthy_cluster_answers():
 
 
 @pytest.mark.timeout(180)
-def test_the_readmes_one_trace_runs_as_pasted_and_a_collector_sees_flags_0(tmp_path):
+def test_the_readmes_one_trace_runs_as_pasted(tmp_path):
     """README, "One trace from the request to the task": the block, with the test
     cluster's address for the placeholder, in an application whose global
     TracerProvider exports to the receiver: ``POST /reports`` > ``nightly report`` >
-    each task's ``score``, one trace. docs/traces.md: the spans' trace flags (03 in
-    the process) reach a collector as 0: the OTLP encoder sends only the
-    is-remote bits in ``flags``"""
+    each task's ``score``, one trace"""
     import subprocess
     import sys
 
@@ -413,7 +411,24 @@ def test_the_readmes_one_trace_runs_as_pasted_and_a_collector_sees_flags_0(tmp_p
         (request,) = receiver.spans("POST /reports")
     assert report.parent_span_id == request.span_id and report.trace_id == request.trace_id
     assert {(s.trace_id, s.parent_span_id) for s in scores} == {(report.trace_id, report.span_id)}
+
+
+def test_a_collector_sees_trace_flags_0_on_every_span(monkeypatch):
+    """docs/traces.md, "How the trace id is chosen": a Dask-rooted trace's spans say
+    sampled and random (03) in the SDK, yet their OTLP ``flags`` field carries only
+    the is-remote bits: its low byte, the W3C trace flags, is 0 at a collector"""
+    from tests.support.otlp_receiver import OTLPReceiver
+
+    with OTLPReceiver("grpc") as receiver:
+        receiver.apply_env(monkeypatch)
+        monkeypatch.setenv("OTEL_BSP_SCHEDULE_DELAY", "100")
+        with otel_cluster({"otel.traces.exporter": "otlp"}, n_workers=1) as (client, _):
+            with span("flagged") as sid:
+                client.submit(inc, 1).result()
+            receiver.wait_for(lambda r: [s for s in r.spans("flagged")
+                                         if s.attributes["dask.span.id"] == sid])
     flags = [span.flags for kind, message in receiver.raw_requests if kind == "traces"
              for resource in message.resource_spans for scope in resource.scope_spans
              for span in scope.spans]
     assert flags and all(f & 0xFF == 0 for f in flags), sorted(set(flags))
+    assert all(f & 0x100 for f in flags)  # the is-remote bits are what it sends
