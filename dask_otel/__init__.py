@@ -66,7 +66,8 @@ def instrument(client: Client) -> None:
 def status(client: Client) -> dict[str, Any]:
     """The bridge's state on the scheduler and on every worker (None where it is
     not installed), and ``warning``: why the scheduler has no bridge although its
-    config names the preload. What each key means: README.md, "status"."""
+    config names the preload. What each key means: README.md, "``instrument`` and
+    ``status``"."""
     from dask_otel.worker.plugin import PLUGIN_NAME
 
     def _status(dask_server: Any) -> dict[str, Any] | None:

@@ -1,7 +1,7 @@
 """The ``otel:`` dask config namespace: each key's validation, which processes
 read it (:func:`read_in`), and the exporters by name. Defaults in ``otel.yaml``,
 meanings in ``otel-schema.yaml``; together they are the README's configuration
-table. Where telemetry goes (``OTEL_*``) the OpenTelemetry SDK reads itself.
+table (README.md, "Configuration"). Where telemetry goes (``OTEL_*``) the SDK reads.
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ The bridge is switched on exactly as a user would, with the preload key. Spans g
 to an in-memory exporter on the scheduler (LocalCluster runs it in this process),
 so no collector is needed; with ``--endpoint`` they also go over OTLP, and with
 ``--metrics`` the cluster's metrics too (the demo shows traces: a traces-only
-backend such as Phoenix or Jaeger is sent only what it takes).
+backend such as Phoenix or Jaeger is sent only what it takes). README.md, "Set up".
 """
 
 from __future__ import annotations

@@ -3,6 +3,7 @@ a server's status (:func:`server_status`). Shipped pickled *by value*, so that a
 worker without ``dask_otel`` still unpickles it (one that fails to unpickle stops
 the worker from starting): it starts the :class:`~dask_otel.worker.bridge.WorkerBridge`
 or logs one clear error. No ``dask_otel`` import at module level (``tests/test_layout.py``).
+The status: README.md, "``instrument`` and ``status``".
 """
 
 from __future__ import annotations
@@ -53,7 +54,9 @@ class OtelWorkerPlugin(WorkerPlugin):
         bridge = self.bridge
         if bridge is None:
             return worker_status(self.error)
-        return worker_status(bridge.error, bridge.server_telemetry, bridge.task_context, bridge.spill)
+        return worker_status(
+            bridge.error, bridge.server_telemetry, bridge.task_context, bridge.spill
+        )
 
 
 def server_status(
