@@ -70,14 +70,9 @@ def families_wanted(own: ServerTelemetry) -> bool:
 
 def family_spec(family: Metric, prefix: str, beside_gauge: bool) -> MetricSpec | None:
     """The instrument of a Dask family, named so that OpenTelemetry's Prometheus
-    translation gives Dask's name back; None for a type an observable instrument
-    cannot carry (Dask serves none today).
-
-    ``prefix`` is the collector's (``dask_scheduler_``): its ``_`` become dots.
-    ``beside_gauge``: a counter whose name a gauge of the same collection also
-    has (Prometheus tells them apart by the counter's ``_total``; an OTel name is
-    unique per meter whatever the kind): the counter's last ``_`` becomes a dot.
-    """
+    translation gives Dask's name back (the rule: docs/metrics.md); None for a
+    type an observable instrument cannot carry. ``prefix`` is the collector's;
+    ``beside_gauge``: a gauge of the same collection has the counter's name"""
     kind = KINDS.get(family.type)
     if kind is None:
         return None
