@@ -41,6 +41,7 @@ from tests.support.backends import (
     http_get_json,
     promtool_check_config,
     promtool_check_rules,
+    require_backend,
     wait_until,
 )
 from tests.support.deploy_checks import (
@@ -261,8 +262,9 @@ def test_prometheus_with_the_stacks_flags_keeps_an_exemplar_and_serves_its_trace
     """Step 2 of the exemplar path (docs/deploy.md): a Prometheus run with the
     compose stack's feature flags scrapes a histogram served in OpenMetrics with an
     exemplar on a bucket, as the collector's prometheus exporter serves
-    dask.workflow.duration (the collector cannot run here: prometheus_client
-    serves the same exposition format), and /api/v1/query_exemplars returns it,
+    dask.workflow.duration (prometheus_client serves the same exposition format;
+    tests/test_collector.py runs the real Collector), and /api/v1/query_exemplars
+    returns it,
     under the label Grafana's data source links to Tempo, with the trace id of a
     span of the OpenTelemetry SDK"""
     import prometheus_client
@@ -283,7 +285,8 @@ def test_prometheus_with_the_stacks_flags_keeps_an_exemplar_and_serves_its_trace
     port = free_port()
     server, thread = prometheus_client.start_http_server(port, addr="127.0.0.1", registry=registry)
     try:
-        with PrometheusServer([f"127.0.0.1:{port}"], extra_args=flags) as prometheus:
+        with PrometheusServer([f"127.0.0.1:{port}"], extra_args=flags,
+                              binary=require_backend("prometheus")) as prometheus:
             def exemplars():
                 return http_get_json(f"{prometheus.url}/api/v1/query_exemplars", {
                     "query": "dask_workflow_duration_seconds_bucket",
@@ -365,7 +368,7 @@ def test_compose_services_reach_each_other_at_ports_they_listen_on():
     services = compose()["services"]
     collector = yaml.safe_load((DEPLOY / "compose" / "otel-collector.yaml").read_text())
     for name, exporter in collector["exporters"].items():
-        if name.startswith("otlp/"):
+        if name.startswith("otlp_grpc/"):
             host, port = exporter["endpoint"].split(":")
             assert host in services and port == "4317", name
     tempo = yaml.safe_load((DEPLOY / "compose" / "tempo.yaml").read_text())
@@ -687,7 +690,7 @@ def test_kubernetes_collector_config_differs_from_compose_only_in_endpoints():
     def without_endpoints(path: Path) -> dict:
         config = yaml.safe_load(path.read_text())
         for name, exporter in config["exporters"].items():
-            if name.startswith("otlp/"):
+            if name.startswith("otlp_grpc/"):
                 exporter.pop("endpoint")
         return config
 

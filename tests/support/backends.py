@@ -17,7 +17,7 @@ Built from their Go modules by ``.ci/install-backends`` into ``$DASK_OTEL_BACKEN
         spans = jaeger.wait_for_trace(trace_id, count=5)  # normalised dicts, hex ids
         jaeger.operations("dask")                         # the UI's operation list
 
-    with CollectorServer(path, {"otlp/jaeger": jaeger.otlp_grpc_endpoint, ...}) as col:
+    with CollectorServer(path, {"otlp_grpc/jaeger": jaeger.otlp_grpc_endpoint, ...}) as col:
         ...   # col.otlp_grpc_endpoint, col.prometheus_exporter ("127.0.0.1:port")
     collector_validate(path)                             # otelcol validate --config
 
@@ -774,13 +774,12 @@ def collector_validate(path: str | os.PathLike) -> str:
 
 def collector_config(path: str | os.PathLike, exporters: Mapping[str, str]) -> dict[str, Any]:
     """A Collector config of deploy/ as one that runs here: every listening endpoint
-    moved to a free 127.0.0.1 port, each ``otlp/*`` exporter sent to ``exporters[name]``
-    (``host:port``, ``http://`` or not), the Collector's own metrics off (they would
+    moved to a free 127.0.0.1 port, each exporter named in ``exporters`` sent to
+    ``exporters[name]`` (``host:port``, ``http://`` or not), the Collector's own metrics off (they would
     listen on :8888, shared by every test). Everything else as shipped."""
     config = yaml.safe_load(Path(path).read_text())
-    for name, exporter in config["exporters"].items():
-        if name.startswith("otlp/"):
-            exporter["endpoint"] = exporters[name].removeprefix("http://")
+    for name, endpoint in exporters.items():
+        config["exporters"][name]["endpoint"] = endpoint.removeprefix("http://")
     listening = [exporter for exporter in config["exporters"].values()
                  if exporter and str(exporter.get("endpoint", "")).startswith("0.0.0.0:")]
     listening += [protocol for receiver in config["receivers"].values()
@@ -796,7 +795,7 @@ def collector_config(path: str | os.PathLike, exporters: Mapping[str, str]) -> d
 class CollectorServer(_ServerProcess):
     """A real OpenTelemetry Collector (``otelcol-dask``, made by .ci/install-backends from
     .ci/otelcol-builder.yaml) running the config at ``path`` as :func:`collector_config`
-    makes it run here, ``exporters`` its ``otlp/*`` exporters' endpoints.
+    makes it run here, ``exporters`` its sending exporters' endpoints by name.
 
     ``otlp_grpc_endpoint`` / ``otlp_http_endpoint``: its OTLP receiver;
     ``prometheus_exporter``: ``host:port`` of its prometheus exporter, if it has one;
