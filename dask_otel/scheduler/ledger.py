@@ -69,14 +69,12 @@ class Ledger:
     #: ``otel`` annotation that says one); at most :data:`MAX_FORCED_ROOTS`
     forced_roots: dict[str, bool] = field(default_factory=dict)
 
-    def new_spans(self, ext: SpansSchedulerExtension) -> list[Span]:
-        """The Dask spans created since the last call, in creation order (a parent
-        before its sub-spans)"""
-        new = len(ext.spans) - self.spans_seen
-        if not new:
-            return []
-        self.spans_seen = len(ext.spans)
-        return list(islice(reversed(ext.spans.values()), new))[::-1]
+    def open_new_spans(self, ext: SpansSchedulerExtension) -> None:
+        """Open the Dask spans created since the last call, parents first"""
+        if new := len(ext.spans) - self.spans_seen:
+            self.spans_seen = len(ext.spans)
+            for span in list(islice(reversed(ext.spans.values()), new))[::-1]:
+                self.open_span(span)
 
     def follow_running(self, ext: SpansSchedulerExtension) -> None:
         """A cluster instrumented while running: open what is still in flight"""
