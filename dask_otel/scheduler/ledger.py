@@ -41,7 +41,7 @@ MAX_PENDING_EXITS = 1024
 MAX_FORCED_ROOTS = 4096
 
 
-@dataclass(slots=True)
+@dataclass  # one per mirror: vars() lists its tables (tests/test_client.py)
 class Ledger:
     """Open Dask spans, open TaskGroup batches, and the open spans with nothing
     open below them. It writes only its own counts into a record; what a hook
