@@ -111,10 +111,8 @@ class SpanMirror:
 
     def observe_new_spans(self) -> None:
         """Open the Dask spans created since the last look"""
-        ext = self.extension
-        if ext is not None and len(ext.spans) != self.ledger.spans_seen:
-            for span in self.ledger.new_spans(ext):
-                self.ledger.open_span(span)
+        if (ext := self.extension) is not None:
+            self.ledger.open_new_spans(ext)
 
     def observe_graph(self, keys: Iterable[Hashable], client: str | None = None) -> None:
         """Open the TaskGroups of a graph that just reached the scheduler

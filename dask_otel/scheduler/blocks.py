@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
+import dask_otel.attributes as attr
 from dask_otel.annotation import (
     entered_at,
     exit_sender,
@@ -18,7 +19,6 @@ from dask_otel.annotation import (
     root_carrier,
     workflow_named,
 )
-from dask_otel.scheduler import builder
 from dask_otel.span_context import dask_span_context, root_span
 
 if TYPE_CHECKING:
@@ -131,6 +131,6 @@ def empty_block_span(
     start = entered_at(otel, span_id) or exited
     if i and (parent_record := ledger.records.get(ids[i - 1])) is not None:
         parent_record.end_no_earlier(exited)  # the enclosing span covers it
-    return builder.empty_block_span(
-        sink, str(tags[i]), context, parent, span_id, tuple(tags[: i + 1]), start, exited
-    )
+    # Dask made no span of it: only its ids, tags, entry and exit are known
+    attributes = {attr.SPAN_ID: span_id, attr.SPAN_NAME: tuple(tags[: i + 1]), attr.TASKS_TOTAL: 0}
+    return sink.span(str(tags[i]), context, parent, start, exited, attributes)

@@ -83,22 +83,6 @@ def dask_span(
     )
 
 
-def empty_block_span(
-    sink: SpanSink,
-    name: str,
-    context: SpanContext,
-    parent: SpanContext | None,
-    dask_id: str,
-    tags: tuple[str, ...],
-    start: float,
-    end: float,
-) -> ReadableSpan:
-    """The OTel span of a ``dask_otel.span`` block that ran no task: only its ids,
-    tags and the client's entry and exit are known"""
-    attributes = {attr.SPAN_ID: dask_id, attr.SPAN_NAME: tags, attr.TASKS_TOTAL: 0}
-    return sink.span(name, context, parent, start, end, attributes)
-
-
 def taskgroup_span(
     sink: SpanSink,
     tg: TaskGroup,

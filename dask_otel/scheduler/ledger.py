@@ -41,7 +41,7 @@ MAX_PENDING_EXITS = 1024
 MAX_FORCED_ROOTS = 4096
 
 
-@dataclass(slots=True)
+@dataclass  # one per mirror: vars() lists its tables (tests/test_client.py)
 class Ledger:
     """Open Dask spans, open TaskGroup batches, and the open spans with nothing
     open below them. It writes only its own counts into a record; what a hook
@@ -69,14 +69,12 @@ class Ledger:
     #: ``otel`` annotation that says one); at most :data:`MAX_FORCED_ROOTS`
     forced_roots: dict[str, bool] = field(default_factory=dict)
 
-    def new_spans(self, ext: SpansSchedulerExtension) -> list[Span]:
-        """The Dask spans created since the last call, in creation order (a parent
-        before its sub-spans)"""
-        new = len(ext.spans) - self.spans_seen
-        if not new:
-            return []
-        self.spans_seen = len(ext.spans)
-        return list(islice(reversed(ext.spans.values()), new))[::-1]
+    def open_new_spans(self, ext: SpansSchedulerExtension) -> None:
+        """Open the Dask spans created since the last call, parents first"""
+        if new := len(ext.spans) - self.spans_seen:
+            self.spans_seen = len(ext.spans)
+            for span in list(islice(reversed(ext.spans.values()), new))[::-1]:
+                self.open_span(span)
 
     def follow_running(self, ext: SpansSchedulerExtension) -> None:
         """A cluster instrumented while running: open what is still in flight"""

@@ -6,10 +6,9 @@ docs/traces.md, "Links".
 
 from __future__ import annotations
 
-from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
-from opentelemetry.trace import Link, SpanContext
+from opentelemetry.trace import Link
 
 import dask_otel.attributes as attr
 from dask_otel.annotation import forced_sampling, otel_of, remote_parent, root_carrier
@@ -25,39 +24,26 @@ MAX_LINKS = 16
 
 
 def producer_links(
-    ts: TaskState,
-    root: Span,
-    ext: SpansSchedulerExtension,
-    links: dict[str, Link],
+    ts: TaskState, root: Span, ext: SpansSchedulerExtension, links: dict[str, Link],
     sampler: Sampler,
 ) -> None:
     """Add to ``links`` a link to each Dask span in another trace than ``root``'s
-    that produced an input of task ``ts``"""
+    that produced an input of task ``ts``, with the context the mirror exports
+    it with"""
     for dep in ts.dependencies:
         if len(links) >= MAX_LINKS:
             return
         span_id = dep.group.span_id
-        if span_id is None or span_id in links:
+        if span_id is None or span_id in links or (producer := ext.spans.get(span_id)) is None:
             continue
-        producer = ext.spans.get(span_id)
-        if producer is None:
+        if (producer_root := root_span(producer)) is root:
             continue
-        producer_root = root_span(producer)
-        if producer_root is root:
-            continue
-        links[span_id] = Link(
-            producer_context(producer, producer_root, dep.annotations, sampler),
-            {attr.SPAN_ID: producer.id, attr.SPAN_NAME: tuple(producer.name)},
+        otel, root_id = otel_of(dep.annotations), producer_root.id
+        context = dask_span_context(
+            root_id, producer.id, str(producer_root.name[0]),
+            remote_parent(root_carrier(otel, root_id)), sampler, is_remote=False,
+            forced=forced_sampling(otel, root_id),
         )
-
-
-def producer_context(
-    producer: Span, root: Span, annotations: Mapping[str, Any] | None, sampler: Sampler
-) -> SpanContext:
-    """The OTel span context of Dask span ``producer`` as the mirror exports it"""
-    otel = otel_of(annotations)
-    parent = remote_parent(root_carrier(otel, root.id))
-    return dask_span_context(
-        root.id, producer.id, str(root.name[0]), parent, sampler, is_remote=False,
-        forced=forced_sampling(otel, root.id),
-    )
+        links[span_id] = Link(
+            context, {attr.SPAN_ID: producer.id, attr.SPAN_NAME: tuple(producer.name)}
+        )
