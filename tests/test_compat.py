@@ -98,15 +98,13 @@ def _finished(signal: str) -> list:
         provider.add_span_processor(SimpleSpanProcessor(memory))
         provider.get_tracer("test").start_span("one").end()
         return list(memory.get_finished_spans())
-    from opentelemetry.sdk._logs import LoggerProvider
+    from opentelemetry.sdk._logs import LoggerProvider, LoggingHandler
     from opentelemetry.sdk._logs.export import InMemoryLogRecordExporter, SimpleLogRecordProcessor
 
     memory = InMemoryLogRecordExporter()
     provider = LoggerProvider(shutdown_on_exit=False)
     provider.add_log_record_processor(SimpleLogRecordProcessor(memory))
     logger = logging.getLogger("test_compat.finished")
-    from opentelemetry.sdk._logs import LoggingHandler
-
     handler = LoggingHandler(logger_provider=provider)
     logger.addHandler(handler)
     try:

@@ -296,10 +296,9 @@ def test_under_a_file_an_outage_is_probed_at_the_files_interval(tmp_path, monkey
             assert accounted.outage.interval == 1.0
             wait_until(lambda: receiver.rejected >= 2, what="two refused exports")
             receiver.mode = "ok"
-            skipped = accounted.outage.skipped
             receiver.wait_for(lambda r: r.metric_points("probed"), timeout=30)
-            # a probe per scheduled export: none dropped without a request
-            assert accounted.outage.skipped - skipped == 0
+            # a probe per scheduled export: none dropped without a request (at the
+            # OTEL_* interval, 47 of the next 48 would be)
             assert accounted.outage.skipped == 0
 
 

@@ -47,11 +47,10 @@ RESULTS = {
 
 
 class _HeldExporterLogs(logging.Filter):
-    """Holds back the records the SDK's exporters log while an accounted export runs
-    in the current thread (a WARNING and an ERROR per failed batch and retry), so
-    that :class:`ExportOutage` logs once per outage instead, with their reason.
-    Only shown, never decided on: a logger drops a record below its level before
-    its filters run, and the levels are the user's."""
+    """Holds back what the SDK's exporters log while an accounted export runs in
+    this thread (lines per failed batch and retry): :class:`ExportOutage` logs once
+    per outage, with their reason. Shown, never decided on (the levels are the
+    user's: a logger drops a record below its level before its filters run)."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -95,10 +94,9 @@ class _Export:
 
 @dataclass(slots=True)
 class ExportOutage:
-    """Counts what one exporter shipped and lost, and logs an outage once: a WARNING
-    with the exporter's reason and the setting that stops the signal when exports
-    start failing, one when they recover. Runs in the SDK's export thread; read
-    from others."""
+    """Counts what one exporter shipped and lost, and logs an outage once (a WARNING
+    with the reason and the setting that stops the signal; one at recovery). Runs
+    in the SDK's export thread; read from others."""
 
     #: ``spans``, ``metrics`` or ``logs``
     signal: str
@@ -222,15 +220,10 @@ def _reason(export: _Export) -> str:
 
 class AccountedExporter:
     """An SDK exporter of any signal with :class:`ExportOutage` accounting and the
-    outage policy: what the SDK's batch processor or metric reader calls
-    (``export``, ``force_flush``, ``shutdown``) goes through it; anything else it
-    reads of an exporter (a metric exporter's preferred temporality and
-    aggregation) is the wrapped exporter's.
-
-    Under the policy, an export whose exporter comes to wait before a retry ends
-    there, failed; the exporter stays as it was built (endpoint, headers, TLS,
-    compression, timeout, its gRPC channel).
-    """
+    outage policy: ``export``, ``force_flush`` and ``shutdown`` go through it, the
+    rest (a metric exporter's temporality) is the exporter's. An export whose
+    exporter comes to wait before a retry ends there, failed; the exporter stays
+    as it was built (endpoint, headers, TLS, compression, timeout, channel)."""
 
     def __init__(self, signal: str, exporter: Any, interval: float,
                  retry_during_outage: bool = False):

@@ -10,8 +10,7 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,7 +26,7 @@ def _build_exporter(group: str, name: str, **kwargs: Any) -> Any:
     ep = installed_entry_points(group)[name]
     try:
         cls = ep.load()
-        with _header_warnings_named():
+        with _HEADER_WARNING:
             try:
                 exporter = cls(**kwargs)
             except TypeError:
@@ -42,7 +41,7 @@ def _build_exporter(group: str, name: str, **kwargs: Any) -> Any:
             if k.startswith("OTEL_") and v.strip() and v.strip() in str(e)
         ]
         value = os.environ[culprits[0]] if culprits else text
-        if culprits and _is_secret(culprits[0]):
+        if culprits and culprits[0] in _secret_variables():
             value = SECRET_NOT_SHOWN
         raise ConfigError(
             ", ".join(culprits) or f"the {name} exporter's OTEL_* settings",
@@ -56,12 +55,8 @@ def _build_exporter(group: str, name: str, **kwargs: Any) -> Any:
 SECRET_NOT_SHOWN = "(value not shown: it may hold credentials)"
 
 
-def _is_secret(variable: str) -> bool:
-    return "HEADERS" in variable
-
-
 def _secret_variables() -> list[str]:
-    return sorted(k for k in os.environ if k.startswith("OTEL_") and _is_secret(k))
+    return sorted(k for k in os.environ if k.startswith("OTEL_") and "HEADERS" in k)
 
 
 def _redacted(text: str) -> str:
@@ -75,11 +70,18 @@ def _redacted(text: str) -> str:
 
 
 class _HeaderWarningNamed(logging.Filter):
-    """Replaces the SDK's "Header format invalid! ...: <the header>" warning, which
-    quotes a credential, with one that names the variables instead (once per
-    exporter built, however many parts are malformed)"""
+    """While an exporter is built, replaces the SDK's "Header format invalid! ...:
+    <the header>" warning, which quotes a credential, with one that names the
+    variables instead (once per exporter, however many parts are malformed)"""
 
     warned = False
+
+    def __enter__(self) -> None:
+        self.warned = False
+        logging.getLogger("opentelemetry.util.re").addFilter(self)
+
+    def __exit__(self, *exc: object) -> None:
+        logging.getLogger("opentelemetry.util.re").removeFilter(self)
 
     def filter(self, record: logging.LogRecord) -> bool:
         if "Header format invalid" not in str(record.msg):
@@ -97,17 +99,6 @@ class _HeaderWarningNamed(logging.Filter):
 
 
 _HEADER_WARNING = _HeaderWarningNamed()
-
-
-@contextmanager
-def _header_warnings_named() -> Iterator[None]:
-    sdk_logger = logging.getLogger("opentelemetry.util.re")
-    _HEADER_WARNING.warned = False
-    sdk_logger.addFilter(_HEADER_WARNING)
-    try:
-        yield
-    finally:
-        sdk_logger.removeFilter(_HEADER_WARNING)
 
 
 #: Seconds between the SDK's scheduled exports of each signal under ``OTEL_*``
