@@ -273,7 +273,7 @@ def mirrored_spans(r: OTLPReceiver, ran: Ran, cell: Cell) -> None:
 
 def task_spans(r: OTLPReceiver, ran: Ran, cell: Cell) -> None:
     (load,) = r.wait_for(lambda r: r.spans("load"))
-    tasks = r.wait_for(lambda r: len(s := task_spans_of(r, "log_in_task")) == 2 and s)
+    tasks = r.wait_for(lambda r: len(s := task_spans_of(r, "run/log_in_task")) == 2 and s)
     for task in tasks:
         assert task.parent_span_id == load.span_id and task.trace_id == load.trace_id
         assert task.resource["process.pid"] != ran.scheduler_pid  # from the workers
@@ -287,11 +287,11 @@ def task_spans_of(r: OTLPReceiver, prefix: str) -> list:
 def per_workflow_controls(r: OTLPReceiver, ran: Ran, cell: Cell) -> None:
     """The block's ``tasks={"spans": True}`` exported its tasks (above) while the
     workers' otel.tasks.spans is false; its sibling's tasks are not exported"""
-    r.wait_for(lambda r: task_spans_of(r, "make_chunk"))
+    r.wait_for(lambda r: task_spans_of(r, "run/make_chunk"))
     # the sibling's TaskGroup span arrived (so its tasks were done long before)
-    (group,) = r.wait_for(lambda r: r.spans("double"))
+    (group,) = r.wait_for(lambda r: r.spans("taskgroup/double"))
     assert group.trace_id == hex_of(ran.plain)[0]
-    assert task_spans_of(r, "double") == []
+    assert task_spans_of(r, "run/double") == []
 
 
 def latest(r: OTLPReceiver, name: str, **attributes) -> float | None:

@@ -535,7 +535,7 @@ def test_the_disabled_workload_emits_every_signal_when_enabled(monkeypatch):
     """The control of test_disabled_does_nothing: the same workload with the bridge
     on emits each signal it checks, so an empty one there means 'not emitted'"""
     emitted = signals_emitted(monkeypatch, enabled=True)
-    assert {"workflow", "log_in_task", "current_ids"} <= set(emitted["spans"])
+    assert {"workflow", "taskgroup/log_in_task", "taskgroup/current_ids"} <= set(emitted["spans"])
     metrics = set(emitted["metrics"])
     assert "dask.spill.memory.count" in metrics  # a worker's
     assert "dask.otel.span.mirrored" in metrics  # the scheduler's
@@ -714,7 +714,7 @@ def test_all_erred_group_given_new_work_is_exported_once_per_batch(cluster):
         wait(worse)
     b = mirrored.by_dask_id(b_id)
     groups = [*mirrored.children(a), *wait_until(lambda: len(c := mirrored.children(b)) == 2 and c)]
-    groups = [g for g in groups if g.name == "fail"]
+    groups = [g for g in groups if g.name == "taskgroup/fail"]
     assert [g.attributes["dask.tasks.total"] for g in groups] == [2, 1]
     assert [g.attributes["dask.tasks.erred"] for g in groups] == [2, 1]
     assert all(g.status.status_code is StatusCode.ERROR for g in groups)
@@ -743,7 +743,7 @@ def test_a_workflow_run_again_while_its_groups_live_puts_each_batch_in_its_own_r
         wait_until(lambda: len(mirrored.children(runs[1])) == 2)
         for run, name in zip(runs, ("first", "second")):
             names = sorted(g.name for g in mirrored.children(run))
-            assert names == ["collide-load", f"report-{name}"]
+            assert names == ["taskgroup/collide-load", f"taskgroup/report-{name}"]
         assert_span_tree(mirrored.spans(), ends="inside")
 
 
@@ -764,7 +764,7 @@ def test_a_dataframe_workflow_run_twice_keeps_every_span_inside_its_parent():
                 held.append(client.compute(shuffled.sum() if run == 0 else shuffled.max()))
                 held[-1].result()
             runs.append(mirrored.by_dask_id(run_id))
-        wait_until(lambda: any(s.name == "max-tree" for s in mirrored.children(runs[1])))
+        wait_until(lambda: any(s.name == "taskgroup/max-tree" for s in mirrored.children(runs[1])))
         time.sleep(1)  # every later batch exported
         spans = mirrored.spans()
         nodes = assert_span_tree(spans, ends="inside")
@@ -779,7 +779,7 @@ def test_a_span_waits_the_export_delay_after_its_block_exit_whatever_its_groups(
     with otel_cluster({"otel.spans.export-delay": "2s"}) as (client, mirrored):
         with dask_otel.span("late-exit") as sid:
             client.submit(inc, 1, key="late-exit-0").result()
-            wait_until(lambda: any(s.name == "late-exit" and s.parent for s in mirrored.spans()))
+            wait_until(lambda: any(s.name == "taskgroup/late-exit" and s.parent for s in mirrored.spans()))
             exited = time.time()
         time.sleep(1.2)
         _, span_id = dask_span_ids(sid)
