@@ -285,8 +285,8 @@ class SpanMirror:
 
     def _export_empty_blocks(self, heard_before: float) -> None:
         ext = self.extension
-        for span_id, block in blocks.due_empty_blocks(self.ledger, ext.spans if ext is not None else {},
-                                                      heard_before):
+        spans = ext.spans if ext is not None else {}
+        for span_id, block in blocks.due_empty_blocks(self.ledger, spans, heard_before):
             if self.sink is not None:
                 self._export(blocks.empty_block_span, self.ledger, self.sink, span_id, block)
 

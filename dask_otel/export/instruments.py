@@ -155,7 +155,8 @@ class ProcessInstruments:
         a callback: the SDK registers an instrument under the lock its
         collection holds."""
         meter = self._meter
-        create = meter.create_observable_gauge if spec.kind == GAUGE else meter.create_observable_counter
+        create = (meter.create_observable_gauge if spec.kind == GAUGE
+                  else meter.create_observable_counter)
         create(spec.name, callbacks=[self._callback(spec)], unit=spec.unit,
                description=spec.description)
         with self._lock:

@@ -117,7 +117,8 @@ class SpanSink:
         usually are: ``BoundedAttributes`` costs ~2 us per attribute)"""
         limit = self.limits.max_span_attributes if count is None else count
         max_len = self.limits.max_span_attribute_length
-        if (limit is None or len(attributes) <= limit) and within_limits(attributes.values(), max_len):
+        within = limit is None or len(attributes) <= limit
+        if within and within_limits(attributes.values(), max_len):
             return attributes
         return bounded_attributes(attributes, limit, max_len)
 
@@ -170,7 +171,8 @@ def span_limits() -> SpanLimits:
     set_by_env = any(v in os.environ for v in (
         "OTEL_SPAN_ATTRIBUTE_VALUE_LENGTH_LIMIT", "OTEL_ATTRIBUTE_VALUE_LENGTH_LIMIT"))
     try:
-        return SpanLimits(max_span_attribute_length=None if set_by_env else DEFAULT_ATTRIBUTE_LENGTH)
+        return SpanLimits(
+            max_span_attribute_length=None if set_by_env else DEFAULT_ATTRIBUTE_LENGTH)
     except ValueError as e:  # "OTEL_..._LIMIT must be a non-negative integer but got -5"
         variable = next((v for v in os.environ if v.startswith("OTEL_") and v in str(e)), None)
         if variable is None:

@@ -13,7 +13,8 @@ from typing import TYPE_CHECKING, Any
 
 from distributed.metrics import time
 
-from dask_otel.scheduler.totals import SpanMetrics, Totals, group_done, groups_stop, observed, task_counts
+from dask_otel.scheduler.totals import (SpanMetrics, Totals, group_done, groups_stop, observed,
+                                        task_counts)
 
 if TYPE_CHECKING:
     from distributed.scheduler import TaskGroup
@@ -98,7 +99,8 @@ class SpanRecord:
         """When the span finished if ``Span.done`` and its block (if announced)
         was left, else None: the later of its block's exit and its tasks' end as
         the mirror bounded them, never before ``Span.enqueued``"""
-        if self.open_children or self.client_left or (self.block_client is not None and not self.exited):
+        waiting_exit = self.block_client is not None and not self.exited
+        if self.open_children or self.client_left or waiting_exit:
             return None
         stop = groups_stop(self.span.groups)
         if stop is None:

@@ -128,7 +128,8 @@ _PENDING = tuple(sorted(ALL_TASK_STATES - {"memory", "erred", "released", "forgo
 _STATE_NAMES = {state: attr.TASKS_PREFIX + state for state in ALL_TASK_STATES}
 
 
-def task_counts(states: Mapping[str, int], total: int, nbytes: int, duration: float) -> dict[str, Any]:
+def task_counts(states: Mapping[str, int], total: int, nbytes: int, duration: float
+                ) -> dict[str, Any]:
     """The attributes every mirrored span has of its tasks: the count of each
     state (those above 0), the total, output bytes and duration"""
     names = _STATE_NAMES
@@ -141,7 +142,8 @@ def task_counts(states: Mapping[str, int], total: int, nbytes: int, duration: fl
     return out
 
 
-def span_figures(span: Span, totals: Totals, end: float, subtree: bool, code: bool) -> dict[str, Any]:
+def span_figures(span: Span, totals: Totals, end: float, subtree: bool, code: bool
+                 ) -> dict[str, Any]:
     """The numbers a Dask span's OTel span carries: ``totals``' task counts and
     fine metrics, active CPU seconds until ``end``, with ``subtree`` totals the
     thread time no task accounts for, and with ``code`` the source of its code"""
