@@ -16,12 +16,8 @@ from typing import TYPE_CHECKING, Any, ClassVar
 from weakref import WeakKeyDictionary
 
 from opentelemetry.metrics import CallbackOptions, Observation
-from opentelemetry.sdk.metrics import (
-    ObservableCounter,
-    ObservableGauge,
-    ObservableUpDownCounter,
-    SimpleFixedSizeExemplarReservoir,
-)
+from opentelemetry.sdk.metrics import (ObservableCounter, ObservableGauge, ObservableUpDownCounter,
+                                       SimpleFixedSizeExemplarReservoir)
 from opentelemetry.sdk.metrics.view import View
 
 from dask_otel._compat import series_limit_view_options
