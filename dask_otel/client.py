@@ -20,14 +20,8 @@ from opentelemetry import context as otel_context
 from opentelemetry import trace
 from opentelemetry.trace import NonRecordingSpan
 
-from dask_otel.annotation import (
-    ANNOTATION,
-    BLOCK_EXIT,
-    block_exit,
-    forced_sampling,
-    remote_parent,
-    write_annotation,
-)
+from dask_otel.annotation import (ANNOTATION, BLOCK_EXIT, block_exit, forced_sampling,
+                                  remote_parent, write_annotation)
 from dask_otel.config import parse_task_rules
 from dask_otel.span_context import dask_span_context
 
@@ -35,12 +29,8 @@ __all__ = ["span"]
 
 
 @contextmanager
-def span(
-    *tags: str,
-    sampled: bool | None = None,
-    tasks: Mapping[str, Any] | None = None,
-    workflow: bool = False,
-) -> Iterator[str]:
+def span(*tags: str, sampled: bool | None = None, tasks: Mapping[str, Any] | None = None,
+         workflow: bool = False) -> Iterator[str]:
     """Open Dask spans, as ``distributed.span(*tags)``, that continue the caller's
     OTel trace; yields the UUID of the innermost one.
 
@@ -58,20 +48,13 @@ def span(
     with distributed.span(*tags) as span_id:
         span_annotation = dask.get_annotations()["span"]
         ids, name = span_annotation["ids"], span_annotation["name"]
-        otel = write_annotation(
-            outer, ids[-len(tags):], entered_at, caller,
-            sampled=sampled, tasks=rules, workflow=workflow,
-        )
+        otel = write_annotation(outer, ids[-len(tags):], entered_at, caller,
+                                sampled=sampled, tasks=rules, workflow=workflow)
         # The Dask span as the scheduler exports it; is_remote: it lives there
         sampler = getattr(trace.get_tracer_provider(), "sampler", None)  # the SDK's, if any
-        context = dask_span_context(
-            ids[0], ids[-1], name[0],
-            remote_parent(otel.get("carrier")), sampler, is_remote=True,
-            forced=forced_sampling(otel, ids[0]),
-        )
-        token = otel_context.attach(
-            trace.set_span_in_context(NonRecordingSpan(context), caller)
-        )
+        context = dask_span_context(ids[0], ids[-1], name[0], remote_parent(otel.get("carrier")),
+                                    sampler, is_remote=True, forced=forced_sampling(otel, ids[0]))
+        token = otel_context.attach(trace.set_span_in_context(NonRecordingSpan(context), caller))
         try:
             with dask.annotate(**{ANNOTATION: otel}):
                 yield span_id
@@ -80,9 +63,8 @@ def span(
             _announce_exit(block_exit(span_annotation, len(tags), otel, time.time()))
 
 
-def _check_controls(
-    outer: Mapping[str, Any], sampled: Any, tasks: Any, workflow: Any
-) -> dict[str, Any] | None:
+def _check_controls(outer: Mapping[str, Any], sampled: Any, tasks: Any, workflow: Any
+                    ) -> dict[str, Any] | None:
     """The block's controls checked at the call: ``tasks`` validated by the
     ``otel.tasks.*`` keys' parsers (the readers use the same), or None"""
     nested = "span" in outer
@@ -91,17 +73,13 @@ def _check_controls(
     if not isinstance(workflow, bool):
         raise TypeError(f"workflow: expected True or False, got {workflow!r}")
     if nested and workflow:
-        raise ValueError(
-            "workflow=True: only a root block (in no other Dask span) names a "
-            "workflow; its outcome is its root span's"
-        )
+        raise ValueError("workflow=True: only a root block (in no other Dask span) names a "
+                         "workflow; its outcome is its root span's")
     if nested and sampled is not None:
         inherited = (outer.get(ANNOTATION) or {}).get("sampled")
         if sampled is not inherited:
-            raise ValueError(
-                f"sampled={sampled!r}: a nested block is in its root's trace, which "
-                f"the root block decides (it said {inherited!r})"
-            )
+            raise ValueError(f"sampled={sampled!r}: a nested block is in its root's trace, which "
+                             f"the root block decides (it said {inherited!r})")
     return None if tasks is None else parse_task_rules(tasks, "tasks")
 
 

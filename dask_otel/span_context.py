@@ -83,17 +83,14 @@ def root_flags(root_id: str) -> int:
 
 
 @lru_cache(maxsize=4096)
-def _root_decision(sampler: Sampler, trace_id: int, root_tag: str) -> tuple[bool, TraceState | None]:
+def _root_decision(sampler: Sampler, trace_id: int, root_tag: str
+                   ) -> tuple[bool, TraceState | None]:
     result = sampler.should_sample(None, sampling_id(trace_id), root_tag)
     return result.decision.is_sampled(), result.trace_state or None
 
 
-def trace_decision(
-    sampler: Sampler | None,
-    trace_id: int,
-    root_tag: str,
-    remote_parent: SpanContext | None = None,
-) -> tuple[bool, TraceState | None]:
+def trace_decision(sampler: Sampler | None, trace_id: int, root_tag: str,
+                   remote_parent: SpanContext | None = None) -> tuple[bool, TraceState | None]:
     """The sampler's decision for a whole Dask trace, and the trace state it
     returned (None: none, or an empty one). ``root_tag``: the root Dask span's
     first tag, which every task knows from its ``span`` annotation. A root trace
@@ -109,26 +106,15 @@ def trace_decision(
     return result.decision.is_sampled(), result.trace_state or None
 
 
-def trace_sampled(
-    sampler: Sampler | None,
-    trace_id: int,
-    root_tag: str,
-    remote_parent: SpanContext | None = None,
-) -> bool:
+def trace_sampled(sampler: Sampler | None, trace_id: int, root_tag: str,
+                  remote_parent: SpanContext | None = None) -> bool:
     """The sampler's decision for a whole Dask trace (:func:`trace_decision`)"""
     return trace_decision(sampler, trace_id, root_tag, remote_parent)[0]
 
 
-def dask_span_context(
-    root_id: str,
-    span_id: str,
-    root_tag: str,
-    remote_parent: SpanContext | None,
-    sampler: Sampler | None,
-    *,
-    is_remote: bool,
-    forced: bool | None = None,
-) -> SpanContext:
+def dask_span_context(root_id: str, span_id: str, root_tag: str, remote_parent: SpanContext | None,
+                      sampler: Sampler | None, *, is_remote: bool, forced: bool | None = None
+                      ) -> SpanContext:
     """The OTel SpanContext of Dask span ``span_id`` in the tree of root ``root_id``
     (first tag ``root_tag``), continuing ``remote_parent`` if the root does.
     ``is_remote``: False only in the process that makes the span (the scheduler).
@@ -145,13 +131,8 @@ def dask_span_context(
         state = state or remote_parent.trace_state
     else:
         flags = root_flags(root_id)
-    return SpanContext(
-        trace_id,
-        otel_span_id(span_id),
-        is_remote=is_remote,
-        trace_flags=TraceFlags(flags | TraceFlags.SAMPLED if sampled else flags),
-        trace_state=state,
-    )
+    return SpanContext(trace_id, otel_span_id(span_id), is_remote=is_remote, trace_state=state,
+                       trace_flags=TraceFlags(flags | TraceFlags.SAMPLED if sampled else flags))
 
 
 def child_context(parent: SpanContext, span_id: int) -> SpanContext:

@@ -35,15 +35,8 @@ from dask_otel.scheduler import blocks, builder
 from dask_otel.scheduler.ledger import Ledger
 from dask_otel.scheduler.links import producer_links
 from dask_otel.scheduler.record import GroupBatch, SpanHead, SpanRecord
-from dask_otel.scheduler.totals import (
-    SpanMetrics,
-    Totals,
-    error_type,
-    failure_time,
-    group_done,
-    observed,
-    span_figures,
-)
+from dask_otel.scheduler.totals import (SpanMetrics, Totals, error_type, failure_time, group_done,
+                                        observed, span_figures)
 from dask_otel.span_context import child_context, dask_span_context, root_span
 
 if TYPE_CHECKING:
@@ -75,10 +68,8 @@ class SpanMirror:
     root as a workflow run (metrics on). The plugin calls the ``observe_*``
     methods from Dask's hooks, :meth:`poll` periodically, :meth:`flush` on close."""
 
-    def __init__(
-        self, scheduler: Scheduler, sink: SpanSink | None, config: OtelConfig,
-        outcomes: Outcomes | None = None,
-    ):
+    def __init__(self, scheduler: Scheduler, sink: SpanSink | None, config: OtelConfig,
+                 outcomes: Outcomes | None = None):
         #: The scheduler whose ``extensions["spans"]`` is mirrored
         self.scheduler = scheduler
         #: Where the built spans go (None: traces are off; nothing is built)
@@ -255,9 +246,7 @@ class SpanMirror:
         ledger = self.ledger
         now = time()
         deadline = perf_counter() + POLL_BUDGET
-        heard = min(
-            (ws.last_seen for ws in self.scheduler.workers.values()), default=now
-        )
+        heard = min((ws.last_seen for ws in self.scheduler.workers.values()), default=now)
         delay, timeout = self.config.export_delay, self.config.metrics_timeout
         try:
             due = [item for item in ledger.groups.items() if item[1].wake <= now]
@@ -296,9 +285,8 @@ class SpanMirror:
 
     def _export_empty_blocks(self, heard_before: float) -> None:
         ext = self.extension
-        for span_id, block in blocks.due_empty_blocks(
-            self.ledger, ext.spans if ext is not None else {}, heard_before
-        ):
+        spans = ext.spans if ext is not None else {}
+        for span_id, block in blocks.due_empty_blocks(self.ledger, spans, heard_before):
             if self.sink is not None:
                 self._export(blocks.empty_block_span, self.ledger, self.sink, span_id, block)
 
@@ -334,9 +322,8 @@ class SpanMirror:
 
     # --- what to export ------------------------------------------------------------
 
-    def span_of(
-        self, record: SpanRecord, stop: float, unfinished: bool = False
-    ) -> ReadableSpan | bool | None:
+    def span_of(self, record: SpanRecord, stop: float, unfinished: bool = False
+                ) -> ReadableSpan | bool | None:
         """Take an open Dask span's record, end its parent no earlier, record a
         root's run, and build its OTel span; False if the sampler drops its trace,
         None if traces are off. Keeps nothing."""
@@ -419,15 +406,13 @@ class SpanMirror:
 
     def _span_metrics(self, span: Span) -> SpanMetrics:
         """:class:`SpanMetrics` of a Dask span, read once per poll"""
-        metrics = self._metrics.get(span.id)
-        if metrics is None:
+        if (metrics := self._metrics.get(span.id)) is None:
             metrics = self._metrics[span.id] = SpanMetrics.of(span)
         return metrics
 
     def _head(self, span: Span) -> SpanHead:
         """The :class:`SpanHead` of a Dask span, once per poll"""
-        head = self._heads.get(span.id)
-        if head is None:
+        if (head := self._heads.get(span.id)) is None:
             head = self._heads[span.id] = SpanHead(
                 self._context(span), self.ledger.span_start(span), tuple(span.name)
             )

@@ -13,15 +13,8 @@ from typing import TYPE_CHECKING, Any
 import dask.config
 
 from dask_otel.attributes import ACTIVITY, THRESHOLD, WORKER_ADDRESS, WORKER_NAME
-from dask_otel.export.instruments import (
-    COUNTER,
-    GAUGE,
-    Attached,
-    MetricSpec,
-    ProcessInstruments,
-    Reading,
-    copy_mapping,
-)
+from dask_otel.export.instruments import (COUNTER, GAUGE, Attached, MetricSpec, ProcessInstruments,
+                                          Reading, copy_mapping)
 
 if TYPE_CHECKING:
     from distributed import Worker
@@ -34,9 +27,8 @@ if TYPE_CHECKING:
 SPILLBUFFER_TOTALS = (
     *((activity, unit) for activity in ("memory-read", "disk-read", "disk-write")
       for unit in ("count", "bytes")),
-    *((activity, "seconds") for activity in (
-        "disk-read", "disk-write", "serialize", "deserialize", "compress", "decompress"
-    )),
+    *((activity, "seconds") for activity in ("disk-read", "disk-write", "serialize", "deserialize",
+                                            "compress", "decompress")),
 )
 
 
@@ -49,9 +41,8 @@ class ObservedWorker(Attached):
     terminate_fraction: float | None
 
     def __init__(self, worker: Worker, attributes: Mapping[str, Any] | None = None):
-        super().__init__({
-            WORKER_ADDRESS: worker.address, WORKER_NAME: str(worker.name), **(attributes or {})
-        })
+        super().__init__({WORKER_ADDRESS: worker.address, WORKER_NAME: str(worker.name),
+                          **(attributes or {})})
         self.worker = worker
         fraction = dask.config.get("distributed.worker.memory.terminate", False)
         self.terminate_fraction = fraction if getattr(worker, "nanny", None) else None
@@ -130,11 +121,9 @@ def _level(field: str):
 
 def _total(dask_unit: str):
     def read(observed: ObservedWorker) -> Reading:
-        return [
-            (value, {ACTIVITY: activity})
-            for (activity, unit), value in spill_totals(observed.worker).items()
-            if unit == dask_unit
-        ]
+        return [(value, {ACTIVITY: activity})
+                for (activity, unit), value in spill_totals(observed.worker).items()
+                if unit == dask_unit]
 
     return read
 

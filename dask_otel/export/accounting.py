@@ -30,19 +30,17 @@ STALLED_AFTER = 1.0
 #: scheduled exports drift by a few milliseconds, and a probe missed by that much
 #: would delay recovery by a whole interval
 PROBE_AFTER = 0.8
-#: The setting that stops exporting a signal, named in the outage WARNING: a
-#: collector that does not serve a signal (Jaeger and Phoenix take traces only)
-#: fails every export of it, as an outage that never ends
-SILENCED_BY = {
-    "spans": ("OTEL_TRACES_EXPORTER", "otel.traces.exporter"),
-    "metrics": ("OTEL_METRICS_EXPORTER", "otel.metrics.exporter"),
-    "logs": ("OTEL_LOGS_EXPORTER", "otel.logs.exporter"),
-}
-#: Each signal's export result (module, class): ``SUCCESS``, ``FAILURE``
-RESULTS = {
-    "spans": ("opentelemetry.sdk.trace.export", "SpanExportResult"),
-    "metrics": ("opentelemetry.sdk.metrics.export", "MetricExportResult"),
-    "logs": ("opentelemetry.sdk._logs.export", "LogRecordExportResult"),
+#: Each signal's export result (module, class: ``SUCCESS``, ``FAILURE``), and the
+#: settings that stop exporting it, named in the outage WARNING: a collector that
+#: does not serve a signal (Jaeger and Phoenix take traces only) fails every export
+#: of it, as an outage that never ends
+SIGNALS = {
+    "spans": ("opentelemetry.sdk.trace.export", "SpanExportResult",
+              "OTEL_TRACES_EXPORTER", "otel.traces.exporter"),
+    "metrics": ("opentelemetry.sdk.metrics.export", "MetricExportResult",
+                "OTEL_METRICS_EXPORTER", "otel.metrics.exporter"),
+    "logs": ("opentelemetry.sdk._logs.export", "LogRecordExportResult",
+             "OTEL_LOGS_EXPORTER", "otel.logs.exporter"),
 }
 
 
@@ -52,9 +50,8 @@ class _HeldExporterLogs(logging.Filter):
     per outage, with their reason. Shown, never decided on (the levels are the
     user's: a logger drops a record below its level before its filters run)."""
 
-    def __init__(self) -> None:
-        super().__init__()
-        self.local = threading.local()
+    #: this thread's held records, while an accounted export runs in it (one filter)
+    local = threading.local()
 
     def filter(self, record: logging.LogRecord) -> bool:
         held = getattr(self.local, "held", None)
@@ -94,9 +91,8 @@ class _Export:
 
 @dataclass(slots=True)
 class ExportOutage:
-    """Counts what one exporter shipped and lost, and logs an outage once (a WARNING
-    with the reason and the setting that stops the signal; one at recovery). Runs
-    in the SDK's export thread; read from others."""
+    """Counts what one exporter shipped and lost, and logs an outage once (one at
+    recovery). Runs in the SDK's export thread; read from others."""
 
     #: ``spans``, ``metrics`` or ``logs``
     signal: str
@@ -196,7 +192,7 @@ class ExportOutage:
         reason = error or _reason(export)
         logger.debug("dask_otel: %s export failed: %s", self.signal, reason)
         if not self.failing:
-            variable, key = SILENCED_BY[self.signal]
+            *_, variable, key = SIGNALS[self.signal]
             logger.warning(
                 "dask_otel: cannot export %s (%s); dropping them until the collector "
                 "answers again (counted in the self-metrics, logged once per outage). "
@@ -221,16 +217,14 @@ def _reason(export: _Export) -> str:
 class AccountedExporter:
     """An SDK exporter of any signal with :class:`ExportOutage` accounting and the
     outage policy: ``export``, ``force_flush`` and ``shutdown`` go through it, the
-    rest (a metric exporter's temporality) is the exporter's. An export whose
-    exporter comes to wait before a retry ends there, failed; the exporter stays
-    as it was built (endpoint, headers, TLS, compression, timeout, channel)."""
+    rest (a metric exporter's temporality) is the exporter's, as it was built."""
 
     def __init__(self, signal: str, exporter: Any, interval: float,
                  retry_during_outage: bool = False):
         #: the SDK exporter, built once
         self.exporter = exporter
         self.outage = ExportOutage(signal, interval, retry_during_outage)
-        module, name = RESULTS[signal]
+        module, name, *_ = SIGNALS[signal]
         #: the signal's export result: ``SUCCESS``, ``FAILURE``
         self.result = getattr(importlib.import_module(module), name)
         #: items in a batch: a metric export is one

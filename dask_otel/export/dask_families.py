@@ -18,13 +18,7 @@ from typing import TYPE_CHECKING, Any
 
 from opentelemetry.metrics import CallbackOptions, Observation
 
-from dask_otel.export.instruments import (
-    COUNTER,
-    GAUGE,
-    Attached,
-    MetricSpec,
-    ProcessInstruments,
-)
+from dask_otel.export.instruments import COUNTER, GAUGE, Attached, MetricSpec, ProcessInstruments
 
 if TYPE_CHECKING:
     from collections import defaultdict
@@ -136,10 +130,7 @@ class FamilyInstruments(ProcessInstruments):
     """The instruments of Dask's families on one MeterProvider: those the
     collections of this process's servers have yielded so far. The first
     instrument read runs a round (every attached server's collectors once) and
-    the others return their share of it; one read twice starts the next round,
-    whatever order the SDK reads them in. A family first yielded later gets its
-    instrument on its server's event loop (the reader's thread holds the SDK's
-    lock), observed from the next collection on."""
+    the others return their share of it; one read twice starts the next round."""
 
     table = ()
 
@@ -187,10 +178,8 @@ class FamilyInstruments(ProcessInstruments):
 
     def spec_of(self, family: Metric, prefix: str, beside_gauge: bool) -> MetricSpec | None:
         key = (family.name, family.type, family.unit, beside_gauge)
-        try:
+        if key in self.specs:
             return self.specs[key]
-        except KeyError:
-            pass
         spec = self.specs[key] = family_spec(family, prefix, beside_gauge)
         if spec is not None:
             with self._lock:
@@ -220,13 +209,8 @@ class DaskFamilies(Attached):
     #: :meth:`close`: the last round still collects)
     family_instruments: FamilyInstruments
 
-    def __init__(
-        self,
-        server: Server,
-        collector_types: Iterable[type],
-        attributes: dict[str, Any],
-        own: ServerTelemetry,
-    ):
+    def __init__(self, server: Server, collector_types: Iterable[type], attributes: dict[str, Any],
+                 own: ServerTelemetry):
         super().__init__(attributes)
         self.server = server
         view = ServerView(server)

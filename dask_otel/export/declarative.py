@@ -13,14 +13,9 @@ import logging
 import os
 from typing import Any
 
-from dask_otel._compat import (
-    declared_exemplar_filter,
-    declared_log_exporter,
-    declared_metric_exporter,
-    declared_span_exporter,
-    declared_span_limits,
-    declared_view,
-)
+from dask_otel._compat import (declared_exemplar_filter, declared_log_exporter,
+                               declared_metric_exporter, declared_span_exporter,
+                               declared_span_limits, declared_view)
 from dask_otel.config import ConfigError
 from dask_otel.export.exporters import Account, prometheus_reader
 
@@ -85,10 +80,8 @@ class ConfigFile:
     # -- the providers -------------------------------------------------------------
 
     def tracer_provider(self, resource: Any, default_length: int):
-        """The file's TracerProvider (sampler, limits, id generator, tracer
-        configurator) without its processors, which :meth:`span_processors`
-        builds; with ``default_length`` as the attribute value length limit where
-        the file sets none. Returns the provider and its SpanLimits."""
+        """The file's TracerProvider without its processors (:meth:`span_processors`),
+        ``default_length`` where the file sets no length limit; and its SpanLimits"""
         from opentelemetry.configuration.file import create_tracer_provider
         from opentelemetry.configuration.models import SpanLimits
 
@@ -108,10 +101,8 @@ class ConfigFile:
         """The file's span processors, each exporter passed through ``account``"""
         from opentelemetry.sdk.trace.export import BatchSpanProcessor, SimpleSpanProcessor
 
-        return self._processors(
-            "spans", "tracer_provider", declared_span_exporter, account,
-            BatchSpanProcessor, SimpleSpanProcessor,
-        )
+        return self._processors("spans", "tracer_provider", declared_span_exporter, account,
+                                BatchSpanProcessor, SimpleSpanProcessor)
 
     def metric_readers(self, account: Account) -> list:
         """The file's metric readers, each push exporter passed through
@@ -138,9 +129,7 @@ class ConfigFile:
         """The MeterProvider's arguments from the file besides readers and the
         resource: its views (the bridge's come first) and exemplar filter"""
         config = self.model.meter_provider
-        options: dict[str, Any] = {
-            "views": [declared_view(v) for v in config.views or ()],
-        }
+        options: dict[str, Any] = {"views": [declared_view(v) for v in config.views or ()]}
         if config.exemplar_filter is not None:
             options["exemplar_filter"] = declared_exemplar_filter(config.exemplar_filter)
         return options
@@ -157,22 +146,15 @@ class ConfigFile:
 
     def log_processors(self, account: Account) -> list:
         """The file's log record processors, each exporter passed through ``account``"""
-        from opentelemetry.sdk._logs.export import (
-            BatchLogRecordProcessor,
-            SimpleLogRecordProcessor,
-        )
+        from opentelemetry.sdk._logs.export import BatchLogRecordProcessor, SimpleLogRecordProcessor
 
-        return self._processors(
-            "logs", "logger_provider", declared_log_exporter, account,
-            BatchLogRecordProcessor, SimpleLogRecordProcessor,
-        )
+        return self._processors("logs", "logger_provider", declared_log_exporter, account,
+                                BatchLogRecordProcessor, SimpleLogRecordProcessor)
 
     def _processors(self, signal: str, section: str, build: Any, account: Account,
                     batch: type, simple: type) -> list:
-        """The processors of a provider ``section`` of the file (``batch`` or
-        ``simple``), each exporter built from the file and passed through
-        ``account``; a batch's settings are the file's, else the spec's defaults
-        (the ``OTEL_*`` variables are not read)"""
+        """The processors of a provider ``section`` of the file, each exporter passed
+        through ``account``; a batch's settings the file's, else the spec's defaults"""
         out = []
         for i, config in enumerate(getattr(self.model, section).processors):
             where = f"{section}.processors[{i}]"
@@ -230,15 +212,11 @@ def _ignored(model: Any) -> tuple[str, ...]:
     if meter is not None:
         for i, reader in enumerate(meter.readers or ()):
             if reader.pull is not None:
-                out.append(
-                    f"meter_provider.readers[{i}].pull: served on Dask's /metrics, "
-                    "not on a port of its own"
-                )
+                out.append(f"meter_provider.readers[{i}].pull: served on Dask's /metrics, "
+                           "not on a port of its own")
             elif reader.periodic.cardinality_limits is not None:
-                out.append(
-                    f"meter_provider.readers[{i}].periodic.cardinality_limits: the "
-                    "bridge sets its instruments' limits"
-                )
+                out.append(f"meter_provider.readers[{i}].periodic.cardinality_limits: the "
+                           "bridge sets its instruments' limits")
         if meter.meter_configurator_development is not None:
             out.append("meter_provider.meter_configurator/development")
     return tuple(out)
@@ -250,14 +228,8 @@ _read: dict[tuple[int, str], ConfigFile] = {}
 
 def config_file() -> ConfigFile | None:
     """``OTEL_CONFIG_FILE`` read and validated (once per process and file), None
-    when it is not set.
-
-    Raises
-    ------
-    ConfigError
-        naming the variable when opentelemetry-configuration is not installed or
-        the file cannot be read or is not valid
-    """
+    when it is not set; a ConfigError naming the variable when the package is not
+    installed or the file cannot be read or is not valid"""
     path = os.environ.get(VARIABLE, "").strip()
     if not path:
         return None

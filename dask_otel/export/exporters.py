@@ -20,9 +20,8 @@ logger = logging.getLogger("dask_otel")
 
 
 def _build_exporter(group: str, name: str, **kwargs: Any) -> Any:
-    """An exporter from its entry point; it reads its own OTEL_* variables. An
-    error names the variable holding the bad value (the SDK's do not always), but
-    never shows a header variable's value (credentials)."""
+    """An exporter from its entry point; an error names the variable holding the
+    bad value (the SDK's do not always), but never a header variable's value"""
     ep = installed_entry_points(group)[name]
     try:
         cls = ep.load()
@@ -101,30 +100,23 @@ class _HeaderWarningNamed(logging.Filter):
 _HEADER_WARNING = _HeaderWarningNamed()
 
 
-#: Seconds between the SDK's scheduled exports of each signal under ``OTEL_*``
-#: (the SDK's variable, its default in milliseconds)
-EXPORT_INTERVAL = {
-    "spans": ("OTEL_BSP_SCHEDULE_DELAY", 5000),
-    "metrics": ("OTEL_METRIC_EXPORT_INTERVAL", 60000),
-    "logs": ("OTEL_BLRP_SCHEDULE_DELAY", 1000),
-}
-#: Each signal's exporters: entry point group, ``OTEL_EXPORTER_OTLP_<signal>_*``
-GROUPS = {
-    "spans": ("opentelemetry_traces_exporter", "TRACES"),
-    "metrics": ("opentelemetry_metrics_exporter", "METRICS"),
-    "logs": ("opentelemetry_logs_exporter", "LOGS"),
+#: Each signal's exporters: entry point group, ``OTEL_EXPORTER_OTLP_<signal>_*``,
+#: and the SDK's variable of the time between its scheduled exports, with its
+#: default in milliseconds
+SIGNALS = {
+    "spans": ("opentelemetry_traces_exporter", "TRACES", "OTEL_BSP_SCHEDULE_DELAY", 5000),
+    "metrics": ("opentelemetry_metrics_exporter", "METRICS", "OTEL_METRIC_EXPORT_INTERVAL", 60000),
+    "logs": ("opentelemetry_logs_exporter", "LOGS", "OTEL_BLRP_SCHEDULE_DELAY", 1000),
 }
 
-#: ``account(signal, exporter, interval)``: the one place every exporter a recipe
-#: builds passes (:meth:`dask_otel.export.telemetry.Telemetry.account`); a batched
-#: one (``interval``: seconds between its scheduled exports) comes back wrapped in
-#: export accounting, an in-memory one (None) as it is
+#: ``account(signal, exporter, interval)``: :meth:`Telemetry.account`, the one place
+#: every exporter a recipe builds passes
 Account = Callable[[str, Any, "float | None"], Any]
 
 
 def export_interval(signal: str) -> float:
     """Seconds between the SDK's scheduled exports of ``signal``, as it reads them"""
-    variable, default = EXPORT_INTERVAL[signal]
+    *_, variable, default = SIGNALS[signal]
     try:
         milliseconds = float(os.environ.get(variable, "").strip() or default)
     except ValueError:  # the SDK warns about it and uses its default
@@ -141,7 +133,7 @@ def _exporter(signal: str, name: str, **kwargs: Any) -> Any:
 
         return {"spans": ConsoleSpanExporter, "metrics": ConsoleMetricExporter,
                 "logs": ConsoleLogRecordExporter}[signal]()
-    group, otlp = GROUPS[signal]
+    group, otlp, *_ = SIGNALS[signal]
     return _build_exporter(group, otlp_entry_point(otlp) if name == "otlp" else name, **kwargs)
 
 
@@ -163,9 +155,8 @@ _detected: tuple[tuple, Any] | None = None
 
 
 def detected_resource() -> Any:
-    """``Resource.create({})`` (the SDK's detectors, a few ms and a thread pool per
-    call), once per process and ``OTEL_*`` variables: what they detect does not
-    change while those do not"""
+    """``Resource.create({})`` (a few ms and a thread pool per call), once per
+    process and ``OTEL_*`` variables: what it detects does not change while those do not"""
     from opentelemetry.sdk.resources import Resource
 
     global _detected
@@ -177,9 +168,8 @@ def detected_resource() -> Any:
 
 @dataclass(slots=True)
 class EnvRecipe:
-    """The providers' parts from the ``otel.*.exporter`` keys and the ``OTEL_*``
-    variables; it answers what :class:`~dask_otel.export.declarative.ConfigFile`
-    answers from a file. ``memory`` exporters (tests, the demo) are not batched."""
+    """The providers' parts from ``otel.*.exporter`` and ``OTEL_*``, answering what
+    ``ConfigFile`` answers from a file; ``memory`` exporters are not batched."""
 
     config: OtelConfig | None = None
 

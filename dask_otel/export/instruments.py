@@ -16,12 +16,8 @@ from typing import TYPE_CHECKING, Any, ClassVar
 from weakref import WeakKeyDictionary
 
 from opentelemetry.metrics import CallbackOptions, Observation
-from opentelemetry.sdk.metrics import (
-    ObservableCounter,
-    ObservableGauge,
-    ObservableUpDownCounter,
-    SimpleFixedSizeExemplarReservoir,
-)
+from opentelemetry.sdk.metrics import (ObservableCounter, ObservableGauge, ObservableUpDownCounter,
+                                       SimpleFixedSizeExemplarReservoir)
 from opentelemetry.sdk.metrics.view import View
 
 from dask_otel._compat import series_limit_view_options
@@ -44,9 +40,7 @@ Reading = Iterable[tuple[Any, ...]]
 
 @dataclass(frozen=True)
 class MetricSpec:
-    """One row of a metric table: everything needed to create the instrument and
-    to observe it. Tables of MetricSpecs are the only place a metric name is spelled.
-    """
+    """One row of a metric table: the only place a metric name is spelled"""
 
     #: OpenTelemetry instrument name: dotted lowercase, no unit in it
     name: str
@@ -123,9 +117,7 @@ EXEMPLAR_VIEWS = [
 
 # provider -> {ProcessInstruments subclass: its instance}. Weak, so that a
 # MeterProvider that was shut down and dropped takes its instruments with it.
-_by_provider: WeakKeyDictionary[MeterProvider, dict[type, ProcessInstruments]] = (
-    WeakKeyDictionary()
-)
+_by_provider: WeakKeyDictionary[MeterProvider, dict[type, ProcessInstruments]] = WeakKeyDictionary()
 _by_provider_lock = threading.Lock()
 
 
@@ -158,17 +150,11 @@ class ProcessInstruments:
         """One more row, observed from the next collection on. Never from inside
         a callback: the SDK registers an instrument under the lock its
         collection holds."""
-        create = (
-            self._meter.create_observable_gauge
-            if spec.kind == GAUGE
-            else self._meter.create_observable_counter
-        )
-        create(
-            spec.name,
-            callbacks=[self._callback(spec)],
-            unit=spec.unit,
-            description=spec.description,
-        )
+        meter = self._meter
+        create = (meter.create_observable_gauge if spec.kind == GAUGE
+                  else meter.create_observable_counter)
+        create(spec.name, callbacks=[self._callback(spec)], unit=spec.unit,
+               description=spec.description)
         with self._lock:
             self.names.append(spec.name)
 
@@ -208,9 +194,7 @@ class ProcessInstruments:
         with self._lock:
             return list(self._attached)
 
-    def _callback(
-        self, spec: MetricSpec
-    ) -> Callable[[CallbackOptions], list[Observation]]:
+    def _callback(self, spec: MetricSpec) -> Callable[[CallbackOptions], list[Observation]]:
         def callback(options: CallbackOptions) -> list[Observation]:
             reporting = []
             for server in self.attached:
@@ -246,13 +230,8 @@ class ProcessInstruments:
         except Exception:
             level = logging.DEBUG if spec.name in self._failed else logging.WARNING
             self._failed.add(spec.name)
-            logger.log(
-                level,
-                "dask_otel: could not read %s for %s; skipped",
-                spec.name,
-                server.attributes,
-                exc_info=True,
-            )
+            logger.log(level, "dask_otel: could not read %s for %s; skipped",
+                       spec.name, server.attributes, exc_info=True)
             return []
 
 

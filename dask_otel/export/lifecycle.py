@@ -18,7 +18,6 @@ from dask_otel.export.telemetry import ServerTelemetry, Telemetry
 
 logger = logging.getLogger("dask_otel")
 
-
 #: Share of otel.flush-timeout one process may wait. A LocalCluster closes its
 #: workers (in parallel) before its scheduler: each waiting half keeps the whole
 #: cluster's shutdown within otel.flush-timeout.
@@ -44,10 +43,8 @@ async def _flush_and_shut_down(telemetry: Telemetry) -> None:
     deadline = time.monotonic() + budget
     try:
         if telemetry.outage:
-            logger.warning(
-                "dask_otel: exports are failing; closing without waiting for them "
-                "(what was still queued is dropped and counted)"
-            )
+            logger.warning("dask_otel: exports are failing; closing without waiting for them "
+                           "(what was still queued is dropped and counted)")
         else:
             # One thread flushes, then shuts the SDK down (its threads joined
             # before the server reports itself closed): one thread start and one
@@ -64,25 +61,18 @@ async def _flush_and_shut_down(telemetry: Telemetry) -> None:
             # collector, or one that has not answered for STALLED_AFTER) cannot
             # complete: stop waiting for it
             flush_deadline = deadline - (1 - FLUSH_SHARE) * budget
-            if (
-                await _wait(done, flush_deadline, give_up=lambda: telemetry.outage)
-                or flushed.is_set()
-            ):
+            if (await _wait(done, flush_deadline, give_up=lambda: telemetry.outage)
+                    or flushed.is_set()):
                 # Flushed: the shutdown is quick
                 await _wait(done, deadline)
                 return
             if telemetry.outage:
-                logger.warning(
-                    "dask_otel: exports started failing during the close; not waiting "
-                    "for them (what was still queued is dropped and counted)"
-                )
+                logger.warning("dask_otel: exports started failing during the close; not waiting "
+                               "for them (what was still queued is dropped and counted)")
             else:
-                logger.warning(
-                    "dask_otel: telemetry not flushed within %.3gs (half of "
-                    "otel.flush-timeout=%ss); what was still queued is dropped",
-                    FLUSH_SHARE * budget,
-                    timeout,
-                )
+                logger.warning("dask_otel: telemetry not flushed within %.3gs (half of "
+                               "otel.flush-timeout=%ss); what was still queued is dropped",
+                               FLUSH_SHARE * budget, timeout)
     except asyncio.CancelledError:
         # `dask worker` cancels its tasks on a second Ctrl-C; re-raising here would
         # abandon Dask's own close half-way (the worker then hangs).
@@ -100,10 +90,8 @@ def release_telemetry_in_background(telemetry: Telemetry) -> None:
     timed out (30 s on distributed 2024.1)."""
     if not Telemetry.detach(telemetry):
         return
-    thread = threading.Thread(
-        target=asyncio.run, args=(_flush_and_shut_down(telemetry),),
-        name="dask_otel-release", daemon=True,
-    )
+    thread = threading.Thread(target=asyncio.run, args=(_flush_and_shut_down(telemetry),),
+                              name="dask_otel-release", daemon=True)
     # _flush_and_shut_down returns within its share of otel.flush-timeout; the
     # second is for the thread's start and event loop
     deadline = time.monotonic() + PROCESS_SHARE * telemetry.config.flush_timeout + 1.0

@@ -20,14 +20,8 @@ from dask_otel.log import dask_logging_config, otel_handler_classes
 #: The loggers distributed's usual set-up names whatever dask config's ``logging``
 #: adds (``_initialize_logging_old_style``): each gets Dask's handler and stops
 #: propagation
-DISTRIBUTED_LOGGERS = (
-    "distributed",
-    "distributed.client",
-    "distributed.gc",
-    "bokeh",
-    "tornado",
-    "tornado.application",
-)
+DISTRIBUTED_LOGGERS = ("distributed", "distributed.client", "distributed.gc", "bokeh", "tornado",
+                       "tornado.application")
 
 
 def dask_logger_names(config: dict | None = None) -> list[str]:
@@ -51,11 +45,8 @@ def _file_config_logger_names(path: str) -> list[str]:
     parser = configparser.ConfigParser(interpolation=None)
     parser.read(path)
     keys = [k.strip() for k in parser.get("loggers", "keys", fallback="").split(",")]
-    return [
-        parser.get(f"logger_{key}", "qualname", fallback=key)
-        for key in keys
-        if key and key != "root"
-    ]
+    return [parser.get(f"logger_{key}", "qualname", fallback=key)
+            for key in keys if key and key != "root"]
 
 
 def _new_handler(handler_class: type, level: int, provider: Any) -> logging.Handler:
@@ -85,9 +76,8 @@ class _WhereRecordsStop(logging.Filter):
             return False
         if self.logger.propagate and self.logger.parent is not None:
             return False
-        return not any(
-            isinstance(h, self.otel_classes) and h not in self.ours for h in self.logger.handlers
-        )
+        return not any(isinstance(h, self.otel_classes) and h not in self.ours
+                       for h in self.logger.handlers)
 
 
 class LogExport:
@@ -105,12 +95,9 @@ class LogExport:
         # before anything is built: nothing to shut down when it raises
         otel_classes = otel_handler_classes()
         if not otel_classes:
-            raise ConfigError(
-                "otel.logs.exporter",
-                list(config.logs_exporters),
-                "none, or opentelemetry-instrumentation-logging installed "
-                "(pip install 'dask-otel[logs]'): this SDK has no LoggingHandler",
-            )
+            raise ConfigError("otel.logs.exporter", list(config.logs_exporters),
+                              "none, or opentelemetry-instrumentation-logging installed "
+                              "(pip install 'dask-otel[logs]'): this SDK has no LoggingHandler")
         self.provider = recipe.logger_provider(resource)
         for processor in recipe.log_processors(account):
             self.provider.add_log_record_processor(processor)

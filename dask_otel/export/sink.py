@@ -37,8 +37,6 @@ WHOLE_VALUES = frozenset({SPAN_ID})
 
 
 _UNSET = Status(StatusCode.UNSET)
-
-
 #: The attributes of an event or link that has none. Events and links always get
 #: a ``BoundedAttributes``, as the SDK's own spans give them, so that their
 #: ``dropped_attributes`` counts what the limits dropped.
@@ -111,18 +109,16 @@ class SpanSink:
         :func:`dask_otel.span_context.trace_sampled`, one decision per trace"""
         return self.provider.sampler
 
-    def bounded(
-        self, attributes: dict[str, Any], count: int | None = None
-    ) -> dict[str, Any] | BoundedAttributes:
+    def bounded(self, attributes: dict[str, Any], count: int | None = None
+                ) -> dict[str, Any] | BoundedAttributes:
         """``attributes`` (a new dict the caller hands over) within the SDK's limits
         (at most ``count``, default the span attribute count limit), as its own
         spans apply them; as they are when already within them (the mirror's
         usually are: ``BoundedAttributes`` costs ~2 us per attribute)"""
         limit = self.limits.max_span_attributes if count is None else count
         max_len = self.limits.max_span_attribute_length
-        if (limit is None or len(attributes) <= limit) and within_limits(
-            attributes.values(), max_len
-        ):
+        within = limit is None or len(attributes) <= limit
+        if within and within_limits(attributes.values(), max_len):
             return attributes
         return bounded_attributes(attributes, limit, max_len)
 
@@ -132,33 +128,17 @@ class SpanSink:
         (see :data:`NO_ATTRIBUTES`). Events and links are few: no fast path."""
         return bounded_attributes(attributes, count, self.limits.max_span_attribute_length)
 
-    def span(
-        self,
-        name: str,
-        context: SpanContext,
-        parent: SpanContext | None,
-        start: float,
-        end: float,
-        attributes: dict[str, Any],
-        status: Status | None = None,
-        events: tuple[Event, ...] = (),
-        links: tuple[Link, ...] = (),
-    ) -> ReadableSpan:
+    def span(self, name: str, context: SpanContext, parent: SpanContext | None, start: float,
+             end: float, attributes: dict[str, Any], status: Status | None = None,
+             events: tuple[Event, ...] = (), links: tuple[Link, ...] = ()) -> ReadableSpan:
         """A finished span (times in seconds since the epoch, ``end`` no earlier
         than ``start``), with what the SDK's Tracer would give it: resource,
         instrumentation scope, attributes within the limits, a bounded name"""
         return ReadableSpan(
-            self.name(name),
-            context=context,
-            parent=parent,
-            resource=self.resource,
-            attributes=self.bounded(attributes),
-            links=links,
-            events=events,
-            status=status or _UNSET,
-            start_time=int(start * 1e9),
-            end_time=int(max(end, start) * 1e9),
-            instrumentation_scope=self.scope,
+            self.name(name), context=context, parent=parent, resource=self.resource,
+            attributes=self.bounded(attributes), links=links, events=events,
+            status=status or _UNSET, start_time=int(start * 1e9),
+            end_time=int(max(end, start) * 1e9), instrumentation_scope=self.scope,
         )
 
     def emit(self, span: ReadableSpan) -> None:
@@ -167,9 +147,8 @@ class SpanSink:
             processor.on_end(span)
 
 
-def bounded_attributes(
-    attributes: dict[str, Any], count: int | None, max_len: int | None
-) -> BoundedAttributes:
+def bounded_attributes(attributes: dict[str, Any], count: int | None, max_len: int | None
+                       ) -> BoundedAttributes:
     """``BoundedAttributes`` as the SDK builds them for its own spans (at most
     ``count``, the oldest dropped first; values cleaned, strings cut to
     ``max_len``), except that :data:`WHOLE_VALUES` keep their whole value and
@@ -189,17 +168,11 @@ def span_limits() -> SpanLimits:
     malformed variable is a ConfigError that names it"""
     from opentelemetry.sdk.trace import SpanLimits
 
-    set_by_env = any(
-        v in os.environ
-        for v in (
-            "OTEL_SPAN_ATTRIBUTE_VALUE_LENGTH_LIMIT",
-            "OTEL_ATTRIBUTE_VALUE_LENGTH_LIMIT",
-        )
-    )
+    set_by_env = any(v in os.environ for v in (
+        "OTEL_SPAN_ATTRIBUTE_VALUE_LENGTH_LIMIT", "OTEL_ATTRIBUTE_VALUE_LENGTH_LIMIT"))
     try:
         return SpanLimits(
-            max_span_attribute_length=None if set_by_env else DEFAULT_ATTRIBUTE_LENGTH
-        )
+            max_span_attribute_length=None if set_by_env else DEFAULT_ATTRIBUTE_LENGTH)
     except ValueError as e:  # "OTEL_..._LIMIT must be a non-negative integer but got -5"
         variable = next((v for v in os.environ if v.startswith("OTEL_") and v in str(e)), None)
         if variable is None:

@@ -58,16 +58,8 @@ def recipe(config: OtelConfig | None = None) -> ConfigFile | EnvRecipe:
 
 
 def service_name() -> tuple[str, str]:
-    """The bridge's ``service.name``, and where it comes from. The first of:
-
-    1. the recipe's: the file's resource, or ``OTEL_SERVICE_NAME``, else
-       ``service.name`` in ``OTEL_RESOURCE_ATTRIBUTES``;
-    2. the service.name of the SDK TracerProvider given to
-       ``DaskInstrumentor.instrument(tracer_provider=)``, else of the global one
-       when it is an SDK one (``opentelemetry-instrument``'s): spans made in tasks
-       go there, so a trace shows one service;
-    3. ``dask``.
-    """
+    """The bridge's ``service.name``, and where it comes from: the first rule of
+    docs/zero-code.md, "One ``service.name``" that applies"""
     from opentelemetry import trace
     from opentelemetry.sdk.trace import TracerProvider
 
@@ -87,8 +79,7 @@ def service_name() -> tuple[str, str]:
 
 
 def service_name_status(telemetry: Telemetry | None) -> dict[str, Any] | None:
-    """What ``status()`` shows of the rule: the name the process's spans carry and
-    where it came from"""
+    """``status()``'s ``service_name``: the name the process's spans carry, and why"""
     if telemetry is None:
         return None
     return {
@@ -98,16 +89,14 @@ def service_name_status(telemetry: Telemetry | None) -> dict[str, Any] | None:
 
 
 def config_file_status(telemetry: Telemetry | None) -> dict[str, Any] | None:
-    """What ``status()`` shows of ``OTEL_CONFIG_FILE``: its path and what of it the
-    bridge does not do (docs/configuration-file.md); None without one"""
+    """``status()``'s ``OTEL_CONFIG_FILE`` (docs/configuration-file.md); None without one"""
     if telemetry is None or telemetry.config_file is None:
         return None
     return telemetry.config_file.status()
 
 
 def build_resource(**attributes: Any):
-    """Resource of this process: the recipe's (the file's, or the SDK's detectors'
-    and ``OTEL_*``'s over ``service.name`` as :func:`service_name` says), with the
+    """Resource of this process: the recipe's, over :func:`service_name`, with the
     caller's attributes, host and process"""
     from opentelemetry.sdk.resources import Resource
 
@@ -134,10 +123,8 @@ def _process_instance_id() -> str:
 
 
 class Telemetry:
-    """The SDK providers of this process, shared by every Dask server in it, built
-    by one recipe: the file's (:class:`~dask_otel.export.declarative.ConfigFile`)
-    or the ``OTEL_*`` one (:class:`~dask_otel.export.exporters.EnvRecipe`); each
-    provider exists only when its signal is exported."""
+    """The SDK providers of this process, shared by its Dask servers, built by one
+    recipe (:func:`recipe`); each exists only when its signal is exported."""
 
     _lock = threading.Lock()
     _current: Telemetry | None = None
@@ -231,8 +218,7 @@ class Telemetry:
 
     @classmethod
     def acquire(cls, config: OtelConfig, **resource_attributes: Any) -> ServerTelemetry:
-        """Attach one server, with its own config and resource attributes, to the
-        process's Telemetry, created on first use"""
+        """Attach one server to the process's Telemetry, created on first use"""
         resource = build_resource(**resource_attributes)
         address = resource_attributes.get(SCHEDULER_ADDRESS)
         with cls._lock:
@@ -244,8 +230,7 @@ class Telemetry:
 
     @classmethod
     def detach(cls, telemetry: Telemetry) -> bool:
-        """Detach one user; True if it was the last, which must then
-        :meth:`force_flush` and :meth:`shutdown`"""
+        """Detach one user; True if it was the last (which flushes and shuts down)"""
         with cls._lock:
             if cls._current is not telemetry:
                 return False
@@ -283,9 +268,8 @@ class Telemetry:
 
     @property
     def outage(self) -> bool:
-        """True while some exporter waits on a collector that is not answering (see
-        :attr:`~dask_otel.export.accounting.ExportOutage.stalled`): flushing would
-        only wait"""
+        """True while some exporter waits on a collector that is not answering
+        (``ExportOutage.stalled``): flushing would only wait"""
         return any(e.outage.stalled for e in self.accounted)
 
     def force_flush(self) -> None:
@@ -327,9 +311,8 @@ class Telemetry:
 
 @dataclass
 class ServerTelemetry:
-    """One Dask server's share of its process's :class:`Telemetry`: its own
-    ``otel.*`` values (but :data:`PROCESS_WIDE`) and resource on its spans; a server
-    of another scheduler than the first puts its scheduler's address on its metrics"""
+    """One Dask server's share of its process's :class:`Telemetry`
+    (docs/traces.md, "Two clusters in one process")"""
 
     telemetry: Telemetry
     #: This server's ``otel.*`` values

@@ -10,20 +10,14 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 import dask_otel.attributes as attr
-from dask_otel.annotation import (
-    entered_at,
-    exit_sender,
-    forced_sampling,
-    read_block_exit,
-    remote_parent,
-    root_carrier,
-    workflow_named,
-)
+from dask_otel.annotation import (entered_at, exit_sender, forced_sampling, read_block_exit,
+                                  remote_parent, root_carrier, workflow_named)
 from dask_otel.span_context import dask_span_context, root_span
 
 if TYPE_CHECKING:
     from distributed.spans import Span
     from opentelemetry.sdk.trace import ReadableSpan
+    from opentelemetry.trace import SpanContext
 
     from dask_otel.annotation import BlockExit
     from dask_otel.export.sink import SpanSink
@@ -86,9 +80,8 @@ def observe_client_gone(ledger: Ledger, client: str) -> None:
             record.client_left = 0.0
 
 
-def due_empty_blocks(
-    ledger: Ledger, spans: Mapping[str, Span], heard_before: float
-) -> list[tuple[str, BlockExit]]:
+def due_empty_blocks(ledger: Ledger, spans: Mapping[str, Span], heard_before: float
+                     ) -> list[tuple[str, BlockExit]]:
     """Take the blocks whose exit was heard before ``heard_before`` and whose Dask
     span never came: they ran no task"""
     pending = ledger.pending_exits
@@ -102,9 +95,8 @@ def due_empty_blocks(
     return due
 
 
-def empty_block_span(
-    ledger: Ledger, sink: SpanSink, span_id: str, block: BlockExit
-) -> ReadableSpan | bool:
+def empty_block_span(ledger: Ledger, sink: SpanSink, span_id: str, block: BlockExit
+                     ) -> ReadableSpan | bool:
     """The OTel span of a block that ran no task, from its entry to its exit, a
     child of its enclosing span or the caller's; False if sampled out"""
     ids, tags, _, otel, exited = block
@@ -116,18 +108,15 @@ def empty_block_span(
     forced = ledger.forced(root)
     if forced is None:
         forced = forced_sampling(otel, root)
-    context = dask_span_context(
-        root, span_id, str(tags[0]), caller, sink.sampler, is_remote=False, forced=forced
-    )
+
+    def context_of(dask_id: str) -> SpanContext:
+        return dask_span_context(root, dask_id, str(tags[0]), caller, sink.sampler,
+                                 is_remote=False, forced=forced)
+
+    context = context_of(span_id)
     if not context.trace_flags.sampled:
         return False
-    parent = (
-        dask_span_context(
-            root, ids[i - 1], str(tags[0]), caller, sink.sampler, is_remote=False,
-            forced=forced,
-        )
-        if i else caller
-    )
+    parent = context_of(ids[i - 1]) if i else caller
     start = entered_at(otel, span_id) or exited
     if i and (parent_record := ledger.records.get(ids[i - 1])) is not None:
         parent_record.end_no_earlier(exited)  # the enclosing span covers it

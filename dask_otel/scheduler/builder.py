@@ -27,9 +27,9 @@ if TYPE_CHECKING:
 #: UI lists TaskGroups apart from Dask spans and tasks (docs/traces.md "Span names")
 TASKGROUP_SPAN_NAME = "taskgroup/{}"
 
-def erred_status(
-    attributes: dict[str, Any], erred: int, error_type: str | None = None
-) -> Status | None:
+
+def erred_status(attributes: dict[str, Any], erred: int, error_type: str | None = None
+                 ) -> Status | None:
     """Record the erred count (the transitions the mirror saw, or the state
     count) and ``error.type`` in ``attributes`` and return the ERROR status, if
     any task erred"""
@@ -39,24 +39,14 @@ def erred_status(
     attributes[attr.TASKS_ERRED] = erred
     attributes[attr.ERROR_TYPE] = error_type or attr.OTHER_ERROR
     if error_type == "KilledWorker":  # say why: no exception of the task's own
-        return Status(
-            StatusCode.ERROR,
-            f"{erred} tasks erred: KilledWorker, the workers running them died "
-            f"(see the {attr.WORKER_LOST} span events)",
-        )
+        return Status(StatusCode.ERROR, f"{erred} tasks erred: KilledWorker, the workers "
+                      f"running them died (see the {attr.WORKER_LOST} span events)")
     return Status(StatusCode.ERROR, f"{erred} tasks erred")
 
 
-def dask_span(
-    sink: SpanSink,
-    record: SpanRecord,
-    head: SpanHead,
-    parent: SpanContext | None,
-    end: float,
-    figures: dict[str, Any],
-    first_task: float,
-    unfinished: bool = False,
-) -> ReadableSpan:
+def dask_span(sink: SpanSink, record: SpanRecord, head: SpanHead, parent: SpanContext | None,
+              end: float, figures: dict[str, Any], first_task: float, unfinished: bool = False
+              ) -> ReadableSpan:
     """The OTel span of an open Dask span's ``record`` (sampled), from
     ``head.start`` to ``end``, with its ``figures`` and a ``dask.first_task_start``
     event at ``first_task`` (0: no task started)"""
@@ -66,11 +56,8 @@ def dask_span(
         attributes[attr.SPAN_UNFINISHED] = True
     status = erred_status(attributes, record.erred, record.error_type)
     first_task = first_task and min(max(first_task, start), end)
-    events = (
-        (Event(attr.FIRST_TASK_START, NO_ATTRIBUTES, int(first_task * 1e9)),)
-        if first_task
-        else ()
-    )
+    events = ((Event(attr.FIRST_TASK_START, NO_ATTRIBUTES, int(first_task * 1e9)),)
+              if first_task else ())
     if record.events:  # dask.worker.lost (dask_otel.scheduler.events), bounded there
         count = sink.limits.max_event_attributes
         events += tuple(
@@ -83,24 +70,13 @@ def dask_span(
     )
 
 
-def taskgroup_span(
-    sink: SpanSink,
-    tg: TaskGroup,
-    batch: GroupBatch,
-    head: SpanHead,
-    context: SpanContext,
-    counts: dict[str, Any],
-    start: float,
-    end: float,
-) -> ReadableSpan:
+def taskgroup_span(sink: SpanSink, tg: TaskGroup, batch: GroupBatch, head: SpanHead,
+                   context: SpanContext, counts: dict[str, Any], start: float, end: float
+                   ) -> ReadableSpan:
     """The OTel span of one ``batch`` of a TaskGroup, with ``context``, a child
     of its Dask span's, with its ``counts`` (``GroupBatch.attributes``)"""
-    attributes = {
-        attr.SPAN_ID: batch.span.id,
-        attr.SPAN_NAME: head.tags,
-        attr.TASKGROUP_NAME: str(tg.name),
-        attr.TASKGROUP_PREFIX: str(tg.prefix.name),
-    }
+    attributes = {attr.SPAN_ID: batch.span.id, attr.SPAN_NAME: head.tags,
+                  attr.TASKGROUP_NAME: str(tg.name), attr.TASKGROUP_PREFIX: str(tg.prefix.name)}
     attributes.update(counts)
     status = erred_status(attributes, batch.erred, batch.error_type)
     name = TASKGROUP_SPAN_NAME.format(tg.prefix.name)
@@ -112,7 +88,5 @@ def bounded_links(sink: SpanSink, links: Mapping[str, Link] | None) -> tuple[Lin
     if not links:
         return ()
     count = sink.limits.max_link_attributes
-    return tuple(
-        Link(link.context, sink.event_attributes(dict(link.attributes), count))
-        for link in links.values()
-    )
+    return tuple(Link(link.context, sink.event_attributes(dict(link.attributes), count))
+                 for link in links.values())

@@ -90,11 +90,8 @@ DASK_EVENTS: dict[str, DaskEvent] = {
 #: The ``event_name`` of the records of users' own topics (``Client.log_event``),
 #: exported at INFO
 USER_EVENT = "dask.event"
-_SEVERITY_NUMBERS = {
-    logging.INFO: SeverityNumber.INFO,
-    logging.WARNING: SeverityNumber.WARN,
-    logging.ERROR: SeverityNumber.ERROR,
-}
+_SEVERITY_NUMBERS = {logging.INFO: SeverityNumber.INFO, logging.WARNING: SeverityNumber.WARN,
+                     logging.ERROR: SeverityNumber.ERROR}
 
 
 def topics_to_export(topics: Collection[str]) -> frozenset[str]:
@@ -145,10 +142,8 @@ class DaskEvents:
 
     def __post_init__(self, logger_provider: LoggerProvider | None) -> None:
         self.topics = topics_to_export(self.topics)
-        if logger_provider is not None:
-            self.logger = logger_provider.get_logger("dask_otel.events")
-        else:
-            self.logger = None
+        self.logger = (logger_provider.get_logger("dask_otel.events")
+                       if logger_provider is not None else None)
 
     def observe(self, topic: Any, msg: Any) -> None:
         """The hook: every event on every topic passes here"""
@@ -233,9 +228,8 @@ class DaskEvents:
             }
             self._emit("remove-worker", level, body, per_span, context, now)
 
-    def _spans_of(
-        self, processing: Iterable[Hashable], computed: Iterable[Hashable]
-    ) -> dict[str, list[int]]:
+    def _spans_of(self, processing: Iterable[Hashable], computed: Iterable[Hashable]
+                  ) -> dict[str, list[int]]:
         """Dask span id -> [tasks processing, computed tasks lost] on the worker"""
         tasks = self.scheduler.tasks
         by_span: dict[str, list[int]] = {}
@@ -247,9 +241,8 @@ class DaskEvents:
                     by_span.setdefault(span_id, [0, 0])[index] += 1
         return by_span
 
-    def _on_span(
-        self, span_id: str, address: str, reason: str | None, processing: int, lost: int, now: int
-    ) -> SpanContext | None:
+    def _on_span(self, span_id: str, address: str, reason: str | None, processing: int, lost: int,
+                 now: int) -> SpanContext | None:
         """Tell the mirror (a ``dask.worker.lost`` span event, if the Dask span is
         open); its OTel span context (None if the mirror is off or its trace is
         sampled out)"""
@@ -300,15 +293,8 @@ class DaskEvents:
         span_ids = {ts.group.span_id for ts in islice(ws.processing, 1000)}
         return span_ids.pop() if len(span_ids) == 1 else None
 
-    def _emit(
-        self,
-        name: str,
-        level: int,
-        body: str,
-        attributes: dict[str, Any],
-        context: SpanContext | None = None,
-        timestamp: int | None = None,
-    ) -> None:
+    def _emit(self, name: str, level: int, body: str, attributes: dict[str, Any],
+              context: SpanContext | None = None, timestamp: int | None = None) -> None:
         if self.logger is None or level < self.level:
             return
         attributes[attr.EVENT_TOPIC] = name

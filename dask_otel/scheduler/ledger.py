@@ -11,15 +11,8 @@ from dataclasses import dataclass, field
 from itertools import islice
 from typing import TYPE_CHECKING, Any
 
-from dask_otel.annotation import (
-    announces_exits,
-    entered_times,
-    forced_sampling,
-    otel_of,
-    remote_parent,
-    root_carrier,
-    workflow_named,
-)
+from dask_otel.annotation import (announces_exits, entered_times, forced_sampling, otel_of,
+                                  remote_parent, root_carrier, workflow_named)
 from dask_otel.scheduler.record import GroupBatch, SpanRecord
 from dask_otel.scheduler.totals import group_done, subtree_totals
 
@@ -152,10 +145,8 @@ class Ledger:
     def observe_annotation(self, ts: TaskState, client: str | None = None) -> None:
         """Read the ``otel`` annotation on a task of a new graph (of ``client``):
         when its blocks were entered, the caller's span its root continues, and
-        whether its root is a named workflow. ``ts.annotations["span"]`` is the
-        span of the task's group (the TaskGroup collision may have moved it); the
-        carrier is taken only if the annotation's own blocks include that root
-        (:func:`dask_otel.annotation.root_carrier`)."""
+        whether its root is a named workflow. The TaskGroup collision may have moved
+        ``ts.annotations["span"]``: the carrier is taken only from the root's own blocks."""
         annotations = ts.annotations
         otel = otel_of(annotations)
         span_annotation = annotations.get("span") if otel is not None else None
@@ -170,9 +161,8 @@ class Ledger:
         if ids[0] in entered:  # else a distributed.span root
             self.observe_caller(ids[0], otel)
 
-    def observe_entered(
-        self, ids: Sequence[str], entered: Mapping[str, Any], client: str | None = None
-    ) -> None:
+    def observe_entered(self, ids: Sequence[str], entered: Mapping[str, Any],
+                        client: str | None = None) -> None:
         """Keep, for each open span of ``ids`` (root first), the earliest time a
         block of it or below it was entered: a parent never starts after its
         children. With ``client`` (whose blocks announce their exits), a span
@@ -218,9 +208,7 @@ class Ledger:
     def remote_parent(self, root_id: str) -> SpanContext | None:
         """The caller's span a root Dask span continues, open or exported"""
         record = self.records.get(root_id)
-        if record is not None:
-            return record.remote_parent
-        return self.reopened_parents.get(root_id)
+        return record.remote_parent if record is not None else self.reopened_parents.get(root_id)
 
     def forced(self, root_id: str) -> bool | None:
         """The client's ``sampled=`` for root ``root_id``'s trace (None: none)"""

@@ -14,14 +14,8 @@ from distributed.spans import CONTEXTS_WITH_SPAN_ID
 
 import dask_otel.attributes as attr
 from dask_otel._compat import span_own_metrics
-from dask_otel.export.instruments import (
-    COUNTER,
-    Attached,
-    MetricSpec,
-    ProcessInstruments,
-    Reading,
-    copy_mapping,
-)
+from dask_otel.export.instruments import (COUNTER, Attached, MetricSpec, ProcessInstruments,
+                                          Reading, copy_mapping)
 
 if TYPE_CHECKING:
     from distributed import Scheduler
@@ -30,7 +24,6 @@ if TYPE_CHECKING:
 
     from dask_otel.export.telemetry import ServerTelemetry, Telemetry
     from dask_otel.spans import SpanMirror
-
 
 
 def fine_metric_attributes(key: Hashable) -> tuple[str, dict[str, Any]] | None:
@@ -106,12 +99,8 @@ def _bounded(readings: list[_Raw]) -> Reading:
     return out
 
 
-def _readings(
-    metrics: Mapping[Hashable, float],
-    dask_unit: str,
-    extra: Mapping[str, Any] | None = None,
-    skip: tuple[str, ...] = (),
-) -> list[_Raw]:
+def _readings(metrics: Mapping[Hashable, float], dask_unit: str,
+              extra: Mapping[str, Any] | None = None, skip: tuple[str, ...] = ()) -> list[_Raw]:
     """The fine metrics of ``dask_unit`` among ``metrics``: keys
     ``(context, ..., activity, unit)`` (see :func:`fine_metric_attributes`)"""
     return [
@@ -134,10 +123,8 @@ def _export_failures(observed: SchedulerMetrics) -> Reading:
     """Failed export requests of every accounted exporter, spans' and metrics'"""
     telemetry = observed.telemetry
     out: list[tuple[float, Mapping[str, Any]]] = []
-    for signal, gated in (
-        ("spans", telemetry.accounted_span_exporters),
-        ("metrics", telemetry.accounted_metric_exporters),
-    ):
+    for signal, gated in (("spans", telemetry.accounted_span_exporters),
+                          ("metrics", telemetry.accounted_metric_exporters)):
         for stats in list(gated):
             exporter = type(stats.exporter).__name__
             attributes = {attr.OTEL_EXPORTER: exporter, attr.OTEL_SIGNAL: signal}
@@ -173,31 +160,20 @@ SCHEDULER_METRICS: tuple[MetricSpec, ...] = (
         "Operations workers performed, by context, task prefix and activity "
         "(Dask's fine performance metrics)", _fine_metrics("count"),
     ),
-    MetricSpec(
-        "dask.otel.span.mirrored", COUNTER, "{span}",
-        "Dask spans and TaskGroups the bridge handed to the OpenTelemetry SDK",
-        _mirror_count("mirrored"),
-    ),
-    MetricSpec(
-        "dask.otel.span.sampled_out", COUNTER, "{span}",
-        "Dask spans and TaskGroups the sampler (OTEL_TRACES_SAMPLER) dropped",
-        _mirror_count("sampled_out"),
-    ),
-    MetricSpec(
-        "dask.otel.span.exported", COUNTER, "{span}",
-        "Spans the exporter delivered", _export_stat("spans_exported"),
-        per_process=True,
-    ),
-    MetricSpec(
-        "dask.otel.span.dropped", COUNTER, "{span}",
-        "Spans lost because their export failed, or was not tried during an outage",
-        _export_stat("spans_failed"), per_process=True,
-    ),
-    MetricSpec(
-        "dask.otel.export.failures", COUNTER, "{request}",
-        "Export requests that failed (an outage's probes included), of spans and metrics",
-        _export_failures, per_process=True,
-    ),
+    MetricSpec("dask.otel.span.mirrored", COUNTER, "{span}",
+               "Dask spans and TaskGroups the bridge handed to the OpenTelemetry SDK",
+               _mirror_count("mirrored")),
+    MetricSpec("dask.otel.span.sampled_out", COUNTER, "{span}",
+               "Dask spans and TaskGroups the sampler (OTEL_TRACES_SAMPLER) dropped",
+               _mirror_count("sampled_out")),
+    MetricSpec("dask.otel.span.exported", COUNTER, "{span}", "Spans the exporter delivered",
+               _export_stat("spans_exported"), per_process=True),
+    MetricSpec("dask.otel.span.dropped", COUNTER, "{span}",
+               "Spans lost because their export failed, or was not tried during an outage",
+               _export_stat("spans_failed"), per_process=True),
+    MetricSpec("dask.otel.export.failures", COUNTER, "{request}",
+               "Export requests that failed (an outage's probes included), of spans and metrics",
+               _export_failures, per_process=True),
 )
 
 
@@ -229,10 +205,9 @@ class SchedulerMetrics(Attached):
         SchedulerInstruments.of(self.telemetry.meter_provider).attach(self)
 
     def with_exemplars(self, dask_unit: str, readings: Reading) -> Reading:
-        """``readings`` of one fine-metrics instrument, those of a task prefix
-        that grew since the previous collection in the context of the latest
-        sampled TaskGroup span of that prefix: the SDK's exemplar filter takes an
-        exemplar from it"""
+        """``readings`` of one fine-metrics instrument, those of a task prefix that
+        grew since the previous collection in the context of the latest sampled
+        TaskGroup span of that prefix (docs/metrics.md: exemplars)"""
         mirror = self.mirror
         latest = mirror.latest_by_prefix if mirror is not None else {}
         previous, now = self._previous.get(dask_unit, {}), {}

@@ -45,15 +45,13 @@ DEFAULT = "default"
 #: Distinct workflow names given; later ones are :data:`OTHER`
 MAX_WORKFLOW_NAMES = 100
 #: ``dask.worker.removed.reason`` (docs/metrics.md has what each means)
-MEMORY_RESTART, FAIL_HARD, RETIRED, CLOSED, LOST = (
-    "memory_restart", "fail_hard", "retired", "closed", "lost",
-)
+MEMORY_RESTART, FAIL_HARD, RETIRED, CLOSED = "memory_restart", "fail_hard", "retired", "closed"
+LOST = "lost"
 REMOVED_REASONS = (MEMORY_RESTART, FAIL_HARD, RETIRED, CLOSED, LOST)
 #: Bucket bounds of ``dask.workflow.duration``, seconds: from a 100 ms run to a day
-DURATION_BUCKETS = (
-    0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1800, 3600, 7200, 14400,
-    43200, 86400,
-)
+DURATION_BUCKETS = (0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1800, 3600, 7200, 14400,
+                    43200, 86400)
+
 
 class OutcomeInstruments:
     """The three instruments on one MeterProvider: created once per provider, as
@@ -68,18 +66,15 @@ class OutcomeInstruments:
         )
         self.runs: Counter = meter.create_counter(
             WORKFLOW_RUNS, unit="{run}",
-            description="Workflow runs (root Dask spans) that ended, by name and result",
-        )
+            description="Workflow runs (root Dask spans) that ended, by name and result")
         self.removed: Counter = meter.create_counter(
             WORKERS_REMOVED, unit="{worker}",
-            description="Workers the scheduler removed, by why they left",
-        )
+            description="Workers the scheduler removed, by why they left")
 
     @classmethod
     def of(cls, meter_provider: MeterProvider) -> OutcomeInstruments:
         with _lock:
-            instruments = _by_provider.get(meter_provider)
-            if instruments is None:
+            if (instruments := _by_provider.get(meter_provider)) is None:
                 instruments = _by_provider[meter_provider] = cls(meter_provider)
             return instruments
 
@@ -93,10 +88,8 @@ class Outcomes:
     records each root it finishes (``SpanMirror.span_of``), the events each
     removed worker"""
 
-    def __init__(
-        self, meter_provider: MeterProvider, attributes: Mapping[str, Any],
-        patterns: Collection[str] = (),
-    ):
+    def __init__(self, meter_provider: MeterProvider, attributes: Mapping[str, Any],
+                 patterns: Collection[str] = ()):
         self.instruments = OutcomeInstruments.of(meter_provider)
         #: Attributes on every point (``ServerTelemetry.metric_attributes``)
         self.attributes = dict(attributes)
@@ -105,18 +98,14 @@ class Outcomes:
         #: The workflow names given so far, at most :data:`MAX_WORKFLOW_NAMES`
         self.names: set[str] = set()
 
-    def record_run(
-        self, record: SpanRecord, context: SpanContext | None, start: float, end: float,
-        unfinished: bool = False,
-    ) -> None:
+    def record_run(self, record: SpanRecord, context: SpanContext | None, start: float, end: float,
+                   unfinished: bool = False) -> None:
         """Root ``record`` finished (exported, or dropped by the sampler): one run
         from ``start`` to ``end`` (its OTel span's), in its trace's ``context``
         (None: not sampled). Never raises: the span is exported whatever happens here"""
         try:
-            result = (
-                ERRED if record.run_erred or record.erred
-                else CANCELLED if record.cancelled or unfinished else OK
-            )
+            result = (ERRED if record.run_erred or record.erred
+                      else CANCELLED if record.cancelled or unfinished else OK)
             attributes = {
                 **self.attributes,
                 attr.WORKFLOW_NAME: self.workflow_name(str(record.span.name[0]), record.workflow),
@@ -142,6 +131,4 @@ class Outcomes:
 
     def worker_removed(self, reason: str) -> None:
         """A worker was removed, for ``reason`` (:data:`REMOVED_REASONS`)"""
-        self.instruments.removed.add(
-            1, {**self.attributes, attr.WORKER_REMOVED_REASON: reason}
-        )
+        self.instruments.removed.add(1, {**self.attributes, attr.WORKER_REMOVED_REASON: reason})

@@ -73,10 +73,8 @@ class OtelSchedulerPlugin(SchedulerPlugin):
             return
         self._started = True
         self.scheduler = scheduler
-        own, self.error = start_telemetry(
-            f"scheduler {scheduler.address}",
-            **{SCHEDULER_ADDRESS: scheduler.address},
-        )
+        own, self.error = start_telemetry(f"scheduler {scheduler.address}",
+                                          **{SCHEDULER_ADDRESS: scheduler.address})
         if own is None:
             return
         self.server_telemetry, self.telemetry = own, own.telemetry
@@ -117,9 +115,8 @@ class OtelSchedulerPlugin(SchedulerPlugin):
             logger.exception("dask_otel: could not start on scheduler")
             self.error = f"{type(e).__name__}: {e}"
         try:
-            await scheduler.register_worker_plugin(
-                None, dumps_by_value(), name=PLUGIN_NAME, idempotent=True
-            )
+            await scheduler.register_worker_plugin(None, dumps_by_value(), name=PLUGIN_NAME,
+                                                   idempotent=True)
         except Exception:
             # The workers then export no spill metrics; the scheduler goes on
             logger.exception("dask_otel: could not register the worker plugin")
@@ -136,18 +133,16 @@ class OtelSchedulerPlugin(SchedulerPlugin):
             # Many spans finished at once: go on after the loop has run other work
             IOLoop.current().add_callback(self._poll)
 
-    def update_graph(
-        self, scheduler: Scheduler, *, tasks: Any = (), client: Any = None, **kwargs: Any
-    ) -> None:
+    def update_graph(self, scheduler: Scheduler, *, tasks: Any = (), client: Any = None,
+                     **kwargs: Any) -> None:
         if self.mirror is not None:
             try:
                 self.mirror.observe_graph(tasks, client)
             except Exception:
                 logger.exception("dask_otel: could not observe graph")
 
-    def transition(
-        self, key: Any, start: str, finish: str, *args: Any, stimulus_id: str = "", **kwargs: Any
-    ) -> None:
+    def transition(self, key: Any, start: str, finish: str, *args: Any, stimulus_id: str = "",
+                   **kwargs: Any) -> None:
         # Called for every transition of every task: keep the common path two
         # tests. stimulus_id by name, as Dask passes it: no kwargs dict to build.
         # The scheduler's own clock when it sends a task and hears back from it
@@ -244,9 +239,7 @@ class OtelSchedulerPlugin(SchedulerPlugin):
         telemetry = self.telemetry
         exporters = telemetry.accounted_span_exporters if telemetry is not None else []
         return server_status(
-            self.error,
-            self.server_telemetry,
-            SCHEDULER,
+            self.error, self.server_telemetry, SCHEDULER,
             # who turned it on (first), and who asked again and found it there
             paths=list(self.paths),
             traces=mirror is not None and mirror.sink is not None,

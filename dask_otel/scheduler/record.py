@@ -13,15 +13,8 @@ from typing import TYPE_CHECKING, Any
 
 from distributed.metrics import time
 
-from dask_otel.scheduler.totals import (
-    SpanMetrics,
-    Totals,
-    group_counts,
-    group_done,
-    groups_stop,
-    observed,
-    task_counts,
-)
+from dask_otel.scheduler.totals import (SpanMetrics, Totals, group_done, groups_stop, observed,
+                                        task_counts)
 
 if TYPE_CHECKING:
     from distributed.scheduler import TaskGroup
@@ -106,10 +99,8 @@ class SpanRecord:
         """When the span finished if ``Span.done`` and its block (if announced)
         was left, else None: the later of its block's exit and its tasks' end as
         the mirror bounded them, never before ``Span.enqueued``"""
-        if (
-            self.open_children or self.client_left
-            or (self.block_client is not None and not self.exited)
-        ):
+        waiting_exit = self.block_client is not None and not self.exited
+        if self.open_children or self.client_left or waiting_exit:
             return None
         stop = groups_stop(self.span.groups)
         if stop is None:
@@ -269,12 +260,13 @@ class GroupBatch:
         """Task counts, bytes, duration and fine metrics of the batch, given the
         group's prefix metrics within its span now; None for a later batch in
         which nothing ran"""
+        states = tg.states
         if self.states is None:
-            out = group_counts(tg)
+            # float: an int 0 in distributed 2024.1 until a task ran
+            out = task_counts(states, sum(states.values()), tg.nbytes_total, float(tg.duration))
             out.update(metrics)
             return out
         base = self.states
-        states = tg.states
         total = sum(states.values()) - self.total
         duration = max(float(tg.duration) - self.duration, 0.0)
         if total <= 0 and duration <= 0 and not self.erred:

@@ -124,15 +124,12 @@ def failure_time(startstops: Iterable[Mapping[str, Any]] | None) -> tuple[float,
 #: TaskGroup states in which a task has yet to finish: ``TaskGroup.done`` is "no
 #: task in any of these"
 _PENDING = tuple(sorted(ALL_TASK_STATES - {"memory", "erred", "released", "forgotten"}))
-
-
 #: ``dask.tasks.<state>`` by state: built once, not per span
 _STATE_NAMES = {state: attr.TASKS_PREFIX + state for state in ALL_TASK_STATES}
 
 
-def task_counts(
-    states: Mapping[str, int], total: int, nbytes: int, duration: float
-) -> dict[str, Any]:
+def task_counts(states: Mapping[str, int], total: int, nbytes: int, duration: float
+                ) -> dict[str, Any]:
     """The attributes every mirrored span has of its tasks: the count of each
     state (those above 0), the total, output bytes and duration"""
     names = _STATE_NAMES
@@ -141,22 +138,12 @@ def task_counts(
         if n > 0:
             name = names.get(state)
             out[attr.TASKS_PREFIX + state if name is None else name] = n
-    out[attr.TASKS_TOTAL] = total
-    out[attr.OUTPUT_BYTES] = nbytes
-    out[attr.DURATION] = duration
+    out.update({attr.TASKS_TOTAL: total, attr.OUTPUT_BYTES: nbytes, attr.DURATION: duration})
     return out
 
 
-def group_counts(tg: TaskGroup) -> dict[str, Any]:
-    """:func:`task_counts` of one TaskGroup"""
-    states = tg.states
-    # float: an int 0 in distributed 2024.1 until a task ran
-    return task_counts(states, sum(states.values()), tg.nbytes_total, float(tg.duration))
-
-
-def span_figures(
-    span: Span, totals: Totals, end: float, subtree: bool, code: bool
-) -> dict[str, Any]:
+def span_figures(span: Span, totals: Totals, end: float, subtree: bool, code: bool
+                 ) -> dict[str, Any]:
     """The numbers a Dask span's OTel span carries: ``totals``' task counts and
     fine metrics, active CPU seconds until ``end``, with ``subtree`` totals the
     thread time no task accounts for, and with ``code`` the source of its code"""
@@ -227,8 +214,7 @@ class Totals:
 
     @classmethod
     def own(cls, span: Span, metrics: SpanMetrics | None = None) -> Totals:
-        """Of a span's own groups and fine metrics (``metrics``, if already
-        read)"""
+        """Of a span's own groups and fine metrics (``metrics``, if already read)"""
         totals = cls()
         totals.add_groups(span.groups)
         if metrics is None:

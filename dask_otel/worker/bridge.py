@@ -12,11 +12,8 @@ from typing import TYPE_CHECKING, Any
 
 from dask_otel.attributes import SCHEDULER_ADDRESS
 from dask_otel.export.global_provider import adopt_global_tracer_provider
-from dask_otel.export.lifecycle import (
-    release_telemetry,
-    release_telemetry_in_background,
-    start_telemetry,
-)
+from dask_otel.export.lifecycle import (release_telemetry, release_telemetry_in_background,
+                                        start_telemetry)
 from dask_otel.spill import SpillInstruments
 from dask_otel.worker.execute_hook import TaskContextHook
 from dask_otel.worker.task_context import TaskContexts, default_sampler

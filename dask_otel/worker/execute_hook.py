@@ -65,9 +65,8 @@ class TaskContextHook:
     wrapper: Callable | None = None
 
     @classmethod
-    def install(
-        cls, worker: Worker, contexts: TaskContexts, task_spans: TaskSpans | None = None
-    ) -> TaskContextHook | None:
+    def install(cls, worker: Worker, contexts: TaskContexts, task_spans: TaskSpans | None = None
+                ) -> TaskContextHook | None:
         """Wrap ``worker.execute``; None (and one INFO log per process) when this
         distributed does not have the shape the hook needs"""
         global _told_unhookable
@@ -75,10 +74,8 @@ class TaskContextHook:
         if reason is not None:
             if not _told_unhookable:
                 _told_unhookable = True
-                logger.info(
-                    "dask_otel: tasks run without an OpenTelemetry context on this worker "
-                    "(%s; distributed %s)", reason, distributed.__version__,
-                )
+                logger.info("dask_otel: tasks run without an OpenTelemetry context on this worker "
+                            "(%s; distributed %s)", reason, distributed.__version__)
             return None
         hook = cls(worker, contexts, task_spans)
         hook.wrap(worker.execute)
@@ -135,9 +132,8 @@ class TaskContextHook:
     def _failed(self, what: str, key: Key) -> None:
         self.errors += 1
         if self.errors == 1:
-            logger.exception(
-                "dask_otel: could not %s; the task runs without it (logged once)", what % (key,)
-            )
+            logger.exception("dask_otel: could not %s; the task runs without it (logged once)",
+                             what % (key,))
         else:
             logger.debug("dask_otel: could not %s", what % (key,), exc_info=True)
 

@@ -54,14 +54,12 @@ class OtelWorkerPlugin(WorkerPlugin):
         bridge = self.bridge
         if bridge is None:
             return worker_status(self.error)
-        return worker_status(
-            bridge.error, bridge.server_telemetry, bridge.task_context, bridge.spill
-        )
+        return worker_status(bridge.error, bridge.server_telemetry, bridge.task_context,
+                             bridge.spill)
 
 
-def server_status(
-    error: str | None, telemetry: Any, process: str, **features: Any
-) -> dict[str, Any]:
+def server_status(error: str | None, telemetry: Any, process: str, **features: Any
+                  ) -> dict[str, Any]:
     """What :func:`dask_otel.status` shows of one Dask server, scheduler or worker
     (here because this module travels by value). ``telemetry``: its
     :class:`~dask_otel.export.telemetry.ServerTelemetry`, None where the bridge is
@@ -91,15 +89,12 @@ def server_status(
     }
 
 
-def worker_status(
-    error: str | None, telemetry: Any = None, hook: Any = None, spill: Any = None
-) -> dict[str, Any]:
+def worker_status(error: str | None, telemetry: Any = None, hook: Any = None, spill: Any = None
+                  ) -> dict[str, Any]:
     """A worker's :func:`server_status`, from its bridge's parts (None: not running)"""
     task_spans = hook.task_spans if hook is not None else None
     return server_status(
-        error,
-        telemetry,
-        "workers",  # dask_otel.config.WORKERS: nothing of dask_otel is imported here
+        error, telemetry, "workers",  # dask_otel.config.WORKERS: nothing of dask_otel imported here
         metrics=spill is not None,
         # whether tasks run in their OTel context (False: hook not installed)
         task_context=hook is not None,

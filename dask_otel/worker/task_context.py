@@ -16,9 +16,7 @@ from typing import TYPE_CHECKING, Any
 from opentelemetry import trace
 from opentelemetry.trace import NonRecordingSpan, SpanContext
 
-from dask_otel.annotation import (
-    extract_caller, forced_sampling, otel_of, root_carrier, task_rules,
-)
+from dask_otel.annotation import extract_caller, forced_sampling, otel_of, root_carrier, task_rules
 from dask_otel.span_context import dask_span_context
 
 if TYPE_CHECKING:

@@ -70,9 +70,8 @@ class TaskRules:
     @classmethod
     def of(cls, config: OtelConfig) -> TaskRules:
         """A worker's own, from its config"""
-        return cls(
-            config.task_spans, config.task_sample_ratio, config.task_slower_than, config.task_erred
-        )
+        return cls(config.task_spans, config.task_sample_ratio, config.task_slower_than,
+                   config.task_erred)
 
     def of_span(self, block: Mapping[str, Any] | None, sampled: bool) -> TaskRules | None:
         """The rules of one Dask span's tasks: these with its client block's values
@@ -199,10 +198,8 @@ class TaskSpans:
             name = self._thread_names.get(ident)
         return name
 
-    def _span(
-        self, run: TaskRun, event: ExecuteSuccessEvent | ExecuteFailureEvent,
-        start: float, stop: float, duration: float, erred: bool,
-    ) -> ReadableSpan:
+    def _span(self, run: TaskRun, event: ExecuteSuccessEvent | ExecuteFailureEvent,
+              start: float, stop: float, duration: float, erred: bool) -> ReadableSpan:
         sink = self.sink
         parent = run.dask_span.span_context
         attributes: dict[str, Any] = {
@@ -237,10 +234,8 @@ class TaskSpans:
         # The task span is this worker's; its parent, the Dask span, is the
         # scheduler's (remote here), with the ids every process composes alike
         context = child_context(parent, run.span_id)
-        return sink.span(
-            TASK_SPAN_NAME.format(key_split(run.key)), context, parent, start, stop,
-            attributes, status, events,
-        )
+        return sink.span(TASK_SPAN_NAME.format(key_split(run.key)), context, parent, start, stop,
+                         attributes, status, events)
 
 
 def function_name(run_spec: Any) -> str | None:
