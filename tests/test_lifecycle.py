@@ -323,6 +323,11 @@ def test_a_process_waits_half_of_the_flush_timeout_for_a_slow_collector(monkeypa
             asyncio.run(release_telemetry(server.telemetry))
             seconds = time.monotonic() - start
         delivered = len(receiver.spans())
+        # The flush goes on in its thread: let it end here, so that no later test in
+        # this process meets it (test_no_bridge_thread_outlives_the_cluster)
+        receiver.delay = 0
+        wait_until(lambda: not bridge_threads(), timeout=30,
+                   what=f"the abandoned flush to end: {bridge_threads()}")
     (warning,) = [r.getMessage() for r in caplog.records if "not flushed" in r.getMessage()]
     assert "within 4.8s (half of otel.flush-timeout=12s)" in warning, warning
     assert delivered < 60  # the flush was still under way when the close went on
