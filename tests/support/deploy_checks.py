@@ -426,14 +426,24 @@ def shipped_scrape_config(name: str, rules: Path, targets: list[str] | None = No
 
 def run_workload(cluster: Any, client: Any, settle: float = 3 * SCRAPE_INTERVAL) -> list[str]:
     """The compose workload, ROUNDS times, holding each round's chunks across
-    scrapes (the gauges of keys on disk are sampled); then a worker retired, for the
+    scrapes (the gauges of keys on disk are sampled), each round's tasks forgotten
+    before the next; then a worker retired, for the
     workflows dashboard's workers removed by reason (without the bridge in it, it
     has no worker series of its own); then ``settle`` seconds for the last export.
     Returns the rounds' root Dask span ids (their trace ids without dashes)."""
     workload = load_workload()
     n = len(client.scheduler_info()["workers"])
-    roots = [workload.run_round(client, chunks=20, chunk_bytes=4_000_000, seed=100 * i,
-                                hold=3 * SCRAPE_INTERVAL) for i in range(ROUNDS)]
+    roots = []
+    for i in range(ROUNDS):
+        roots.append(workload.run_round(client, chunks=20, chunk_bytes=4_000_000, seed=100 * i,
+                                        hold=3 * SCRAPE_INTERVAL))
+        # As the compose stack's rounds, 15 s apart: the round's tasks are forgotten
+        # before the next one's arrive, else those join its TaskGroups, and its trace
+        # (Dask attaches a TaskGroup to the span it was first submitted under)
+        deadline = time.monotonic() + 30
+        while client.run_on_scheduler(lambda dask_scheduler: len(dask_scheduler.tasks)):
+            assert time.monotonic() < deadline, "the round's tasks were not forgotten"
+            time.sleep(0.1)
     cluster.add_worker("retired", without_dask_otel=True)
     client.wait_for_workers(n + 1, timeout=60)
     client.retire_workers(names=["retired"])
@@ -568,3 +578,30 @@ def rule_problems(run: ScrapedRun) -> list[str]:
     problems += [f"pending: {a['labels']}" for a in alerts if a["labels"]["alertname"] in
                  {"DaskOtelSpansDropped", "DaskOtelSpanExportFailing"}]
     return problems
+
+
+def exemplar_problems(run: ScrapedRun, has_trace: Callable[[str], bool]) -> list[str]:
+    """Each panel that asks for exemplars (``"exemplar": true``) gets some from
+    Prometheus (``/api/v1/query_exemplars``, what Grafana calls, with "All" for each
+    variable), and each one's ``trace_id`` (the label Grafana's data source links to
+    the trace store) is a trace ``has_trace`` finds"""
+    from tests.support.backends import http_get_json
+
+    problems, asked = [], 0
+    for name, board in dashboards().items():
+        defs = variables(board)
+        values = resolve_variables(run, board)
+        setting = {k: ["$__all"] if defs[k].get("multi") else [v[0]] for k, v in values.items()}
+        for query in panel_queries(name, board):
+            if not query.target.get("exemplar"):
+                continue
+            asked += 1
+            expr = substitute(query.expr, {**run.builtins(), **setting}, defs)
+            found = http_get_json(f"{run.prometheus.url}/api/v1/query_exemplars", {
+                "query": expr, "start": run.start, "end": time.time()})["data"]
+            trace_ids = {e["labels"].get("trace_id") for s in found for e in s["exemplars"]}
+            if not trace_ids:
+                problems.append(f"{query}: no exemplar for {expr}")
+            problems += [f"{query}: exemplar trace {t} not in the trace store"
+                         for t in trace_ids if not (t and has_trace(t))]
+    return problems if asked else ["no panel asks for exemplars"]
