@@ -124,6 +124,18 @@ def otel_config(**values):
     return dataclasses.replace(dask_otel.config.read_config(), **values)
 
 
+#: The processors the recipe builds around each exporter below: shut down after each
+#: test, so that no thread of theirs outlives it (test_lifecycle waits for the bridge's)
+PROCESSORS: list = []
+
+
+@pytest.fixture(autouse=True)
+def _shut_down_processors():
+    yield
+    while PROCESSORS:
+        PROCESSORS.pop().shutdown()
+
+
 def accounted_otlp_exporter(env: dict, monkeypatch, retry_during_outage: bool = False):
     """The SDK's OTLP span exporter, as the bridge builds and wraps it"""
     from dask_otel.export.accounting import HELD_EXPORTER_LOGS, AccountedExporter
@@ -139,7 +151,7 @@ def accounted_otlp_exporter(env: dict, monkeypatch, retry_during_outage: bool = 
         built.append(AccountedExporter(signal, exporter, interval, retry_during_outage))
         return built[-1]
 
-    EnvRecipe(otel_config(traces_exporters=("otlp",))).span_processors(account, None)
+    PROCESSORS.extend(EnvRecipe(otel_config(traces_exporters=("otlp",))).span_processors(account, None))
     HELD_EXPORTER_LOGS.attach()
     (exporter,) = built
     assert exporter.outage.interval == export_interval("spans")
