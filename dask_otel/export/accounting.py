@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from dask_otel._compat import cut_retry_waits
+from dask_otel.export.exporters import SIGNALS
 
 logger = logging.getLogger("dask_otel")
 
@@ -30,17 +31,11 @@ STALLED_AFTER = 1.0
 #: scheduled exports drift by a few milliseconds, and a probe missed by that much
 #: would delay recovery by a whole interval
 PROBE_AFTER = 0.8
-#: Each signal's export result (module, class: ``SUCCESS``, ``FAILURE``), and the
-#: settings that stop exporting it, named in the outage WARNING: a collector that
-#: does not serve a signal (Jaeger and Phoenix take traces only) fails every export
-#: of it, as an outage that never ends
-SIGNALS = {
-    "spans": ("opentelemetry.sdk.trace.export", "SpanExportResult",
-              "OTEL_TRACES_EXPORTER", "otel.traces.exporter"),
-    "metrics": ("opentelemetry.sdk.metrics.export", "MetricExportResult",
-                "OTEL_METRICS_EXPORTER", "otel.metrics.exporter"),
-    "logs": ("opentelemetry.sdk._logs.export", "LogRecordExportResult",
-             "OTEL_LOGS_EXPORTER", "otel.logs.exporter"),
+#: Each signal's export result (module, class): ``SUCCESS``, ``FAILURE``
+RESULTS = {
+    "spans": ("opentelemetry.sdk.trace.export", "SpanExportResult"),
+    "metrics": ("opentelemetry.sdk.metrics.export", "MetricExportResult"),
+    "logs": ("opentelemetry.sdk._logs.export", "LogRecordExportResult"),
 }
 
 
@@ -192,7 +187,10 @@ class ExportOutage:
         reason = error or _reason(export)
         logger.debug("dask_otel: %s export failed: %s", self.signal, reason)
         if not self.failing:
-            *_, variable, key = SIGNALS[self.signal]
+            # The settings that stop exporting the signal: a collector that does not
+            # serve it (Jaeger and Phoenix take traces only) fails every export of it
+            otlp = SIGNALS[self.signal][1]  # TRACES, METRICS, LOGS
+            variable, key = f"OTEL_{otlp}_EXPORTER", f"otel.{otlp.lower()}.exporter"
             logger.warning(
                 "dask_otel: cannot export %s (%s); dropping them until the collector "
                 "answers again (counted in the self-metrics, logged once per outage). "
@@ -224,7 +222,7 @@ class AccountedExporter:
         #: the SDK exporter, built once
         self.exporter = exporter
         self.outage = ExportOutage(signal, interval, retry_during_outage)
-        module, name, *_ = SIGNALS[signal]
+        module, name = RESULTS[signal]
         #: the signal's export result: ``SUCCESS``, ``FAILURE``
         self.result = getattr(importlib.import_module(module), name)
         #: items in a batch: a metric export is one
