@@ -655,6 +655,17 @@ def test_erred_only_default_span_ends_when_its_tasks_failed(cluster):
     assert_well_formed(mirrored.spans())
 
 
+def exported_inc_in_span_a(client, mirrored):
+    """Span A with one task of TaskGroup inc, A and the group exported: A's span,
+    and the task's future (held, so that Dask keeps the group)"""
+    with span("A") as a_id:
+        first = client.submit(inc, 1)
+        first.result()
+    a = mirrored.by_dask_id(a_id)
+    wait_until(lambda: mirrored.children(a))
+    return a, first
+
+
 def test_taskgroup_work_after_its_export_is_a_new_child_of_the_span_it_was_submitted_in(
     cluster,
 ):
@@ -663,11 +674,7 @@ def test_taskgroup_work_after_its_export_is_a_new_child_of_the_span_it_was_submi
     call, after the first span was exported, is a new batch covering only
     itself, a child of span B, where it was submitted, inside it"""
     client, mirrored = cluster
-    with span("A") as a_id:
-        first = client.submit(inc, 1)
-        first.result()
-    a = mirrored.by_dask_id(a_id)
-    wait_until(lambda: mirrored.children(a))
+    a, first = exported_inc_in_span_a(client, mirrored)
     with span("B") as b_id:  # one graph: inc (A's group) and B's own group
         doubled = dask.delayed(double)(dask.delayed(inc)(2), dask_key_name="double-b")
         second = client.compute(doubled)
@@ -689,11 +696,7 @@ def test_a_later_batch_with_no_open_span_to_lie_in_is_not_exported(cluster):
     there is no span the batch could lie inside; it is not exported (never under
     A, which ended before it ran)"""
     client, mirrored = cluster
-    with span("A") as a_id:
-        first = client.submit(inc, 1)
-        first.result()
-    a = mirrored.by_dask_id(a_id)
-    wait_until(lambda: mirrored.children(a))
+    a, first = exported_inc_in_span_a(client, mirrored)
     with span("B"):
         client.submit(inc, 2).result()
     client.submit(double, 3, key="double-after").result()  # a poll after B's tasks
