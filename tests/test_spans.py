@@ -910,28 +910,40 @@ def test_attribute_count_limit_is_the_sdks(monkeypatch):
         assert s.attributes["dask.span.id"] == sid  # the ids are dropped last
 
 
-def exported_after(config: dict, stop_heartbeats: bool) -> tuple[float, object]:
-    """Seconds from a one-task span's result to its export, and the span"""
+def exported_after(config: dict, stop_heartbeats: bool, linger: float = 0.0
+                   ) -> tuple[float, float, object]:
+    """Seconds from a one-task span's result to its TaskGroup's export, and from
+    its block's exit (``linger`` seconds later) to its own export; and the span"""
     with otel_cluster(config, n_workers=1) as (client, mirrored):
         client.run(lambda: None)  # the worker is heard of first
         if stop_heartbeats:
             (worker,) = mirrored.cluster.workers.values()
             worker.periodic_callbacks["heartbeat"].stop()
-        with span("timed") as sid:
+        with dask_otel.span("timed") as sid:
             client.submit(inc, 1, key="timed-0").result()
-        finished = time.monotonic()
+            finished = time.monotonic()
+            time.sleep(linger)
+        exited = time.monotonic()
+        wait_until(lambda: [s for s in mirrored.spans() if s.name == "taskgroup/timed"],
+                   timeout=20, what="the TaskGroup span")
+        group = time.monotonic() - finished
         s = mirrored.by_dask_id(sid, timeout=20)
-        return time.monotonic() - finished, s
+        return group, time.monotonic() - exited, s
 
 
 def test_a_span_waits_for_the_workers_heartbeats_until_metrics_timeout():
-    """Fine metrics travel with heartbeats: a finished span waits for every worker
-    to have sent one since it finished, and no longer than otel.spans.metrics-timeout"""
+    """Fine metrics travel with heartbeats: a finished TaskGroup batch, and a
+    finished span from its block's exit, each wait for every worker to have sent
+    one since they ended, and no longer than otel.spans.metrics-timeout. The block
+    is left 1.5 s after its task ended, so each wait shows on its own: the span's
+    end is not its group's"""
     config = {"otel.spans.metrics-timeout": "3s"}
-    heard, _ = exported_after(config, stop_heartbeats=False)
-    unheard, s = exported_after(config, stop_heartbeats=True)
+    _, heard, _ = exported_after(config, stop_heartbeats=False)
+    group, unheard, s = exported_after(config, stop_heartbeats=True, linger=1.5)
     assert heard < 2.5, heard  # a heartbeat came (every 0.5 s), after the export delay
-    assert unheard >= 3 - 0.3, unheard  # none came: the timeout, not the export delay
+    # None came: the timeout, not the export delay, from each one's own end
+    assert group >= 3 - 0.3, group
+    assert unheard >= 3 - 0.3, unheard
     assert s.name == "timed"
 
 
