@@ -40,10 +40,10 @@ them; ``--repeats`` runs every point again (interleaved) and takes medians.
 
 Usage::
 
-    python -m benchmarks.slope                          # tiny 10k->100k, dataframe 2k->10k: ~12 min idle
-    python -m benchmarks.slope --tiny 2000 10000 --dataframe 2000 10000   # quick look
-    python -m benchmarks.slope --dataframe 10000 100000 # the realistic slope at the peer's sizes: ~1 h
-    python -m benchmarks.slope --million                # tiny also at 1,000,000 (~1.5 h more, 5 GiB)
+    python -m benchmarks.slope                  # tiny 10k -> 100k, dataframe 1k -> 4k: ~12 min idle
+    python -m benchmarks.slope --tiny 2000 10000 --dataframe 1000 2000   # a quick look
+    python -m benchmarks.slope --tiny --dataframe 10000 100000   # the dataframe at the peer's sizes: ~1 h
+    python -m benchmarks.slope --million        # tiny also at 1,000,000: ~1.5 h more
 """
 
 from __future__ import annotations
@@ -157,12 +157,17 @@ def one_run(workload: object, side: str, args: argparse.Namespace,
                             receiver=receiver, probe=probe)
 
 
-def describe(side: str, run: Run) -> str:
+def describe(side: str, run: Run, receiver: ReceiverProcess) -> str:
     tasks = run.probe["tasks"]
+    # Resident memory now: whether a larger size fits the machine (the receiver
+    # holds what it got until the next run's clear())
+    rss = psutil.Process().memory_info().rss / 2**30
+    receiver_rss = psutil.Process(receiver.proc.pid).memory_info().rss / 2**30
     return (f"{side:<9} {tasks:>8} tasks  wall {run.wall:7.1f}s  sched CPU "
             f"{run.scheduler_cpu:7.2f}s ({run.scheduler_cpu / tasks * 1e6:6.0f} us/task)  "
             f"workers CPU {run.probe['workers_cpu']:7.2f}s  start {run.start_wall:5.2f}s "
-            f"close {run.close_wall:5.2f}s  mirrored {run.mirrored} received {run.received}")
+            f"close {run.close_wall:5.2f}s  mirrored {run.mirrored} received {run.received}  "
+            f"RSS {rss:.2f} GiB, receiver {receiver_rss:.2f} GiB")
 
 
 def slope(small: list[Run], large: list[Run], cpu: Callable[[Run], float]) -> float:
@@ -228,7 +233,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--tiny", type=int, nargs="*", default=[10_000, 100_000],
                         metavar="TASKS", help="sizes of the tiny workload (none: skip it)")
-    parser.add_argument("--dataframe", type=int, nargs="*", default=[2_000, 10_000],
+    parser.add_argument("--dataframe", type=int, nargs="*", default=[1_000, 4_000],
                         metavar="TASKS", help="sizes of the dataframe workload (none: skip it)")
     parser.add_argument("--million", action="store_true",
                         help="the tiny workload at 1,000,000 tasks too (estimated first)")
@@ -268,7 +273,7 @@ def main(argv: list[str] | None = None) -> int:
                         run = one_run(workload, side, args, receiver)
                         runs[name].setdefault((size, side), []).append(run)
                         by_side[side].append(run)
-                        print(f"  {describe(side, run)}", flush=True)
+                        print(f"  {describe(side, run, receiver)}", flush=True)
                 took[size] = time.monotonic() - t0
 
     print(f"\n== steady cost: CPU per task as the slope between sizes (us/task), "
