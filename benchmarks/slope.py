@@ -35,8 +35,8 @@ Reported:
   of the session (CPU and wall), and the worker processes' CPU up to the first
   task (interpreter, imports, the bridge's set-up).
 
-One run per point: the figures are ratios from one run, as the peer publishes
-them; ``--repeats`` runs every point again (interleaved) and takes medians.
+One run per point: the figures are ratios from one run; ``--repeats N`` runs each
+point N times (A, B, B ratio 1 in turn) and takes medians.
 
 Usage::
 
