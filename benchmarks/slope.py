@@ -40,9 +40,10 @@ point N times (A, B, B ratio 1 in turn) and takes medians.
 
 Usage::
 
-    python -m benchmarks.slope                  # tiny 10k -> 100k, dataframe 1k -> 4k: ~12 min idle
+    python -m benchmarks.slope                  # tiny 10k -> 100k, dataframe 1k -> 3k: ~13 min idle
+    python -m benchmarks.slope --dataframe      # tiny only: ~10 min idle
     python -m benchmarks.slope --tiny 2000 10000 --dataframe 1000 2000   # a quick look
-    python -m benchmarks.slope --tiny --dataframe 10000 100000   # the dataframe at the peer's sizes: ~1 h
+    python -m benchmarks.slope --tiny --dataframe 10000 100000   # the dataframe at the peer's sizes: ~1.5 h
     python -m benchmarks.slope --million        # tiny also at 1,000,000: ~1.5 h more
 """
 
@@ -233,7 +234,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--tiny", type=int, nargs="*", default=[10_000, 100_000],
                         metavar="TASKS", help="sizes of the tiny workload (none: skip it)")
-    parser.add_argument("--dataframe", type=int, nargs="*", default=[1_000, 4_000],
+    parser.add_argument("--dataframe", type=int, nargs="*", default=[1_000, 3_000],
                         metavar="TASKS", help="sizes of the dataframe workload (none: skip it)")
     parser.add_argument("--million", action="store_true",
                         help="the tiny workload at 1,000,000 tasks too (estimated first)")
