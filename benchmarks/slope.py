@@ -277,15 +277,21 @@ def main(argv: list[str] | None = None) -> int:
                         print(f"  {describe(side, run, receiver)}", flush=True)
                 took[size] = time.monotonic() - t0
 
-    print(f"\n== steady cost: CPU per task as the slope between sizes (us/task), "
+    steady = (["workload", "tasks", "process", "tasks/s (A)", "A us/task", "B us/task", "B/A",
+               "B ratio 1 us/task", "B ratio 1/A"],
+              [row for name in sizes for row in steady_rows(name, runs[name], sizes[name])])
+    fixed = ([f"fixed cost, median of {len(by_side['A'])} runs", "A", "B", "B - A", "B ratio 1",
+              "B ratio 1 - A"], fixed_rows(by_side))
+    print(f"\n== steady cost: CPU per task as the slope between sizes, "
           f"{args.repeats} run(s) per point ==")
-    rows = [row for name in sizes for row in steady_rows(name, runs[name], sizes[name])]
-    print_table(["workload", "tasks", "process", "tasks/s (A)", "A", "B", "B/A",
-                 "B ratio 1", "B ratio 1/A"], rows)
-    print(f"\n== fixed cost: start and close of the cluster, median of "
-          f"{len(by_side['A'])} runs per side ==")
-    print_table(["measure", "A", "B", "B-A", "B ratio 1", "B ratio 1-A"],
-                fixed_rows(by_side))
+    print_table(*steady)
+    print("\n== fixed cost: start and close of the cluster ==")
+    print_table(*fixed)
+    print("\n== the same, for benchmarks/README.md ==")
+    for headers, rows in (steady, fixed):
+        print()
+        for row in [headers, ["---"] * len(headers), *rows]:
+            print("| " + " | ".join(row) + " |")
     print(f"  total benchmark time {time.monotonic() - started:.0f}s")
     return 0
 
