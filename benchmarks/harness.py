@@ -382,6 +382,13 @@ class Run:
     threads: dict[str, float] = field(default_factory=dict)
     #: what a probe measured
     probe: dict = field(default_factory=dict)
+    #: CPU seconds of this process (scheduler, nannies; the client is not up yet
+    #: or already closed) and wall seconds of ``LocalCluster(...)``, workers up,
+    #: and of ``cluster.close()``
+    start_cpu: float = 0.0
+    start_wall: float = 0.0
+    close_cpu: float = 0.0
+    close_wall: float = 0.0
 
 
 def run_workload(
@@ -402,11 +409,13 @@ def run_workload(
     """
     result = Run(bridge=bridge)
     preload = ["dask_otel"] if bridge else []
+    cpu0, t0 = time.process_time(), time.perf_counter()
     with dask.config.set({"distributed.scheduler.preload": preload}):
         cluster = LocalCluster(
             n_workers=workers, threads_per_worker=1, processes=True,
             host="127.0.0.1", dashboard_address="127.0.0.1:0",
         )
+    result.start_cpu, result.start_wall = time.process_time() - cpu0, time.perf_counter() - t0
     try:
         with Client(cluster.scheduler_address) as client:
             client.wait_for_workers(workers)
@@ -449,7 +458,9 @@ def run_workload(
             if finish_probe is not None:
                 result.probe = finish_probe()
     finally:
+        cpu0, t0 = time.process_time(), time.perf_counter()
         cluster.close()
+        result.close_cpu, result.close_wall = time.process_time() - cpu0, time.perf_counter() - t0
     return result
 
 
