@@ -15,10 +15,13 @@ from tests.support.otlp_receiver import OTLPReceiver
 from tests.support.processes import dask_processes
 from tests.support.tasks import hold_gil, inc, nap
 
-#: Dask's limit in these processes: a loop blocked longer is a stall. Their
-#: ``distributed`` loggers drop Dask's "Event loop was unresponsive" (INFO): the
-#: bridge must not hang on it
-LIMIT = {"DASK_DISTRIBUTED__ADMIN__TICK__LIMIT": "1s", "DASK_LOGGING__DISTRIBUTED": "error"}
+#: Dask's limit in these processes, seconds: a loop blocked longer is a stall.
+#: Their ``distributed`` loggers drop Dask's "Event loop was unresponsive" (INFO):
+#: the bridge must not hang on it
+LIMIT = 1.0
+ENV = {"DASK_DISTRIBUTED__ADMIN__TICK__LIMIT": f"{LIMIT}s", "DASK_LOGGING__DISTRIBUTED": "error"}
+#: A block under the limit, though over half of it: no stall
+SHORT = 0.6
 #: How long the tests block a loop: well past the limit, so that a stall the
 #: machine's load makes on its own (past 1 s, and shorter) is told apart
 BLOCK = 2.5
@@ -54,13 +57,14 @@ def test_a_blocked_scheduler_is_told_on_the_spans_with_tasks_in_flight():
     """A sleep on the scheduler's loop while workflow "busy" has a task processing
     and workflow "idle" has none (its block still open): busy and its sub-span get
     the event with the sleep's length, idle none; the histogram's scheduler point
-    has busy's trace as exemplar"""
-    with OTLPReceiver("grpc") as receiver, dask_processes({**receiver.env(), **LIMIT}) as cluster:
+    has busy's trace as exemplar. A shorter sleep, under the limit, is no stall"""
+    with OTLPReceiver("grpc") as receiver, dask_processes({**receiver.env(), **ENV}) as cluster:
         with cluster.client() as client:
             with dask_otel.span("busy") as busy_id, dask_otel.span("step") as step_id:
                 running = client.submit(nap, BLOCK + 3)
             with dask_otel.span("idle") as idle_id:
                 assert client.submit(inc, 1).result() == 2
+                client.run_on_scheduler(time.sleep, SHORT)
                 client.run_on_scheduler(time.sleep, BLOCK)
             assert running.result() == BLOCK + 3
             point = blocked_point(receiver, "scheduler", busy_id)
@@ -72,6 +76,7 @@ def test_a_blocked_scheduler_is_told_on_the_spans_with_tasks_in_flight():
         assert event["dask.server.kind"] == "scheduler"
         assert "dask.worker.address" not in event
     assert not [a for a in idle if a["dask.event_loop.blocked.duration"] >= BLOCK - CLOCK]
+    assert all(a["dask.event_loop.blocked.duration"] > LIMIT for a in busy + step + idle)
     assert point.max >= BLOCK - CLOCK
 
 
@@ -80,7 +85,7 @@ def test_a_worker_blocked_by_a_task_holding_the_gil_is_told_on_its_spans():
     while workflow "elsewhere" runs a task on worker B: hold and its root get the
     event naming A and the task, elsewhere gets none from A; the histogram's
     worker point has the gil job's trace as exemplar"""
-    with OTLPReceiver("grpc") as receiver, dask_processes({**receiver.env(), **LIMIT}) as cluster:
+    with OTLPReceiver("grpc") as receiver, dask_processes({**receiver.env(), **ENV}) as cluster:
         with cluster.client() as client:
             a, b = sorted(client.scheduler_info()["workers"])
             with dask_otel.span("elsewhere") as elsewhere_id:
