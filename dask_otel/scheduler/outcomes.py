@@ -34,7 +34,6 @@ logger = logging.getLogger("dask_otel")
 WORKFLOW_DURATION = "dask.workflow.duration"
 WORKFLOW_RUNS = "dask.workflow.runs"
 WORKERS_REMOVED = "dask.worker.removed"
-LOOP_BLOCKED_DURATION = attr.LOOP_BLOCKED_DURATION
 
 #: ``dask.workflow.result``: no task erred; a task erred; the run did not finish
 #: (its client left with its block open, or the scheduler closed under it)
@@ -76,7 +75,7 @@ class OutcomeInstruments:
             WORKERS_REMOVED, unit="{worker}",
             description="Workers the scheduler removed, by why they left")
         self.blocked: Histogram = meter.create_histogram(
-            LOOP_BLOCKED_DURATION, unit="s",
+            attr.LOOP_BLOCKED_DURATION, unit="s",
             description="Event loops blocked past distributed.admin.tick.limit, by server kind",
             explicit_bucket_boundaries_advisory=list(BLOCKED_BUCKETS),
         )
