@@ -231,3 +231,42 @@ def cut_retry_waits(exporter: Any, cut: Callable[[], bool]) -> bool:
             setattr(holder, name, _RetryWait(cut))
             return True
     return False
+
+
+# ---- stalls
+# A blocked event loop (dask_otel/scheduler/events.py, dask_otel/worker/bridge.py).
+# Dask's Server (scheduler and worker) runs ``_measure_tick`` from the
+# PeriodicCallback ``periodic_callbacks["tick"]`` every distributed.admin.tick.interval:
+# it sets ``_last_tick`` to now and logs "Event loop was unresponsive" when the time
+# since the last tick is above the module global ``distributed.core.tick_maximum_delay``
+# (distributed.admin.tick.limit, read once at import), the same in distributed
+# 2024.1.0 and 2026.8.0 (tests/test_compat.py::test_dask_tick_*). Hooking that tick,
+# not the log line, keeps it whatever the loggers' levels.
+
+
+def on_blocked_tick(server: Any, blocked: Callable[[float], None]) -> Callable[[], None] | None:
+    """Have ``blocked(seconds)`` called on the server's event loop when Dask's tick
+    finds the loop was blocked past Dask's limit; per tick, one subtraction and
+    one comparison more. The undo; None where this Dask's tick is not as above."""
+    import distributed.core
+
+    tick = getattr(server, "periodic_callbacks", {}).get("tick")
+    measure = getattr(tick, "callback", None)
+    limit = getattr(distributed.core, "tick_maximum_delay", None)
+    if measure is None or measure != getattr(server, "_measure_tick", None) or not isinstance(
+            limit, (int, float)):
+        return None
+
+    def measure_tick() -> None:
+        last = server._last_tick
+        measure()
+        if server._last_tick - last > limit:
+            blocked(server._last_tick - last)
+
+    tick.callback = measure_tick
+
+    def undo() -> None:
+        if tick.callback is measure_tick:
+            tick.callback = measure
+
+    return undo

@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING, Any
 from distributed.metrics import time
 
 from dask_otel.annotation import entered_times, otel_of
-from dask_otel.attributes import SPAN_CODE, WORKER_LOST
+from dask_otel.attributes import LOOP_BLOCKED, SPAN_CODE, WORKER_LOST
 from dask_otel.scheduler import blocks, builder
 from dask_otel.scheduler.ledger import Ledger
 from dask_otel.scheduler.links import producer_links
@@ -236,6 +236,32 @@ class SpanMirror:
         ``dask.worker.lost`` event on it, if it is open"""
         if (record := self.ledger.records.get(span_id)) is not None:
             record.add_event(WORKER_LOST, attributes, when)
+
+    def observe_loop_blocked(self, leaves: Iterable[str] | None, attributes: dict[str, Any],
+                             when: int) -> SpanContext | None:
+        """An event loop was blocked, told at ``when`` (ns): a ``dask.event_loop.blocked``
+        event on each open Dask span of ``leaves`` (the spans of the tasks a worker
+        was running) and their parents up to the root; None: the scheduler's, on each
+        with tasks processing in its subtree. The sampled context of the first root
+        hit (None: none), the histogram's exemplar"""
+        records = self.ledger.records
+        ext = self.extension
+        if leaves is None:
+            hit = [r.span for r in records.values() if r.span.states.get("processing")]
+        else:
+            spans = ext.spans if ext is not None else {}
+            hit = [spans[span_id] for span_id in leaves if span_id in spans]
+        seen: set[str] = set()
+        roots = []
+        for span in hit:
+            while span is not None and span.id not in seen:
+                seen.add(span.id)
+                if (record := records.get(span.id)) is not None:
+                    record.add_event(LOOP_BLOCKED, attributes, when)
+                if span.parent is None:
+                    roots.append(span.id)
+                span = span.parent
+        return next(filter(None, map(self.context_of, roots)), None)
 
     # --- when to export ------------------------------------------------------------
 

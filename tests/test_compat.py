@@ -255,3 +255,28 @@ async def test_dask_worker_execute_has_the_shape_the_task_context_hook_wraps(s, 
     """The in-task context's hook wraps ``Worker.execute(key, ...)`` on the
     instance, finding the task's annotations in ``state.tasks``"""
     assert _compat.execute_hookable(a) is None
+
+
+# ---- stalls
+
+
+@gen_cluster(nthreads=[("127.0.0.1", 1)])
+async def test_dask_tick_measures_a_blocked_loop_where_the_hook_reads_it(s, a):
+    """Dask's tick (``periodic_callbacks["tick"]`` running ``_measure_tick``, which
+    moves ``_last_tick``) measures a loop blocked past ``tick_maximum_delay`` on the
+    scheduler and the worker (one loop here), and gets its own callback back"""
+    import distributed.core
+
+    limit = distributed.core.tick_maximum_delay
+    seen: list[list[float]] = [[], []]
+    undo = [_compat.on_blocked_tick(server, got.append) for server, got in zip((s, a), seen)]
+    assert None not in undo
+    await asyncio.sleep(0.1)
+    time.sleep(limit + 0.2)
+    await asyncio.sleep(0.2)
+    for got in seen:
+        (blocked,) = got
+        assert blocked >= limit + 0.2
+    for server, give_back in zip((s, a), undo):
+        give_back()
+        assert server.periodic_callbacks["tick"].callback == server._measure_tick

@@ -322,6 +322,7 @@ def test_prometheus_names_through_a_collector():
     outcomes.instruments.runs.add(1)
     outcomes.instruments.duration.record(1.0)
     outcomes.worker_removed("lost")
+    outcomes.loop_blocked("worker", 2.0, None)
     (scope,) = reader.get_metrics_data().resource_metrics[0].scope_metrics
     names = set()
     for metric in scope.metrics:
@@ -331,6 +332,7 @@ def test_prometheus_names_through_a_collector():
             metric.name, metric.unit, kind, getattr(metric.data, "is_monotonic", None)))
     assert names == {
         "dask_workflow_duration_seconds", "dask_workflow_runs_total", "dask_worker_removed_total",
+        "dask_event_loop_blocked_duration_seconds",
     }
 
 

@@ -1,5 +1,7 @@
 """Dask's events (``SchedulerPlugin.log_event``) -> OpenTelemetry log records,
-``dask.worker.lost`` span events and each removed worker's reason. One table,
+``dask.worker.lost`` span events and each removed worker's reason; event loops
+blocked past Dask's limit (the scheduler's tick, the workers' reports) ->
+``dask.event_loop.blocked`` span events and their histogram. One table,
 :data:`DASK_EVENTS`, says what each of Dask's events becomes; users' topics are
 exported as they are. What each record holds: docs/events.md.
 """
@@ -20,6 +22,7 @@ from opentelemetry.trace import NonRecordingSpan, set_span_in_context
 
 import dask_otel.attributes as attr
 from dask_otel._compat import remove_worker_lost_keys
+from dask_otel.annotation import LOOP_BLOCKED
 from dask_otel.scheduler.outcomes import CLOSED, FAIL_HARD, LOST, MEMORY_RESTART, RETIRED
 
 if TYPE_CHECKING:
@@ -134,6 +137,9 @@ class DaskEvents:
     #: Counts a removed worker by its ``dask.worker.removed.reason``
     #: (``Outcomes.worker_removed``; None: metrics are off)
     removed: Callable[[str], None] | None = None
+    #: Records a blocked event loop by server kind, with its exemplar
+    #: (``Outcomes.loop_blocked``; None: metrics are off)
+    blocked: Callable[[str, float, SpanContext | None], None] | None = None
     #: The LoggerProvider's logger the records go to (None: logs are off)
     logger: Logger | None = field(init=False)
     #: worker address -> ``(dask.worker.removed.reason, dask.worker.lost.reason)``
@@ -148,6 +154,10 @@ class DaskEvents:
     def observe(self, topic: Any, msg: Any) -> None:
         """The hook: every event on every topic passes here"""
         name = event_name(topic, msg)
+        if name == LOOP_BLOCKED:  # a worker's, dask_otel.worker.bridge
+            if isinstance(msg, dict):
+                self.loop_blocked(float(msg["duration"]), msg)
+            return
         if name is None:
             if isinstance(msg, dict) and msg.get("action") == "worker-status-change":
                 self._note_status(str(topic), msg.get("status"))
@@ -258,6 +268,28 @@ class DaskEvents:
             attributes[attr.WORKER_LOST_REASON] = reason
         mirror.observe_worker_lost(span_id, attributes, now)
         return mirror.context_of(span_id)
+
+    # --- an event loop blocked ------------------------------------------------------
+
+    def loop_blocked(self, seconds: float, worker: dict | None = None) -> None:
+        """Dask's tick found an event loop blocked for ``seconds``: the scheduler's,
+        or the one of the worker whose report is ``worker``"""
+        attributes: dict[str, Any] = {
+            attr.SERVER_KIND: "scheduler" if worker is None else "worker",
+            attr.LOOP_BLOCKED_DURATION: seconds,
+        }
+        leaves = None
+        if worker is not None:
+            keys = worker.get("tasks") or ()
+            attributes[attr.WORKER_ADDRESS] = str(worker.get("worker"))
+            attributes[attr.TASKS_RUNNING] = [str(k) for k in islice(keys, MAX_KEYS)]
+            attributes[attr.TASKS_RUNNING + ".count"] = len(keys)
+            leaves = [str(span_id) for span_id in worker.get("spans") or ()]
+        context = None
+        if self.mirror is not None:
+            context = self.mirror.observe_loop_blocked(leaves, attributes, time_ns())
+        if self.blocked is not None:
+            self.blocked(attributes[attr.SERVER_KIND], seconds, context)
 
     # --- every other event -----------------------------------------------------------
 

@@ -1,6 +1,7 @@
 """Workflow outcomes and removed workers as metrics: ``dask.workflow.duration``,
 ``dask.workflow.runs`` (once per root Dask span the mirror finishes, from its
-record) and ``dask.worker.removed`` (from :mod:`dask_otel.scheduler.events`).
+record), ``dask.worker.removed`` and ``dask.event_loop.blocked.duration`` (from
+:mod:`dask_otel.scheduler.events`).
 Only the instruments and the naming rule live here. What each means, its bounds
 and Prometheus names: docs/metrics.md, "Workflow outcomes and removed workers".
 """
@@ -51,10 +52,13 @@ REMOVED_REASONS = (MEMORY_RESTART, FAIL_HARD, RETIRED, CLOSED, LOST)
 #: Bucket bounds of ``dask.workflow.duration``, seconds: from a 100 ms run to a day
 DURATION_BUCKETS = (0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1800, 3600, 7200, 14400,
                     43200, 86400)
+#: Bucket bounds of ``dask.event_loop.blocked.duration``, seconds: from a limit
+#: set low to a stall that loses workers (distributed.comm.timeouts)
+BLOCKED_BUCKETS = (0.5, 1, 2, 3, 5, 10, 30, 60, 120, 300)
 
 
 class OutcomeInstruments:
-    """The three instruments on one MeterProvider: created once per provider, as
+    """The four instruments on one MeterProvider: created once per provider, as
     several schedulers of one process share it"""
 
     def __init__(self, meter_provider: MeterProvider):
@@ -70,6 +74,11 @@ class OutcomeInstruments:
         self.removed: Counter = meter.create_counter(
             WORKERS_REMOVED, unit="{worker}",
             description="Workers the scheduler removed, by why they left")
+        self.blocked: Histogram = meter.create_histogram(
+            attr.LOOP_BLOCKED_DURATION, unit="s",
+            description="Event loops blocked past distributed.admin.tick.limit, by server kind",
+            explicit_bucket_boundaries_advisory=list(BLOCKED_BUCKETS),
+        )
 
     @classmethod
     def of(cls, meter_provider: MeterProvider) -> OutcomeInstruments:
@@ -132,3 +141,10 @@ class Outcomes:
     def worker_removed(self, reason: str) -> None:
         """A worker was removed, for ``reason`` (:data:`REMOVED_REASONS`)"""
         self.instruments.removed.add(1, {**self.attributes, attr.WORKER_REMOVED_REASON: reason})
+
+    def loop_blocked(self, kind: str, seconds: float, context: SpanContext | None) -> None:
+        """A ``kind`` server's event loop was blocked for ``seconds``, hitting the
+        workflow of ``context`` (None: none sampled), its exemplar"""
+        in_trace = set_span_in_context(NonRecordingSpan(context)) if context else Context()
+        self.instruments.blocked.record(seconds, {**self.attributes, attr.SERVER_KIND: kind},
+                                        context=in_trace)

@@ -15,6 +15,7 @@ from distributed.diagnostics.plugin import SchedulerPlugin
 from distributed.metrics import time
 from tornado.ioloop import IOLoop, PeriodicCallback
 
+from dask_otel._compat import on_blocked_tick
 from dask_otel.annotation import BLOCK_EXIT
 from dask_otel.attributes import SCHEDULER_ADDRESS
 from dask_otel.config import SCHEDULER, ConfigError
@@ -59,6 +60,8 @@ class OtelSchedulerPlugin(SchedulerPlugin):
     #: Dask's events out as log records, span events and removed workers
     events: DaskEvents | None = None
     _poller: PeriodicCallback | None = None
+    #: Gives Dask's tick back its own callback (None: not hooked)
+    _unhook_tick: Any = None
     _started = _closed = False
 
     def __init__(self, path: str = "client") -> None:
@@ -107,7 +110,9 @@ class OtelSchedulerPlugin(SchedulerPlugin):
                     scheduler, self.mirror, logs.provider if logs is not None else None,
                     config.event_topics, config.logs_level,
                     outcomes.worker_removed if outcomes is not None else None,
+                    outcomes.loop_blocked if outcomes is not None else None,
                 )
+                self._unhook_tick = on_blocked_tick(scheduler, self._loop_blocked)
         except ConfigError as e:  # an OTEL_* variable the SDK refused, named
             logger.error("dask_otel is off on scheduler %s: %s", scheduler.address, e)
             self.error = f"ConfigError: {e}"
@@ -132,6 +137,13 @@ class OtelSchedulerPlugin(SchedulerPlugin):
         if more and not self._closed:
             # Many spans finished at once: go on after the loop has run other work
             IOLoop.current().add_callback(self._poll)
+
+    def _loop_blocked(self, seconds: float) -> None:
+        if self.events is not None and not self._closed:
+            try:
+                self.events.loop_blocked(seconds)
+            except Exception:
+                logger.exception("dask_otel: could not record a blocked event loop")
 
     def update_graph(self, scheduler: Scheduler, *, tasks: Any = (), client: Any = None,
                      **kwargs: Any) -> None:
@@ -219,6 +231,8 @@ class OtelSchedulerPlugin(SchedulerPlugin):
                 logger.exception("dask_otel: could not release telemetry")
 
     def _stop_polling(self) -> None:
+        if self._unhook_tick is not None:
+            self._unhook_tick()
         if self._poller is not None:
             self._poller.stop()
 

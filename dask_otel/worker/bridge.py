@@ -1,15 +1,20 @@
 """The bridge on one worker, started by the registered plugin: the worker's share
 of its process's telemetry, the OTel context tasks run in (with task spans), the
-SpillBuffer instruments and Dask's own families. A feature that fails to start is
-logged and shown in ``status()``; the others run. docs/traces.md, docs/metrics.md.
+SpillBuffer instruments, Dask's own families, and its blocked event loop told to the
+scheduler. A feature that fails to start is logged and shown in ``status()``; the
+others run. docs/traces.md, docs/metrics.md, docs/events.md.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
+from dask_otel._compat import on_blocked_tick
+from dask_otel.annotation import LOOP_BLOCKED
 from dask_otel.attributes import SCHEDULER_ADDRESS
 from dask_otel.export.global_provider import adopt_global_tracer_provider
 from dask_otel.export.lifecycle import (release_telemetry, release_telemetry_in_background,
@@ -43,6 +48,8 @@ class WorkerBridge:
     #: :class:`~dask_otel.worker.execute_hook.TaskContextHook`; None where it
     #: could not be installed
     task_context: Any = None
+    #: Gives Dask's tick back its own callback (None: not hooked)
+    unhook_tick: Callable[[], None] | None = None
 
     def setup(self, worker: Worker) -> None:
         own, self.error = start_telemetry(
@@ -52,7 +59,8 @@ class WorkerBridge:
         if own is None:
             return
         self.server_telemetry, self.telemetry = own, own.telemetry
-        for step in (self._start_task_context, self._start_spill, self._start_families):
+        for step in (self._start_task_context, self._start_spill, self._start_families,
+                     self._start_stalls):
             try:
                 step(worker, own)
             except Exception as e:
@@ -86,7 +94,13 @@ class WorkerBridge:
 
         self.families = WorkerFamilies(worker, own)
 
+    def _start_stalls(self, worker: Worker, own: ServerTelemetry) -> None:
+        self.unhook_tick = on_blocked_tick(worker, partial(_tell_blocked, worker))
+
     async def teardown(self, worker: Worker) -> None:
+        if self.unhook_tick is not None:
+            self.unhook_tick()
+            self.unhook_tick = None
         if self.families is not None:
             self.families.close()
             self.families = None
@@ -103,6 +117,21 @@ class WorkerBridge:
                 release_telemetry_in_background(telemetry)
             else:  # a client unregistered the plugin: the worker goes on
                 await release_telemetry(telemetry)
+
+
+def _tell_blocked(worker: Worker, seconds: float) -> None:
+    """Dask's tick found the worker's loop blocked: the scheduler's bridge gets the
+    tasks executing and their Dask spans (at most one per thread) on the stream
+    that carries the worker's events, ahead of those tasks' results"""
+    try:
+        executing = list(worker.state.executing)
+        worker.log_event(LOOP_BLOCKED, {
+            "duration": seconds,
+            "tasks": [str(ts.key) for ts in executing],
+            "spans": list({ts.span_id for ts in executing if ts.span_id}),
+        })
+    except Exception:  # never into Dask's tick
+        logger.exception("dask_otel: could not report a blocked event loop")
 
 
 def _closing(worker: Worker) -> bool:

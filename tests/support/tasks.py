@@ -51,6 +51,15 @@ def nap(seconds):
     return seconds
 
 
+def hold_gil(seconds):
+    """Sleep in C holding the GIL (ctypes.PyDLL calls do not release it): the
+    worker's event loop, in another thread of the process, cannot run"""
+    import ctypes
+
+    ctypes.PyDLL(None).usleep(int(seconds * 1e6))
+    return seconds
+
+
 def wait_for_event(name):
     """Block until the cluster's ``distributed.Event(name)`` is set"""
     from distributed import Event

@@ -1,0 +1,110 @@
+"""Event loops blocked past Dask's limit, tied to the workflows they hit
+(dask_otel.scheduler.events.DaskEvents.loop_blocked): ``dask scheduler`` and ``dask
+worker`` processes whose distributed.admin.tick.limit is set low (Dask reads it once,
+at import: only a process started with it has it), a scheduler blocked by
+``run_on_scheduler(time.sleep)`` and a worker blocked by a task holding the GIL;
+spans and metric points read back from a real OTLP receiver. docs/events.md."""
+
+from __future__ import annotations
+
+import time
+
+import dask_otel
+from tests.support.cluster import dask_span_ids
+from tests.support.otlp_receiver import OTLPReceiver
+from tests.support.processes import dask_processes
+from tests.support.tasks import hold_gil, inc, nap
+
+#: Dask's limit in these processes, seconds: a loop blocked longer is a stall.
+#: Their ``distributed`` loggers drop Dask's "Event loop was unresponsive" (INFO):
+#: the bridge must not hang on it
+LIMIT = 1.0
+ENV = {"DASK_DISTRIBUTED__ADMIN__TICK__LIMIT": f"{LIMIT}s", "DASK_LOGGING__DISTRIBUTED": "error"}
+#: A block under the limit, though over half of it: no stall
+SHORT = 0.6
+#: How long the tests block a loop: well past the limit, so that a stall the
+#: machine's load makes on its own (past 1 s, and shorter) is told apart
+BLOCK = 2.5
+#: Dask's tick reads a wall clock: it cannot measure less than the block, but
+#: for the clock's own step
+CLOCK = 0.01
+
+
+def blocked_events(receiver: OTLPReceiver, dask_id: str, name: str) -> list[dict]:
+    """The dask.event_loop.blocked events of the exported span of ``dask_id``"""
+    span_hex = f"{dask_span_ids(dask_id)[1]:016x}"
+    (span,) = receiver.wait_for(
+        lambda r: [s for s in r.spans(name) if s.span_id == span_hex], timeout=30
+    )
+    return [a for event, _, a in span.events if event == "dask.event_loop.blocked"]
+
+
+def trace_hex(dask_id: str) -> str:
+    return f"{dask_span_ids(dask_id)[0]:032x}"
+
+
+def blocked_point(receiver: OTLPReceiver, kind: str, dask_id: str):
+    """The first point of the histogram, for ``kind``, whose exemplar is of the
+    trace of root Dask span ``dask_id``"""
+    trace = trace_hex(dask_id)
+    return receiver.wait_for(lambda r: [
+        p for p in r.metric_points("dask.event_loop.blocked.duration")
+        if p.attributes.get("dask.server.kind") == kind and trace in {t for t, _ in p.exemplars}
+    ], timeout=30)[0]
+
+
+def test_a_blocked_scheduler_is_told_on_the_spans_with_tasks_in_flight():
+    """A sleep on the scheduler's loop while workflow "busy" has a task processing
+    and workflow "idle" has none (its block still open): busy and its sub-span get
+    the event with the sleep's length, idle none; the histogram's scheduler point
+    has busy's trace as exemplar. A shorter sleep, under the limit, is no stall"""
+    with OTLPReceiver("grpc") as receiver, dask_processes({**receiver.env(), **ENV}) as cluster:
+        with cluster.client() as client:
+            with dask_otel.span("busy") as busy_id, dask_otel.span("step") as step_id:
+                running = client.submit(nap, BLOCK + 3)
+            with dask_otel.span("idle") as idle_id:
+                assert client.submit(inc, 1).result() == 2
+                client.run_on_scheduler(time.sleep, SHORT)
+                client.run_on_scheduler(time.sleep, BLOCK)
+            assert running.result() == BLOCK + 3
+            busy = blocked_events(receiver, busy_id, "busy")
+            step = blocked_events(receiver, step_id, "step")
+            idle = blocked_events(receiver, idle_id, "idle")
+            for events in (busy, step):
+                (event,) = [a for a in events
+                            if a["dask.event_loop.blocked.duration"] >= BLOCK - CLOCK]
+                assert event["dask.server.kind"] == "scheduler"
+                assert "dask.worker.address" not in event
+            assert not [a for a in idle if a["dask.event_loop.blocked.duration"] >= BLOCK - CLOCK]
+            assert all(a["dask.event_loop.blocked.duration"] > LIMIT for a in busy + step + idle)
+            # the receiver's wait, after the spans': the rules above fail on their own
+            point = blocked_point(receiver, "scheduler", busy_id)
+            assert point.max >= BLOCK - CLOCK
+
+
+def test_a_worker_blocked_by_a_task_holding_the_gil_is_told_on_its_spans():
+    """A task holding the GIL on worker A inside span "hold" (under root "gil job")
+    while workflow "elsewhere" runs a task on worker B: hold and its root get the
+    event naming A and the task, elsewhere gets none from A; the histogram's
+    worker point has the gil job's trace as exemplar"""
+    with OTLPReceiver("grpc") as receiver, dask_processes({**receiver.env(), **ENV}) as cluster:
+        with cluster.client() as client:
+            a, b = sorted(client.scheduler_info()["workers"])
+            with dask_otel.span("elsewhere") as elsewhere_id:
+                running = client.submit(nap, BLOCK + 3, workers=[b])
+            with dask_otel.span("gil job") as root_id, dask_otel.span("hold") as leaf_id:
+                held = client.submit(hold_gil, BLOCK, workers=[a])
+                assert held.result() == BLOCK
+            assert running.result() == BLOCK + 3
+            root = blocked_events(receiver, root_id, "gil job")
+            leaf = blocked_events(receiver, leaf_id, "hold")
+            elsewhere = blocked_events(receiver, elsewhere_id, "elsewhere")
+            for events in (root, leaf):
+                (event,) = [e for e in events if e.get("dask.worker.address") == a
+                            and e["dask.event_loop.blocked.duration"] >= BLOCK - CLOCK]
+                assert event["dask.server.kind"] == "worker"
+                assert event["dask.tasks.running"] == (held.key,)
+                assert event["dask.tasks.running.count"] == 1
+            assert not [e for e in elsewhere if e.get("dask.worker.address") == a]
+            point = blocked_point(receiver, "worker", root_id)
+            assert point.max >= BLOCK - CLOCK
