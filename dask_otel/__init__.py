@@ -1,14 +1,17 @@
 """Mirror a Dask distributed cluster into OpenTelemetry: what Dask already measures,
 handed to the OpenTelemetry SDK. The public API: the preload hooks
 (``distributed.scheduler.preload: [dask_otel]``), :func:`instrument`, :func:`status`,
-:func:`span` and :class:`ConfigError`. Importing it imports nothing of Dask or the
-SDK: ``opentelemetry-instrument`` loads the instrumentor, and with it this package,
-in every process it starts (docs/zero-code.md). The manual: README.md and docs/.
+:func:`span` and :class:`ConfigError`. Importing it imports nothing of the SDK, and
+of Dask only where distributed is imported (then it loads the ``otel:`` config
+defaults and sets up Dask's console): ``opentelemetry-instrument`` loads the
+instrumentor, and with it this package, in every process it starts
+(docs/zero-code.md). The manual: README.md and docs/.
 """
 
 from __future__ import annotations
 
 import importlib
+import sys
 from typing import TYPE_CHECKING, Any
 
 from dask_otel._version import __version__
@@ -16,6 +19,8 @@ from dask_otel._version import __version__
 # Everything else, Dask and the SDK included, is imported where used (dask_otel.span
 # needs the API alone); these two at first use, by __getattr__
 _AT_FIRST_USE = {"span": "dask_otel.client", "ConfigError": "dask_otel.config"}
+if "distributed" in sys.modules:  # a Dask process (a preload's import): the otel:
+    importlib.import_module("dask_otel.config")  # defaults and Dask's console, now
 
 if TYPE_CHECKING:
     from distributed import Client, Scheduler
