@@ -160,8 +160,9 @@ def startup_run(dask_on: bool, tree: Path) -> tuple[float, float]:
                 "OTEL_METRICS_EXPORTER": "none", "OTEL_LOGS_EXPORTER": "none"})
     if not dask_on:
         env["OTEL_PYTHON_DISABLED_INSTRUMENTATIONS"] = "dask"
+    # cwd: ``-c`` puts it first on sys.path, before PYTHONPATH
     out = subprocess.run([*MEASURE, *INSTRUMENT, sys.executable, "-c", "pass"], env=env,
-                         capture_output=True, text=True, check=True)
+                         cwd=tree, capture_output=True, text=True, check=True)
     wall, kib, code = out.stdout.split()
     if code != "0":
         raise RuntimeError(f"opentelemetry-instrument python -c pass exited {code}: {out.stderr}")
