@@ -1,11 +1,9 @@
 """Mirror a Dask distributed cluster into OpenTelemetry: what Dask already measures,
 handed to the OpenTelemetry SDK. The public API: the preload hooks
 (``distributed.scheduler.preload: [dask_otel]``), :func:`instrument`, :func:`status`,
-:func:`span` and :class:`ConfigError`. Importing it imports nothing of the SDK, and
-of Dask only where distributed is imported (then it loads the ``otel:`` config
-defaults and sets up Dask's console): ``opentelemetry-instrument`` loads the
-instrumentor, and with it this package, in every process it starts
-(docs/zero-code.md). The manual: README.md and docs/.
+:func:`span` and :class:`ConfigError`. Importing it imports nothing of the SDK, nor
+of Dask where distributed is not imported (docs/zero-code.md, "A process that never
+uses Dask pays nothing"). The manual: README.md and docs/.
 """
 
 from __future__ import annotations

@@ -36,9 +36,8 @@ SERVICE_NAME_FROM: dict[str, Any] = {"tracer_provider": None}
 
 
 def _set_up_for_dask(distributed: Any) -> None:
-    """Once distributed is imported (it has just configured its loggers): the
-    ``otel:`` config defaults and Dask's console, which importing
-    :mod:`dask_otel.config` sets up; never raises into the import"""
+    """Once distributed is imported: the ``otel:`` config defaults and Dask's
+    console, which importing :mod:`dask_otel.config` sets up; never raises"""
     try:
         importlib.import_module("dask_otel.config")
     except Exception:

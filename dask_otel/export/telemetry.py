@@ -62,8 +62,7 @@ def service_name() -> tuple[str, str]:
     named = recipe().service_name()
     if named:
         return named
-    # the instrumentor's module is imported where DaskInstrumentor is (it needs
-    # opentelemetry-instrumentation)
+    # imported only where DaskInstrumentor is (it needs opentelemetry-instrumentation)
     instrumentor = sys.modules.get("dask_otel.instrumentor")
     given = instrumentor.SERVICE_NAME_FROM["tracer_provider"] if instrumentor else None
     for provider, source in (
