@@ -17,9 +17,10 @@ each process, workload + drain) and the workload's wall time.
 ``--startup``: ``opentelemetry-instrument python -c pass``, A with every installed
 instrumentor (the ``dask`` entry point loaded), B with
 ``OTEL_PYTHON_DISABLED_INSTRUMENTATIONS=dask``; one warm-up pair, then ``--pairs``
-interleaved pairs (``--tree``: another checkout's dask_otel); each process's wall time and peak RSS (the OS's accounting of
-the finished process); medians of A/B wall and A-B peak RSS over the pairs. Needs
-only opentelemetry-distro: ``python -m benchmarks.zero_code --startup --pairs 20``.
+interleaved pairs (``--tree``: another checkout's dask_otel); each process's wall
+and CPU time and peak RSS (the OS's accounting of the finished process); medians of
+A/B wall and CPU and of A-B peak RSS over the pairs. Needs only opentelemetry-distro:
+``python -m benchmarks.zero_code --startup --pairs 20``.
 
 Needs opentelemetry-instrumentation-click, -asyncio and -tornado installed (in a
 throwaway venv: they are not the project's dependencies) and dask_otel installed
@@ -137,7 +138,7 @@ def one_run(disabled: str | None, args: argparse.Namespace) -> dict:
         }
 
 
-#: Runs its arguments and prints their wall seconds, peak RSS (KiB) and exit code: a
+#: Runs its arguments and prints their wall and CPU seconds, peak RSS (KiB) and exit code: a
 #: small process (-S -I), since a child's peak RSS counts the memory of the process
 #: it was forked from (this one has distributed imported)
 MEASURE = [
@@ -148,12 +149,13 @@ MEASURE = [
     "if pid == 0:\n"
     "    os.execve(sys.argv[1], sys.argv[1:], os.environ)\n"
     "_, status, usage = os.wait4(pid, 0)\n"
-    "print(time.perf_counter() - started, usage.ru_maxrss, os.waitstatus_to_exitcode(status))",
+    "print(time.perf_counter() - started, usage.ru_utime + usage.ru_stime, usage.ru_maxrss,\n"
+    "      os.waitstatus_to_exitcode(status))",
 ]
 
 
-def startup_run(dask_on: bool, tree: Path) -> tuple[float, float]:
-    """Wall seconds and peak RSS (MiB) of ``opentelemetry-instrument python -c pass``,
+def startup_run(dask_on: bool, tree: Path) -> tuple[float, float, float]:
+    """Wall seconds, peak RSS (MiB) and CPU seconds of ``opentelemetry-instrument python -c pass``,
     with the dask_otel of ``tree``"""
     env = {k: v for k, v in os.environ.items() if not k.startswith(("OTEL_", "DASK_"))}
     env.update({"PYTHONPATH": str(tree), "OTEL_TRACES_EXPORTER": "none",
@@ -163,10 +165,10 @@ def startup_run(dask_on: bool, tree: Path) -> tuple[float, float]:
     # cwd: ``-c`` puts it first on sys.path, before PYTHONPATH
     out = subprocess.run([*MEASURE, *INSTRUMENT, sys.executable, "-c", "pass"], env=env,
                          cwd=tree, capture_output=True, text=True, check=True)
-    wall, kib, code = out.stdout.split()
+    wall, cpu, kib, code = out.stdout.split()
     if code != "0":
         raise RuntimeError(f"opentelemetry-instrument python -c pass exited {code}: {out.stderr}")
-    return float(wall), int(kib) / 1024  # KiB on Linux
+    return float(wall), int(kib) / 1024, float(cpu)  # KiB on Linux
 
 
 def startup(pairs: int, tree: Path) -> None:
@@ -182,6 +184,7 @@ def startup(pairs: int, tree: Path) -> None:
               f"B {b[-1][0]:.3f}s {b[-1][1]:.1f} MiB", flush=True)
     ratios = [x[0] / y[0] for x, y in zip(a, b)]
     extra = [x[1] - y[1] for x, y in zip(a, b)]
+    cpu_ratios = [x[2] / y[2] for x, y in zip(a, b)]
     print_table(["measure", "median", "spread (min-max)"], [
         ["A wall s", f"{median([x[0] for x in a]):.3f}", spread([x[0] for x in a])],
         ["B wall s", f"{median([y[0] for y in b]):.3f}", spread([y[0] for y in b])],
@@ -189,6 +192,7 @@ def startup(pairs: int, tree: Path) -> None:
         ["B peak MiB", f"{median([y[1] for y in b]):.1f}", spread([y[1] for y in b], "{:.1f}")],
         ["wall A/B (goal <= 1.05)", f"{median(ratios):.3f}", spread(ratios)],
         ["peak MiB A-B (goal <= 1)", f"{median(extra):.2f}", spread(extra, "{:.2f}")],
+        ["CPU A/B (user + sys)", f"{median(cpu_ratios):.3f}", spread(cpu_ratios)],
     ])
 
 

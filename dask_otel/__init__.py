@@ -12,17 +12,19 @@ import importlib
 import sys
 from typing import TYPE_CHECKING, Any
 
-from dask_otel._version import __version__
-
-# Everything else, Dask and the SDK included, is imported where used (dask_otel.span
-# needs the API alone); these two at first use, by __getattr__
-_AT_FIRST_USE = {"span": "dask_otel.client", "ConfigError": "dask_otel.config"}
+# Everything, Dask and the SDK included, is imported where used (dask_otel.span needs
+# the API alone); these at first use, by __getattr__ (__version__ reads the metadata)
+_AT_FIRST_USE = {
+    "span": "dask_otel.client", "ConfigError": "dask_otel.config",
+    "__version__": "dask_otel._version",
+}
 if "distributed" in sys.modules:  # a Dask process (a preload's import): the otel:
     importlib.import_module("dask_otel.config")  # defaults and Dask's console, now
 
 if TYPE_CHECKING:
     from distributed import Client, Scheduler
 
+    from dask_otel._version import __version__
     from dask_otel.client import span
     from dask_otel.config import ConfigError
 

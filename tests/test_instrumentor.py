@@ -424,7 +424,7 @@ if __name__ == "__main__":
     print(json.dumps({"before": before, "defaults": defaults}))
 """
 #: What loading the dask entry point may import: the package and the instrumentor
-ENTRY_POINT_MODULES = {"dask_otel", "dask_otel._version", "dask_otel.instrumentor"}
+ENTRY_POINT_MODULES = {"dask_otel", "dask_otel.instrumentor"}
 
 
 @needs_entry_point
