@@ -1,5 +1,6 @@
 """Zero-code: what the other instrumentations ``opentelemetry-instrument`` loads do
-on Dask servers, and what disabling them saves.
+on Dask servers, and what disabling them saves; with ``--startup``, what the
+``dask`` entry point costs a process that never uses Dask.
 
 Each run starts ``opentelemetry-instrument dask scheduler`` and two
 ``opentelemetry-instrument dask worker --no-nanny`` (the bridge on through the
@@ -12,6 +13,14 @@ A: ``OTEL_PYTHON_DISABLED_INSTRUMENTATIONS=click,asyncio,tornado`` (the line
 docs/deploy.md proposes); B: every installed instrumentation on. Alternating A B;
 medians of B/A of the scheduler's and the workers' CPU (``time.process_time`` in
 each process, workload + drain) and the workload's wall time.
+
+``--startup``: ``opentelemetry-instrument python -c pass``, A with every installed
+instrumentor (the ``dask`` entry point loaded), B with
+``OTEL_PYTHON_DISABLED_INSTRUMENTATIONS=dask``; one warm-up pair, then ``--pairs``
+interleaved pairs (``--tree``: another checkout's dask_otel); each process's wall
+and CPU time and peak RSS (the OS's accounting of the finished process); medians of
+A/B wall and CPU and of A-B peak RSS over the pairs. Needs only opentelemetry-distro:
+``python -m benchmarks.zero_code --startup --pairs 20``.
 
 Needs opentelemetry-instrumentation-click, -asyncio and -tornado installed (in a
 throwaway venv: they are not the project's dependencies) and dask_otel installed
@@ -129,14 +138,79 @@ def one_run(disabled: str | None, args: argparse.Namespace) -> dict:
         }
 
 
+#: Runs its arguments and prints their wall and CPU seconds, peak RSS (KiB) and exit code: a
+#: small process (-S -I), since a child's peak RSS counts the memory of the process
+#: it was forked from (this one has distributed imported)
+MEASURE = [
+    sys.executable, "-S", "-I", "-c",
+    "import os, sys, time\n"
+    "started = time.perf_counter()\n"
+    "pid = os.fork()\n"
+    "if pid == 0:\n"
+    "    os.execve(sys.argv[1], sys.argv[1:], os.environ)\n"
+    "_, status, usage = os.wait4(pid, 0)\n"
+    "print(time.perf_counter() - started, usage.ru_utime + usage.ru_stime, usage.ru_maxrss,\n"
+    "      os.waitstatus_to_exitcode(status))",
+]
+
+
+def startup_run(dask_on: bool, tree: Path) -> tuple[float, float, float]:
+    """Wall seconds, peak RSS (MiB) and CPU seconds of ``opentelemetry-instrument python -c pass``,
+    with the dask_otel of ``tree``"""
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("OTEL_", "DASK_"))}
+    env.update({"PYTHONPATH": str(tree), "OTEL_TRACES_EXPORTER": "none",
+                "OTEL_METRICS_EXPORTER": "none", "OTEL_LOGS_EXPORTER": "none"})
+    if not dask_on:
+        env["OTEL_PYTHON_DISABLED_INSTRUMENTATIONS"] = "dask"
+    # cwd: ``-c`` puts it first on sys.path, before PYTHONPATH
+    out = subprocess.run([*MEASURE, *INSTRUMENT, sys.executable, "-c", "pass"], env=env,
+                         cwd=tree, capture_output=True, text=True, check=True)
+    wall, cpu, kib, code = out.stdout.split()
+    if code != "0":
+        raise RuntimeError(f"opentelemetry-instrument python -c pass exited {code}: {out.stderr}")
+    return float(wall), int(kib) / 1024, float(cpu)  # KiB on Linux
+
+
+def startup(pairs: int, tree: Path) -> None:
+    print("zero_code --startup: opentelemetry-instrument python -c pass; A = the dask "
+          f"entry point loaded, B = OTEL_PYTHON_DISABLED_INSTRUMENTATIONS=dask; dask_otel of {tree}")
+    print_machine()
+    startup_run(True, tree), startup_run(False, tree)  # warm-up: the files in the page cache
+    a, b = [], []
+    for i in range(pairs):
+        a.append(startup_run(True, tree))
+        b.append(startup_run(False, tree))
+        print(f"  pair {i + 1}: A {a[-1][0]:.3f}s {a[-1][1]:.1f} MiB, "
+              f"B {b[-1][0]:.3f}s {b[-1][1]:.1f} MiB", flush=True)
+    ratios = [x[0] / y[0] for x, y in zip(a, b)]
+    extra = [x[1] - y[1] for x, y in zip(a, b)]
+    cpu_ratios = [x[2] / y[2] for x, y in zip(a, b)]
+    print_table(["measure", "median", "spread (min-max)"], [
+        ["A wall s", f"{median([x[0] for x in a]):.3f}", spread([x[0] for x in a])],
+        ["B wall s", f"{median([y[0] for y in b]):.3f}", spread([y[0] for y in b])],
+        ["A peak MiB", f"{median([x[1] for x in a]):.1f}", spread([x[1] for x in a], "{:.1f}")],
+        ["B peak MiB", f"{median([y[1] for y in b]):.1f}", spread([y[1] for y in b], "{:.1f}")],
+        ["wall A/B (goal <= 1.05)", f"{median(ratios):.3f}", spread(ratios)],
+        ["peak MiB A-B (goal <= 1)", f"{median(extra):.2f}", spread(extra, "{:.2f}")],
+        ["CPU A/B (user + sys)", f"{median(cpu_ratios):.3f}", spread(cpu_ratios)],
+    ])
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--pairs", type=int, default=3)
+    parser.add_argument("--startup", action="store_true",
+                        help="the dask entry point's cost to a process that never uses Dask")
+    parser.add_argument("--tree", type=Path, default=REPO,
+                        help="--startup: the checkout whose dask_otel to load (another commit's)")
     parser.add_argument("--spans", type=int, default=20)
     parser.add_argument("--tasks", type=int, default=200)
     parser.add_argument("--requests", type=int, default=20)
     parser.add_argument("--drain", type=float, default=3.0)
     args = parser.parse_args()
+    if args.startup:
+        startup(args.pairs, args.tree)
+        return
     print("zero_code: A = OTEL_PYTHON_DISABLED_INSTRUMENTATIONS=" + DISABLED + ", B = all on")
     print_machine()
     runs: dict[str, list[dict]] = {"A": [], "B": []}

@@ -1,26 +1,42 @@
 """Mirror a Dask distributed cluster into OpenTelemetry: what Dask already measures,
 handed to the OpenTelemetry SDK. The public API: the preload hooks
 (``distributed.scheduler.preload: [dask_otel]``), :func:`instrument`, :func:`status`,
-:func:`span` and :class:`ConfigError`. Importing it loads the ``otel:`` config
-defaults and nothing of the SDK. The manual: README.md and docs/.
+:func:`span` and :class:`ConfigError`. Importing it imports nothing of the SDK, nor
+of Dask where distributed is not imported (docs/zero-code.md, "A process that never
+uses Dask pays nothing"). The manual: README.md and docs/.
 """
 
 from __future__ import annotations
 
+import importlib
+import sys
 from typing import TYPE_CHECKING, Any
 
-from dask_otel._version import __version__
-from dask_otel.client import span
-from dask_otel.config import ConfigError  # also loads the otel: config defaults
-
-# The plugins, and the SDK, are imported where used: dask_otel.span needs the API alone
+# Everything, Dask and the SDK included, is imported where used (dask_otel.span needs
+# the API alone); these at first use, by __getattr__ (__version__ reads the metadata)
+_AT_FIRST_USE = {
+    "span": "dask_otel.client", "ConfigError": "dask_otel.config",
+    "__version__": "dask_otel._version",
+}
+if "distributed" in sys.modules:  # a Dask process (a preload's import): the otel:
+    importlib.import_module("dask_otel.config")  # defaults and Dask's console, now
 
 if TYPE_CHECKING:
     from distributed import Client, Scheduler
 
+    from dask_otel._version import __version__
+    from dask_otel.client import span
+    from dask_otel.config import ConfigError
+
 __all__ = [
     "ConfigError", "__version__", "dask_setup", "dask_teardown", "instrument", "span", "status",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    if name in _AT_FIRST_USE:
+        return getattr(importlib.import_module(_AT_FIRST_USE[name]), name)
+    raise AttributeError(f"module 'dask_otel' has no attribute {name!r}")
 
 
 async def dask_setup(scheduler: Scheduler) -> None:

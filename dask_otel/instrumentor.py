@@ -3,12 +3,15 @@
 distributed is imported it wraps ``Scheduler.__init__`` (then adds the bridge,
 whatever ``--preload`` says) and ``Worker.start_unsafe`` (then one WARNING if the
 scheduler handed the worker no bridge); neither raises into Dask, and
-``uninstrument()`` undoes both. Loading it imports :mod:`dask_otel.log`, which
-keeps a server's console. The manual: docs/zero-code.md.
+``uninstrument()`` undoes both. Loading it imports nothing of Dask: the ``otel:``
+config defaults and Dask's console (:mod:`dask_otel.config`, :mod:`dask_otel.log`)
+are set up once distributed is imported, so a process that never imports it pays
+nothing. The manual: docs/zero-code.md.
 """
 
 from __future__ import annotations
 
+import importlib
 import logging
 from collections.abc import Collection
 from typing import Any
@@ -27,6 +30,18 @@ _active = False
 #: What is wrapped now, as (module, attribute): instrument, uninstrument and
 #: instrument again before distributed is imported registers each hook twice
 _wrapped: set[tuple[str, str]] = set()
+#: ``tracer_provider`` given to ``instrument()``, if any: its service.name is the
+#: bridge's (dask_otel.export.telemetry.service_name)
+SERVICE_NAME_FROM: dict[str, Any] = {"tracer_provider": None}
+
+
+def _set_up_for_dask(distributed: Any) -> None:
+    """Once distributed is imported: the ``otel:`` config defaults and Dask's
+    console, which importing :mod:`dask_otel.config` sets up; never raises"""
+    try:
+        importlib.import_module("dask_otel.config")
+    except Exception:
+        logger.exception("dask_otel: could not set up the otel config and Dask's console")
 
 
 def _carry_the_bridge(wrapped: Any, scheduler: Any, args: Any, kwargs: Any) -> None:
@@ -96,19 +111,16 @@ class DaskInstrumentor(BaseInstrumentor):  # type: ignore[misc]
         global _active
         from wrapt import register_post_import_hook
 
-        from dask_otel.export.telemetry import SERVICE_NAME_FROM
-
         SERVICE_NAME_FROM["tracer_provider"] = kwargs.get("tracer_provider")
         _active = True
-        # Wrap when distributed is imported (now, if it is): a process that never
-        # builds a Dask server (pip, a script) does not pay for importing it
+        # Set up and wrap when distributed is imported (now, if it is), whatever
+        # imports it first: a process that never does (pip, a web server) pays nothing
+        register_post_import_hook(_set_up_for_dask, "distributed")
         for target, attribute, wrapper in _WRAPPED:
             register_post_import_hook(_wrapper_of(target, attribute, wrapper), target)
 
     def _uninstrument(self, **kwargs: Any) -> None:
         global _active
-        from dask_otel.export.telemetry import SERVICE_NAME_FROM
-
         _active = False
         SERVICE_NAME_FROM["tracer_provider"] = None
         for target, attribute, _ in _WRAPPED:

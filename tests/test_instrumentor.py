@@ -13,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -403,3 +404,62 @@ def test_an_application_under_opentelemetry_instrument_starting_a_local_cluster(
     assert status["scheduler"]["paths"] == ["instrumentor", "client"]
     assert status["scheduler"]["service_name"] == {"name": "reports-app", "from": "OTEL_SERVICE_NAME"}
     assert {s.resource["service.name"] for s in receiver.spans()} == {"reports-app"}
+
+
+#: A script that imports distributed only after it has looked at what is imported,
+#: then starts a LocalCluster (its scheduler in this process, where the bad value's
+#: ERROR is logged)
+LATE_IMPORT = """
+import json, sys
+before = sorted(sys.modules)
+import dask
+import distributed
+defaults = dask.config.get("otel.enabled", None)  # otel.yaml's, no variable's
+from distributed import Client, LocalCluster
+
+if __name__ == "__main__":
+    with LocalCluster(n_workers=1, threads_per_worker=1, processes=True, host="127.0.0.1",
+                      dashboard_address="127.0.0.1:0") as cluster, Client(cluster) as client:
+        assert client.submit(sum, [1, 2]).result() == 3
+    print(json.dumps({"before": before, "defaults": defaults}))
+"""
+#: What loading the dask entry point may import: the package and the instrumentor
+ENTRY_POINT_MODULES = {"dask_otel", "dask_otel.instrumentor"}
+
+
+@needs_entry_point
+@pytest.mark.slow
+def test_a_process_pays_for_dask_only_once_it_imports_distributed(tmp_path):
+    """opentelemetry-instrument loads the dask entry point in every process: until
+    distributed is imported, nothing of Dask's or of the bridge beyond the
+    instrumentor is; once it is, the otel: config defaults are loaded and Dask's
+    console is back beside the logging instrumentation's root handler (the
+    scheduler's ERROR for a bad value, in Dask's format)"""
+    script = tmp_path / "late.py"
+    script.write_text(LATE_IMPORT)
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("OTEL_", "DASK_"))}
+    env.update({
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
+        "OTEL_TRACES_EXPORTER": "none", "OTEL_METRICS_EXPORTER": "none",
+        "OTEL_LOGS_EXPORTER": "none", "DASK_OTEL__SPANS__EXPORT_DELAY": "soon",
+    })
+    out = subprocess.run(
+        [*OPENTELEMETRY_INSTRUMENT, sys.executable, str(script)],
+        env=env, cwd=tmp_path, capture_output=True, text=True, timeout=240, check=False,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    result = json.loads(out.stdout.strip().splitlines()[-1])
+    before = set(result["before"])
+    assert ENTRY_POINT_MODULES <= before  # the entry point was loaded
+    heavy = {
+        m for m in before
+        if m.split(".")[0] in ("dask", "distributed", "tornado", "numpy", "yaml")
+        or (m.startswith("dask_otel") and m not in ENTRY_POINT_MODULES)
+    }
+    assert not heavy, sorted(heavy)
+    assert result["defaults"] is True  # the otel: config defaults loaded
+    assert re.search(
+        r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3} - dask_otel - ERROR - dask_otel is off on "
+        r"scheduler tcp://127\.0\.0\.1:\d+: otel\.spans\.export-delay: .*got 'soon'$",
+        out.stderr, re.MULTILINE,
+    ), out.stderr[-3000:]

@@ -115,18 +115,25 @@ def test_a_local_cluster_script_logs_the_bridges_lines_as_dasks(processes, tmp_p
 # --- Dask's console beside an OpenTelemetry handler on the root logger --------------
 
 #: A process where instrumentation-logging put its handler on the root logger
-#: (as opentelemetry-instrument does at start-up) before distributed was imported,
-#: then imports the bridge; it prints what the loggers have, then logs a Dask line
+#: (as opentelemetry-instrument does at start-up), then the dask instrumentor turned
+#: on before or after distributed's import; it prints what the loggers have, then
+#: logs a Dask line
 CONSOLE_SCRIPT = """
-import json, logging
+import json, logging, sys
 from opentelemetry.instrumentation.logging import LoggingInstrumentor
+from dask_otel.instrumentor import DaskInstrumentor
 
 LoggingInstrumentor().instrument()
 {before}
+if {instrumentor_first}:
+    DaskInstrumentor().instrument()
+    # nothing of Dask's yet: the set-up waits for distributed's import
+    assert "dask_otel.log" not in sys.modules and "distributed" not in sys.modules
 import distributed
 skipped = not logging.getLogger("distributed").handlers
 late = logging.getLogger("myapp.late")  # after distributed's set-up
-import dask_otel
+if not {instrumentor_first}:
+    DaskInstrumentor().instrument()
 theirs = logging.getLogger("distributed")
 print(json.dumps({{
     "skipped": skipped,
@@ -139,9 +146,10 @@ logging.getLogger("distributed.scheduler").info("a Dask line")
 """
 
 
-def run_console_script(before: str = "") -> tuple[dict, str]:
+def run_console_script(before: str = "", instrumentor_first: bool = False) -> tuple[dict, str]:
+    script = CONSOLE_SCRIPT.format(before=before, instrumentor_first=instrumentor_first)
     run = subprocess.run(
-        [sys.executable, "-c", CONSOLE_SCRIPT.format(before=before)],
+        [sys.executable, "-c", script],
         env={k: v for k, v in os.environ.items() if not k.startswith(("OTEL_", "DASK_"))},
         capture_output=True, text=True, timeout=120,
     )
@@ -149,13 +157,19 @@ def run_console_script(before: str = "") -> tuple[dict, str]:
     return json.loads(run.stdout), run.stderr
 
 
-def test_the_bridge_gives_dask_its_console_back_beside_an_otel_handler_on_the_root():
+@pytest.mark.parametrize("instrumentor_first", [False, True],
+                         ids=["distributed-first", "instrumentor-first"])
+def test_the_bridge_gives_dask_its_console_back_beside_an_otel_handler_on_the_root(
+    instrumentor_first,
+):
     """distributed skipped its console handler (an OpenTelemetry handler was on the
-    root); importing the bridge runs distributed's set-up again: its stream handler,
-    in its format, propagation off; the root keeps its handler"""
-    loggers, stderr = run_console_script()
+    root); the instrumentor runs distributed's set-up again, at once if distributed
+    is imported, else right after its import: its stream handler, in its format,
+    propagation off; the root keeps its handler"""
+    loggers, stderr = run_console_script(instrumentor_first=instrumentor_first)
     assert loggers == {
-        "skipped": True, "handlers": ["StreamHandler"],
+        # with the instrumentor first, the set-up ran before the script looked
+        "skipped": not instrumentor_first, "handlers": ["StreamHandler"],
         "propagate": False, "root": ["LoggingHandler"], "late_disabled": False,
     }
     assert re.search(

@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import os
 import socket
+import sys
 import threading
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -46,11 +47,6 @@ def otel_environment() -> dict[str, str]:
     return {k: v for k, v in os.environ.items() if k.startswith("OTEL_")}
 
 
-#: ``tracer_provider`` given to ``DaskInstrumentor.instrument()``, if any: its
-#: service.name is the bridge's (see :func:`service_name`)
-SERVICE_NAME_FROM: dict[str, Any] = {"tracer_provider": None}
-
-
 def recipe(config: OtelConfig | None = None) -> ConfigFile | EnvRecipe:
     """What the providers and the resource are built from: ``OTEL_CONFIG_FILE``'s
     file, else ``otel.*`` and the ``OTEL_*`` variables"""
@@ -66,7 +62,9 @@ def service_name() -> tuple[str, str]:
     named = recipe().service_name()
     if named:
         return named
-    given = SERVICE_NAME_FROM["tracer_provider"]
+    # imported only where DaskInstrumentor is (it needs opentelemetry-instrumentation)
+    instrumentor = sys.modules.get("dask_otel.instrumentor")
+    given = instrumentor.SERVICE_NAME_FROM["tracer_provider"] if instrumentor else None
     for provider, source in (
         (given, "DaskInstrumentor.instrument(tracer_provider=)"),
         (trace.get_tracer_provider(), "the global TracerProvider"),
