@@ -124,38 +124,11 @@ def failure_time(startstops: Iterable[Mapping[str, Any]] | None) -> tuple[float,
 #: TaskGroup states in which a task has yet to finish: ``TaskGroup.done`` is "no
 #: task in any of these"
 _PENDING = tuple(sorted(ALL_TASK_STATES - {"memory", "erred", "released", "forgotten"}))
-#: ``dask.tasks.<state>`` by state: built once, not per span
-_STATE_NAMES = {state: attr.TASKS_PREFIX + state for state in ALL_TASK_STATES}
 
 
-def task_counts(states: Mapping[str, int], total: int, nbytes: int, duration: float
-                ) -> dict[str, Any]:
-    """The attributes every mirrored span has of its tasks: the count of each
-    state (those above 0), the total, output bytes and duration"""
-    names = _STATE_NAMES
-    out: dict[str, Any] = {}
-    for state, n in states.items():
-        if n > 0:
-            name = names.get(state)
-            out[attr.TASKS_PREFIX + state if name is None else name] = n
-    out.update({attr.TASKS_TOTAL: total, attr.OUTPUT_BYTES: nbytes, attr.DURATION: duration})
-    return out
-
-
-def span_figures(span: Span, totals: Totals, end: float, subtree: bool, code: bool
-                 ) -> dict[str, Any]:
-    """The numbers a Dask span's OTel span carries: ``totals``' task counts and
-    fine metrics, active CPU seconds until ``end``, with ``subtree`` totals the
-    thread time no task accounts for, and with ``code`` the source of its code"""
-    active = active_cpu_seconds(span, end)
-    out = task_counts(totals.states, sum(totals.states.values()), totals.nbytes, totals.duration)
-    out[attr.ACTIVE_CPU_SECONDS] = active
-    out.update(totals.metrics)
-    if subtree and (idle := active - totals.execute_seconds) > 0:
-        out[attr.IDLE] = idle
-    if code:
-        out[attr.SPAN_CODE] = tuple(sc.code for block in span_code_blocks(span) for sc in block)
-    return out
+def span_code(span: Span) -> tuple[str, ...]:
+    """The source of the code a Dask span ran (``Span.code``; empty: Dask recorded none)"""
+    return tuple(sc.code for block in span_code_blocks(span) for sc in block)
 
 
 def error_type(ts: TaskState, allowed_failures: int) -> str:
