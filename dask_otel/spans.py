@@ -34,6 +34,7 @@ from typing import TYPE_CHECKING, Any
 
 from distributed.metrics import time
 
+from dask_otel._compat import span_own_metrics
 from dask_otel.annotation import entered_times, otel_of
 from dask_otel.attributes import WORKER_LOST
 from dask_otel.scheduler import blocks
@@ -41,8 +42,8 @@ from dask_otel.scheduler.builder import SpanBuilder, built, dask_span, taskgroup
 from dask_otel.scheduler.ledger import Ledger
 from dask_otel.scheduler.links import producer_links
 from dask_otel.scheduler.record import GroupBatch, SpanHead, SpanRecord
-from dask_otel.scheduler.totals import (SpanMetrics, Totals, active_cpu_seconds, error_type,
-                                        failure_time, group_done, observed, span_code)
+from dask_otel.scheduler.totals import (Totals, active_cpu_seconds, error_type, failure_time,
+                                        group_done, observed, span_code)
 from dask_otel.span_context import child_context, dask_span_context, root_span
 
 if TYPE_CHECKING:
@@ -96,7 +97,7 @@ class SpanMirror:
         self.latest_by_prefix: dict[str, SpanContext] = {}
         #: Per poll: fine metrics and heads of the Dask spans it exports something
         #: of, and the spans it hands to the builder thread at its end
-        self._metrics: dict[str, SpanMetrics] = {}
+        self._metrics: dict[str, dict[tuple[Hashable, ...], float]] = {}
         self._heads: dict[str, SpanHead] = {}
         self._batch: list[tuple[Any, tuple]] = []
         self._random = random.Random()
@@ -366,7 +367,7 @@ class SpanMirror:
             if parent_record is not None:
                 parent_record.end_no_earlier(end)
             return None if self.sink is None else False
-        own = Totals.own(span, self._span_metrics(span))
+        own = Totals.own(span)
         subtree = own
         if record.folded is not None:  # sub-spans exported before, summed
             subtree = record.folded
@@ -379,7 +380,8 @@ class SpanMirror:
         code = span_code(span) if config.export_code else None
         if code is not None and not code and not self.told_no_code:
             self.told_no_code = _tell_no_code(span.name[-1])
-        return dask_span, (record, head, parent_context, end, subtree if sums else own,
+        return dask_span, (record, head, parent_context, parent.id if parent is not None else None,
+                           end, subtree if sums else own, self._span_metrics(span),
                            active_cpu_seconds(span, end), sums, code, subtree.start, unfinished)
 
     def group_span_of(self, tg: TaskGroup, batch: GroupBatch
@@ -407,12 +409,10 @@ class SpanMirror:
         latest, prefix = self.latest_by_prefix, tg.prefix.name
         if prefix in latest or len(latest) < MAX_EXEMPLAR_PREFIXES:  # bounded
             latest[prefix] = context  # the exemplar of the prefix's fine metrics
-        # Dask's fine metrics of its tasks: of the group's own Dask span (a dict
-        # made by this poll, which nothing writes after)
+        # Dask's fine metrics of its tasks: of the group's own Dask span
         own = self.extension.spans.get(tg.span_id, span)  # type: ignore[union-attr]
-        metrics = self._span_metrics(own).by_prefix.get(prefix, {})
         return taskgroup_span, ((str(tg.name), str(prefix)), batch, head, context, figures,
-                                metrics, start, end)
+                                self._span_metrics(own), start, end)
 
     def context_of(self, span_id: str) -> SpanContext | None:
         """The OTel SpanContext of a Dask span, open or exported (None: unknown,
@@ -433,10 +433,11 @@ class SpanMirror:
         )
         return context if context.trace_flags.sampled else None
 
-    def _span_metrics(self, span: Span) -> SpanMetrics:
-        """:class:`SpanMetrics` of a Dask span, read once per poll"""
+    def _span_metrics(self, span: Span) -> dict[tuple[Hashable, ...], float]:
+        """A copy of a Dask span's own fine metrics, taken once per poll (in C):
+        the builder thread names and sums them"""
         if (metrics := self._metrics.get(span.id)) is None:
-            metrics = self._metrics[span.id] = SpanMetrics.of(span)
+            metrics = self._metrics[span.id] = dict(span_own_metrics(span))
         return metrics
 
     def _head(self, span: Span) -> SpanHead:

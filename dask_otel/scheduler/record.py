@@ -12,7 +12,9 @@ from typing import TYPE_CHECKING, Any
 
 from distributed.metrics import time
 
-from dask_otel.scheduler.totals import SpanMetrics, Totals, group_done, groups_stop, observed
+from dask_otel._compat import span_own_metrics
+from dask_otel.scheduler.builder import SpanMetrics
+from dask_otel.scheduler.totals import Totals, group_done, groups_stop, observed
 
 if TYPE_CHECKING:
     from distributed.scheduler import TaskGroup
@@ -206,7 +208,7 @@ class GroupBatch:
         states = dict(tg.states)
         return cls(
             span, time(), states, sum(states.values()) - rerun, tg.nbytes_total,
-            tg.duration, SpanMetrics.of(own).by_prefix.get(tg.prefix.name, {}),
+            tg.duration, SpanMetrics.of(span_own_metrics(own)).by_prefix.get(tg.prefix.name, {}),
         )
 
     def start(self, tg: TaskGroup) -> float:
