@@ -150,11 +150,14 @@ SDK_ENTRY = ("opentelemetry/sdk/trace/export/__init__.py", "on_end")
 class CallStacks:
     """A profile function for the scheduler's threads: on every call of a function
     of the package, the files of the package on the stack, each run of frames of
-    one file counted once; notes a file entered again below a file it called, and
-    the thread and files of every stack that reaches the SDK's ``on_end``"""
+    one file counted once; notes a file entered again below a file it called, a
+    stop of :data:`CORRIDOR` entered below a later one (the builder thread's stacks
+    start at the builder), and the thread and files of every stack that reaches the
+    SDK's ``on_end``"""
 
     def __init__(self) -> None:
         self.reentries: set[tuple[str, ...]] = set()
+        self.backwards: set[tuple[str, ...]] = set()
         self.trips: set[tuple[str, tuple[str, ...]]] = set()
 
     @staticmethod
@@ -178,6 +181,9 @@ class CallStacks:
             files = self.files(frame)
             if len(set(files)) < len(files):
                 self.reentries.add(files)
+            stops = [CORRIDOR.index(f) for f in files if f in CORRIDOR]
+            if stops != sorted(stops):
+                self.backwards.add(files)
         elif code.co_filename.endswith(SDK_ENTRY[0]) and code.co_name == SDK_ENTRY[1]:
             self.trips.add((threading.current_thread().name, self.files(frame)))
 
@@ -189,7 +195,8 @@ def test_a_dask_spans_trip_to_the_sdk_enters_each_file_once():
     Dask's hooks into the plugin down to the SDK's span processor. On every call
     stack, each file of the package is entered once: no module calls back into one
     that called it (through a callback, a handed-over object or an import),
-    whatever the module, ``_compat`` and the workflow outcomes included. The spans
+    whatever the module, ``_compat`` and the workflow outcomes included; and no stop
+    of the corridor calls an earlier one (on the builder thread too). The spans
     reach the SDK on the builder thread, never on the event loop, from the builder
     through the sink."""
     import dask_otel.scheduler.plugin  # noqa: F401 (the profile reads module files)
@@ -214,6 +221,7 @@ def test_a_dask_spans_trip_to_the_sdk_enters_each_file_once():
         assert thread == "dask_otel-build", (thread, trip)
         assert trip == ("dask_otel.scheduler.builder", "dask_otel.export.sink"), trip
     assert not stacks.reentries, "\n".join(" -> ".join(s) for s in sorted(stacks.reentries))
+    assert not stacks.backwards, "\n".join(" -> ".join(s) for s in sorted(stacks.backwards))
 
 
 #: The CallStacks of the test running (a function sent to the scheduler is pickled:

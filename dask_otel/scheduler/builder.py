@@ -135,7 +135,7 @@ class SpanBuilder:
         self._named: tuple[Any, SpanMetrics | None] = (None, None)
 
     def hand_over(self, batch: list[tuple[Any, tuple]]) -> None:
-        """Queue a poll's spans, each ``(build, args)``: ``build(sink, *args)`` makes
+        """Queue a poll's spans, each ``(build, args)``: ``build(self, *args)`` makes
         its ``ReadableSpan``. What does not fit is dropped and counted: the loop
         never waits."""
         if not batch:
