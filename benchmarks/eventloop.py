@@ -10,21 +10,27 @@ the loop, ``time.thread_time`` for CPU):
 - ``SpanMirror.poll`` (the periodic callback, every ``otel.spans.poll-interval``;
   a poll that stops at the mirror's time budget and goes on at the next turn of
   the loop counts as several calls), which calls ``span_of`` /
-  ``group_span_of`` (building the spans; ``mirror_span`` / ``mirror_group``, which
-  also handed them to the SDK, before the "one house" layout: timed separately,
-  nested);
+  ``group_span_of`` (since spans are built off the loop: reading a span's numbers
+  for the builder thread; before, building the spans; ``mirror_span`` /
+  ``mirror_group``, which also handed them to the SDK, before the "one house"
+  layout: timed separately, nested);
 - ``OtelSchedulerPlugin.update_graph`` (each graph submitted);
 - ``OtelSchedulerPlugin.transition`` is called for every task transition. Wrapping
   it would cost more than it does, so it is timed apart: a loop of calls
   (non-erred transitions, the only kind in this workload) times the count of
   transitions in the run.
 
-Garbage collections that happen to start inside a callback are timed
-(``gc.callbacks``) and reported apart: they are the price of Dask's heap and land
-in whichever code allocates at the wrong moment.
+Garbage collections that happen to start inside a callback, on its thread, are
+timed (``gc.callbacks``: wall and thread CPU) and reported apart: they are the
+price of Dask's heap and land in whichever code allocates at the wrong moment. A
+collection on another thread (the builder's, the client's) only keeps a callback
+waiting: it is not subtracted.
 
 The batch span processor's thread is not the event loop; its CPU is reported as
 export cost per span (``CountingSpanExporter.export`` timed with thread_time).
+Nor is the bridge's builder thread (``dask_otel-build``: attributes, events, links,
+``ReadableSpan``, the span processors' ``on_end``), whose CPU (its thread clock) is
+reported per span apart; both count in the bridge's share of the scheduler's CPU.
 
 Also reported, A and B: the longest tick of the scheduler's own event-loop
 health check (``distributed.admin.tick.interval``: 20 ms, so a 20 ms tick means no
@@ -43,6 +49,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+import threading
 import time
 from collections.abc import Callable
 from typing import Any, NamedTuple
@@ -68,13 +75,17 @@ from benchmarks.harness import (
 
 BLOCK_TARGET = 0.005
 PER_SPAN_TARGET = 25e-6
+#: The bridge's thread that builds the mirrored spans off the event loop
+BUILDER_THREAD = "dask_otel-build"
 
 
 class Call(NamedTuple):
     wall: float
     cpu: float
-    #: seconds of garbage collection during the call
+    #: seconds of garbage collection on the calling thread during the call: wall
+    #: and CPU (a collection on another thread is not the callback's)
     gc: float
+    gc_cpu: float
     #: what ``extra`` counted during the call
     extra: int
 
@@ -92,14 +103,15 @@ class Timed:
 
         def timed(*args: Any, **kwargs: Any) -> Any:
             before = extra() if extra else 0
-            g0 = gc_clock.total
+            ident = threading.get_ident()
+            g0, gc0 = gc_clock.wall[ident], gc_clock.cpu[ident]
             w0, c0 = perf_counter(), thread_time()
             try:
                 return original(*args, **kwargs)
             finally:
                 w1, c1 = perf_counter(), thread_time()
-                calls.append(Call(w1 - w0, c1 - c0, gc_clock.total - g0,
-                                  (extra() - before) if extra else 0))
+                calls.append(Call(w1 - w0, c1 - c0, gc_clock.wall[ident] - g0,
+                                  gc_clock.cpu[ident] - gc0, (extra() - before) if extra else 0))
 
         setattr(obj, name, timed)
 
@@ -112,8 +124,12 @@ class Timed:
         return sum(c.gc for c in self.calls)
 
     @property
+    def gc_cpu(self) -> float:
+        return sum(c.gc_cpu for c in self.calls)
+
+    @property
     def longest(self) -> Call:
-        return max(self.calls, default=Call(0.0, 0.0, 0.0, 0))
+        return max(self.calls, default=Call(0.0, 0.0, 0.0, 0.0, 0))
 
 
 def transition_hook_cost(plugin: Any, n: int = 200_000) -> float:
@@ -132,13 +148,27 @@ def _first(obj: object, *names: str) -> str:
     return next(name for name in names if hasattr(obj, name))
 
 
+def builder_cpu() -> float:
+    """CPU seconds of the bridge's builder thread (0 if none runs: before spans
+    were built off the loop, or before the first span)"""
+    for thread in threading.enumerate():
+        if thread.name == BUILDER_THREAD and thread.ident is not None:
+            try:
+                return time.clock_gettime(time.pthread_getcpuclockid(thread.ident))
+            except (OSError, ProcessLookupError):  # it ended meanwhile
+                return 0.0
+    return 0.0
+
+
 def bridge_probe(cluster: LocalCluster) -> Callable[[], dict]:
     scheduler = cluster.scheduler
     plugin = scheduler.plugins[PLUGIN_NAME]
     mirror = plugin.mirror
     gc_clock = GCClock()
     timers = {
-        "poll": Timed(mirror, "poll", gc_clock, extra=lambda: mirror.mirrored),
+        # spans a poll exported: handed to the builder thread (before it, to the SDK)
+        "poll": Timed(mirror, "poll", gc_clock, extra=lambda: (
+            mirror.builder.queued if getattr(mirror, "builder", None) else mirror.mirrored)),
         "update_graph": Timed(plugin, "update_graph", gc_clock),
         # Building the OTel spans (and, before the "one house" layout, handing
         # them to the SDK): span_of/group_span_of, formerly mirror_span/mirror_group
@@ -154,6 +184,7 @@ def bridge_probe(cluster: LocalCluster) -> Callable[[], dict]:
     exports = [Timed(stats, "export", gc_clock) for stats in accounted]
     transitions0 = scheduler.transition_counter
     mirrored0 = mirror.mirrored
+    builder0 = builder_cpu()
 
     def finish() -> dict:
         gc_clock.close()
@@ -164,6 +195,7 @@ def bridge_probe(cluster: LocalCluster) -> Callable[[], dict]:
             "transition_hook": transition_hook_cost(plugin),
             "transition_noop": transition_hook_cost(SchedulerPlugin()),
             "mirrored": mirror.mirrored - mirrored0,
+            "builder": builder_cpu() - builder0,
         }
 
     return finish
@@ -206,7 +238,7 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     per_span: dict[str, list[float]] = {k: [] for k in
                                         ("hooks", "mirror", "transition", "total",
-                                         "total_no_gc", "export")}
+                                         "total_no_gc", "builder", "export")}
     for _, b in pairs:
         p = b.probe
         t = p["timers"]
@@ -219,8 +251,9 @@ def main(argv: list[str] | None = None) -> int:
         per_span["total"].append((hooks_cpu + transition_cpu) / mirrored)
         # A full collection of the scheduler's heap (~0.2 s, with or without the
         # bridge: see Dask's max tick) lands in whichever callback allocates last
-        hooks_gc = t["poll"].gc + t["update_graph"].gc
+        hooks_gc = t["poll"].gc_cpu + t["update_graph"].gc_cpu
         per_span["total_no_gc"].append((hooks_cpu - hooks_gc + transition_cpu) / mirrored)
+        per_span["builder"].append(p["builder"] / mirrored)
         per_span["export"].append(sum(e.cpu for e in p["exports"]) / mirrored)
 
     def per_run(fn: Callable[[Run, Run], float], scale: float = 1e3) -> list[float]:
@@ -240,7 +273,7 @@ def main(argv: list[str] | None = None) -> int:
         ("longest bridge callback, CPU (ms)",
          per_run(lambda a, b: max(c.cpu for c in calls(b, *hooks))), True),
         ("  the same without GC pauses inside it (ms)",
-         per_run(lambda a, b: max(c.cpu - c.gc for c in calls(b, *hooks))), True),
+         per_run(lambda a, b: max(c.cpu - c.gc_cpu for c in calls(b, *hooks))), True),
         ("longest poll, wall (ms)", per_run(lambda a, b: max(calls(b, "poll")).wall), False),
         ("  spans it exported", per_run(lambda a, b: max(calls(b, "poll")).extra, 1), False),
         ("  its CPU (ms; the rest it waited for a core)",
@@ -271,10 +304,11 @@ def main(argv: list[str] | None = None) -> int:
           f"median of {len(pairs)} runs ==")
     labels = {
         "hooks": "poll + update_graph hooks, measured",
-        "mirror": "  of which building spans (span_of/group_span_of)",
+        "mirror": "  of which span_of/group_span_of (reading; before: building)",
         "transition": "transition hook (calls x cost per call)",
         "total": "total on the scheduler thread",
         "total_no_gc": "  the same without GC pauses inside hooks",
+        "builder": "builder thread: spans built, on_end (not the event loop)",
         "export": "export thread (not the event loop)",
     }
     rows = []
@@ -292,15 +326,19 @@ def main(argv: list[str] | None = None) -> int:
 
     # The same cost as a share of the scheduler's CPU: a sharper estimate of
     # overhead.py's CPU ratio than A/B timing on a noisy machine
-    shares = []
+    shares, loop_shares = [], []
     for a, b in pairs:
         p = b.probe
         t = p["timers"]
-        bridge_cpu = (t["poll"].cpu + t["update_graph"].cpu
-                      + p["transitions"] * p["transition_hook"]
-                      + sum(e.cpu for e in p["exports"]))
+        loop_cpu = (t["poll"].cpu + t["update_graph"].cpu
+                    + p["transitions"] * p["transition_hook"])
+        bridge_cpu = loop_cpu + p["builder"] + sum(e.cpu for e in p["exports"])
         shares.append(bridge_cpu / a.scheduler_cpu)
-    print(f"\n  bridge CPU in the scheduler process (event loop + export thread) per run, as a "
+        loop_shares.append(loop_cpu / a.scheduler_cpu)
+    print(f"\n  bridge CPU on the event loop per run, as a share of run A's scheduler CPU: "
+          f"{median(loop_shares) * 100:.2f}% ({spread([x * 100 for x in loop_shares], '{:.2f}')})")
+    print(f"  bridge CPU in the scheduler process (event loop + builder and export threads) "
+          f"per run, as a "
           f"share of run A's scheduler CPU: {median(shares) * 100:.1f}% "
           f"({spread([x * 100 for x in shares], '{:.1f}')}); i.e. an expected scheduler CPU "
           f"ratio of {1 + median(shares):.3f}")

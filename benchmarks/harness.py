@@ -297,14 +297,23 @@ class GCClock:
 
     def __init__(self) -> None:
         self.total = 0.0
-        self._started = 0.0
+        #: By thread (``threading.get_ident()``): wall and CPU seconds of the
+        #: collections that ran on it. A collection on another thread (the
+        #: bridge's builder, the client's) stops a callback without costing it CPU.
+        self.wall: dict[int, float] = defaultdict(float)
+        self.cpu: dict[int, float] = defaultdict(float)
+        self._started: dict[int, tuple[float, float]] = {}
         gc.callbacks.append(self._callback)
 
     def _callback(self, phase: str, info: dict) -> None:
+        ident = threading.get_ident()
         if phase == "start":
-            self._started = time.perf_counter()
-        else:
-            self.total += time.perf_counter() - self._started
+            self._started[ident] = (time.perf_counter(), time.thread_time())
+        elif (started := self._started.pop(ident, None)) is not None:
+            wall = time.perf_counter() - started[0]
+            self.total += wall
+            self.wall[ident] += wall
+            self.cpu[ident] += time.thread_time() - started[1]
 
     def close(self) -> None:
         gc.callbacks.remove(self._callback)

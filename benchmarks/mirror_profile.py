@@ -12,7 +12,8 @@ exported once, so the workload runs twice on the same cluster:
    (``dask_otel/``, ``distributed/``, ``opentelemetry/``, the rest), then the
    functions with the most time.
 
-It uses only ``SpanMirror.poll``, ``.mirrored`` and ``.config``, so it keeps
+It uses only ``SpanMirror.poll``, ``.mirrored``, ``.config`` (and ``.builder.drain``
+once spans are built off the loop), so it keeps
 working while the mirror's internals change.
 
 Usage::
@@ -70,7 +71,11 @@ def poll_until_exported(mirror: Any, profile: cProfile.Profile | None) -> tuple[
     finally:
         if profile is not None:
             profile.disable()
-    return time.thread_time() - t0, mirror.mirrored - before
+    elapsed = time.thread_time() - t0
+    if getattr(mirror, "builder", None) is not None:
+        # Spans are built off the loop: counted once the builder thread is done
+        mirror.builder.drain(60)
+    return elapsed, mirror.mirrored - before
 
 
 def owner(filename: str) -> str:

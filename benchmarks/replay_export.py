@@ -58,7 +58,7 @@ STATE = (
 #: (cleared by every poll), and ``spans_seen`` (no span is created while replaying)
 NOT_STATE = frozenset({
     "scheduler", "telemetry", "config", "spans_seen", "mirrored", "sampled_out",
-    "reopened", "_metrics", "_heads", "_sink", "_random",
+    "reopened", "_metrics", "_heads", "_sink", "_random", "builder", "_batch",
 })
 #: ``GroupBatch`` fields (``open_groups``' values), copied batch by batch: a poll
 #: writes ``busy`` and ``wake``, and ``wake`` was worked out with the 1h export

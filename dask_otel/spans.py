@@ -11,9 +11,14 @@ of the path once (``tests/test_layout.py``)::
         -> SpanRecord, GroupBatch, SpanHead        dask_otel.scheduler.record
         -> totals over Dask's objects              dask_otel.scheduler.totals
         -> dask_span_context (ids, sampling)       dask_otel.span_context
-        -> builder: record -> ReadableSpan         dask_otel.scheduler.builder
+        -> SpanBuilder.hand_over: a poll's numbers  dask_otel.scheduler.builder
+    ~~~ the builder thread, off the event loop ~~~
+          builder: numbers -> ReadableSpan           dask_otel.scheduler.builder
           -> SpanSink.emit -> the SDK's processors  dask_otel.export.sink
 
+On the loop only what reads Dask's live state: which spans are ready, their ids
+and sampling, and their numbers (task states, fine metrics, times) as plain
+values; the attributes, events, links and spans are made on the builder thread.
 The mapping and when a span is exported: docs/traces.md; costs: benchmarks/README.md.
 """
 
@@ -29,21 +34,22 @@ from typing import TYPE_CHECKING, Any
 
 from distributed.metrics import time
 
+from dask_otel._compat import span_own_metrics
 from dask_otel.annotation import entered_times, otel_of
-from dask_otel.attributes import LOOP_BLOCKED, SPAN_CODE, WORKER_LOST
-from dask_otel.scheduler import blocks, builder
+from dask_otel.attributes import LOOP_BLOCKED, WORKER_LOST
+from dask_otel.scheduler import blocks
+from dask_otel.scheduler.builder import SpanBuilder, built, dask_span, taskgroup_span
 from dask_otel.scheduler.ledger import Ledger
 from dask_otel.scheduler.links import producer_links
 from dask_otel.scheduler.record import GroupBatch, SpanHead, SpanRecord
-from dask_otel.scheduler.totals import (SpanMetrics, Totals, error_type, failure_time, group_done,
-                                        observed, span_figures)
+from dask_otel.scheduler.totals import (Totals, active_cpu_seconds, error_type, failure_time,
+                                        group_done, observed, span_code)
 from dask_otel.span_context import child_context, dask_span_context, root_span
 
 if TYPE_CHECKING:
     from distributed import Scheduler
     from distributed.scheduler import TaskGroup, TaskState
     from distributed.spans import Span, SpansSchedulerExtension
-    from opentelemetry.sdk.trace import ReadableSpan
     from opentelemetry.trace import SpanContext
 
     from dask_otel.config import OtelConfig
@@ -72,27 +78,36 @@ class SpanMirror:
                  outcomes: Outcomes | None = None):
         #: The scheduler whose ``extensions["spans"]`` is mirrored
         self.scheduler = scheduler
-        #: Where the built spans go (None: traces are off; nothing is built)
+        #: Where the built spans go (None: traces are off; nothing is built), and
+        #: the thread that builds them
         self.sink = sink
+        self.builder = SpanBuilder(sink) if sink is not None else None
         self.config = config
         #: Where each finished root goes as a workflow run (None: metrics are off)
         self.outcomes = outcomes
         #: What is open, a record per Dask span and a batch per TaskGroup
         self.ledger = Ledger()
-        #: Spans and TaskGroup batches handed to the SDK and dropped by the sampler
-        #: (self-metrics, dask_otel.scheduler.metrics)
-        self.mirrored = self.sampled_out = 0
+        #: Spans and TaskGroup batches dropped by the sampler (self-metrics,
+        #: dask_otel.scheduler.metrics)
+        self.sampled_out = 0
         #: Whether the WARNING that Dask sent no code (otel.spans.code) was logged
         self.told_no_code = False
         #: Task prefix -> SpanContext of the latest sampled TaskGroup span of it: the
         #: exemplar of that prefix's fine metrics, at most MAX_EXEMPLAR_PREFIXES
         self.latest_by_prefix: dict[str, SpanContext] = {}
-        #: Per poll: fine metrics and heads of the Dask spans it exports something of
-        self._metrics: dict[str, SpanMetrics] = {}
+        #: Per poll: fine metrics and heads of the Dask spans it exports something
+        #: of, and the spans it hands to the builder thread at its end
+        self._metrics: dict[str, dict[tuple[Hashable, ...], float]] = {}
         self._heads: dict[str, SpanHead] = {}
+        self._batch: list[tuple[Any, tuple]] = []
         self._random = random.Random()
         if (ext := self.extension) is not None:
             self.ledger.follow_running(ext)  # instrumented while running
+
+    @property
+    def mirrored(self) -> int:
+        """Spans and TaskGroup batches handed to the SDK (by the builder thread)"""
+        return self.builder.emitted if self.builder is not None else 0
 
     @property
     def extension(self) -> SpansSchedulerExtension | None:
@@ -299,8 +314,7 @@ class SpanMirror:
                         return True
             return False
         finally:
-            self._metrics.clear()
-            self._heads.clear()
+            self._end_poll()
 
     def _ready(self, stop: float, now: float, heard: float) -> bool:
         """As ``GroupBatch.ready``, for a Dask span that finished at ``stop``"""
@@ -314,7 +328,7 @@ class SpanMirror:
         spans = ext.spans if ext is not None else {}
         for span_id, block in blocks.due_empty_blocks(self.ledger, spans, heard_before):
             if self.sink is not None:
-                self._export(blocks.empty_block_span, self.ledger, self.sink, span_id, block)
+                self._export(self._empty_block, span_id, block)
 
     def flush(self) -> None:
         """Export everything still open, finished or not (the scheduler is closing)"""
@@ -330,29 +344,42 @@ class SpanMirror:
                 self._export(self.span_of, record, stop or time(), unfinished=stop is None)
         finally:
             ledger.clear()
-            self._metrics.clear()
-            self._heads.clear()
+            self._end_poll()
+            if self.builder is not None:  # built and handed to the SDK before it flushes
+                self.builder.drain(self.config.flush_timeout)
+
+    def _end_poll(self) -> None:
+        """Hand the poll's spans to the builder thread at once; forget its caches"""
+        self._metrics.clear()
+        self._heads.clear()
+        if self._batch:
+            batch, self._batch = self._batch, []
+            self.builder.hand_over(batch)  # type: ignore[union-attr]
 
     def _export(self, export: Any, *args: Any, **kwargs: Any) -> None:
-        """Build a span with ``export`` and hand it to the SDK; one that cannot be
-        mirrored is logged and dropped (never raises into the scheduler)"""
+        """Read what a span's export needs with ``export`` (``(build, args)`` for
+        the builder thread); one that cannot be mirrored is logged and dropped
+        (never raises into the scheduler)"""
         try:
-            span = export(*args, **kwargs)
-            if span is False:
+            item = export(*args, **kwargs)
+            if item is False:
                 self.sampled_out += 1
-            elif span is not None:
-                self.sink.emit(span)  # type: ignore[union-attr]
-                self.mirrored += 1
+            elif item is not None:
+                self._batch.append(item)
         except Exception:
             logger.exception("dask_otel: could not mirror %r; dropped", args[0])
 
     # --- what to export ------------------------------------------------------------
 
+    def _empty_block(self, span_id: str, block: Any) -> tuple[Any, tuple] | bool:
+        span = blocks.empty_block_span(self.ledger, self.sink, span_id, block)
+        return span if span is False else (built, (span,))
+
     def span_of(self, record: SpanRecord, stop: float, unfinished: bool = False
-                ) -> ReadableSpan | bool | None:
+                ) -> tuple[Any, tuple] | bool | None:
         """Take an open Dask span's record, end its parent no earlier, record a
-        root's run, and build its OTel span; False if the sampler drops its trace,
-        None if traces are off. Keeps nothing."""
+        root's run, and read what its OTel span needs (for the builder thread);
+        False if the sampler drops its trace, None if traces are off. Keeps nothing."""
         span = record.span
         head = self._head(span)  # before the record goes: the root's caller
         ledger = self.ledger
@@ -366,7 +393,7 @@ class SpanMirror:
             if parent_record is not None:
                 parent_record.end_no_earlier(end)
             return None if self.sink is None else False
-        own = Totals.own(span, self._span_metrics(span))
+        own = Totals.own(span)
         subtree = own
         if record.folded is not None:  # sub-spans exported before, summed
             subtree = record.folded
@@ -376,26 +403,25 @@ class SpanMirror:
         parent_context = self._head(parent).context if parent is not None else record.remote_parent
         config = self.config
         sums = config.span_totals == "subtree"
-        figures = span_figures(span, subtree if sums else own, end, sums, config.export_code)
-        if config.export_code and not self.told_no_code and not figures[SPAN_CODE]:
+        code = span_code(span) if config.export_code else None
+        if code is not None and not code and not self.told_no_code:
             self.told_no_code = _tell_no_code(span.name[-1])
-        return builder.dask_span(
-            self.sink, record, head, parent_context, end, figures, subtree.start, unfinished
-        )
+        return dask_span, (record, head, parent_context, parent.id if parent is not None else None,
+                           end, subtree if sums else own, self._span_metrics(span),
+                           active_cpu_seconds(span, end), sums, code, subtree.start, unfinished)
 
-    def group_span_of(self, tg: TaskGroup, batch: GroupBatch) -> ReadableSpan | bool | None:
-        """Build the OTel span of a batch of a TaskGroup, a child of its Dask span's
-        (which then ends no earlier), from its first task's start (a later batch:
-        its graph's arrival) to its last task's end. False if the sampler drops
-        the trace, None if traces are off or nothing ran. Keeps nothing."""
+    def group_span_of(self, tg: TaskGroup, batch: GroupBatch
+                      ) -> tuple[Any, tuple] | bool | None:
+        """Read what the OTel span of a batch of a TaskGroup needs (for the builder
+        thread): a child of its Dask span's (which then ends no earlier), from its
+        first task's start (a later batch: its graph's arrival) to its last task's
+        end. False if the sampler drops the trace, None if traces are off or
+        nothing ran. Keeps nothing."""
         span = batch.span
         head = self._head(span)
-        counts = None
+        figures = None
         if head.context is not None:
-            # Dask's fine metrics of its tasks: of the group's own Dask span
-            own = self.extension.spans.get(tg.span_id, span)  # type: ignore[union-attr]
-            prefix_metrics = self._span_metrics(own).by_prefix.get(tg.prefix.name, {})
-            if (counts := batch.attributes(tg, prefix_metrics)) is None:
+            if (figures := batch.figures(tg)) is None:
                 return None
         start = max(batch.start(tg) or span.enqueued, head.start)
         end = max(batch.end(tg) if group_done(tg) else time(), start)
@@ -403,13 +429,16 @@ class SpanMirror:
             # The Dask span ends no earlier than the scheduler heard of the
             # group's last task: every task, as its worker saw it, lies inside
             record.end_no_earlier(max(end, batch.received))
-        if counts is None:
+        if figures is None:
             return None if self.sink is None else False
         context = child_context(head.context, self._random.getrandbits(64) or 1)
         latest, prefix = self.latest_by_prefix, tg.prefix.name
         if prefix in latest or len(latest) < MAX_EXEMPLAR_PREFIXES:  # bounded
             latest[prefix] = context  # the exemplar of the prefix's fine metrics
-        return builder.taskgroup_span(self.sink, tg, batch, head, context, counts, start, end)
+        # Dask's fine metrics of its tasks: of the group's own Dask span
+        own = self.extension.spans.get(tg.span_id, span)  # type: ignore[union-attr]
+        return taskgroup_span, ((str(tg.name), str(prefix)), batch, head, context, figures,
+                                self._span_metrics(own), start, end)
 
     def context_of(self, span_id: str) -> SpanContext | None:
         """The OTel SpanContext of a Dask span, open or exported (None: unknown,
@@ -430,10 +459,11 @@ class SpanMirror:
         )
         return context if context.trace_flags.sampled else None
 
-    def _span_metrics(self, span: Span) -> SpanMetrics:
-        """:class:`SpanMetrics` of a Dask span, read once per poll"""
+    def _span_metrics(self, span: Span) -> dict[tuple[Hashable, ...], float]:
+        """A copy of a Dask span's own fine metrics, taken once per poll (in C):
+        the builder thread names and sums them"""
         if (metrics := self._metrics.get(span.id)) is None:
-            metrics = self._metrics[span.id] = SpanMetrics.of(span)
+            metrics = self._metrics[span.id] = dict(span_own_metrics(span))
         return metrics
 
     def _head(self, span: Span) -> SpanHead:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import ast
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import dask_otel
@@ -147,14 +148,17 @@ SDK_ENTRY = ("opentelemetry/sdk/trace/export/__init__.py", "on_end")
 
 
 class CallStacks:
-    """A profile function for the scheduler's event loop thread: on every call of
-    a function of the package, the files of the package on the stack, each run of
-    frames of one file counted once; notes a file entered again below a file it
-    called, and the files of every stack that reaches the SDK's ``on_end``"""
+    """A profile function for the scheduler's threads: on every call of a function
+    of the package, the files of the package on the stack, each run of frames of
+    one file counted once; notes a file entered again below a file it called, a
+    stop of :data:`CORRIDOR` entered below a later one (the builder thread's stacks
+    start at the builder), and the thread and files of every stack that reaches the
+    SDK's ``on_end``"""
 
     def __init__(self) -> None:
         self.reentries: set[tuple[str, ...]] = set()
-        self.trips: set[tuple[str, ...]] = set()
+        self.backwards: set[tuple[str, ...]] = set()
+        self.trips: set[tuple[str, tuple[str, ...]]] = set()
 
     @staticmethod
     def files(frame) -> tuple[str, ...]:
@@ -177,18 +181,24 @@ class CallStacks:
             files = self.files(frame)
             if len(set(files)) < len(files):
                 self.reentries.add(files)
+            stops = [CORRIDOR.index(f) for f in files if f in CORRIDOR]
+            if stops != sorted(stops):
+                self.backwards.add(files)
         elif code.co_filename.endswith(SDK_ENTRY[0]) and code.co_name == SDK_ENTRY[1]:
-            self.trips.add(self.files(frame))
+            self.trips.add((threading.current_thread().name, self.files(frame)))
 
 
 def test_a_dask_spans_trip_to_the_sdk_enters_each_file_once():
     """Calls, followed as they happen: a real cluster mirrors a workflow (nested
     spans, a sub-span, an erred task, a named workflow) while the scheduler's event
-    loop thread is profiled, from Dask's hooks into the plugin down to the SDK's span
-    processor. On every call stack, each file of the package is entered once: no
-    module calls back into one that called it (through a callback, a handed-over
-    object or an import), whatever the module, ``_compat`` and the workflow outcomes
-    included. The stacks that reach the SDK enter it from the sink."""
+    loop thread and the threads started since (the builder's) are profiled, from
+    Dask's hooks into the plugin down to the SDK's span processor. On every call
+    stack, each file of the package is entered once: no module calls back into one
+    that called it (through a callback, a handed-over object or an import),
+    whatever the module, ``_compat`` and the workflow outcomes included; and no stop
+    of the corridor calls an earlier one (on the builder thread too). The spans
+    reach the SDK on the builder thread, never on the event loop, from the builder
+    through the sink."""
     import dask_otel.scheduler.plugin  # noqa: F401 (the profile reads module files)
     from tests.support.cluster import otel_cluster
     from tests.support.tasks import fail, inc
@@ -206,10 +216,12 @@ def test_a_dask_spans_trip_to_the_sdk_enters_each_file_once():
             mirrored.by_dask_id(sid)
         finally:
             client.run_on_scheduler(profile, False)
-    assert stacks.trips, "no span reached the SDK's on_end from the scheduler's thread"
-    for trip in stacks.trips:
-        assert trip[-1] == "dask_otel.export.sink", trip
+    assert stacks.trips, "no span reached the SDK's on_end from the scheduler's threads"
+    for thread, trip in stacks.trips:
+        assert thread == "dask_otel-build", (thread, trip)
+        assert trip == ("dask_otel.scheduler.builder", "dask_otel.export.sink"), trip
     assert not stacks.reentries, "\n".join(" -> ".join(s) for s in sorted(stacks.reentries))
+    assert not stacks.backwards, "\n".join(" -> ".join(s) for s in sorted(stacks.backwards))
 
 
 #: The CallStacks of the test running (a function sent to the scheduler is pickled:
@@ -218,8 +230,10 @@ STACKS: list[CallStacks] = [CallStacks()]
 
 
 def profile(on: bool) -> None:
-    """Run on the scheduler's event loop thread: profile it with STACKS[0], or stop"""
+    """Run on the scheduler's event loop thread: profile it and the threads started
+    from now on with STACKS[0], or stop"""
     sys.setprofile(STACKS[0] if on else None)
+    threading.setprofile(STACKS[0] if on else None)
 
 
 def wait_for_error(future) -> None:

@@ -32,7 +32,19 @@ from tests.support.span_tree import assert_span_tree
 NOW = {"export_delay": 0.0, "metrics_timeout": 0.0}
 
 
-def mirror_on(scheduler, **config) -> tuple[SpanMirror, InMemorySpanExporter]:
+class Exported:
+    """The in-memory exporter, read once the mirror's builder thread has handed
+    the SDK every span the polls so far queued"""
+
+    def __init__(self, mirror: SpanMirror, exporter: InMemorySpanExporter):
+        self.mirror, self.exporter = mirror, exporter
+
+    def get_finished_spans(self):
+        self.mirror.builder.drain(5)
+        return self.exporter.get_finished_spans()
+
+
+def mirror_on(scheduler, **config) -> tuple[SpanMirror, Exported]:
     """A mirror of ``scheduler``'s spans, fed by the scheduler plugin's own hooks,
     exporting to memory; ``config`` overrides ``otel.*`` values (OtelConfig fields)"""
     exporter = InMemorySpanExporter()
@@ -43,7 +55,7 @@ def mirror_on(scheduler, **config) -> tuple[SpanMirror, InMemorySpanExporter]:
     plugin = OtelSchedulerPlugin()
     plugin.mirror = mirror  # the hooks only; no telemetry, no poller
     scheduler.add_plugin(plugin, name=f"dask-otel-hooks-{id(mirror)}")
-    return mirror, exporter
+    return mirror, Exported(mirror, exporter)
 
 
 async def poll_until_open(mirror: SpanMirror, open_spans: int = 0, timeout: float = 5) -> None:
@@ -85,6 +97,23 @@ async def test_each_span_and_group_exported_once_and_then_forgotten(c, s, a, b):
     mirror.poll()
     assert len(exporter.get_finished_spans()) == 4  # nothing twice
     assert_span_tree(exporter.get_finished_spans(), ends="inside-if-exported-first")
+
+
+@gen_cluster(client=True)
+async def test_a_full_builder_queue_drops_and_counts_what_does_not_fit(c, s, a, b):
+    """The builder thread's queue is bounded: the spans of a poll past it are
+    dropped and counted, the loop never waits. A queue of one here; a Dask span and
+    its three TaskGroups, all finished before the first poll, which hands over
+    all four at once (two or more even if the poll's time budget cut it short)"""
+    mirror, exporter = mirror_on(s, **NOW)
+    mirror.builder.capacity = 1
+    with span("full"):
+        await c.gather([c.submit(inc, i, key=f"full{i}-0") for i in range(3)])
+    await poll_until_open(mirror)
+    spans = exporter.get_finished_spans()
+    dropped = mirror.builder.dropped
+    assert dropped >= 1 and len(spans) + dropped == 4, (len(spans), dropped)
+    assert mirror.mirrored == len(spans)
 
 
 @gen_cluster(client=True)
@@ -204,7 +233,8 @@ async def test_flush_exports_what_is_open_as_unfinished(c, s, a, b):
         while not s.tasks.get("never-ends") or s.tasks["never-ends"].state != "processing":
             await asyncio.sleep(0.01)
     mirror.flush()
-    spans = by_name(exporter)
+    # At once: the builder thread handed them to the SDK before flush() returned
+    spans = {s.name: s for s in exporter.exporter.get_finished_spans()}
     assert spans["running"].attributes["dask.span.unfinished"] is True
     assert "taskgroup/" + key_split("never-ends") in spans
     assert not (mirror.ledger.records or mirror.ledger.groups or mirror.ledger.leaves)

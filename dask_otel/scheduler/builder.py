@@ -1,14 +1,22 @@
-"""What the mirror recorded -> finished OpenTelemetry spans: the corridor's last stop
-before the SDK. Pure functions of a record, its :class:`SpanHead` and the numbers the
-mirror worked out; their only way out is the sink (``tests/test_layout.py``).
-What each attribute means: docs/traces.md.
+"""What the mirror read on the event loop -> finished OpenTelemetry spans, on the
+bridge's own thread: the corridor's last stop before the SDK. The loop reads Dask's
+live state into plain numbers and hands each poll's spans over at once
+(:meth:`SpanBuilder.hand_over`, a bounded queue: a full one drops and counts); the
+builder thread makes their attributes, events, links, status and ``ReadableSpan``
+and hands them to the sink. Its only way out is the sink (``tests/test_layout.py``).
+What each attribute means: docs/traces.md; what it costs: benchmarks/README.md.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import logging
+import threading
+from collections.abc import Hashable, Mapping
+from dataclasses import dataclass, field
+from queue import SimpleQueue
 from typing import TYPE_CHECKING, Any
 
+from distributed.scheduler import ALL_TASK_STATES
 from opentelemetry.sdk.trace import Event
 from opentelemetry.trace import Link, Status, StatusCode
 
@@ -16,16 +24,206 @@ import dask_otel.attributes as attr
 from dask_otel.export.sink import NO_ATTRIBUTES
 
 if TYPE_CHECKING:
-    from distributed.scheduler import TaskGroup
     from opentelemetry.sdk.trace import ReadableSpan
     from opentelemetry.trace import SpanContext
 
     from dask_otel.export.sink import SpanSink
-    from dask_otel.scheduler.record import GroupBatch, SpanHead, SpanRecord
+
+#: What the loop hands over: the ledger's records (no hook writes one once taken)
+#: and the totals it summed. Not imported: those modules come before this one.
+SpanRecord = GroupBatch = SpanHead = Totals = Any
+
+logger = logging.getLogger("dask_otel")
 
 #: A TaskGroup span's name: its task prefix behind a word of its own, so that a trace
 #: UI lists TaskGroups apart from Dask spans and tasks (docs/traces.md "Span names")
 TASKGROUP_SPAN_NAME = "taskgroup/{}"
+#: Spans handed over and not yet built: past it a poll's spans are dropped and
+#: counted (the SDK's batch span processor queues as many by default)
+MAX_QUEUED_SPANS = 2048
+#: ``dask.tasks.<state>`` by state: built once, not per span
+_STATE_NAMES = {state: attr.TASKS_PREFIX + state for state in ALL_TASK_STATES}
+#: Open Dask spans whose sub-spans' fine metrics the builder thread sums, at most
+#: (a span whose own export was dropped leaves its sum behind)
+MAX_FOLDED = 1 << 16
+
+
+#: A fine-metric key ``(context, [prefix,] ..., activity, unit)`` -> its attribute
+#: name, its task prefix (``_NO_PREFIX`` unless an ``execute`` metric of one) and
+#: whether it is seconds of ``execute``; bounded
+_KEYS: dict[tuple[Hashable, ...], tuple[str, Hashable, bool]] = {}
+_MAX_KEYS = 1 << 16
+_NO_PREFIX = object()
+
+
+def _key_info(key: tuple[Hashable, ...]) -> tuple[str, Hashable, bool] | None:
+    info = _KEYS.get(key)
+    if info is None:
+        if len(key) < 3:
+            return None
+        if len(_KEYS) >= _MAX_KEYS:  # unbounded task prefixes: stay bounded
+            _KEYS.clear()
+        execute = key[0] == "execute"
+        parts = (str(k).replace(" ", "_") for k in (key[0], key[-2], key[-1]))
+        info = _KEYS[key] = (
+            "dask.metrics.{}.{}.{}".format(*parts),
+            key[1] if execute and len(key) >= 4 else _NO_PREFIX,
+            execute and key[-1] == "seconds",
+        )
+    return info
+
+
+@dataclass(slots=True)
+class SpanMetrics:
+    """The fine performance metrics of one Dask span (its own, not its
+    sub-spans'), as attributes, in one pass: summed over task prefixes for the
+    span, and by task prefix for its TaskGroups. Named on the builder thread from
+    the loop's copy (and on the loop for a later batch's starting point)."""
+
+    #: ``dask.metrics.<context>.<activity>.<unit>``, summed over prefixes
+    total: dict[str, float] = field(default_factory=dict)
+    #: the same by task prefix, ``execute`` context only
+    by_prefix: dict[Hashable, dict[str, float]] = field(default_factory=dict)
+    #: seconds of the execute context, for "idle or other spans"
+    execute_seconds: float = 0.0
+
+    @classmethod
+    def of(cls, metrics: Mapping[tuple[Hashable, ...], float]) -> SpanMetrics:
+        """Of a Dask span's own metrics (``Span._cumulative_worker_metrics``, or
+        the copy the loop took of them)"""
+        out = cls()
+        total, by_prefix = out.total, out.by_prefix
+        for key, value in metrics.items():
+            if not value:
+                continue
+            info = _KEYS.get(key) or _key_info(key)
+            if info is None:
+                continue
+            name, prefix, execute_seconds = info
+            total[name] = total.get(name, 0) + value
+            if prefix is not _NO_PREFIX:
+                attrs = by_prefix.get(prefix)
+                if attrs is None:
+                    attrs = by_prefix[prefix] = {}
+                attrs[name] = attrs.get(name, 0) + value
+            if execute_seconds:
+                out.execute_seconds += value
+        return out
+
+
+
+
+class SpanBuilder:
+    """The bridge's builder thread and its bounded queue. The event loop writes
+    ``queued`` and ``dropped``, the thread ``built`` and ``emitted``: each counter
+    has one writer. The thread starts with the first spans handed over."""
+
+    def __init__(self, sink: SpanSink, capacity: int = MAX_QUEUED_SPANS):
+        self.sink = sink
+        self.capacity = capacity
+        #: Spans handed over, and dropped because the queue was full (the loop)
+        self.queued = self.dropped = 0
+        #: Spans taken off the queue, and of them handed to the SDK (the thread)
+        self.built = self.emitted = 0
+        self._queue: SimpleQueue[list[tuple[Any, tuple]] | None] = SimpleQueue()
+        self._thread: threading.Thread | None = None
+        #: The thread's own: by open Dask span id, its exported sub-spans' subtree
+        #: fine metrics and execute seconds (``otel.spans.totals: subtree``); and
+        #: the last copy of a Dask span's metrics it named, with its names (a
+        #: span's TaskGroups come together, with one copy)
+        self.folded: dict[str, tuple[dict[str, float], float]] = {}
+        self._named: tuple[Any, SpanMetrics | None] = (None, None)
+
+    def hand_over(self, batch: list[tuple[Any, tuple]]) -> None:
+        """Queue a poll's spans, each ``(build, args)``: ``build(self, *args)`` makes
+        its ``ReadableSpan``. What does not fit is dropped and counted: the loop
+        never waits."""
+        if not batch:
+            return
+        room = self.capacity - (self.queued - self.built)
+        if len(batch) > room:
+            self.dropped += len(batch) - max(room, 0)
+            if room <= 0:
+                return
+            batch = batch[:room]
+        self.queued += len(batch)
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="dask_otel-build", daemon=True)
+            self._thread.start()
+        self._queue.put(batch)
+
+    def drain(self, timeout: float) -> None:
+        """Let the thread build and hand to the SDK all that is queued, then end,
+        waiting at most ``timeout`` seconds: before the SDK's providers flush"""
+        thread, self._thread = self._thread, None
+        if thread is None:
+            return
+        self._queue.put(None)
+        thread.join(timeout)
+        if thread.is_alive():
+            logger.warning("dask_otel: %d mirrored spans not handed to the SDK within %.3gs; "
+                           "they may miss the flush", self.queued - self.built, timeout)
+
+    def named(self, metrics: Mapping[tuple[Hashable, ...], float]) -> SpanMetrics:
+        """:class:`SpanMetrics` of the loop's copy of a Dask span's metrics, named
+        once for the span and its TaskGroups"""
+        last, named = self._named
+        if last is not metrics or named is None:
+            named = SpanMetrics.of(metrics)
+            self._named = (metrics, named)
+        return named
+
+    def fold(self, span_id: str, parent_id: str | None, metrics: dict[str, float],
+             execute_seconds: float) -> tuple[dict[str, float], float]:
+        """A Dask span's own fine metrics and execute seconds plus its exported
+        sub-spans' (taken), added to its parent's"""
+        if (below := self.folded.pop(span_id, None)) is not None:
+            for name, value in below[0].items():
+                metrics[name] = metrics.get(name, 0) + value
+            execute_seconds += below[1]
+        if parent_id is not None:
+            up = self.folded.get(parent_id)
+            if up is None:
+                if len(self.folded) >= MAX_FOLDED:  # bounded
+                    del self.folded[next(iter(self.folded))]
+                self.folded[parent_id] = (dict(metrics), execute_seconds)
+            else:
+                for name, value in metrics.items():
+                    up[0][name] = up[0].get(name, 0) + value
+                self.folded[parent_id] = (up[0], up[1] + execute_seconds)
+        return metrics, execute_seconds
+
+    def _run(self) -> None:
+        queue = self._queue
+        sink = self.sink
+        while (batch := queue.get()) is not None:
+            for build, args in batch:
+                try:
+                    span = build(self, *args)
+                    self.emitted += 1  # before: a reader that sees the span sees it counted
+                    sink.emit(span)
+                except Exception:
+                    logger.exception("dask_otel: could not mirror %r; dropped", args[0])
+                self.built += 1
+
+
+def built(builder: SpanBuilder, span: ReadableSpan) -> ReadableSpan:
+    """A span the loop had to build itself (a block that ran no task: rare)"""
+    return span
+
+
+def task_counts(states: Mapping[str, int], total: int, nbytes: int, duration: float
+                ) -> dict[str, Any]:
+    """The attributes every mirrored span has of its tasks: the count of each
+    state (those above 0), the total, output bytes and duration"""
+    names = _STATE_NAMES
+    out: dict[str, Any] = {}
+    for state, n in states.items():
+        if n > 0:
+            name = names.get(state)
+            out[attr.TASKS_PREFIX + state if name is None else name] = n
+    out.update({attr.TASKS_TOTAL: total, attr.OUTPUT_BYTES: nbytes, attr.DURATION: duration})
+    return out
 
 
 def erred_status(attributes: dict[str, Any], erred: int, error_type: str | None = None
@@ -44,14 +242,35 @@ def erred_status(attributes: dict[str, Any], erred: int, error_type: str | None 
     return Status(StatusCode.ERROR, f"{erred} tasks erred")
 
 
-def dask_span(sink: SpanSink, record: SpanRecord, head: SpanHead, parent: SpanContext | None,
-              end: float, figures: dict[str, Any], first_task: float, unfinished: bool = False
+def dask_span(builder: SpanBuilder, record: SpanRecord, head: SpanHead,
+              parent: SpanContext | None, parent_id: str | None, end: float, totals: Totals,
+              own_metrics: Mapping[tuple[Hashable, ...], float], active: float, subtree: bool,
+              code: tuple[str, ...] | None, first_task: float, unfinished: bool = False
               ) -> ReadableSpan:
-    """The OTel span of an open Dask span's ``record`` (sampled), from
-    ``head.start`` to ``end``, with its ``figures`` and a ``dask.first_task_start``
-    event at ``first_task`` (0: no task started)"""
+    """The OTel span of a Dask span's ``record`` (sampled, taken from the ledger:
+    no hook writes it any more), from ``head.start`` to ``end``: ``totals``' task
+    counts, its ``own_metrics`` (the loop's copy) named, with ``subtree`` totals
+    its sub-spans' summed (:meth:`SpanBuilder.fold`) and the thread time no task
+    accounts for, ``active`` CPU seconds, its ``code`` (None: not asked), and a
+    ``dask.first_task_start`` event at ``first_task`` (0: no task started)"""
+    sink = builder.sink
     start = head.start
-    attributes = {attr.SPAN_ID: record.span.id, attr.SPAN_NAME: head.tags, **figures}
+    attributes = {attr.SPAN_ID: record.span.id, attr.SPAN_NAME: head.tags}
+    attributes.update(task_counts(totals.states, sum(totals.states.values()), totals.nbytes,
+                                  totals.duration))
+    attributes[attr.ACTIVE_CPU_SECONDS] = active
+    named = builder.named(own_metrics)
+    metrics, execute_seconds = dict(named.total), named.execute_seconds
+    if subtree:
+        metrics, execute_seconds = builder.fold(record.span.id, parent_id, metrics,
+                                                execute_seconds)
+    for name, value in totals.metrics.items():  # sub-spans done before the bridge started
+        metrics[name] = metrics.get(name, 0) + value
+    attributes.update(metrics)
+    if subtree and (idle := active - execute_seconds - totals.execute_seconds) > 0:
+        attributes[attr.IDLE] = idle
+    if code is not None:
+        attributes[attr.SPAN_CODE] = code
     if unfinished:
         attributes[attr.SPAN_UNFINISHED] = True
     status = erred_status(attributes, record.erred, record.error_type)
@@ -70,17 +289,37 @@ def dask_span(sink: SpanSink, record: SpanRecord, head: SpanHead, parent: SpanCo
     )
 
 
-def taskgroup_span(sink: SpanSink, tg: TaskGroup, batch: GroupBatch, head: SpanHead,
-                   context: SpanContext, counts: dict[str, Any], start: float, end: float
+def taskgroup_span(builder: SpanBuilder, names: tuple[str, str], batch: GroupBatch,
+                   head: SpanHead, context: SpanContext,
+                   figures: tuple[dict[str, int], int, float],
+                   span_metrics: Mapping[tuple[Hashable, ...], float], start: float, end: float
                    ) -> ReadableSpan:
-    """The OTel span of one ``batch`` of a TaskGroup, with ``context``, a child
-    of its Dask span's, with its ``counts`` (``GroupBatch.attributes``)"""
+    """The OTel span of one ``batch`` of a TaskGroup (``names``: its name and task
+    prefix; taken from the ledger), with ``context``, a child of its Dask span's:
+    its task counts, bytes, duration (``figures``: the group's states, bytes and
+    duration when exported) and fine metrics (its prefix's in ``span_metrics``, the
+    loop's copy of its own Dask span's then), less what an earlier batch counted"""
+    sink = builder.sink
+    name, prefix = names
+    metrics = builder.named(span_metrics).by_prefix.get(prefix, {})
+    states, nbytes, duration = figures
     attributes = {attr.SPAN_ID: batch.span.id, attr.SPAN_NAME: head.tags,
-                  attr.TASKGROUP_NAME: str(tg.name), attr.TASKGROUP_PREFIX: str(tg.prefix.name)}
-    attributes.update(counts)
+                  attr.TASKGROUP_NAME: name, attr.TASKGROUP_PREFIX: prefix}
+    if (base := batch.states) is None:
+        attributes.update(task_counts(states, sum(states.values()), nbytes, duration))
+        attributes.update(metrics)
+    else:
+        attributes.update(task_counts(
+            {state: n - base.get(state, 0) for state, n in states.items()},
+            sum(states.values()) - batch.total, max(nbytes - batch.nbytes, 0),
+            max(duration - batch.duration, 0.0),
+        ))
+        for key, value in metrics.items():
+            if (delta := value - batch.metrics.get(key, 0)) > 0:
+                attributes[key] = delta
     status = erred_status(attributes, batch.erred, batch.error_type)
-    name = TASKGROUP_SPAN_NAME.format(tg.prefix.name)
-    return sink.span(name, context, head.context, start, end, attributes, status)
+    return sink.span(TASKGROUP_SPAN_NAME.format(prefix), context, head.context, start, end,
+                     attributes, status)
 
 
 def bounded_links(sink: SpanSink, links: Mapping[str, Link] | None) -> tuple[Link, ...]:

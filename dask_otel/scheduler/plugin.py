@@ -262,6 +262,7 @@ class OtelSchedulerPlugin(SchedulerPlugin):
             open_groups=len(mirror.ledger.groups) if mirror else 0,
             mirrored_spans=mirror.mirrored if mirror else 0,
             sampled_out_spans=mirror.sampled_out if mirror else 0,
+            queue_full_dropped_spans=mirror.builder.dropped if mirror and mirror.builder else 0,
             spans_delivered=sum(e.spans_exported for e in exporters),
             spans_failed=sum(e.spans_failed for e in exporters),
             export_failures=sum(e.export_failures for e in exporters),

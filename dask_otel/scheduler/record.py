@@ -7,14 +7,14 @@ docs/traces.md.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from distributed.metrics import time
 
-from dask_otel.scheduler.totals import (SpanMetrics, Totals, group_done, groups_stop, observed,
-                                        task_counts)
+from dask_otel._compat import span_own_metrics
+from dask_otel.scheduler.builder import SpanMetrics
+from dask_otel.scheduler.totals import Totals, group_done, groups_stop, observed
 
 if TYPE_CHECKING:
     from distributed.scheduler import TaskGroup
@@ -208,7 +208,7 @@ class GroupBatch:
         states = dict(tg.states)
         return cls(
             span, time(), states, sum(states.values()) - rerun, tg.nbytes_total,
-            tg.duration, SpanMetrics.of(own).by_prefix.get(tg.prefix.name, {}),
+            tg.duration, SpanMetrics.of(span_own_metrics(own)).by_prefix.get(tg.prefix.name, {}),
         )
 
     def start(self, tg: TaskGroup) -> float:
@@ -256,26 +256,13 @@ class GroupBatch:
         if started and (not self.started or started < self.started):
             self.started = started
 
-    def attributes(self, tg: TaskGroup, metrics: Mapping[str, float]) -> dict[str, Any] | None:
-        """Task counts, bytes, duration and fine metrics of the batch, given the
-        group's prefix metrics within its span now; None for a later batch in
-        which nothing ran"""
-        states = tg.states
-        if self.states is None:
-            # float: an int 0 in distributed 2024.1 until a task ran
-            out = task_counts(states, sum(states.values()), tg.nbytes_total, float(tg.duration))
-            out.update(metrics)
-            return out
-        base = self.states
-        total = sum(states.values()) - self.total
-        duration = max(float(tg.duration) - self.duration, 0.0)
-        if total <= 0 and duration <= 0 and not self.erred:
-            return None
-        out = task_counts(
-            {state: n - base.get(state, 0) for state, n in states.items()}, total,
-            max(tg.nbytes_total - self.nbytes, 0), duration,
-        )
-        for name, value in metrics.items():
-            if (delta := value - self.metrics.get(name, 0)) > 0:
-                out[name] = delta
-        return out
+    def figures(self, tg: TaskGroup) -> tuple[dict[str, int], int, float] | None:
+        """The group's states, output bytes and duration now, read for its span's
+        attributes (``builder.taskgroup_span``); None for a later batch in which
+        nothing ran"""
+        states = dict(tg.states)
+        # float: an int 0 in distributed 2024.1 until a task ran
+        figures = (states, tg.nbytes_total, float(tg.duration))
+        if self.states is None or self.erred or figures[2] > self.duration:
+            return figures
+        return figures if sum(states.values()) > self.total else None

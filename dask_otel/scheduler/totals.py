@@ -1,10 +1,10 @@
 """Arithmetic over Dask's objects: what a Dask span's or TaskGroup's attributes sum,
-and when they ran. No state but two bounded caches of names. docs/traces.md.
+and when they ran. No state. docs/traces.md.
 """
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Iterable, Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -13,70 +13,11 @@ from distributed.scheduler import ALL_TASK_STATES
 
 import dask_otel.attributes as attr
 from dask_otel._compat import span_code_blocks, span_nthreads_history, span_own_metrics
+from dask_otel.scheduler.builder import SpanMetrics
 
 if TYPE_CHECKING:
     from distributed.scheduler import TaskGroup, TaskState
     from distributed.spans import Span
-
-
-#: A fine-metric key ``(context, [prefix,] ..., activity, unit)`` -> its attribute
-#: name, its task prefix (``_NO_PREFIX`` unless an ``execute`` metric of one) and
-#: whether it is seconds of ``execute``; bounded
-_KEYS: dict[tuple[Hashable, ...], tuple[str, Hashable, bool]] = {}
-_MAX_KEYS = 1 << 16
-_NO_PREFIX = object()
-
-
-def _key_info(key: tuple[Hashable, ...]) -> tuple[str, Hashable, bool] | None:
-    info = _KEYS.get(key)
-    if info is None:
-        if len(key) < 3:
-            return None
-        if len(_KEYS) >= _MAX_KEYS:  # unbounded task prefixes: stay bounded
-            _KEYS.clear()
-        execute = key[0] == "execute"
-        parts = (str(k).replace(" ", "_") for k in (key[0], key[-2], key[-1]))
-        info = _KEYS[key] = (
-            "dask.metrics.{}.{}.{}".format(*parts),
-            key[1] if execute and len(key) >= 4 else _NO_PREFIX,
-            execute and key[-1] == "seconds",
-        )
-    return info
-
-
-@dataclass(slots=True)
-class SpanMetrics:
-    """The fine performance metrics of one Dask span (its own, not its
-    sub-spans'), as attributes, in one pass: summed over task prefixes for the
-    span, and by task prefix for its TaskGroups."""
-
-    #: ``dask.metrics.<context>.<activity>.<unit>``, summed over prefixes
-    total: dict[str, float] = field(default_factory=dict)
-    #: the same by task prefix, ``execute`` context only
-    by_prefix: dict[Hashable, dict[str, float]] = field(default_factory=dict)
-    #: seconds of the execute context, for "idle or other spans"
-    execute_seconds: float = 0.0
-
-    @classmethod
-    def of(cls, span: Span) -> SpanMetrics:
-        out = cls()
-        total, by_prefix = out.total, out.by_prefix
-        for key, value in span_own_metrics(span).items():
-            if not value:
-                continue
-            info = _KEYS.get(key) or _key_info(key)
-            if info is None:
-                continue
-            name, prefix, execute_seconds = info
-            total[name] = total.get(name, 0) + value
-            if prefix is not _NO_PREFIX:
-                attrs = by_prefix.get(prefix)
-                if attrs is None:
-                    attrs = by_prefix[prefix] = {}
-                attrs[name] = attrs.get(name, 0) + value
-            if execute_seconds:
-                out.execute_seconds += value
-        return out
 
 
 def active_cpu_seconds(span: Span, stop: float) -> float:
@@ -124,38 +65,11 @@ def failure_time(startstops: Iterable[Mapping[str, Any]] | None) -> tuple[float,
 #: TaskGroup states in which a task has yet to finish: ``TaskGroup.done`` is "no
 #: task in any of these"
 _PENDING = tuple(sorted(ALL_TASK_STATES - {"memory", "erred", "released", "forgotten"}))
-#: ``dask.tasks.<state>`` by state: built once, not per span
-_STATE_NAMES = {state: attr.TASKS_PREFIX + state for state in ALL_TASK_STATES}
 
 
-def task_counts(states: Mapping[str, int], total: int, nbytes: int, duration: float
-                ) -> dict[str, Any]:
-    """The attributes every mirrored span has of its tasks: the count of each
-    state (those above 0), the total, output bytes and duration"""
-    names = _STATE_NAMES
-    out: dict[str, Any] = {}
-    for state, n in states.items():
-        if n > 0:
-            name = names.get(state)
-            out[attr.TASKS_PREFIX + state if name is None else name] = n
-    out.update({attr.TASKS_TOTAL: total, attr.OUTPUT_BYTES: nbytes, attr.DURATION: duration})
-    return out
-
-
-def span_figures(span: Span, totals: Totals, end: float, subtree: bool, code: bool
-                 ) -> dict[str, Any]:
-    """The numbers a Dask span's OTel span carries: ``totals``' task counts and
-    fine metrics, active CPU seconds until ``end``, with ``subtree`` totals the
-    thread time no task accounts for, and with ``code`` the source of its code"""
-    active = active_cpu_seconds(span, end)
-    out = task_counts(totals.states, sum(totals.states.values()), totals.nbytes, totals.duration)
-    out[attr.ACTIVE_CPU_SECONDS] = active
-    out.update(totals.metrics)
-    if subtree and (idle := active - totals.execute_seconds) > 0:
-        out[attr.IDLE] = idle
-    if code:
-        out[attr.SPAN_CODE] = tuple(sc.code for block in span_code_blocks(span) for sc in block)
-    return out
+def span_code(span: Span) -> tuple[str, ...]:
+    """The source of the code a Dask span ran (``Span.code``; empty: Dask recorded none)"""
+    return tuple(sc.code for block in span_code_blocks(span) for sc in block)
 
 
 def error_type(ts: TaskState, allowed_failures: int) -> str:
@@ -207,20 +121,23 @@ class Totals:
     start: float = 0.0
     #: when the last task finished, as ``Span.stop`` of a finished span
     stop: float = 0.0
-    #: ``dask.metrics.*`` attributes, summed over task prefixes
+    #: ``dask.metrics.*`` attributes, summed over task prefixes: only of sub-spans
+    #: that finished before the bridge started (``Ledger.follow_running``); the
+    #: others' are summed on the builder thread
     metrics: dict[str, float] = field(default_factory=dict)
-    #: seconds of the execute context, for "idle or other spans"
+    #: seconds of the execute context, for "idle or other spans" (the same)
     execute_seconds: float = 0.0
 
     @classmethod
-    def own(cls, span: Span, metrics: SpanMetrics | None = None) -> Totals:
-        """Of a span's own groups and fine metrics (``metrics``, if already read)"""
+    def own(cls, span: Span, metrics: bool = False) -> Totals:
+        """Of a span's own groups; with ``metrics``, of its fine metrics too (the
+        mirror's polls leave those to the builder thread)"""
         totals = cls()
         totals.add_groups(span.groups)
-        if metrics is None:
-            metrics = SpanMetrics.of(span)
-        totals.metrics = dict(metrics.total)
-        totals.execute_seconds = metrics.execute_seconds
+        if metrics:
+            named = SpanMetrics.of(span_own_metrics(span))
+            totals.metrics = dict(named.total)
+            totals.execute_seconds = named.execute_seconds
         return totals
 
     def add_groups(self, groups: Iterable[TaskGroup]) -> None:
@@ -254,7 +171,7 @@ class Totals:
 
 def subtree_totals(span: Span) -> Totals:
     """:class:`Totals` of a span and all its sub-spans, by walking the tree"""
-    totals = Totals.own(span)
+    totals = Totals.own(span, metrics=True)
     for child in span.children:
         totals.add(subtree_totals(child))
     return totals
