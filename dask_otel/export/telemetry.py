@@ -211,6 +211,19 @@ class Telemetry:
     def accounted_of(self, signal: str) -> list[AccountedExporter]:
         return [e for e in self.accounted if e.outage.signal == signal]
 
+    def export_status(self) -> dict[str, dict[str, int]]:
+        """``status()``'s ``export``: per signal, the items (spans, metric points,
+        log records) and bytes (before compression) the collector accepted, and
+        the items lost (docs/deploy.md, "Volume")"""
+        out: dict[str, dict[str, int]] = {}
+        for exporter in self.accounted:
+            outage = exporter.outage
+            row = out.setdefault(outage.signal, {"items": 0, "bytes": 0, "failed": 0})
+            row["items"] += outage.exported
+            row["bytes"] += outage.sent_bytes
+            row["failed"] += outage.failed
+        return out
+
     # What the scheduler's self-metrics and status() read
     span_exporters = property(lambda self: self.exporters["spans"])
     accounted_span_exporters = property(lambda self: self.accounted_of("spans"))

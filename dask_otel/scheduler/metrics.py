@@ -132,6 +132,18 @@ def _export_failures(observed: SchedulerMetrics) -> Reading:
     return out
 
 
+def _exported(field: str):
+    """What every accounted exporter of the process shipped, by signal"""
+    def read(observed: SchedulerMetrics) -> Reading:
+        return [
+            (getattr(stats.outage, field), {attr.OTEL_EXPORTER: type(stats.exporter).__name__,
+                                            attr.OTEL_SIGNAL: stats.outage.signal})
+            for stats in list(observed.telemetry.accounted)
+        ]
+
+    return read
+
+
 def _export_stat(field: str):
     def read(observed: SchedulerMetrics) -> Reading:
         return [
@@ -171,6 +183,12 @@ SCHEDULER_METRICS: tuple[MetricSpec, ...] = (
     MetricSpec("dask.otel.span.dropped", COUNTER, "{span}",
                "Spans lost because their export failed, or was not tried during an outage",
                _export_stat("spans_failed"), per_process=True),
+    MetricSpec("dask.otel.export.items", COUNTER, "{item}",
+               "Spans, metric points and log records the collector accepted, by signal",
+               _exported("exported"), per_process=True),
+    MetricSpec("dask.otel.export.size", COUNTER, "By",
+               "Bytes of the OTLP requests the collector accepted, by signal, before compression",
+               _exported("sent_bytes"), per_process=True),
     MetricSpec("dask.otel.export.failures", COUNTER, "{request}",
                "Export requests that failed (an outage's probes included), of spans and metrics",
                _export_failures, per_process=True),
