@@ -46,7 +46,7 @@ def received_from(receiver: OTLPReceiver, pid: int) -> dict[str, dict[str, int]]
                 if a.key == "process.pid"}
         if pids != {pid}:
             continue
-        row = out.setdefault(name, {"items": 0, "bytes": 0, "failed": 0})
+        row = out.setdefault(name, {"items": 0, "bytes": 0, "failed": 0, "failed_requests": 0})
         row["items"] += sum(_items(part) for part in parts)
         row["bytes"] += request.ByteSize()
     return out
@@ -88,3 +88,30 @@ def test_status_and_self_metrics_tell_what_each_signal_sent(protocol, compressio
 
             spans = wait_until(reported, what="the self-metrics report the spans sent")
     assert spans["items"] >= 2 and spans["bytes"] > 100 * spans["items"]
+
+
+@pytest.mark.parametrize("protocol", ["grpc", "http/protobuf"])
+def test_a_refused_signal_counts_its_items_as_failed_and_no_bytes(protocol, monkeypatch):
+    """A collector that refuses logs: their records are ``failed``, with no items and
+    no bytes sent, while the spans' and metrics' counts still match the receiver"""
+    with OTLPReceiver(protocol) as receiver:
+        receiver.refuse = {"logs"}
+        for key in [k for k in os.environ if k.startswith("OTEL_EXPORTER_OTLP")]:
+            monkeypatch.delenv(key)
+        for key, value in {**receiver.env(), **FAST_EXPORT_ENV}.items():
+            monkeypatch.setenv(key, value)
+        with otel_cluster(OTLP_CONFIG) as (client, mirrored):
+            with span("counted"):
+                client.submit(inc, 1, key="counted-1").result()
+            logging.getLogger("an.application").warning("refused")
+            wait_until(lambda: receiver.rejected >= 1, what="logs refused")
+
+            def agreed():
+                sent = dask_otel.status(client)["scheduler"]["export"]
+                got = received_from(receiver, os.getpid())
+                logs = sent.pop("logs")
+                return (sent == got and set(got) == {"spans", "metrics"}
+                        and logs["failed"] and logs)
+
+            logs = wait_until(agreed, what="status() and the receiver agree")
+    assert logs["items"] == 0 and logs["bytes"] == 0 and logs["failed"] >= 1

@@ -271,8 +271,3 @@ class AccountedExporter:
         if name == "exporter":  # not set yet
             raise AttributeError(name)
         return getattr(self.exporter, name)
-
-    # The self-metrics read these
-    spans_exported = property(lambda self: self.outage.exported)
-    spans_failed = property(lambda self: self.outage.failed)
-    export_failures = property(lambda self: self.outage.export_failures)
