@@ -244,7 +244,8 @@ def count_request_sizes(exporter: Any, accepted: Callable[[int], None]) -> bool:
     """Have ``accepted(n)`` called with the size in bytes of each request of
     ``exporter`` (an OTLP exporter of opentelemetry 1.41 to 1.45.2) the collector
     accepted; False if it has no such place"""
-    if sdk_version() > RETRY_WAIT_UP_TO:
+    if sdk_version() > RETRY_WAIT_UP_TO or not type(exporter).__module__.startswith(
+            "opentelemetry.exporter.otlp.proto."):
         return False
     stub = getattr(exporter, "_stub", None)
     if stub is not None:  # gRPC: _client = _stub(channel), built again on UNAVAILABLE
