@@ -256,9 +256,11 @@ def count_request_sizes(exporter: Any, accepted: Callable[[int], None]) -> bool:
         if exporter._client is not None:
             _counted_stub(exporter._client, accepted)
         return True
+    # A failed export's sizes are dropped (ExportOutage); a failed attempt's must be
+    # where the exporter retries by calling again
     client = getattr(exporter, "_client", None)
     if callable(getattr(client, "export", None)):  # HTTP 1.45: _client.export(bytes), retries
-        send, owner, ok = client.export, client, lambda result: result.success
+        send, owner, ok = client.export, client, lambda result: True
     elif callable(getattr(exporter, "_export", None)):  # HTTP 1.41-1.44: _export(bytes, timeout)
         send, owner, ok = exporter._export, exporter, lambda response: response.ok
     else:
