@@ -1,5 +1,5 @@
 """Export accounting and the outage policy, one engine for the three signals: what
-each batched exporter shipped and lost, one WARNING per outage instead of one per
+each batched exporter shipped (items, and bytes: docs/deploy.md, "Volume") and lost, one WARNING per outage instead of one per
 failed batch and retry, one probe per export interval while it lasts, and no export
 thread waiting on a collector that does not answer (docs/deploy.md, "When telemetry
 fails"). :class:`AccountedExporter` wraps the SDK's exporter in the SDK's export
