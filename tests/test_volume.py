@@ -52,11 +52,17 @@ def received_from(receiver: OTLPReceiver, pid: int) -> dict[str, dict[str, int]]
     return out
 
 
+def sent_by(server: dict) -> dict[str, dict[str, int]]:
+    """A server's status()["export"], without the signals it has not sent yet"""
+    return {signal: row for signal, row in server["export"].items() if any(row.values())}
+
+
 @pytest.mark.parametrize("protocol,compression", [("grpc", None), ("http/protobuf", "gzip")])
 def test_status_and_self_metrics_tell_what_each_signal_sent(protocol, compression, monkeypatch):
     """Spans, metric points and log records, and their bytes before compression:
-    status() agrees with the receiver to the byte (gzip on the wire changes
-    nothing), and the self-metrics report the same"""
+    status() agrees with the receiver to the byte for the scheduler's process and
+    each worker process (gzip on the wire changes nothing), and the scheduler's
+    self-metrics report the same"""
     with OTLPReceiver(protocol) as receiver:
         for key in [k for k in os.environ if k.startswith("OTEL_EXPORTER_OTLP")]:
             monkeypatch.delenv(key)
@@ -64,15 +70,24 @@ def test_status_and_self_metrics_tell_what_each_signal_sent(protocol, compressio
             monkeypatch.setenv(key, value)
         if compression:
             monkeypatch.setenv("OTEL_EXPORTER_OTLP_COMPRESSION", compression)
-        with otel_cluster(OTLP_CONFIG) as (client, mirrored):
+        config = {**OTLP_CONFIG, "otel.tasks.spans": True}
+        with otel_cluster(config, processes=True, n_workers=2) as (client, mirrored):
             with span("counted"):
                 client.submit(inc, 1, key="counted-1").result()
             logging.getLogger("an.application").warning("counted")
+            pids = client.run(os.getpid)
 
             def agreed():
-                sent = dask_otel.status(client)["scheduler"]["export"]
+                status = dask_otel.status(client)
+                sent = sent_by(status["scheduler"])
                 got = received_from(receiver, os.getpid())
-                return sent == got and set(got) == {"spans", "metrics", "logs"} and sent
+                # each worker process: its task spans (one ran the task), its metrics
+                workers = [sent_by(status["workers"][w]) == received_from(receiver, pid)
+                           for w, pid in pids.items()]
+                task_spans = sum(sent_by(status["workers"][w]).get("spans", {}).get("items", 0)
+                                 for w in pids)
+                return (sent == got and set(got) == {"spans", "metrics", "logs"}
+                        and all(workers) and task_spans == 1 and sent)
 
             sent = wait_until(agreed, what="status() and the receiver agree")
             # No more spans: the next metric export reports their final count
