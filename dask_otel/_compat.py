@@ -270,3 +270,60 @@ def on_blocked_tick(server: Any, blocked: Callable[[float], None]) -> Callable[[
             tick.callback = measure
 
     return undo
+
+
+# ---- volume
+# The size of what the OTLP exporters send (docs/deploy.md, "Volume"): the
+# serialized request, before compression, read where the exporter sends it, so
+# nothing is encoded again (gRPC's request is a message: its ByteSize() costs ~1%
+# of encoding it). Checked on 1.41 to 1.45.2.
+
+
+def count_request_sizes(exporter: Any, accepted: Callable[[int], None]) -> bool:
+    """Have ``accepted(n)`` called with the size in bytes of each request of
+    ``exporter`` (an OTLP exporter of opentelemetry 1.41 to 1.45.2) the collector
+    accepted; False if it has no such place"""
+    if sdk_version() > RETRY_WAIT_UP_TO or not type(exporter).__module__.startswith(
+            "opentelemetry.exporter.otlp.proto."):
+        return False
+    stub = getattr(exporter, "_stub", None)
+    if stub is not None:  # gRPC: _client = _stub(channel), built again on UNAVAILABLE
+        def counted_stub(channel: Any) -> Any:
+            return _counted_stub(stub(channel), accepted)
+
+        exporter._stub = counted_stub
+        if exporter._client is not None:
+            _counted_stub(exporter._client, accepted)
+        return True
+    # A failed export's sizes are dropped (ExportOutage); a failed attempt's must be
+    # where the exporter retries by calling again
+    client = getattr(exporter, "_client", None)
+    if callable(getattr(client, "export", None)):  # HTTP 1.45: _client.export(bytes), retries
+        send, owner, ok = client.export, client, lambda result: True
+    elif callable(getattr(exporter, "_export", None)):  # HTTP 1.41-1.44: _export(bytes, timeout)
+        send, owner, ok = exporter._export, exporter, lambda response: response.ok
+    else:
+        return False
+
+    def sent(data: bytes, *args: Any, **kwargs: Any) -> Any:
+        result = send(data, *args, **kwargs)
+        if ok(result):
+            accepted(len(data))
+        return result
+
+    setattr(owner, "export" if owner is client else "_export", sent)
+    return True
+
+
+def _counted_stub(client: Any, accepted: Callable[[int], None]) -> Any:
+    """A gRPC stub whose ``Export`` (it raises unless the collector accepted the
+    request) tells ``accepted`` the request's size"""
+    export = client.Export
+
+    def counted(request: Any, *args: Any, **kwargs: Any) -> Any:
+        response = export(request, *args, **kwargs)
+        accepted(request.ByteSize())
+        return response
+
+    client.Export = counted
+    return client

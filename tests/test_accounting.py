@@ -188,8 +188,8 @@ def test_an_unavailable_collector_is_an_outage_at_once_probed_once_per_interval(
                     ok, seconds = timed_export(exporter, spans)
                     assert not ok and seconds < 0.05
                 assert receiver.requests == 1
-                assert exporter.spans_failed == 6 * 3
-                assert exporter.export_failures == 1
+                assert exporter.outage.failed == 6 * 3
+                assert exporter.outage.export_failures == 1
                 # A probe once the interval has passed, still failing
                 time.sleep(0.3)
                 assert timed_export(exporter, spans)[0] is False
@@ -205,7 +205,7 @@ def test_an_unavailable_collector_is_an_outage_at_once_probed_once_per_interval(
                 exporter.shutdown()
     assert receiver.requests == 4
     assert len(receiver.spans()) == 2 * 3
-    assert exporter.spans_exported == 2 * 3
+    assert exporter.outage.exported == 2 * 3
     messages = dask_otel_messages(caplog)
     (warning,) = [m for m in messages if "cannot export spans" in m]
     assert "unavailable" in warning.lower(), warning  # gRPC's code, HTTP's reason
@@ -228,7 +228,7 @@ def test_a_refused_connection_is_an_outage_at_once(protocol, monkeypatch):
         ok, seconds = timed_export(exporter, spans)
         assert not ok and seconds < 0.5, seconds
         assert exporter.outage.in_outage
-        assert exporter.spans_failed == 2
+        assert exporter.outage.failed == 2
     finally:
         exporter.shutdown()
 

@@ -13,7 +13,7 @@ from tests.support.processes import dask_processes
 NO_EXPORT = {"OTEL_TRACES_EXPORTER": "none", "OTEL_METRICS_EXPORTER": "none"}
 
 #: What every server's status says, whatever its kind
-SERVER_KEYS = {"error", "service_name", "config_file", "shared_with", "metrics", "config"}
+SERVER_KEYS = {"error", "service_name", "config_file", "shared_with", "metrics", "export", "config"}
 
 
 def test_the_schedulers_and_the_workers_status_carry_the_same_server_keys():

@@ -1,10 +1,11 @@
 """Export accounting and the outage policy, one engine for the three signals: what
-each batched exporter shipped and lost, one WARNING per outage instead of one per
-failed batch and retry, one probe per export interval while it lasts, and no export
-thread waiting on a collector that does not answer (docs/deploy.md, "When telemetry
-fails"). :class:`AccountedExporter` wraps the SDK's exporter in the SDK's export
-thread; batching, queues and timeouts stay the SDK's. Every item handed to it is
-counted once, as exported or failed; the exporter is never built again.
+each batched exporter shipped (items and bytes: docs/deploy.md, "Volume") and lost,
+one WARNING per outage instead of one per failed batch and retry, one probe per
+export interval while it lasts, and no export thread waiting on a collector that
+does not answer (docs/deploy.md, "When telemetry fails"). :class:`AccountedExporter`
+wraps the SDK's exporter in the SDK's export thread; batching, queues and timeouts
+stay the SDK's. Every item handed to it is counted once, as exported or failed; the
+exporter is never built again.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from dask_otel._compat import cut_retry_waits
+from dask_otel._compat import count_request_sizes, cut_retry_waits
 from dask_otel.export.exporters import SIGNALS
 
 logger = logging.getLogger("dask_otel")
@@ -82,6 +83,8 @@ class _Export:
     retrying: bool = False
     #: its last line then (the retry's announcement), if its logger let it through
     announced: str | None = None
+    #: bytes of its requests the collector accepted, before compression
+    size: int = 0
 
 
 @dataclass(slots=True)
@@ -97,8 +100,11 @@ class ExportOutage:
     interval: float
     #: ``otel.export.retry-during-outage``: the SDK's retries for every batch, no probes
     retry_during_outage: bool = False
-    #: items the collector accepted
+    #: items the collector accepted: spans, metric points, log records
     exported: int = 0
+    #: bytes of the OTLP requests the collector accepted: the serialized request,
+    #: before compression (0 for an exporter that is not OTLP's)
+    sent_bytes: int = 0
     #: items lost because an export failed, or was not tried during an outage
     failed: int = 0
     #: failed export calls (requests, probes included)
@@ -146,6 +152,12 @@ class ExportOutage:
             export.announced = export.held[-1].getMessage() if export.held else None
         return not self.retry_during_outage
 
+    def accepted(self, size: int) -> None:
+        """Told by the exporter's request (:func:`dask_otel._compat.count_request_sizes`)"""
+        export = self.under_way
+        if export is not None:
+            export.size += size
+
     def export(self, send: Callable[[], bool], items: int) -> bool:
         """``send()`` the batch unless the outage policy drops it; True if the
         collector took it"""
@@ -173,6 +185,7 @@ class ExportOutage:
             self.under_way = None
         if ok:
             self.exported += items
+            self.sent_bytes += export.size
             if self.failing:
                 logger.warning(
                     "dask_otel: %s export recovered after %d failed exports",
@@ -212,6 +225,12 @@ def _reason(export: _Export) -> str:
     return "the exporter returned FAILURE"
 
 
+def metric_points(data: Any) -> int:
+    """The data points of a metric export (``MetricsData``)"""
+    return sum(len(metric.data.data_points) for resource in data.resource_metrics
+               for scope in resource.scope_metrics for metric in scope.metrics)
+
+
 class AccountedExporter:
     """An SDK exporter of any signal with :class:`ExportOutage` accounting and the
     outage policy: ``export``, ``force_flush`` and ``shutdown`` go through it, the
@@ -225,9 +244,10 @@ class AccountedExporter:
         module, name = RESULTS[signal]
         #: the signal's export result: ``SUCCESS``, ``FAILURE``
         self.result = getattr(importlib.import_module(module), name)
-        #: items in a batch: a metric export is one
-        self.items: Callable[[Any], int] = (lambda batch: 1) if signal == "metrics" else len
+        #: items in a batch: spans, log records, or a metric export's points
+        self.items: Callable[[Any], int] = metric_points if signal == "metrics" else len
         cut_retry_waits(exporter, self.outage.retry_wait)
+        count_request_sizes(exporter, self.outage.accepted)
 
     def export(self, batch: Any, *args: Any, **kwargs: Any) -> Any:
         def send() -> bool:
@@ -252,8 +272,3 @@ class AccountedExporter:
         if name == "exporter":  # not set yet
             raise AttributeError(name)
         return getattr(self.exporter, name)
-
-    # The self-metrics read these
-    spans_exported = property(lambda self: self.outage.exported)
-    spans_failed = property(lambda self: self.outage.failed)
-    export_failures = property(lambda self: self.outage.export_failures)

@@ -42,6 +42,11 @@ PROCESS_WIDE = {
 }
 
 
+#: ``status()``'s ``export`` row of a signal: key -> ``ExportOutage`` field
+EXPORT_STATUS = {"items": "exported", "bytes": "sent_bytes", "failed": "failed",
+                 "failed_requests": "export_failures"}
+
+
 def otel_environment() -> dict[str, str]:
     """The ``OTEL_*`` variables, which the providers' exporters read once"""
     return {k: v for k, v in os.environ.items() if k.startswith("OTEL_")}
@@ -209,10 +214,20 @@ class Telemetry:
     def accounted_of(self, signal: str) -> list[AccountedExporter]:
         return [e for e in self.accounted if e.outage.signal == signal]
 
-    # What the scheduler's self-metrics and status() read
+    def export_status(self) -> dict[str, dict[str, int]]:
+        """``status()``'s ``export``: per signal, the items (spans, metric points,
+        log records) and bytes (before compression) the collector accepted, and
+        the items lost and the requests that failed (docs/deploy.md, "Volume")"""
+        out: dict[str, dict[str, int]] = {}
+        for exporter in self.accounted:
+            outage = exporter.outage
+            row = out.setdefault(outage.signal, dict.fromkeys(EXPORT_STATUS, 0))
+            for key, field in EXPORT_STATUS.items():
+                row[key] += getattr(outage, field)
+        return out
+
+    # What tests and the demo read
     span_exporters = property(lambda self: self.exporters["spans"])
-    accounted_span_exporters = property(lambda self: self.accounted_of("spans"))
-    accounted_metric_exporters = property(lambda self: self.accounted_of("metrics"))
 
     @classmethod
     def acquire(cls, config: OtelConfig, **resource_attributes: Any) -> ServerTelemetry:

@@ -119,24 +119,15 @@ def _mirror_count(field: str):
     return read
 
 
-def _export_failures(observed: SchedulerMetrics) -> Reading:
-    """Failed export requests of every accounted exporter, spans' and metrics'"""
-    telemetry = observed.telemetry
-    out: list[tuple[float, Mapping[str, Any]]] = []
-    for signal, gated in (("spans", telemetry.accounted_span_exporters),
-                          ("metrics", telemetry.accounted_metric_exporters)):
-        for stats in list(gated):
-            exporter = type(stats.exporter).__name__
-            attributes = {attr.OTEL_EXPORTER: exporter, attr.OTEL_SIGNAL: signal}
-            out.append((stats.outage.export_failures, attributes))
-    return out
-
-
-def _export_stat(field: str):
+def _exported(field: str, signal: str | None = None):
+    """``field`` of the process's accounted exporters (``ExportOutage``), by signal;
+    of ``signal``'s only, when given"""
     def read(observed: SchedulerMetrics) -> Reading:
         return [
-            (getattr(stats, field), {attr.OTEL_EXPORTER: type(stats.exporter).__name__})
-            for stats in list(observed.telemetry.accounted_span_exporters)
+            (getattr(e.outage, field), {attr.OTEL_EXPORTER: type(e.exporter).__name__}
+             if signal else {attr.OTEL_EXPORTER: type(e.exporter).__name__,
+                             attr.OTEL_SIGNAL: e.outage.signal})
+            for e in list(observed.telemetry.accounted) if signal in (None, e.outage.signal)
         ]
 
     return read
@@ -167,13 +158,19 @@ SCHEDULER_METRICS: tuple[MetricSpec, ...] = (
                "Dask spans and TaskGroups the sampler (OTEL_TRACES_SAMPLER) dropped",
                _mirror_count("sampled_out")),
     MetricSpec("dask.otel.span.exported", COUNTER, "{span}", "Spans the exporter delivered",
-               _export_stat("spans_exported"), per_process=True),
+               _exported("exported", "spans"), per_process=True),
     MetricSpec("dask.otel.span.dropped", COUNTER, "{span}",
                "Spans lost because their export failed, or was not tried during an outage",
-               _export_stat("spans_failed"), per_process=True),
+               _exported("failed", "spans"), per_process=True),
+    MetricSpec("dask.otel.export.items", COUNTER, "{item}",
+               "Spans, metric points and log records the collector accepted, by signal",
+               _exported("exported"), per_process=True),
+    MetricSpec("dask.otel.export.size", COUNTER, "By",
+               "Bytes of the OTLP requests the collector accepted, by signal, before compression",
+               _exported("sent_bytes"), per_process=True),
     MetricSpec("dask.otel.export.failures", COUNTER, "{request}",
-               "Export requests that failed (an outage's probes included), of spans and metrics",
-               _export_failures, per_process=True),
+               "Export requests that failed (an outage's probes included), by signal",
+               _exported("export_failures"), per_process=True),
 )
 
 

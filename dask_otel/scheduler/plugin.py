@@ -251,7 +251,7 @@ class OtelSchedulerPlugin(SchedulerPlugin):
         """What :func:`dask_otel.status` reports for the scheduler"""
         mirror = self.mirror
         telemetry = self.telemetry
-        exporters = telemetry.accounted_span_exporters if telemetry is not None else []
+        spans = (telemetry.export_status() if telemetry else {}).get("spans", {})
         return server_status(
             self.error, self.server_telemetry, SCHEDULER,
             # who turned it on (first), and who asked again and found it there
@@ -263,9 +263,9 @@ class OtelSchedulerPlugin(SchedulerPlugin):
             mirrored_spans=mirror.mirrored if mirror else 0,
             sampled_out_spans=mirror.sampled_out if mirror else 0,
             queue_full_dropped_spans=mirror.builder.dropped if mirror and mirror.builder else 0,
-            spans_delivered=sum(e.spans_exported for e in exporters),
-            spans_failed=sum(e.spans_failed for e in exporters),
-            export_failures=sum(e.export_failures for e in exporters),
+            spans_delivered=spans.get("items", 0),
+            spans_failed=spans.get("failed", 0),
+            export_failures=spans.get("failed_requests", 0),
         )
 
 

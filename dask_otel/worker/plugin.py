@@ -65,7 +65,7 @@ def server_status(error: str | None, telemetry: Any, process: str, **features: A
     :class:`~dask_otel.export.telemetry.ServerTelemetry`, None where the bridge is
     off; ``process`` names the keys of ``config``; ``features``: the server's own."""
     if telemetry is None:
-        service_name = config_file = shared_with = config = None
+        service_name = config_file = shared_with = config = export = None
     else:  # dask_otel is installed here
         from dask_otel.export.telemetry import config_file_status, service_name_status
 
@@ -73,6 +73,7 @@ def server_status(error: str | None, telemetry: Any, process: str, **features: A
         config_file = config_file_status(telemetry.telemetry)
         shared_with = telemetry.shared_with
         config = telemetry.telemetry.config.effective(process)
+        export = telemetry.telemetry.export_status()
     return {
         # why the bridge is off on this server (None: it is on)
         "error": error,
@@ -84,6 +85,9 @@ def server_status(error: str | None, telemetry: Any, process: str, **features: A
         # in one process), None when they are its own
         "shared_with": shared_with,
         **features,
+        # per signal, the items and bytes (before compression) the collector
+        # accepted and the items lost, by all of this process's exporters
+        "export": export,
         # the otel.* keys this kind of server reads, as it uses them (None: off)
         "config": config,
     }

@@ -1,0 +1,154 @@
+"""Volume: what ``status()`` and the self-metrics say each signal sent (items:
+spans, metric points, log records; bytes: the OTLP requests before compression),
+checked against what a real receiver got from the scheduler's process, over real
+sockets (docs/deploy.md, "Volume")."""
+
+from __future__ import annotations
+
+import logging
+import os
+
+import pytest
+from distributed import span
+
+import dask_otel
+from tests.support.cluster import otel_cluster, wait_until
+from tests.support.otlp_receiver import OTLPReceiver
+from tests.test_accounting import FAST_EXPORT_ENV, OTLP_CONFIG, inc
+
+#: The receiver's name of each signal -> the bridge's, and the request's resource list
+SIGNALS = {"traces": ("spans", "resource_spans"), "metrics": ("metrics", "resource_metrics"),
+           "logs": ("logs", "resource_logs")}
+
+
+def _items(resource_part) -> int:
+    """Spans, metric points or log records of one resource of a request"""
+    total = 0
+    for scope in getattr(resource_part, "scope_spans", None) or getattr(
+            resource_part, "scope_metrics", None) or resource_part.scope_logs:
+        if hasattr(scope, "spans"):
+            total += len(scope.spans)
+        elif hasattr(scope, "log_records"):
+            total += len(scope.log_records)
+        else:
+            for metric in scope.metrics:
+                total += len(getattr(metric, metric.WhichOneof("data")).data_points)
+    return total
+
+
+def received_from(receiver: OTLPReceiver, pid: int) -> dict[str, dict[str, int]]:
+    """status()'s ``export`` as the receiver saw it, of the requests of process ``pid``"""
+    out: dict[str, dict[str, int]] = {}
+    for signal, request in receiver.raw_requests:
+        name, field = SIGNALS[signal]
+        parts = getattr(request, field)
+        pids = {a.value.int_value for part in parts for a in part.resource.attributes
+                if a.key == "process.pid"}
+        if pids != {pid}:
+            continue
+        row = out.setdefault(name, {"items": 0, "bytes": 0, "failed": 0, "failed_requests": 0})
+        row["items"] += sum(_items(part) for part in parts)
+        row["bytes"] += request.ByteSize()
+    return out
+
+
+def sent_by(server: dict) -> dict[str, dict[str, int]]:
+    """A server's status()["export"], without the signals it has not sent yet"""
+    return {signal: row for signal, row in server["export"].items() if any(row.values())}
+
+
+@pytest.mark.parametrize("protocol,compression", [("grpc", None), ("http/protobuf", "gzip")])
+def test_status_and_self_metrics_tell_what_each_signal_sent(protocol, compression, monkeypatch):
+    """Spans, metric points and log records, and their bytes before compression:
+    status() agrees with the receiver to the byte for the scheduler's process and
+    each worker process (gzip on the wire changes nothing), and the scheduler's
+    self-metrics report the same"""
+    with OTLPReceiver(protocol) as receiver:
+        for key in [k for k in os.environ if k.startswith("OTEL_EXPORTER_OTLP")]:
+            monkeypatch.delenv(key)
+        for key, value in {**receiver.env(), **FAST_EXPORT_ENV}.items():
+            monkeypatch.setenv(key, value)
+        if compression:
+            monkeypatch.setenv("OTEL_EXPORTER_OTLP_COMPRESSION", compression)
+        config = {**OTLP_CONFIG, "otel.tasks.spans": True}
+        with otel_cluster(config, processes=True, n_workers=2) as (client, mirrored):
+            with span("counted"):
+                client.submit(inc, 1, key="counted-1").result()
+            logging.getLogger("an.application").warning("counted")
+            pids = client.run(os.getpid)
+
+            def agreed():
+                status = dask_otel.status(client)
+                sent = sent_by(status["scheduler"])
+                got = received_from(receiver, os.getpid())
+                # each worker process: its task spans (one ran the task), its metrics
+                workers = [sent_by(status["workers"][w]) == received_from(receiver, pid)
+                           for w, pid in pids.items()]
+                task_spans = sum(sent_by(status["workers"][w]).get("spans", {}).get("items", 0)
+                                 for w in pids)
+                return (sent == got and set(got) == {"spans", "metrics", "logs"}
+                        and all(workers) and task_spans == 1 and sent)
+
+            sent = wait_until(agreed, what="status() and the receiver agree")
+            # No more spans: the next metric export reports their final count
+            wait_until(lambda: mirrored.plugin.mirror.mirrored >= 2, what="the span mirrored")
+
+            def reported():
+                sent = dask_otel.status(client)["scheduler"]["export"]["spans"]
+                points = {p.name: p.value for p in receiver.metric_points()
+                          if p.name in ("dask.otel.export.items", "dask.otel.export.size")
+                          and p.attributes.get("dask.otel.signal") == "spans"}
+                return points == {"dask.otel.export.items": sent["items"],
+                                  "dask.otel.export.size": sent["bytes"]} and sent
+
+            spans = wait_until(reported, what="the self-metrics report the spans sent")
+    assert spans["items"] >= 2 and spans["bytes"] > 100 * spans["items"]
+
+
+@pytest.mark.parametrize("protocol", ["grpc", "http/protobuf"])
+def test_a_refused_signal_counts_its_items_as_failed_and_no_bytes(protocol, monkeypatch):
+    """A collector that refuses logs: their records are ``failed``, with no items and
+    no bytes sent, while the spans' and metrics' counts still match the receiver"""
+    with OTLPReceiver(protocol) as receiver:
+        receiver.refuse = {"logs"}
+        for key in [k for k in os.environ if k.startswith("OTEL_EXPORTER_OTLP")]:
+            monkeypatch.delenv(key)
+        for key, value in {**receiver.env(), **FAST_EXPORT_ENV}.items():
+            monkeypatch.setenv(key, value)
+        with otel_cluster(OTLP_CONFIG) as (client, mirrored):
+            with span("counted"):
+                client.submit(inc, 1, key="counted-1").result()
+            logging.getLogger("an.application").warning("refused")
+            wait_until(lambda: receiver.rejected >= 1, what="logs refused")
+
+            def agreed():
+                sent = dask_otel.status(client)["scheduler"]["export"]
+                got = received_from(receiver, os.getpid())
+                logs = sent.pop("logs")
+                return (sent == got and set(got) == {"spans", "metrics"}
+                        and logs["failed"] and logs)
+
+            logs = wait_until(agreed, what="status() and the receiver agree")
+    assert logs["items"] == 0 and logs["bytes"] == 0 and logs["failed"] >= 1
+
+
+def test_every_otlp_exporter_tells_its_request_sizes():
+    """On the SDK versions checked, each OTLP exporter (gRPC and HTTP, three signals)
+    has the place its request sizes are read; another exporter is left alone"""
+    from opentelemetry.exporter.otlp.proto.grpc import _log_exporter as grpc_logs
+    from opentelemetry.exporter.otlp.proto.grpc import metric_exporter as grpc_metrics
+    from opentelemetry.exporter.otlp.proto.grpc import trace_exporter as grpc_traces
+    from opentelemetry.exporter.otlp.proto.http import _log_exporter as http_logs
+    from opentelemetry.exporter.otlp.proto.http import metric_exporter as http_metrics
+    from opentelemetry.exporter.otlp.proto.http import trace_exporter as http_traces
+    from opentelemetry.sdk.trace.export import ConsoleSpanExporter
+
+    from dask_otel._compat import RETRY_WAIT_UP_TO, count_request_sizes, sdk_version
+
+    exporters = [grpc_traces.OTLPSpanExporter, grpc_metrics.OTLPMetricExporter,
+                 grpc_logs.OTLPLogExporter, http_traces.OTLPSpanExporter,
+                 http_metrics.OTLPMetricExporter, http_logs.OTLPLogExporter]
+    checked = sdk_version() <= RETRY_WAIT_UP_TO
+    for exporter in exporters:
+        assert count_request_sizes(exporter(), lambda size: None) is checked, exporter
+    assert count_request_sizes(ConsoleSpanExporter(), lambda size: None) is False
