@@ -68,8 +68,8 @@ class Attached:
     instruments: ProcessInstruments | None = None
     #: Rows not yet reported since close(); None while the server is open
     last_round: set[str] | None = None
-    #: Row name -> (its latest Reading, the observations made of it): a read that
-    #: returns the very same Reading again gets the same observations
+    #: Row name -> (its latest Reading, the observations made of it if it was
+    #: returned twice): a read returning the very same Reading gets them again
     observed: dict[str, tuple[Reading, list[Observation]]] = field(default_factory=dict)
 
     @property
@@ -221,7 +221,8 @@ class ProcessInstruments:
         try:
             readings = spec.read(server)
             previous = server.observed.get(spec.name)
-            if previous is not None and previous[0] is readings:
+            again = previous is not None and previous[0] is readings
+            if again and previous[1] is not None:
                 return previous[1]
             # The SDK copies the attributes it is given: no merge when there is
             # nothing to merge (a scheduler's are empty)
@@ -230,7 +231,9 @@ class ProcessInstruments:
                             *reading[2:])
                 for reading in readings
             ]
-            server.observed[spec.name] = (readings, out)
+            # kept from the second time on: a reading seen once is usually new
+            # at the next collection too
+            server.observed[spec.name] = (readings, out if again else None)
             return out
         except RuntimeError:
             # "dictionary changed size during iteration": the server is busy; it

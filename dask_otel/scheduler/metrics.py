@@ -84,20 +84,23 @@ def _fine_metrics(dask_unit: str):
         previous = observed.previous_state.get(dask_unit)
         if previous is not None and previous[0] == state:
             # Nothing changed since the last read (the usual case at a short
-            # interval): the same reading, whose observations are reused
+            # interval): the same reading, whose observations are reused; no
+            # series grew, so without exemplars
+            if previous[2]:
+                previous = observed.previous_state[dask_unit] = (
+                    state, [r[:2] for r in previous[1]], False)
             return previous[1]
         skip = CONTEXTS_WITH_SPAN_ID if spans else ()
-        out: list[_Raw] = []
-        for extra, metrics in state:
-            for key, value in list(metrics.items()):
-                if not isinstance(key, tuple) or len(key) < 3:
-                    observed.not_fine.add(key)
-                    del metrics[key]
-                elif key[-1] == dask_unit and (extra is not None or key[0] not in skip):
-                    out.append((value, key, extra))
+        for _, metrics in state:
+            for key in [key for key in metrics if not isinstance(key, tuple)]:
+                observed.not_fine.add(key)
+                del metrics[key]
+        out: list[_Raw] = [
+            (value, key, extra) for extra, metrics in state for key, value in metrics.items()
+            if len(key) >= 3 and key[-1] == dask_unit and (extra or key[0] not in skip)
+        ]
         reading = observed.with_exemplars(dask_unit, _bounded(out))
-        # the reading of the same state again: no series grew, no exemplar
-        observed.previous_state[dask_unit] = (state, [r[:2] for r in reading])
+        observed.previous_state[dask_unit] = (state, reading, any(len(r) > 2 for r in reading))
         return reading
 
     return read
@@ -206,9 +209,9 @@ class SchedulerMetrics(Attached):
         #: Dask unit -> {attributes: value at the previous collection}: a series
         #: that grew since carries an exemplar
         self._previous: dict[str, dict[tuple, float]] = {}
-        #: Dask unit -> (Dask's mappings at the previous read, that reading
-        #: without exemplars)
-        self.previous_state: dict[str, tuple[list, Reading]] = {}
+        #: Dask unit -> (Dask's mappings at the previous read, that reading,
+        #: whether it has exemplars)
+        self.previous_state: dict[str, tuple[list, Reading, bool]] = {}
         #: Keys of Dask's mappings that are no fine metrics, seen so far
         #: (``latency``, ``tick-duration``: they change at every heartbeat)
         self.not_fine: set[Hashable] = set()
