@@ -221,7 +221,7 @@ class SchedulerMetrics(Attached):
     def fine_copy(self, metrics: Mapping[Hashable, float]) -> dict[Hashable, float]:
         """A copy of ``metrics`` without the keys known to be no fine metrics"""
         out = copy_mapping(metrics)
-        for key in self.not_fine:
+        for key in tuple(self.not_fine):  # made in C: another reader may add to it
             out.pop(key, None)
         return out
 
