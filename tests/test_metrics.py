@@ -105,6 +105,58 @@ def test_fine_metrics_equal_the_schedulers_totals():
                  dask_activity_name="memory-read") >= 1
 
 
+def fine_snapshot(cluster: LocalCluster) -> dict:
+    """The scheduler's fine metrics now (not ``latency`` and the like)"""
+    return {k: v for k, v in dict(cluster.scheduler.cumulative_worker_metrics).items()
+            if isinstance(k, tuple)}
+
+
+def test_an_unchanged_collection_reuses_its_observations_and_a_change_shows_at_the_next():
+    """docs/metrics.md "What a collection costs": across collections in which no fine
+    metric changed, though heartbeats changed Dask's ``latency`` in between, the bridge
+    hands the SDK the very same observations; tasks that ran since show at the next
+    collection"""
+    name = "dask.activity.time"
+    with spilling_cluster(n_workers=2) as (cluster, client):
+        assert client.submit(total, client.map(inc, range(20))).result() == sum(range(1, 21))
+        heartbeats_carried(cluster, ("execute", "total", "thread-cpu", "seconds"))
+        reader = metric_reader(cluster)
+        server = cluster.scheduler.plugins["dask-otel"].metrics
+
+        def reused_across_a_heartbeat() -> bool:
+            before = fine_snapshot(cluster)
+            for _ in range(3):  # a reading is given observations to keep when seen again
+                collect(reader)
+            observations = server.observed[name][1]
+            assert observations
+            latency = cluster.scheduler.cumulative_worker_metrics["latency"]
+            wait_until(lambda: cluster.scheduler.cumulative_worker_metrics["latency"] != latency,
+                       what="a heartbeat")
+            collect(reader)
+            if fine_snapshot(cluster) != before:  # a late heartbeat of the tasks: again
+                return False
+            assert server.observed[name][1] is observations
+            return True
+
+        wait_until(reused_across_a_heartbeat, what="two collections with no fine metric changed")
+        grown = ("execute", "inc", "thread-cpu", "seconds")
+        ran = cluster.scheduler.cumulative_worker_metrics[grown]
+        assert client.submit(total, client.map(inc, range(100, 140))).result() > 0
+        wait_until(lambda: cluster.scheduler.cumulative_worker_metrics[grown] > ran, what="inc grew")
+
+        def exported_as_dask_has_them() -> bool:
+            expected = fine_snapshot(cluster)
+            points = collect(reader)
+            if fine_snapshot(cluster) != expected:  # a heartbeat in between: again
+                return False
+            assert exported_by_unit(points) == fine_metrics_by_unit(expected)
+            return True
+
+        wait_until(exported_as_dask_has_them, what="a collection between two heartbeats")
+        points = collect(reader)
+        assert value(points, name, dask_task_prefix="inc", dask_activity_name="thread-cpu") > ran
+
+
 #: docs/metrics.md, "Attributes": past 2000 series per instrument the rest is one
 #: overflow series (the number written there, not the code's constant)
 MAX_SERIES = 2000
@@ -604,6 +656,15 @@ def test_a_series_that_did_not_grow_carries_no_exemplar(monkeypatch):
         values.setdefault(tuple(sorted(p.attributes.items())), set()).add(p.value)
     assert all(len(v) == 1 for v in values.values()), values
     assert [p.exemplars for p in later if p.exemplars] == []
+    # double's series grew, and carried an exemplar once: at a later collection
+    # at the same value (nothing changed since), none
+    by_series: dict[tuple, list] = {}
+    for p in receiver.metric_points("dask.activity.time"):
+        if p.attributes.get("dask.task.prefix") == "double":
+            by_series.setdefault(tuple(sorted(p.attributes.items())), []).append(p)
+    again = [(earlier.value, p.exemplars) for points in by_series.values()
+             for earlier, p in zip(points, points[1:]) if p.value == earlier.value]
+    assert again and [exemplars for _, exemplars in again if exemplars] == [], again
 
 
 def test_each_prefix_series_carries_an_exemplar_of_its_own_taskgroup_span(monkeypatch):

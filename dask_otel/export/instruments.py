@@ -11,7 +11,7 @@ import logging
 import sys
 import threading
 from collections.abc import Callable, Hashable, Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar
 from weakref import WeakKeyDictionary
 
@@ -68,6 +68,9 @@ class Attached:
     instruments: ProcessInstruments | None = None
     #: Rows not yet reported since close(); None while the server is open
     last_round: set[str] | None = None
+    #: Row name -> (its latest Reading, the observations made of it if it was
+    #: returned twice): a read returning the very same Reading gets them again
+    observed: dict[str, tuple[Reading, list[Observation]]] = field(default_factory=dict)
 
     @property
     def active(self) -> bool:
@@ -216,13 +219,22 @@ class ProcessInstruments:
     def _observe(self, spec: MetricSpec, server: Attached) -> list[Observation]:
         base = server.attributes
         try:
+            readings = spec.read(server)
+            previous = server.observed.get(spec.name)
+            again = previous is not None and previous[0] is readings
+            if again and previous[1] is not None:
+                return previous[1]
             # The SDK copies the attributes it is given: no merge when there is
             # nothing to merge (a scheduler's are empty)
-            return [
+            out = [
                 Observation(reading[0], {**base, **reading[1]} if base else reading[1],
                             *reading[2:])
-                for reading in spec.read(server)
+                for reading in readings
             ]
+            # kept from the second time on: a reading seen once is usually new
+            # at the next collection too
+            server.observed[spec.name] = (readings, out if again else None)
+            return out
         except RuntimeError:
             # "dictionary changed size during iteration": the server is busy; it
             # reports again at the next collection

@@ -73,15 +73,35 @@ def _fine_metrics(dask_unit: str):
     def read(observed: SchedulerMetrics) -> Reading:
         scheduler = observed.scheduler
         spans = observed.span_label and scheduler.extensions.get("spans")
-        # With span-label, what can be attributed to spans is read from them
-        skip = CONTEXTS_WITH_SPAN_ID if spans else ()
-        out = _readings(scheduler.cumulative_worker_metrics, dask_unit, skip=skip)
+        # Dask's mappings, copied: [(attributes to add, metrics)]. With span-label,
+        # what can be attributed to spans is read from them
+        state = [(None, observed.fine_copy(scheduler.cumulative_worker_metrics))]
         if spans:
             for span in list(spans.spans.values()):
                 own = span_own_metrics(span)
                 if own:
-                    out += _readings(own, dask_unit, {attr.SPAN_NAME: tuple(span.name)})
-        return observed.with_exemplars(dask_unit, _bounded(out))
+                    state.append(({attr.SPAN_NAME: tuple(span.name)}, observed.fine_copy(own)))
+        previous = observed.previous_state.get(dask_unit)
+        if previous is not None and previous[0] == state:
+            # Nothing changed since the last read (the usual case at a short
+            # interval): the same reading, whose observations are reused; no
+            # series grew, so without exemplars
+            if previous[2]:
+                previous = observed.previous_state[dask_unit] = (
+                    state, [r[:2] for r in previous[1]], False)
+            return previous[1]
+        skip = CONTEXTS_WITH_SPAN_ID if spans else ()
+        for _, metrics in state:
+            for key in [key for key in metrics if not isinstance(key, tuple)]:
+                observed.not_fine.add(key)
+                del metrics[key]
+        out: list[_Raw] = [
+            (value, key, extra) for extra, metrics in state for key, value in metrics.items()
+            if len(key) >= 3 and key[-1] == dask_unit and (extra or key[0] not in skip)
+        ]
+        reading = observed.with_exemplars(dask_unit, _bounded(out))
+        observed.previous_state[dask_unit] = (state, reading, any(len(r) > 2 for r in reading))
+        return reading
 
     return read
 
@@ -97,18 +117,6 @@ def _bounded(readings: list[_Raw]) -> Reading:
     if len(readings) > MAX_SERIES:
         out.append((sum(value for value, _, _ in readings[MAX_SERIES:]), OVERFLOW))
     return out
-
-
-def _readings(metrics: Mapping[Hashable, float], dask_unit: str,
-              extra: Mapping[str, Any] | None = None, skip: tuple[str, ...] = ()) -> list[_Raw]:
-    """The fine metrics of ``dask_unit`` among ``metrics``: keys
-    ``(context, ..., activity, unit)`` (see :func:`fine_metric_attributes`)"""
-    return [
-        (value, key, extra)
-        for key, value in copy_mapping(metrics).items()
-        if isinstance(key, tuple) and len(key) >= 3 and key[-1] == dask_unit
-        and key[0] not in skip
-    ]
 
 
 def _mirror_count(field: str):
@@ -198,8 +206,21 @@ class SchedulerMetrics(Attached):
         #: Dask unit -> {attributes: value at the previous collection}: a series
         #: that grew since carries an exemplar
         self._previous: dict[str, dict[tuple, float]] = {}
+        #: Dask unit -> (Dask's mappings at the previous read, that reading,
+        #: whether it has exemplars)
+        self.previous_state: dict[str, tuple[list, Reading, bool]] = {}
+        #: Keys of Dask's mappings that are no fine metrics, seen so far
+        #: (``latency``, ``tick-duration``: they change at every heartbeat)
+        self.not_fine: set[Hashable] = set()
         assert self.telemetry.meter_provider is not None
         SchedulerInstruments.of(self.telemetry.meter_provider).attach(self)
+
+    def fine_copy(self, metrics: Mapping[Hashable, float]) -> dict[Hashable, float]:
+        """A copy of ``metrics`` without the keys known to be no fine metrics"""
+        out = copy_mapping(metrics)
+        for key in tuple(self.not_fine):  # made in C: another reader may add to it
+            out.pop(key, None)
+        return out
 
     def with_exemplars(self, dask_unit: str, readings: Reading) -> Reading:
         """``readings`` of one fine-metrics instrument, those of a task prefix that
