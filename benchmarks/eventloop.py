@@ -178,9 +178,12 @@ def bridge_probe(cluster: LocalCluster) -> Callable[[], dict]:
         ),
     }
     telemetry = plugin.telemetry
-    accounted = getattr(telemetry, "accounted_span_exporters", None)
-    if accounted is None:  # before the "one house" layout
-        accounted = telemetry.export_stats
+    if hasattr(telemetry, "accounted_of"):  # one list of every signal's exporters
+        accounted = telemetry.accounted_of("spans")
+    else:  # before it: a list per signal; before the "one house" layout, export_stats
+        accounted = getattr(telemetry, "accounted_span_exporters", None)
+        if accounted is None:
+            accounted = telemetry.export_stats
     exports = [Timed(stats, "export", gc_clock) for stats in accounted]
     transitions0 = scheduler.transition_counter
     mirrored0 = mirror.mirrored
