@@ -24,6 +24,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 
 from dask_otel.config import read_config
 from dask_otel.export.sink import SpanSink, span_limits
+from dask_otel.scheduler.builder import IDLE_EXIT
 from dask_otel.scheduler.plugin import OtelSchedulerPlugin
 from dask_otel.span_context import otel_span_id
 from dask_otel.spans import SpanMirror
@@ -114,6 +115,24 @@ async def test_a_full_builder_queue_drops_and_counts_what_does_not_fit(c, s, a, 
     dropped = mirror.builder.dropped
     assert dropped >= 1 and len(spans) + dropped == 4, (len(spans), dropped)
     assert mirror.mirrored == len(spans)
+
+
+@gen_cluster(client=True)
+async def test_the_builder_thread_ends_when_idle_and_the_next_spans_start_another(c, s, a, b):
+    """No thread of the bridge outlives its work, drained by a close or not: idle
+    for IDLE_EXIT, the builder thread ends; the next poll's spans start a new one"""
+    mirror, exporter = mirror_on(s, **NOW)
+    for run in ("first", "second"):
+        with span(run):
+            await c.submit(inc, 1, key=f"{run}-0")
+        await poll_until_open(mirror)
+        thread = mirror.builder._thread
+        assert thread is not None and thread.is_alive()
+        deadline = time.monotonic() + IDLE_EXIT + 10
+        while thread.is_alive():  # not drained: it ends on its own
+            assert time.monotonic() < deadline, "the builder thread outlived its work"
+            await asyncio.sleep(0.05)
+        assert run in {s.name for s in exporter.exporter.get_finished_spans()}
 
 
 @gen_cluster(client=True)

@@ -13,7 +13,7 @@ import logging
 import threading
 from collections.abc import Hashable, Mapping
 from dataclasses import dataclass, field
-from queue import SimpleQueue
+from queue import Empty, SimpleQueue
 from typing import TYPE_CHECKING, Any
 
 from distributed.scheduler import ALL_TASK_STATES
@@ -111,12 +111,16 @@ class SpanMetrics:
         return out
 
 
+#: Seconds the builder thread waits for spans before it ends (the next spans start
+#: it again): no thread of the bridge outlives its work, whether the scheduler's
+#: close drained it or not
+IDLE_EXIT = 2.0
 
 
 class SpanBuilder:
     """The bridge's builder thread and its bounded queue. The event loop writes
     ``queued`` and ``dropped``, the thread ``built`` and ``emitted``: each counter
-    has one writer. The thread starts with the first spans handed over."""
+    has one writer. The thread starts with spans handed over and ends when idle."""
 
     def __init__(self, sink: SpanSink, capacity: int = MAX_QUEUED_SPANS):
         self.sink = sink
@@ -127,6 +131,9 @@ class SpanBuilder:
         self.built = self.emitted = 0
         self._queue: SimpleQueue[list[tuple[Any, tuple]] | None] = SimpleQueue()
         self._thread: threading.Thread | None = None
+        #: Held to start the thread and, by the thread, to end it idle: no spans
+        #: are left on a queue with no thread
+        self._lock = threading.Lock()
         #: The thread's own: by open Dask span id, its exported sub-spans' subtree
         #: fine metrics and execute seconds (``otel.spans.totals: subtree``); and
         #: the last copy of a Dask span's metrics it named, with its names (a
@@ -147,18 +154,21 @@ class SpanBuilder:
                 return
             batch = batch[:room]
         self.queued += len(batch)
-        if self._thread is None:
-            self._thread = threading.Thread(target=self._run, name="dask_otel-build", daemon=True)
-            self._thread.start()
-        self._queue.put(batch)
+        with self._lock:  # once a poll
+            self._queue.put(batch)
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="dask_otel-build",
+                                                daemon=True)
+                self._thread.start()
 
     def drain(self, timeout: float) -> None:
         """Let the thread build and hand to the SDK all that is queued, then end,
         waiting at most ``timeout`` seconds: before the SDK's providers flush"""
-        thread, self._thread = self._thread, None
-        if thread is None:
-            return
-        self._queue.put(None)
+        with self._lock:
+            thread, self._thread = self._thread, None
+            if thread is None:
+                return
+            self._queue.put(None)
         thread.join(timeout)
         if thread.is_alive():
             logger.warning("dask_otel: %d mirrored spans not handed to the SDK within %.3gs; "
@@ -196,7 +206,21 @@ class SpanBuilder:
     def _run(self) -> None:
         queue = self._queue
         sink = self.sink
-        while (batch := queue.get()) is not None:
+        me = threading.current_thread()
+        while True:
+            try:
+                batch = queue.get(timeout=IDLE_EXIT)
+            except Empty:
+                batch = None
+            # Ends at drain's None or idle; the next hand_over starts a thread
+            # if this one was the thread (a drain may have started another)
+            if batch is None:
+                with self._lock:
+                    if not queue.empty():
+                        continue
+                    if self._thread is me:
+                        self._thread = None
+                return
             for build, args in batch:
                 try:
                     span = build(self, *args)

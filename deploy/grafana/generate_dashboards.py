@@ -378,6 +378,17 @@ def spans_dashboard() -> dict[str, Any]:
             f" - sum by (dask_otel_exporter) (dask_otel_span_dropped_total{{{CLUSTER}}})",
             "{{dask_otel_exporter}}")],
     )
+    volume = timeseries(
+        "Export volume",
+        "Per second, by signal: bytes of the OTLP requests the collector accepted "
+        "(before compression), and the spans, metric points and log records in them, "
+        "of every exporter of the scheduler's process (docs/deploy.md, Volume).",
+        "Bps",
+        [target(f"sum by (dask_otel_signal) ({rate('dask_otel_export_size_bytes_total', CLUSTER)})",
+                "{{dask_otel_signal}} bytes"),
+         target(f"sum by (dask_otel_signal) ({rate('dask_otel_export_items_total', CLUSTER)})",
+                "{{dask_otel_signal}} items")],
+    )
     help_text = {
         "type": "text", "title": "From a Dask span id to its trace",
         "options": {"mode": "markdown", "content": SPAN_ID_HELP},
@@ -417,6 +428,7 @@ def spans_dashboard() -> dict[str, Any]:
             (operations_by_context, 12, 8), (top_prefixes, 12, 8),
             (row("Span export"), 24, 1),
             (export_rates, 12, 8), (undelivered, 12, 8),
+            (volume, 24, 8),
             (row("Traces"), 24, 1),
             (help_text, 8, 9),
             (tempo_table("Recent traces of $cluster (Tempo)",
