@@ -420,7 +420,11 @@ def test_every_emitted_metric_is_documented_and_every_documented_one_emitted(mon
         for m in sm.metrics
     }
     assert set(points) == set(emitted)
-    assert sorted(emitted) == sorted(documented), "docs/metrics.md and the emitted metrics differ"
+    # Recorded only when an event loop was blocked past Dask's tick limit, which
+    # Dask reads once at import: test_stalls.py blocks one, on processes, and reads it
+    only_on_a_stall = {"dask.event_loop.blocked.duration"}
+    assert sorted(emitted) == sorted(set(documented) - only_on_a_stall), (
+        "docs/metrics.md and the emitted metrics differ")
 
     kinds = {"Gauge": GAUGE, "Sum": COUNTER, "Histogram": "histogram"}
     # The names of the samples Prometheus stores

@@ -326,9 +326,10 @@ def test_instrumented_mid_span_counts_the_steps_before_it():
             dask_otel.instrument(client)  # "outer" and "running" are open
             running.result()
         plugin = cluster.scheduler.plugins["dask-otel"]
-        wait_until(lambda: not plugin.mirror.ledger.records)
-        spans = plugin.telemetry.span_exporters[0].get_finished_spans()
-        (outer,) = [s for s in spans if s.attributes["dask.span.id"] == outer_id]
+        exporter = plugin.telemetry.span_exporters[0]
+        # built on the builder thread once the ledger lets the record go
+        (outer,) = wait_until(lambda: [s for s in exporter.get_finished_spans()
+                                       if s.attributes["dask.span.id"] == outer_id])
         assert outer.attributes["dask.tasks.total"] == 4
         assert not (plugin.mirror.ledger.records or plugin.mirror.ledger.leaves)
 
