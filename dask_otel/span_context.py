@@ -13,8 +13,9 @@ from functools import lru_cache
 from hashlib import blake2b
 from typing import TYPE_CHECKING
 
-from opentelemetry import trace
-from opentelemetry.trace import SpanContext, TraceFlags, TraceState
+from opentelemetry.context import Context
+from opentelemetry.trace import (NonRecordingSpan, SpanContext, TraceFlags, TraceState,
+                                 set_span_in_context)
 
 if TYPE_CHECKING:
     from distributed.spans import Span
@@ -101,15 +102,8 @@ def trace_decision(sampler: Sampler | None, trace_id: int, root_tag: str,
         return remote_parent is None or remote_parent.trace_flags.sampled, None
     if remote_parent is None:
         return _root_decision(sampler, trace_id, root_tag)
-    context = trace.set_span_in_context(trace.NonRecordingSpan(remote_parent))
-    result = sampler.should_sample(context, remote_parent.trace_id, root_tag)
+    result = sampler.should_sample(in_context(remote_parent), remote_parent.trace_id, root_tag)
     return result.decision.is_sampled(), result.trace_state or None
-
-
-def trace_sampled(sampler: Sampler | None, trace_id: int, root_tag: str,
-                  remote_parent: SpanContext | None = None) -> bool:
-    """The sampler's decision for a whole Dask trace (:func:`trace_decision`)"""
-    return trace_decision(sampler, trace_id, root_tag, remote_parent)[0]
 
 
 def dask_span_context(root_id: str, span_id: str, root_tag: str, remote_parent: SpanContext | None,
@@ -143,3 +137,9 @@ def child_context(parent: SpanContext, span_id: int) -> SpanContext:
         trace_flags=TraceFlags(parent.trace_flags | TraceFlags.SAMPLED),
         trace_state=parent.trace_state,
     )
+
+
+def in_context(span_context: SpanContext | None) -> Context | None:
+    """An OTel Context whose current span is ``span_context`` (not recording): what
+    an exemplar or a log record is tied to a trace by; None for None"""
+    return set_span_in_context(NonRecordingSpan(span_context)) if span_context else None

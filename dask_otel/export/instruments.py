@@ -118,10 +118,21 @@ EXEMPLAR_VIEWS = [
 ]
 
 
-# provider -> {ProcessInstruments subclass: its instance}. Weak, so that a
+# provider -> {instruments class (of_provider): its instance}. Weak, so that a
 # MeterProvider that was shut down and dropped takes its instruments with it.
-_by_provider: WeakKeyDictionary[MeterProvider, dict[type, ProcessInstruments]] = WeakKeyDictionary()
+_by_provider: WeakKeyDictionary[MeterProvider, dict[type, Any]] = WeakKeyDictionary()
 _by_provider_lock = threading.Lock()
+
+
+def of_provider(cls: type, meter_provider: MeterProvider) -> Any:
+    """``cls(meter)``, the instruments of ``cls`` on ``meter_provider``, created on
+    first use: every Dask server of the process shares them"""
+    with _by_provider_lock:
+        per_class = _by_provider.setdefault(meter_provider, {})
+        if (instruments := per_class.get(cls)) is None:
+            meter = meter_provider.get_meter("dask_otel", __version__)
+            instruments = per_class[cls] = cls(meter)
+        return instruments
 
 
 class ProcessInstruments:
@@ -161,16 +172,7 @@ class ProcessInstruments:
         with self._lock:
             self.names.append(spec.name)
 
-    @classmethod
-    def of(cls, meter_provider: MeterProvider) -> ProcessInstruments:
-        """This table's instruments on ``meter_provider``, created on first use"""
-        with _by_provider_lock:
-            per_class = _by_provider.setdefault(meter_provider, {})
-            instruments = per_class.get(cls)
-            if instruments is None:
-                meter = meter_provider.get_meter("dask_otel", __version__)
-                instruments = per_class[cls] = cls(meter)
-            return instruments
+    of = classmethod(of_provider)
 
     def attach(self, attached: Attached) -> Attached:
         with self._lock:

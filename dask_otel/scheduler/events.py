@@ -18,12 +18,12 @@ from time import time_ns
 from typing import TYPE_CHECKING, Any
 
 from opentelemetry._logs import LogRecord, SeverityNumber
-from opentelemetry.trace import NonRecordingSpan, set_span_in_context
 
 import dask_otel.attributes as attr
 from dask_otel._compat import remove_worker_lost_keys
 from dask_otel.annotation import LOOP_BLOCKED
 from dask_otel.scheduler.outcomes import CLOSED, FAIL_HARD, LOST, MEMORY_RESTART, RETIRED
+from dask_otel.span_context import in_context
 
 if TYPE_CHECKING:
     from distributed import Scheduler
@@ -334,7 +334,7 @@ class DaskEvents:
         self.logger.emit(LogRecord(
             event_name=row.event_name if row is not None else USER_EVENT,
             timestamp=timestamp or time_ns(),
-            context=set_span_in_context(NonRecordingSpan(context)) if context else None,
+            context=in_context(context),
             severity_text=logging.getLevelName(level),
             severity_number=_SEVERITY_NUMBERS[level],
             body=body,

@@ -98,18 +98,11 @@ class WorkerBridge:
         self.unhook_tick = on_blocked_tick(worker, partial(_tell_blocked, worker))
 
     async def teardown(self, worker: Worker) -> None:
-        if self.unhook_tick is not None:
-            self.unhook_tick()
-            self.unhook_tick = None
-        if self.families is not None:
-            self.families.close()
-            self.families = None
-        if self.task_context is not None:
-            self.task_context.uninstall()
-            self.task_context = None
-        if self.spill is not None:
-            self.spill.close()
-            self.spill = None
+        for part, stop in (("unhook_tick", "__call__"), ("families", "close"),
+                           ("task_context", "uninstall"), ("spill", "close")):
+            if (running := getattr(self, part)) is not None:
+                getattr(running, stop)()
+                setattr(self, part, None)
         if self.telemetry is not None:
             telemetry, self.telemetry, self.server_telemetry = self.telemetry, None, None
             if _closing(worker):

@@ -52,10 +52,20 @@ class OtelWorkerPlugin(WorkerPlugin):
 
     def status(self) -> dict[str, Any]:
         bridge = self.bridge
-        if bridge is None:
-            return worker_status(self.error)
-        return worker_status(bridge.error, bridge.server_telemetry, bridge.task_context,
-                             bridge.spill)
+        hook = bridge.task_context if bridge is not None else None
+        task_spans = hook.task_spans if hook is not None else None
+        return server_status(
+            self.error if bridge is None else bridge.error,
+            bridge.server_telemetry if bridge is not None else None,
+            "workers",  # dask_otel.config.WORKERS: nothing of dask_otel imported here
+            metrics=bridge is not None and bridge.spill is not None,
+            # whether tasks run in their OTel context (False: hook not installed)
+            task_context=hook is not None,
+            # tasks that ran without context because building it failed
+            task_context_errors=hook.errors if hook is not None else 0,
+            # task spans exported by this worker; None when it exports no traces
+            task_spans=task_spans.exported if task_spans is not None else None,
+        )
 
 
 def server_status(error: str | None, telemetry: Any, process: str, **features: Any
@@ -91,22 +101,6 @@ def server_status(error: str | None, telemetry: Any, process: str, **features: A
         # the otel.* keys this kind of server reads, as it uses them (None: off)
         "config": config,
     }
-
-
-def worker_status(error: str | None, telemetry: Any = None, hook: Any = None, spill: Any = None
-                  ) -> dict[str, Any]:
-    """A worker's :func:`server_status`, from its bridge's parts (None: not running)"""
-    task_spans = hook.task_spans if hook is not None else None
-    return server_status(
-        error, telemetry, "workers",  # dask_otel.config.WORKERS: nothing of dask_otel imported here
-        metrics=spill is not None,
-        # whether tasks run in their OTel context (False: hook not installed)
-        task_context=hook is not None,
-        # tasks that ran without context because building it failed
-        task_context_errors=hook.errors if hook is not None else 0,
-        # task spans exported by this worker; None when it exports no traces
-        task_spans=task_spans.exported if task_spans is not None else None,
-    )
 
 
 def dumps_by_value() -> bytes:
