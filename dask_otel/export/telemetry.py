@@ -81,23 +81,6 @@ def service_name() -> tuple[str, str]:
     return DEFAULT_SERVICE_NAME, "default"
 
 
-def service_name_status(telemetry: Telemetry | None) -> dict[str, Any] | None:
-    """``status()``'s ``service_name``: the name the process's spans carry, and why"""
-    if telemetry is None:
-        return None
-    return {
-        "name": telemetry.resource.attributes.get("service.name"),
-        "from": service_name()[1],
-    }
-
-
-def config_file_status(telemetry: Telemetry | None) -> dict[str, Any] | None:
-    """``status()``'s ``OTEL_CONFIG_FILE`` (docs/configuration-file.md); None without one"""
-    if telemetry is None or telemetry.config_file is None:
-        return None
-    return telemetry.config_file.status()
-
-
 def build_resource(**attributes: Any):
     """Resource of this process: the recipe's, over :func:`service_name`, with the
     caller's attributes, host and process"""

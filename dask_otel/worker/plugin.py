@@ -77,13 +77,15 @@ def server_status(error: str | None, telemetry: Any, process: str, **features: A
     if telemetry is None:
         service_name = config_file = shared_with = config = export = None
     else:  # dask_otel is installed here
-        from dask_otel.export.telemetry import config_file_status, service_name_status
+        from dask_otel.export.telemetry import service_name as named
 
-        service_name = service_name_status(telemetry.telemetry)
-        config_file = config_file_status(telemetry.telemetry)
+        process_wide = telemetry.telemetry
+        service_name = {"name": process_wide.resource.attributes.get("service.name"),
+                        "from": named()[1]}
+        config_file = process_wide.config_file and process_wide.config_file.status()
         shared_with = telemetry.shared_with
-        config = telemetry.telemetry.config.effective(process)
-        export = telemetry.telemetry.export_status()
+        config = process_wide.config.effective(process)
+        export = process_wide.export_status()
     return {
         # why the bridge is off on this server (None: it is on)
         "error": error,
