@@ -139,7 +139,9 @@ def child_context(parent: SpanContext, span_id: int) -> SpanContext:
     )
 
 
-def in_context(span_context: SpanContext | None) -> Context | None:
-    """An OTel Context whose current span is ``span_context`` (not recording): what
-    an exemplar or a log record is tied to a trace by; None for None"""
-    return set_span_in_context(NonRecordingSpan(span_context)) if span_context else None
+def in_context(span_context: SpanContext | None, base: Context | None = None
+               ) -> Context | None:
+    """``base`` (None: the current context) with ``span_context`` as its current
+    span, not recording: what a task, an exemplar or a log record is tied to a
+    trace by; None for None"""
+    return set_span_in_context(NonRecordingSpan(span_context), base) if span_context else None

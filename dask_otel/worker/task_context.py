@@ -13,11 +13,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from opentelemetry import trace
-from opentelemetry.trace import NonRecordingSpan, SpanContext
+from opentelemetry.trace import SpanContext
 
 from dask_otel.annotation import extract_caller, forced_sampling, otel_of, root_carrier, task_rules
-from dask_otel.span_context import dask_span_context
+from dask_otel.span_context import dask_span_context, in_context
 
 if TYPE_CHECKING:
     from opentelemetry.context import Context
@@ -94,7 +93,7 @@ class TaskContexts:
             is_remote=True, forced=forced_sampling(otel, ids[0]),
         )
         rules = self.rules
-        context = trace.set_span_in_context(NonRecordingSpan(span_context), base)
+        context = in_context(span_context, base)
         return DaskSpanContext(
             span_context, context, str(ids[-1]), otel,
             rules and rules.of_span(task_rules(otel), span_context.trace_flags.sampled),

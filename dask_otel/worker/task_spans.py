@@ -18,14 +18,13 @@ from typing import TYPE_CHECKING, Any
 from dask.utils import key_split
 from distributed.metrics import time
 from distributed.worker_state_machine import ExecuteFailureEvent, ExecuteSuccessEvent
-from opentelemetry import trace
 from opentelemetry.sdk.trace import Event
-from opentelemetry.trace import NonRecordingSpan, Status, StatusCode
+from opentelemetry.trace import Status, StatusCode
 
 import dask_otel.attributes as attr
 from dask_otel._compat import task_function
 from dask_otel.annotation import entered_at
-from dask_otel.span_context import child_context
+from dask_otel.span_context import child_context, in_context
 
 if TYPE_CHECKING:
     from dask.typing import Key
@@ -149,8 +148,7 @@ class TaskSpans:
         span_id = self._random.getrandbits(64) or 1
         context = dask_span.context
         if chosen:
-            own = NonRecordingSpan(child_context(dask_span.span_context, span_id))
-            context = trace.set_span_in_context(own, context)
+            context = in_context(child_context(dask_span.span_context, span_id), context)
         return TaskRun(key, dask_span, context, span_id, chosen, self.worker.scheduler_delay)
 
     def finish(self, run: TaskRun, event: StateMachineEvent) -> None:
