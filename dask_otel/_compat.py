@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import functools
 import importlib
+import logging
 import threading
 from collections.abc import Callable, Hashable, Iterable, Mapping
 from types import MappingProxyType
@@ -232,8 +233,9 @@ def cut_retry_waits(exporter: Any, cut: Callable[[], bool]) -> bool:
 
 def on_blocked_tick(server: Any, blocked: Callable[[float], None]) -> Callable[[], None] | None:
     """Have ``blocked(seconds)`` called on the server's event loop when Dask's tick
-    finds the loop was blocked past Dask's limit; per tick, one subtraction and
-    one comparison more. The undo; None where this Dask's tick is not as above."""
+    finds the loop was blocked past Dask's limit (what it raises is logged); per
+    tick, one subtraction and one comparison more. The undo; None where this
+    Dask's tick is not as above."""
     import distributed.core
 
     tick = getattr(server, "periodic_callbacks", {}).get("tick")
@@ -247,7 +249,11 @@ def on_blocked_tick(server: Any, blocked: Callable[[float], None]) -> Callable[[
         last = server._last_tick
         measure()
         if server._last_tick - last > limit:
-            blocked(server._last_tick - last)
+            try:
+                blocked(server._last_tick - last)
+            except Exception:  # never into Dask's tick
+                logging.getLogger("dask_otel").exception(
+                    "dask_otel: could not record a blocked event loop")
 
     tick.callback = measure_tick
 

@@ -112,7 +112,7 @@ class OtelSchedulerPlugin(SchedulerPlugin):
                     outcomes.worker_removed if outcomes is not None else None,
                     outcomes.loop_blocked if outcomes is not None else None,
                 )
-                self._unhook_tick = on_blocked_tick(scheduler, self._loop_blocked)
+                self._unhook_tick = on_blocked_tick(scheduler, self.events.loop_blocked)
         except ConfigError as e:  # an OTEL_* variable the SDK refused, named
             logger.error("dask_otel is off on scheduler %s: %s", scheduler.address, e)
             self.error = f"ConfigError: {e}"
@@ -137,13 +137,6 @@ class OtelSchedulerPlugin(SchedulerPlugin):
         if more and not self._closed:
             # Many spans finished at once: go on after the loop has run other work
             IOLoop.current().add_callback(self._poll)
-
-    def _loop_blocked(self, seconds: float) -> None:
-        if self.events is not None and not self._closed:
-            try:
-                self.events.loop_blocked(seconds)
-            except Exception:
-                logger.exception("dask_otel: could not record a blocked event loop")
 
     def update_graph(self, scheduler: Scheduler, *, tasks: Any = (), client: Any = None,
                      **kwargs: Any) -> None:

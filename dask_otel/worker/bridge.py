@@ -116,15 +116,12 @@ def _tell_blocked(worker: Worker, seconds: float) -> None:
     """Dask's tick found the worker's loop blocked: the scheduler's bridge gets the
     tasks executing and their Dask spans (at most one per thread) on the stream
     that carries the worker's events, ahead of those tasks' results"""
-    try:
-        executing = list(worker.state.executing)
-        worker.log_event(LOOP_BLOCKED, {
-            "duration": seconds,
-            "tasks": [str(ts.key) for ts in executing],
-            "spans": list({ts.span_id for ts in executing if ts.span_id}),
-        })
-    except Exception:  # never into Dask's tick
-        logger.exception("dask_otel: could not report a blocked event loop")
+    executing = list(worker.state.executing)
+    worker.log_event(LOOP_BLOCKED, {
+        "duration": seconds,
+        "tasks": [str(ts.key) for ts in executing],
+        "spans": list({ts.span_id for ts in executing if ts.span_id}),
+    })
 
 
 def _closing(worker: Worker) -> bool:
