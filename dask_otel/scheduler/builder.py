@@ -13,6 +13,7 @@ import logging
 import threading
 from collections.abc import Hashable, Mapping
 from dataclasses import dataclass, field
+from functools import lru_cache
 from queue import SimpleQueue
 from typing import TYPE_CHECKING, Any
 
@@ -48,29 +49,20 @@ _STATE_NAMES = {state: attr.TASKS_PREFIX + state for state in ALL_TASK_STATES}
 MAX_FOLDED = 1 << 16
 
 
-#: A fine-metric key ``(context, [prefix,] ..., activity, unit)`` -> its attribute
-#: name, its task prefix (``_NO_PREFIX`` unless an ``execute`` metric of one) and
-#: whether it is seconds of ``execute``; bounded
-_KEYS: dict[tuple[Hashable, ...], tuple[str, Hashable, bool]] = {}
-_MAX_KEYS = 1 << 16
 _NO_PREFIX = object()
 
 
+@lru_cache(maxsize=1 << 16)  # unbounded task prefixes: stay bounded
 def _key_info(key: tuple[Hashable, ...]) -> tuple[str, Hashable, bool] | None:
-    info = _KEYS.get(key)
-    if info is None:
-        if len(key) < 3:
-            return None
-        if len(_KEYS) >= _MAX_KEYS:  # unbounded task prefixes: stay bounded
-            _KEYS.clear()
-        execute = key[0] == "execute"
-        parts = (str(k).replace(" ", "_") for k in (key[0], key[-2], key[-1]))
-        info = _KEYS[key] = (
-            "dask.metrics.{}.{}.{}".format(*parts),
-            key[1] if execute and len(key) >= 4 else _NO_PREFIX,
-            execute and key[-1] == "seconds",
-        )
-    return info
+    """A fine-metric key ``(context, [prefix,] ..., activity, unit)`` -> its attribute
+    name, its task prefix (``_NO_PREFIX`` unless an ``execute`` metric of one) and
+    whether it is seconds of ``execute``"""
+    if len(key) < 3:
+        return None
+    execute = key[0] == "execute"
+    parts = (str(k).replace(" ", "_") for k in (key[0], key[-2], key[-1]))
+    return ("dask.metrics.{}.{}.{}".format(*parts),
+            key[1] if execute and len(key) >= 4 else _NO_PREFIX, execute and key[-1] == "seconds")
 
 
 @dataclass(slots=True)
@@ -96,7 +88,7 @@ class SpanMetrics:
         for key, value in metrics.items():
             if not value:
                 continue
-            info = _KEYS.get(key) or _key_info(key)
+            info = _key_info(key)
             if info is None:
                 continue
             name, prefix, execute_seconds = info

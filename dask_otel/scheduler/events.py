@@ -227,9 +227,16 @@ class DaskEvents:
         if not by_span:
             self._emit("remove-worker", level, body, attributes)
             return
-        now = time_ns()
+        now, mirror = time_ns(), self.mirror
         for span_id, (n_processing, n_lost) in islice(by_span.items(), MAX_SPANS):
-            context = self._on_span(span_id, address, reason, n_processing, n_lost, now)
+            context = None
+            if mirror is not None:  # a dask.worker.lost span event, if the span is open
+                lost = {attr.WORKER_ADDRESS: address, attr.TASKS_PROCESSING: n_processing,
+                        attr.TASKS_LOST_COMPUTED: n_lost}
+                if reason:
+                    lost[attr.WORKER_LOST_REASON] = reason
+                mirror.observe_worker_lost(span_id, lost, now)
+                context = mirror.context_of(span_id)
             per_span = {
                 **attributes,
                 attr.SPAN_ID: span_id,
@@ -250,24 +257,6 @@ class DaskEvents:
                 if span_id is not None:
                     by_span.setdefault(span_id, [0, 0])[index] += 1
         return by_span
-
-    def _on_span(self, span_id: str, address: str, reason: str | None, processing: int, lost: int,
-                 now: int) -> SpanContext | None:
-        """Tell the mirror (a ``dask.worker.lost`` span event, if the Dask span is
-        open); its OTel span context (None if the mirror is off or its trace is
-        sampled out)"""
-        mirror = self.mirror
-        if mirror is None:
-            return None
-        attributes: dict[str, Any] = {
-            attr.WORKER_ADDRESS: address,
-            attr.TASKS_PROCESSING: processing,
-            attr.TASKS_LOST_COMPUTED: lost,
-        }
-        if reason:
-            attributes[attr.WORKER_LOST_REASON] = reason
-        mirror.observe_worker_lost(span_id, attributes, now)
-        return mirror.context_of(span_id)
 
     # --- an event loop blocked ------------------------------------------------------
 

@@ -8,6 +8,7 @@ docs/metrics.md.
 from __future__ import annotations
 
 from collections.abc import Hashable, Mapping
+from functools import lru_cache
 from typing import TYPE_CHECKING, Any
 
 from distributed.spans import CONTEXTS_WITH_SPAN_ID
@@ -48,20 +49,10 @@ MAX_SERIES = 2000
 #: The series the rest is summed into: the attribute of the SDK's own overflow point
 OVERFLOW = {"otel.metric.overflow": True}
 
-#: Attributes of the exported series' keys, built once (a few thousand at most:
-#: only the first MAX_SERIES keys of each unit are exported)
-_ATTRIBUTES: dict[Hashable, dict[str, Any]] = {}
-_MAX_ATTRIBUTES = 4 * MAX_SERIES
-
-
+@lru_cache(maxsize=4 * MAX_SERIES)  # only the first MAX_SERIES keys of a unit are exported
 def _attributes(key: tuple) -> dict[str, Any]:
-    try:
-        return _ATTRIBUTES[key]
-    except KeyError:
-        if len(_ATTRIBUTES) >= _MAX_ATTRIBUTES:  # keys Dask did not make
-            _ATTRIBUTES.clear()
-        attributes = _ATTRIBUTES[key] = fine_metric_attributes(key)[1]  # type: ignore[index]
-        return attributes
+    """The attributes of an exported series' key, built once"""
+    return fine_metric_attributes(key)[1]  # type: ignore[index]
 
 
 #: One fine-metrics reading before its attributes are built: value, Dask key, and
