@@ -13,6 +13,8 @@ from dataclasses import dataclass
 from functools import partial
 from typing import TYPE_CHECKING, Any
 
+from distributed.core import Status
+
 from dask_otel._compat import on_blocked_tick
 from dask_otel.annotation import LOOP_BLOCKED
 from dask_otel.attributes import SCHEDULER_ADDRESS
@@ -105,10 +107,10 @@ class WorkerBridge:
                 setattr(self, part, None)
         if self.telemetry is not None:
             telemetry, self.telemetry, self.server_telemetry = self.telemetry, None, None
-            if _closing(worker):
+            if worker.status in (Status.closing, Status.closed):
                 # Not inside Dask's close: see release_telemetry_in_background
                 release_telemetry_in_background(telemetry)
-            else:  # a client unregistered the plugin: the worker goes on
+            else:  # a client unregistered the plugin (no close): the worker goes on
                 await release_telemetry(telemetry)
 
 
@@ -122,10 +124,3 @@ def _tell_blocked(worker: Worker, seconds: float) -> None:
         "tasks": [str(ts.key) for ts in executing],
         "spans": list({ts.span_id for ts in executing if ts.span_id}),
     })
-
-
-def _closing(worker: Worker) -> bool:
-    """True in Worker.close (a plugin is also torn down when a client unregisters it)"""
-    from distributed.core import Status
-
-    return worker.status in (Status.closing, Status.closed)
