@@ -31,6 +31,7 @@ if TYPE_CHECKING:
     from opentelemetry.sdk._logs import LoggerProvider
     from opentelemetry.trace import SpanContext
 
+    from dask_otel.scheduler.outcomes import Outcomes
     from dask_otel.spans import SpanMirror
 
 #: Keys listed in an attribute (``dask.event.processing_tasks``...): the first
@@ -134,12 +135,8 @@ class DaskEvents:
     topics: Collection[str]
     #: otel.logs.level: the records' lowest level, as for Python's log records
     level: int = logging.NOTSET
-    #: Counts a removed worker by its ``dask.worker.removed.reason``
-    #: (``Outcomes.worker_removed``; None: metrics are off)
-    removed: Callable[[str], None] | None = None
-    #: Records a blocked event loop by server kind, with its exemplar
-    #: (``Outcomes.loop_blocked``; None: metrics are off)
-    blocked: Callable[[str, float, SpanContext | None], None] | None = None
+    #: Counts removed workers and blocked event loops (None: metrics are off)
+    outcomes: Outcomes | None = None
     #: The LoggerProvider's logger the records go to (None: logs are off)
     logger: Logger | None = field(init=False)
     #: worker address -> ``(dask.worker.removed.reason, dask.worker.lost.reason)``
@@ -169,8 +166,8 @@ class DaskEvents:
             # counted whatever otel.events.topics says
             address = str(msg.get("worker"))
             kind, reason = self.reasons.pop(address, (LOST, None))
-            if self.removed is not None:
-                self.removed(kind)
+            if self.outcomes is not None:
+                self.outcomes.worker_removed(kind)
             if name in self.topics:
                 self._remove_worker(msg, address, reason)
         elif name in self.topics:
@@ -277,8 +274,8 @@ class DaskEvents:
         context = None
         if self.mirror is not None:
             context = self.mirror.observe_loop_blocked(leaves, attributes, time_ns())
-        if self.blocked is not None:
-            self.blocked(attributes[attr.SERVER_KIND], seconds, context)
+        if self.outcomes is not None:
+            self.outcomes.loop_blocked(attributes[attr.SERVER_KIND], seconds, context)
 
     # --- every other event -----------------------------------------------------------
 

@@ -108,9 +108,7 @@ class OtelSchedulerPlugin(SchedulerPlugin):
 
                 self.events = DaskEvents(
                     scheduler, self.mirror, logs.provider if logs is not None else None,
-                    config.event_topics, config.logs_level,
-                    outcomes.worker_removed if outcomes is not None else None,
-                    outcomes.loop_blocked if outcomes is not None else None,
+                    config.event_topics, config.logs_level, outcomes,
                 )
                 self._unhook_tick = on_blocked_tick(scheduler, self.events.loop_blocked)
         except ConfigError as e:  # an OTEL_* variable the SDK refused, named
