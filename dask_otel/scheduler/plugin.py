@@ -210,33 +210,18 @@ class OtelSchedulerPlugin(SchedulerPlugin):
         self._closed = True
         # Each step on its own: Dask's plugin.close re-raises, and one failing step
         # must not keep the others (above all the release) from running
-        for step in (self._stop_polling, self._flush_spans, self._close_metrics):
-            try:
-                step()
-            except Exception:
-                logger.exception("dask_otel: %s failed while closing", step.__name__)
+        for part, step in (("_unhook_tick", "__call__"), ("_poller", "stop"), ("mirror", "flush"),
+                           ("families", "close"), ("metrics", "close")):
+            if (running := getattr(self, part)) is not None:
+                try:
+                    getattr(running, step)()
+                except Exception:
+                    logger.exception("dask_otel: %s.%s failed while closing", part, step)
         if self.telemetry is not None:
             try:
                 await release_telemetry(self.telemetry)
             except Exception:
                 logger.exception("dask_otel: could not release telemetry")
-
-    def _stop_polling(self) -> None:
-        if self._unhook_tick is not None:
-            self._unhook_tick()
-        if self._poller is not None:
-            self._poller.stop()
-
-    def _flush_spans(self) -> None:
-        if self.mirror is not None:
-            self.mirror.flush()
-
-    def _close_metrics(self) -> None:
-        if self.families is not None:
-            self.families.close()
-            self.families = None
-        if self.metrics is not None:
-            self.metrics.close()
 
     def status(self) -> dict[str, Any]:
         """What :func:`dask_otel.status` reports for the scheduler"""
