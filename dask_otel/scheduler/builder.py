@@ -1,10 +1,7 @@
 """What the mirror read on the event loop -> finished OpenTelemetry spans, on the
-bridge's own thread: the corridor's last stop before the SDK. The loop reads Dask's
-live state into plain numbers and hands each poll's spans over at once
-(:meth:`SpanBuilder.hand_over`, a bounded queue: a full one drops and counts); the
-builder thread makes their attributes, events, links, status and ``ReadableSpan``
-and hands them to the sink. Its only way out is the sink (``tests/test_layout.py``).
-What each attribute means: docs/traces.md; what it costs: benchmarks/README.md.
+bridge's own thread (:meth:`SpanBuilder.hand_over`, a bounded queue: a full one
+drops and counts): the corridor's last stop (:mod:`dask_otel.spans`), whose only
+way out is the sink. docs/traces.md; costs: benchmarks/README.md.
 """
 
 from __future__ import annotations
