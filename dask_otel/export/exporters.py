@@ -12,6 +12,7 @@ import logging
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import Any
 
 from dask_otel.config import ConfigError, OtelConfig, installed_entry_points, otlp_entry_point
@@ -150,20 +151,18 @@ def prometheus_reader() -> Any:
     return PrometheusMetricReader()
 
 
-#: (pid, OTEL_* variables) -> the SDK's detected resource, see detected_resource()
-_detected: tuple[tuple, Any] | None = None
-
-
 def detected_resource() -> Any:
     """``Resource.create({})`` (a few ms and a thread pool per call), once per
     process and ``OTEL_*`` variables: what it detects does not change while those do not"""
+    return _detected(os.getpid(), tuple(sorted((k, v) for k, v in os.environ.items()
+                                               if k.startswith("OTEL_"))))
+
+
+@lru_cache(maxsize=1)
+def _detected(pid: int, otel_environment: tuple) -> Any:
     from opentelemetry.sdk.resources import Resource
 
-    global _detected
-    key = (os.getpid(), tuple(sorted((k, v) for k, v in os.environ.items() if k.startswith("OTEL_"))))
-    if _detected is None or _detected[0] != key:
-        _detected = (key, Resource.create({}))
-    return _detected[1]
+    return Resource.create({})
 
 
 @dataclass(slots=True)

@@ -13,7 +13,9 @@ import os
 import socket
 import sys
 import threading
+import uuid
 from dataclasses import dataclass, field
+from functools import lru_cache
 from typing import TYPE_CHECKING, Any
 
 from dask_otel.attributes import SCHEDULER_ADDRESS
@@ -91,21 +93,14 @@ def build_resource(**attributes: Any):
     if "service.instance.id" not in resource.attributes:
         # opentelemetry-sdk 1.45+ sets one per process (the global provider's
         # too); before, this process's own, so every signal still names its process
-        resource = resource.merge(Resource({"service.instance.id": _process_instance_id()}))
+        resource = resource.merge(Resource({"service.instance.id": _process_instance_id(os.getpid())}))
     return resource
 
 
-_instance_id: tuple[int, str] | None = None
-
-
-def _process_instance_id() -> str:
+@lru_cache(maxsize=1)
+def _process_instance_id(pid: int) -> str:
     """A random UUID per process (a forked child gets its own), as the SDK's"""
-    global _instance_id
-    if _instance_id is None or _instance_id[0] != os.getpid():
-        import uuid
-
-        _instance_id = (os.getpid(), str(uuid.uuid4()))
-    return _instance_id[1]
+    return str(uuid.uuid4())
 
 
 class Telemetry:
