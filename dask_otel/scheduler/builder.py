@@ -99,6 +99,14 @@ class SpanMetrics:
                 out.execute_seconds += value
         return out
 
+    def add(self, other: SpanMetrics) -> SpanMetrics:
+        """Sum ``other``'s totals and execute seconds into these"""
+        total = self.total
+        for name, value in other.total.items():
+            total[name] = total.get(name, 0) + value
+        self.execute_seconds += other.execute_seconds
+        return self
+
 
 
 
@@ -117,10 +125,10 @@ class SpanBuilder:
         self._queue: SimpleQueue[list[tuple[Any, tuple]] | None] = SimpleQueue()
         self._thread: threading.Thread | None = None
         #: The thread's own: by open Dask span id, its exported sub-spans' subtree
-        #: fine metrics and execute seconds (``otel.spans.totals: subtree``); and
-        #: the last copy of a Dask span's metrics it named, with its names (a
-        #: span's TaskGroups come together, with one copy)
-        self.folded: dict[str, tuple[dict[str, float], float]] = {}
+        #: fine metrics (``otel.spans.totals: subtree``); and the last copy of a
+        #: Dask span's metrics it named, with its names (a span's TaskGroups come
+        #: together, with one copy)
+        self.folded: dict[str, SpanMetrics] = {}
         self._named: tuple[Any, SpanMetrics | None] = (None, None)
 
     def hand_over(self, batch: list[tuple[Any, tuple]]) -> None:
@@ -162,25 +170,19 @@ class SpanBuilder:
             self._named = (metrics, named)
         return named
 
-    def fold(self, span_id: str, parent_id: str | None, metrics: dict[str, float],
-             execute_seconds: float) -> tuple[dict[str, float], float]:
-        """A Dask span's own fine metrics and execute seconds plus its exported
-        sub-spans' (taken), added to its parent's"""
+    def fold(self, span_id: str, parent_id: str | None, metrics: SpanMetrics) -> SpanMetrics:
+        """A Dask span's own fine metrics (``total`` and execute seconds) plus its
+        exported sub-spans' (taken), added to its parent's"""
         if (below := self.folded.pop(span_id, None)) is not None:
-            for name, value in below[0].items():
-                metrics[name] = metrics.get(name, 0) + value
-            execute_seconds += below[1]
+            metrics.add(below)
         if parent_id is not None:
-            up = self.folded.get(parent_id)
-            if up is None:
+            if (up := self.folded.get(parent_id)) is not None:
+                up.add(metrics)
+            else:
                 if len(self.folded) >= MAX_FOLDED:  # bounded
                     del self.folded[next(iter(self.folded))]
-                self.folded[parent_id] = (dict(metrics), execute_seconds)
-            else:
-                for name, value in metrics.items():
-                    up[0][name] = up[0].get(name, 0) + value
-                self.folded[parent_id] = (up[0], up[1] + execute_seconds)
-        return metrics, execute_seconds
+                self.folded[parent_id] = SpanMetrics().add(metrics)
+        return metrics
 
     def _run(self) -> None:
         queue = self._queue
@@ -248,15 +250,12 @@ def dask_span(builder: SpanBuilder, record: SpanRecord, head: SpanHead,
     attributes.update(task_counts(totals.states, sum(totals.states.values()), totals.nbytes,
                                   totals.duration))
     attributes[attr.ACTIVE_CPU_SECONDS] = active
-    named = builder.named(own_metrics)
-    metrics, execute_seconds = dict(named.total), named.execute_seconds
+    metrics = SpanMetrics().add(builder.named(own_metrics))
     if subtree:
-        metrics, execute_seconds = builder.fold(record.span.id, parent_id, metrics,
-                                                execute_seconds)
-    for name, value in totals.metrics.items():  # sub-spans done before the bridge started
-        metrics[name] = metrics.get(name, 0) + value
-    attributes.update(metrics)
-    if subtree and (idle := active - execute_seconds - totals.execute_seconds) > 0:
+        builder.fold(record.span.id, parent_id, metrics)
+    metrics.add(totals.fine)  # sub-spans done before the bridge started
+    attributes.update(metrics.total)
+    if subtree and (idle := active - metrics.execute_seconds) > 0:
         attributes[attr.IDLE] = idle
     if code is not None:
         attributes[attr.SPAN_CODE] = code

@@ -121,12 +121,10 @@ class Totals:
     start: float = 0.0
     #: when the last task finished, as ``Span.stop`` of a finished span
     stop: float = 0.0
-    #: ``dask.metrics.*`` attributes, summed over task prefixes: only of sub-spans
-    #: that finished before the bridge started (``Ledger.follow_running``); the
-    #: others' are summed on the builder thread
-    metrics: dict[str, float] = field(default_factory=dict)
-    #: seconds of the execute context, for "idle or other spans" (the same)
-    execute_seconds: float = 0.0
+    #: fine metrics (``total`` and execute seconds): only of sub-spans that finished
+    #: before the bridge started (``Ledger.follow_running``); the others' are
+    #: summed on the builder thread
+    fine: SpanMetrics = field(default_factory=SpanMetrics)
 
     @classmethod
     def own(cls, span: Span, metrics: bool = False) -> Totals:
@@ -135,9 +133,7 @@ class Totals:
         totals = cls()
         totals.add_groups(span.groups)
         if metrics:
-            named = SpanMetrics.of(span_own_metrics(span))
-            totals.metrics = dict(named.total)
-            totals.execute_seconds = named.execute_seconds
+            totals.fine.add(SpanMetrics.of(span_own_metrics(span)))
         return totals
 
     def add_groups(self, groups: Iterable[TaskGroup]) -> None:
@@ -159,11 +155,9 @@ class Totals:
     def add(self, other: Totals) -> None:
         for state, n in other.states.items():
             self.states[state] = self.states.get(state, 0) + n
-        for name, value in other.metrics.items():
-            self.metrics[name] = self.metrics.get(name, 0) + value
+        self.fine.add(other.fine)
         self.nbytes += other.nbytes
         self.duration += other.duration
-        self.execute_seconds += other.execute_seconds
         self._started(other.start)
         if other.stop > self.stop:
             self.stop = other.stop
