@@ -20,6 +20,11 @@ from dask_otel.config import ConfigError, OtelConfig, installed_entry_points, ot
 logger = logging.getLogger("dask_otel")
 
 
+def otel_environment() -> dict[str, str]:
+    """The ``OTEL_*`` variables, which the providers' exporters read once"""
+    return {k: v for k, v in os.environ.items() if k.startswith("OTEL_")}
+
+
 def _build_exporter(group: str, name: str, **kwargs: Any) -> Any:
     """An exporter from its entry point; an error names the variable holding the
     bad value (the SDK's do not always), but never a header variable's value"""
@@ -36,10 +41,7 @@ def _build_exporter(group: str, name: str, **kwargs: Any) -> Any:
                 exporter = cls()  # an exporter without SDK metrics (older, third-party)
     except Exception as e:
         text = _redacted(f"{type(e).__name__}: {e}")
-        culprits = [
-            k for k, v in os.environ.items()
-            if k.startswith("OTEL_") and v.strip() and v.strip() in str(e)
-        ]
+        culprits = [k for k, v in otel_environment().items() if v.strip() and v.strip() in str(e)]
         value = os.environ[culprits[0]] if culprits else text
         if culprits and culprits[0] in _secret_variables():
             value = SECRET_NOT_SHOWN
@@ -56,7 +58,7 @@ SECRET_NOT_SHOWN = "(value not shown: it may hold credentials)"
 
 
 def _secret_variables() -> list[str]:
-    return sorted(k for k in os.environ if k.startswith("OTEL_") and "HEADERS" in k)
+    return sorted(k for k in otel_environment() if "HEADERS" in k)
 
 
 def _redacted(text: str) -> str:
@@ -154,8 +156,7 @@ def prometheus_reader() -> Any:
 def detected_resource() -> Any:
     """``Resource.create({})`` (a few ms and a thread pool per call), once per
     process and ``OTEL_*`` variables: what it detects does not change while those do not"""
-    return _detected(os.getpid(), tuple(sorted((k, v) for k, v in os.environ.items()
-                                               if k.startswith("OTEL_"))))
+    return _detected(os.getpid(), tuple(sorted(otel_environment().items())))
 
 
 @lru_cache(maxsize=1)

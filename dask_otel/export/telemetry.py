@@ -22,7 +22,7 @@ from dask_otel.attributes import SCHEDULER_ADDRESS
 from dask_otel.config import OtelConfig
 from dask_otel.export.accounting import HELD_EXPORTER_LOGS, AccountedExporter
 from dask_otel.export.declarative import ConfigFile, config_file
-from dask_otel.export.exporters import EnvRecipe
+from dask_otel.export.exporters import EnvRecipe, otel_environment
 from dask_otel.export.instruments import EXEMPLAR_VIEWS
 from dask_otel.export.sink import DEFAULT_ATTRIBUTE_LENGTH, SpanSink
 
@@ -47,11 +47,6 @@ PROCESS_WIDE = {
 #: ``status()``'s ``export`` row of a signal: key -> ``ExportOutage`` field
 EXPORT_STATUS = {"items": "exported", "bytes": "sent_bytes", "failed": "failed",
                  "failed_requests": "export_failures"}
-
-
-def otel_environment() -> dict[str, str]:
-    """The ``OTEL_*`` variables, which the providers' exporters read once"""
-    return {k: v for k, v in os.environ.items() if k.startswith("OTEL_")}
 
 
 def recipe(config: OtelConfig | None = None) -> ConfigFile | EnvRecipe:
