@@ -26,9 +26,6 @@ LOW_64 = (1 << 64) - 1
 #: W3C trace context Level 2's "random" trace flag: the trace id's low 56 bits
 #: are random. The int: opentelemetry-api 1.41 has no ``TraceFlags`` constant for it
 RANDOM = 0x02
-#: A uuid4's version nibble (bits 76-79) and variant bits (62-63), as an int's
-_UUID4_VERSION = (0xF << 76, 0x4 << 76)
-_UUID4_VARIANT = (0x3 << 62, 0x2 << 62)
 
 
 def dask_uuid(span_id: str) -> int:
@@ -46,12 +43,6 @@ def dask_uuid(span_id: str) -> int:
 def otel_span_id(span_id: str) -> int:
     """The OTel span id of a Dask span: the low 64 bits of its UUID"""
     return dask_uuid(span_id) & LOW_64
-
-
-def trace_id_of(root_id: str, remote_parent: SpanContext | None = None) -> int:
-    """The trace id of a Dask span tree: the caller's trace (``remote_parent``, the
-    SpanContext its root continues) if any, else its root span's UUID"""
-    return remote_parent.trace_id if remote_parent is not None else dask_uuid(root_id)
 
 
 def root_span(span: Span) -> Span:
@@ -75,12 +66,10 @@ def sampling_id(trace_id: int) -> int:
 
 def root_flags(root_id: str) -> int:
     """The trace flags of a Dask-rooted trace, but the sampled bit: random (0x02)
-    if its id is a uuid4 (all bits random but the version nibble, bits 76-79, and
-    the variant bits, 62-63), as ``distributed.spans`` makes them; else 0"""
-    n = dask_uuid(root_id)
-    mask, version = _UUID4_VERSION
-    vmask, variant = _UUID4_VARIANT
-    return RANDOM if (n & mask) == version and (n & vmask) == variant else 0
+    if its id is a uuid4 (all bits random but the version and variant), as
+    ``distributed.spans`` makes them; else 0"""
+    n = uuid.UUID(int=dask_uuid(root_id))
+    return RANDOM if n.variant == uuid.RFC_4122 and n.version == 4 else 0
 
 
 @lru_cache(maxsize=4096)
@@ -115,7 +104,8 @@ def dask_span_context(root_id: str, span_id: str, root_tag: str, remote_parent: 
     ``forced``: the client's ``sampled=`` (None: the sampler decides). Flags are
     the caller's (or :func:`root_flags`) with the sampled bit decided here; the
     trace state the sampler's, else the caller's."""
-    trace_id = trace_id_of(root_id, remote_parent)
+    # the caller's trace if the root continues one, else the root span's UUID
+    trace_id = remote_parent.trace_id if remote_parent is not None else dask_uuid(root_id)
     if forced is None:
         sampled, state = trace_decision(sampler, trace_id, root_tag, remote_parent)
     else:
