@@ -16,10 +16,8 @@ of the path once (``tests/test_layout.py``)::
           builder: numbers -> ReadableSpan           dask_otel.scheduler.builder
           -> SpanSink.emit -> the SDK's processors  dask_otel.export.sink
 
-On the loop only what reads Dask's live state: which spans are ready, their ids
-and sampling, and their numbers (task states, fine metrics, times) as plain
-values; the attributes, events, links and spans are made on the builder thread.
-The mapping and when a span is exported: docs/traces.md; costs: benchmarks/README.md.
+On the loop only what reads Dask's live state, as plain values. The mapping and
+when a span is exported: docs/traces.md; costs: benchmarks/README.md.
 """
 
 from __future__ import annotations
@@ -69,10 +67,9 @@ _GROUP = attrgetter("group")
 
 
 class SpanMirror:
-    """Watches the scheduler's SpansSchedulerExtension: exports each Dask span and
-    each batch of a TaskGroup once it has finished (traces on), and records each
-    root as a workflow run (metrics on). The plugin calls the ``observe_*``
-    methods from Dask's hooks, :meth:`poll` periodically, :meth:`flush` on close."""
+    """Watches the scheduler's SpansSchedulerExtension (above). The plugin calls the
+    ``observe_*`` methods from Dask's hooks, :meth:`poll` periodically, :meth:`flush`
+    on close."""
 
     def __init__(self, scheduler: Scheduler, sink: SpanSink | None, config: OtelConfig,
                  outcomes: Outcomes | None = None):

@@ -135,6 +135,7 @@ def of_provider(cls: type, meter_provider: MeterProvider) -> Any:
         return instruments
 
 
+@dataclass(eq=False)
 class ProcessInstruments:
     """The instruments of one metric table on one MeterProvider, and the Dask
     servers of this process they currently report on."""
@@ -142,21 +143,16 @@ class ProcessInstruments:
     #: The metric table; one instrument per row
     table: ClassVar[tuple[MetricSpec, ...]]
 
-    _attached: dict[Attached, None]
-    _lock: threading.Lock
-    #: Rows whose read failed once already: logged at WARNING once, then DEBUG
-    _failed: set[str]
     #: Where :meth:`add` creates instruments
     _meter: Meter
+    _attached: dict[Attached, None] = field(default_factory=dict)
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+    #: Rows whose read failed once already: logged at WARNING once, then DEBUG
+    _failed: set[str] = field(default_factory=set)
     #: The name of every row with an instrument: the table's, then those added
-    names: list[str]
+    names: list[str] = field(default_factory=list)
 
-    def __init__(self, meter: Meter):
-        self._attached = {}
-        self._lock = threading.Lock()
-        self._failed = set()
-        self._meter = meter
-        self.names = []
+    def __post_init__(self) -> None:
         for spec in self.table:
             self.add(spec)
 
