@@ -11,7 +11,7 @@ import functools
 import random
 import threading
 from collections.abc import Mapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from hashlib import blake2b
 from typing import TYPE_CHECKING, Any
 
@@ -121,22 +121,22 @@ class TaskRun:
         return self.dask_span.otel
 
 
+@dataclass(eq=False)
 class TaskSpans:
     """Starts and exports the task spans of one worker"""
 
-    def __init__(self, worker: Worker, sink: SpanSink):
-        self.worker = worker
-        #: the worker process's span processors
-        self.sink = sink
-        #: task spans handed to the span processors
-        self.exported = 0
-        self._random = random.Random()
-        #: Whether this worker shares the scheduler's clock (same host); None:
-        #: not looked at yet (the scheduler's address is known once running)
-        self._same_clock: bool | None = None
-        #: ``thread.name`` by thread id: the process's live threads when last
-        #: listed (Dask's executor threads live as long as the worker)
-        self._thread_names: dict[int, str] = {}
+    worker: Worker
+    #: the worker process's span processors
+    sink: SpanSink
+    #: task spans handed to the span processors
+    exported: int = 0
+    _random: random.Random = field(default_factory=random.Random)
+    #: Whether this worker shares the scheduler's clock (same host); None:
+    #: not looked at yet (the scheduler's address is known once running)
+    _same_clock: bool | None = None
+    #: ``thread.name`` by thread id: the process's live threads when last
+    #: listed (Dask's executor threads live as long as the worker)
+    _thread_names: dict[int, str] = field(default_factory=dict)
 
     def start(self, key: Key, dask_span: DaskSpanContext) -> TaskRun | DaskSpanContext:
         """The run of a task whose Dask span's tasks may get spans
