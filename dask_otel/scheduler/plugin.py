@@ -8,6 +8,7 @@ docs/configuration.md.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import dask.config
@@ -127,11 +128,7 @@ class OtelSchedulerPlugin(SchedulerPlugin):
     def _poll(self) -> None:
         if self._closed:  # a poll queued with add_callback before close()
             return
-        try:
-            more = self.mirror.poll()  # type: ignore[union-attr]
-        except Exception:
-            logger.exception("dask_otel: span poll failed")
-            return
+        more = _guarded(self.mirror.poll)  # type: ignore[union-attr]
         if more and not self._closed:
             # Many spans finished at once: go on after the loop has run other work
             IOLoop.current().add_callback(self._poll)
@@ -139,10 +136,7 @@ class OtelSchedulerPlugin(SchedulerPlugin):
     def update_graph(self, scheduler: Scheduler, *, tasks: Any = (), client: Any = None,
                      **kwargs: Any) -> None:
         if self.mirror is not None:
-            try:
-                self.mirror.observe_graph(tasks, client)
-            except Exception:
-                logger.exception("dask_otel: could not observe graph")
+            _guarded(self.mirror.observe_graph, tasks, client)
 
     def transition(self, key: Any, start: str, finish: str, *args: Any, stimulus_id: str = "",
                    **kwargs: Any) -> None:
@@ -168,17 +162,11 @@ class OtelSchedulerPlugin(SchedulerPlugin):
         # A client left a dask_otel.span block (dask_otel.client)
         if topic == BLOCK_EXIT:
             if self.mirror is not None:
-                try:
-                    self.mirror.observe_exit(msg)
-                except Exception:
-                    logger.exception("dask_otel: could not read a block's exit")
+                _guarded(self.mirror.observe_exit, msg)
             return
         # None after close: the workers' closing events would meet a shut provider
         if self.events is not None and not self._closed:
-            try:
-                self.events.observe(topic, msg)
-            except Exception:
-                logger.exception("dask_otel: could not export event %r", topic)
+            _guarded(self.events.observe, topic, msg)
 
     def remove_client(self, scheduler: Scheduler, client: str) -> None:
         # The exits of the blocks it left last may still come: they wait
@@ -198,10 +186,7 @@ class OtelSchedulerPlugin(SchedulerPlugin):
     def _client_gone(self, client: str) -> None:
         if self.mirror is None or self._closed:
             return  # closing exports what is open, unfinished
-        try:
-            self.mirror.observe_client_gone(client)
-        except Exception:
-            logger.exception("dask_otel: could not close a client's blocks")
+        _guarded(self.mirror.observe_client_gone, client)
 
     async def close(self) -> None:
         """Export what is still open and flush, within otel.flush-timeout"""
@@ -243,6 +228,15 @@ class OtelSchedulerPlugin(SchedulerPlugin):
             spans_failed=spans.get("failed", 0),
             export_failures=spans.get("failed_requests", 0),
         )
+
+
+def _guarded(call: Callable[..., Any], *args: Any) -> Any:
+    """``call(*args)`` from a Dask hook: what it raises is logged, never raised into Dask"""
+    try:
+        return call(*args)
+    except Exception:
+        logger.exception("dask_otel: %s failed", getattr(call, "__qualname__", call))
+        return None
 
 
 def add_bridge(scheduler: Scheduler, path: str) -> OtelSchedulerPlugin:
