@@ -17,12 +17,7 @@ from opentelemetry.semconv.attributes.code_attributes import (
 from opentelemetry.semconv.attributes.error_attributes import ERROR_TYPE as ERROR_TYPE
 from opentelemetry.semconv.attributes.error_attributes import ErrorTypeValues
 from opentelemetry.semconv.attributes.exception_attributes import (
-    EXCEPTION_MESSAGE as EXCEPTION_MESSAGE,
-)
-from opentelemetry.semconv.attributes.exception_attributes import (
-    EXCEPTION_STACKTRACE as EXCEPTION_STACKTRACE,
-)
-from opentelemetry.semconv.attributes.exception_attributes import (
+    EXCEPTION_MESSAGE as EXCEPTION_MESSAGE, EXCEPTION_STACKTRACE as EXCEPTION_STACKTRACE,
     EXCEPTION_TYPE as EXCEPTION_TYPE,
 )
 
