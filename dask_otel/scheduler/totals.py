@@ -45,11 +45,7 @@ def observed(t: float, sent: float, received: float) -> float:
     its clock offset), moved into what the scheduler saw on its own clock: no
     earlier than it ``sent`` the task and no later than it ``received`` its
     completion or failure (0: not known)."""
-    if received and t > received:
-        t = received
-    if t < sent:
-        t = sent
-    return t
+    return max(min(t, received) if received else t, sent)
 
 
 def failure_time(startstops: Iterable[Mapping[str, Any]] | None) -> tuple[float, float]:
@@ -101,8 +97,7 @@ def groups_stop(groups: Iterable[TaskGroup]) -> float | None:
     for tg in groups:
         if not group_done(tg):
             return None
-        if tg.stop > stop:
-            stop = tg.stop
+        stop = max(stop, tg.stop)
     return stop
 
 
@@ -145,8 +140,7 @@ class Totals:
             self.nbytes += tg.nbytes_total
             self.duration += tg.duration
             self._started(tg.start)
-            if tg.stop > self.stop:
-                self.stop = tg.stop
+            self.stop = max(self.stop, tg.stop)
 
     def _started(self, start: float) -> None:
         if start and (not self.start or start < self.start):
@@ -159,8 +153,7 @@ class Totals:
         self.nbytes += other.nbytes
         self.duration += other.duration
         self._started(other.start)
-        if other.stop > self.stop:
-            self.stop = other.stop
+        self.stop = max(self.stop, other.stop)
 
 
 def subtree_totals(span: Span) -> Totals:
