@@ -18,7 +18,7 @@ from dask_otel.scheduler.totals import group_done, subtree_totals
 
 if TYPE_CHECKING:
     from distributed.scheduler import TaskGroup, TaskState
-    from distributed.spans import Span, SpansSchedulerExtension
+    from distributed.spans import Span
     from opentelemetry.trace import SpanContext
 
     from dask_otel.annotation import BlockExit
@@ -62,17 +62,17 @@ class Ledger:
     #: ``otel`` annotation that says one); at most :data:`MAX_FORCED_ROOTS`
     forced_roots: dict[str, bool] = field(default_factory=dict)
 
-    def open_new_spans(self, ext: SpansSchedulerExtension) -> None:
+    def open_new_spans(self, spans: dict[str, Span]) -> None:
         """Open the Dask spans created since the last call, parents first"""
-        if new := len(ext.spans) - self.spans_seen:
-            self.spans_seen = len(ext.spans)
-            for span in list(islice(reversed(ext.spans.values()), new))[::-1]:
+        if (new := len(spans) - self.spans_seen) > 0:
+            self.spans_seen = len(spans)
+            for span in list(islice(reversed(spans.values()), new))[::-1]:
                 self.open_span(span)
 
-    def follow_running(self, ext: SpansSchedulerExtension) -> None:
+    def follow_running(self, spans: dict[str, Span]) -> None:
         """A cluster instrumented while running: open what is still in flight"""
-        self.spans_seen = len(ext.spans)
-        for span in ext.spans.values():
+        self.spans_seen = len(spans)
+        for span in spans.values():
             if not span.done:  # Dask's own walk, once
                 self.open_span(span)
                 for tg in span.groups:
