@@ -173,11 +173,7 @@ class OtelSchedulerPlugin(SchedulerPlugin):
         # (blocks.CLIENT_GONE_GRACE), then those still open are over
         if self.mirror is None or self._closed:
             return
-        try:
-            self.mirror.observe_client_leaving(client, time())
-        except Exception:
-            logger.exception("dask_otel: could not close a client's blocks")
-            return
+        _guarded(self.mirror.observe_client_leaving, client, time())
         try:
             IOLoop.current().call_later(CLIENT_GONE_GRACE, self._client_gone, client)
         except Exception:  # no event loop to wait on: at once
