@@ -271,10 +271,11 @@ def dask_span(builder: SpanBuilder, record: SpanRecord, head: SpanHead,
             Event(name, sink.event_attributes(dict(values), count), timestamp)
             for name, values, timestamp in record.events
         )
-    return sink.span(
-        record.span.name[-1], head.context, parent, start, end, attributes, status, events,
-        bounded_links(sink, record.links),
-    )
+    count = sink.limits.max_link_attributes  # links to other traces: within the SDK's limits
+    links = tuple(Link(link.context, sink.event_attributes(dict(link.attributes), count))
+                  for link in (record.links or {}).values())
+    return sink.span(record.span.name[-1], head.context, parent, start, end, attributes, status,
+                     events, links)
 
 
 def taskgroup_span(builder: SpanBuilder, names: tuple[str, str], batch: GroupBatch,
@@ -308,12 +309,3 @@ def taskgroup_span(builder: SpanBuilder, names: tuple[str, str], batch: GroupBat
     status = erred_status(attributes, batch.erred, batch.error_type)
     return sink.span(TASKGROUP_SPAN_NAME.format(prefix), context, head.context, start, end,
                      attributes, status)
-
-
-def bounded_links(sink: SpanSink, links: Mapping[str, Link] | None) -> tuple[Link, ...]:
-    """Links with their attributes within the SDK's link attribute limits"""
-    if not links:
-        return ()
-    count = sink.limits.max_link_attributes
-    return tuple(Link(link.context, sink.event_attributes(dict(link.attributes), count))
-                 for link in links.values())

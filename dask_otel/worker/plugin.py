@@ -24,12 +24,10 @@ class OtelWorkerPlugin(WorkerPlugin):
 
     name = PLUGIN_NAME
     idempotent = True
-
-    def __init__(self) -> None:
-        #: :class:`~dask_otel.worker.bridge.WorkerBridge`, once set up
-        self.bridge: Any = None
-        #: Why the bridge is off on this worker, if it is not installed there
-        self.error: str | None = None
+    #: :class:`~dask_otel.worker.bridge.WorkerBridge`, once set up
+    bridge: Any = None
+    #: Why the bridge is off on this worker, if it is not installed there
+    error: str | None = None
 
     def setup(self, worker: Any) -> Any:
         try:
