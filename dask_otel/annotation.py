@@ -199,3 +199,9 @@ def remote_parent(carrier: Mapping[str, Any] | None) -> SpanContext | None:
 def workflow_named(otel: Any) -> bool:
     """Whether the block that wrote ``otel`` was opened with ``workflow=True``"""
     return isinstance(otel, Mapping) and otel.get("workflow") is True
+
+
+def names_workflow(block: BlockExit, span_id: str) -> bool:
+    """Whether the exit ``block`` is of a block that opened root ``span_id`` with
+    ``workflow=True``"""
+    return block[0][0] == span_id and workflow_named(block[3])

@@ -50,10 +50,6 @@ class ConfigFile:
         return {signal for signal, (section, items) in sections.items()
                 if getattr(getattr(self.model, section), items, None)}
 
-    def status(self) -> dict[str, Any]:
-        """What ``status()`` shows of it"""
-        return {"path": self.path, "ignored": list(self.ignored)}
-
     # -- the resource ------------------------------------------------------------
 
     def resource(self, ours: dict[str, Any], service_name: str):

@@ -11,8 +11,8 @@ from dataclasses import dataclass, field
 from itertools import islice
 from typing import TYPE_CHECKING, Any
 
-from dask_otel.annotation import (announces_exits, entered_times, forced_sampling, otel_of,
-                                  remote_parent, root_carrier, workflow_named)
+from dask_otel.annotation import (announces_exits, entered_times, forced_sampling, names_workflow,
+                                  otel_of, remote_parent, root_carrier, workflow_named)
 from dask_otel.scheduler.record import GroupBatch, SpanRecord
 from dask_otel.scheduler.totals import group_done, subtree_totals
 
@@ -91,7 +91,7 @@ class Ledger:
         if self.pending_exits and (pending := self.pending_exits.pop(span.id, None)):
             # its block was left before its graph came
             block = pending[1]
-            record.left_block(block[4], None, block[0][0] == span.id and workflow_named(block[3]))
+            record.left_block(block[4], None, names_workflow(block, span.id))
         parent = span.parent
         if parent is not None and (parent_record := self.records.get(parent.id)):
             parent_record.open_children += 1

@@ -80,7 +80,8 @@ def server_status(error: str | None, telemetry: Any, process: str, **features: A
         process_wide = telemetry.telemetry
         service_name = {"name": process_wide.resource.attributes.get("service.name"),
                         "from": named()[1]}
-        config_file = process_wide.config_file and process_wide.config_file.status()
+        read = process_wide.config_file
+        config_file = read and {"path": read.path, "ignored": list(read.ignored)}
         shared_with = telemetry.shared_with
         config = process_wide.config.effective(process)
         export = process_wide.export_status()
