@@ -88,12 +88,12 @@ def build_resource(**attributes: Any):
     if "service.instance.id" not in resource.attributes:
         # opentelemetry-sdk 1.45+ sets one per process (the global provider's
         # too); before, this process's own, so every signal still names its process
-        resource = resource.merge(Resource({"service.instance.id": _process_instance_id(os.getpid())}))
+        resource = resource.merge(Resource({"service.instance.id": _instance_id(os.getpid())}))
     return resource
 
 
 @lru_cache(maxsize=1)
-def _process_instance_id(pid: int) -> str:
+def _instance_id(pid: int) -> str:
     """A random UUID per process (a forked child gets its own), as the SDK's"""
     return str(uuid.uuid4())
 
