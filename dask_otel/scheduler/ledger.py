@@ -107,11 +107,8 @@ class Ledger:
         parent_record = self.records.get(parent.id) if parent is not None else None
         if parent_record is not None and parent_record.open_children > 0:
             parent_record.open_children -= 1
-            self._maybe_leaf(parent_record)
-
-    def _maybe_leaf(self, record: SpanRecord) -> None:
-        if record.leaf:
-            self.leaves[record.span.id] = record
+            if parent_record.leaf:
+                self.leaves[parent.id] = parent_record
 
     # --- TaskGroup batches ---------------------------------------------------------
 
@@ -128,7 +125,8 @@ class Ledger:
         record = self.records.get(batch.span.id)
         if record is not None and record.open_groups > 0:
             record.open_groups -= 1
-            self._maybe_leaf(record)
+            if record.leaf:
+                self.leaves[record.span.id] = record
         return batch
 
     def clear(self) -> None:
