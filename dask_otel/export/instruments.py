@@ -72,10 +72,8 @@ class Attached:
     #: returned twice): a read returning the very same Reading gets them again
     observed: dict[str, tuple[Reading, list[Observation]]] = field(default_factory=dict)
 
-    @property
-    def active(self) -> bool:
-        """False while the server is closing, until close(): it is skipped"""
-        return True
+    #: False while the server is closing, until close(): it is skipped
+    active = True
 
     def close(self) -> None:
         if self.instruments is not None:

@@ -44,9 +44,7 @@ class OtelWorkerPlugin(WorkerPlugin):
         return self.bridge.setup(worker)
 
     def teardown(self, worker: Any) -> Any:
-        if self.bridge is not None:
-            return self.bridge.teardown(worker)
-        return None
+        return self.bridge and self.bridge.teardown(worker)
 
     def status(self) -> dict[str, Any]:
         bridge = self.bridge
