@@ -108,8 +108,6 @@ class SpanMetrics:
         return self
 
 
-
-
 class SpanBuilder:
     """The bridge's builder thread and its bounded queue. The event loop writes
     ``queued`` and ``dropped``, the thread ``built`` and ``emitted``: each counter
