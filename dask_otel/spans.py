@@ -214,20 +214,16 @@ class SpanMirror:
                 record.run_erred = True
             span = span.parent
 
-    def observe_sent(self, key: Hashable) -> None:
-        """The scheduler sends a task to a worker: the first of its batch bounds
-        the batch's start. Per task: two lookups, one test."""
+    def observe_processing(self, key: Hashable, sent: bool) -> None:
+        """The scheduler sends a task to a worker (``sent``: the first of its batch
+        bounds the batch's start), or hears it finished or failed (the last bounds
+        its end). Per task: two lookups, one test."""
         ts = self.scheduler.tasks.get(key)
         if ts is not None and (batch := self.ledger.groups.get(ts.group)) is not None:
-            if not batch.sent:
+            if not sent:
+                batch.received = time()
+            elif not batch.sent:
                 batch.sent = time()
-
-    def observe_received(self, key: Hashable) -> None:
-        """The scheduler hears a task finished or failed: the last of its batch
-        bounds the batch's end"""
-        ts = self.scheduler.tasks.get(key)
-        if ts is not None and (batch := self.ledger.groups.get(ts.group)) is not None:
-            batch.received = time()
 
     def observe_exit(self, msg: Any) -> None:
         """A client left a ``dask_otel.span`` block (:mod:`dask_otel.scheduler.blocks`)"""

@@ -147,11 +147,8 @@ class OtelSchedulerPlugin(SchedulerPlugin):
         if (mirror := self.mirror) is None or (start != "processing" and finish not in _TIMED):
             return
         try:
-            if finish == "processing":
-                mirror.observe_sent(key)
-                return
-            if start == "processing":
-                mirror.observe_received(key)
+            if start == "processing" or finish == "processing":
+                mirror.observe_processing(key, finish == "processing")  # sent?
             if finish == "erred":
                 mirror.observe_erred(key, kwargs.get("startstops"))
         except Exception:
