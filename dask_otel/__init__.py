@@ -86,9 +86,8 @@ def status(client: Client) -> dict[str, Any]:
     ``status``"."""
     from dask_otel.worker.plugin import PLUGIN_NAME
 
-    def _status(dask_server: Any) -> dict[str, Any] | None:
-        plugins = getattr(dask_server, "plugins", {})
-        plugin = plugins.get(PLUGIN_NAME)
+    def _status(dask_scheduler: Any = None, dask_worker: Any = None) -> dict[str, Any] | None:
+        plugin = getattr(dask_scheduler or dask_worker, "plugins", {}).get(PLUGIN_NAME)
         return plugin.status() if plugin is not None else None
 
     def _trap(dask_scheduler: Any) -> str | None:
@@ -99,10 +98,8 @@ def status(client: Client) -> dict[str, Any]:
         return preload_trap(dask_scheduler)
 
     return {
-        "scheduler": client.run_on_scheduler(
-            lambda dask_scheduler: _status(dask_scheduler)
-        ),
-        "workers": client.run(lambda dask_worker: _status(dask_worker)),
+        "scheduler": client.run_on_scheduler(_status),
+        "workers": client.run(_status),
         # why the bridge is off on the scheduler though its config names the preload
         "warning": client.run_on_scheduler(_trap),
     }

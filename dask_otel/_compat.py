@@ -11,6 +11,8 @@ makes dead; a private name a new release drops fails the tripwire tests in
 from __future__ import annotations
 
 import functools
+import importlib
+import logging
 import threading
 from collections.abc import Callable, Hashable, Iterable, Mapping
 from types import MappingProxyType
@@ -96,8 +98,6 @@ def series_limit_view_options(limit: int) -> dict[str, int]:
 
 
 # --- opentelemetry-configuration (declarative) ------------------------------------
-
-# -- declarative --
 # opentelemetry-configuration 0.66b2 (experimental; it pins opentelemetry-sdk
 # 1.45.2) builds whole providers publicly (create_tracer_provider, ...) but a
 # processor's or reader's exporter only privately: the bridge builds the processors
@@ -106,41 +106,28 @@ def series_limit_view_options(limit: int) -> dict[str, int]:
 # when a release renames them.
 
 
-def _configuration(module: str) -> Any:
-    import importlib
+def _declared(module: str, name: str) -> Callable[..., Any]:
+    """``opentelemetry.configuration.<module>.<name>``, imported when first called"""
+    def build(*args: Any) -> Any:
+        return getattr(importlib.import_module(f"opentelemetry.configuration.{module}"),
+                       name)(*args)
 
-    return importlib.import_module(f"opentelemetry.configuration.{module}")
-
-
-def declared_span_exporter(config: Any) -> Any:
-    """A SpanExporter from a ``SpanExporter`` section of the file"""
-    return _configuration("_tracer_provider")._create_span_exporter(config)
+    return build
 
 
-def declared_span_limits(limits: Any, global_limits: Any) -> Any:
-    """The SDK's SpanLimits from the file's ``tracer_provider.limits`` and
-    ``attribute_limits``, as the package gives its TracerProvider"""
-    return _configuration("_tracer_provider")._create_span_limits(limits, global_limits)
-
-
-def declared_metric_exporter(config: Any) -> Any:
-    """A MetricExporter from a ``PushMetricExporter`` section of the file"""
-    return _configuration("_meter_provider")._create_push_metric_exporter(config)
-
-
-def declared_view(config: Any) -> Any:
-    """An SDK View from a ``View`` section of the file"""
-    return _configuration("_meter_provider")._create_view(config)
-
-
-def declared_exemplar_filter(value: Any) -> Any:
-    """An SDK exemplar filter from the file's ``meter_provider.exemplar_filter``"""
-    return _configuration("_meter_provider")._create_exemplar_filter(value)
-
-
-def declared_log_exporter(config: Any) -> Any:
-    """A LogRecordExporter from a ``LogRecordExporter`` section of the file"""
-    return _configuration("_logger_provider")._create_log_record_exporter(config)
+#: A SpanExporter from a ``SpanExporter`` section of the file
+declared_span_exporter = _declared("_tracer_provider", "_create_span_exporter")
+#: The SDK's SpanLimits from the file's ``tracer_provider.limits`` and
+#: ``attribute_limits``, as the package gives its TracerProvider
+declared_span_limits = _declared("_tracer_provider", "_create_span_limits")
+#: A MetricExporter from a ``PushMetricExporter`` section of the file
+declared_metric_exporter = _declared("_meter_provider", "_create_push_metric_exporter")
+#: An SDK View from a ``View`` section of the file
+declared_view = _declared("_meter_provider", "_create_view")
+#: An SDK exemplar filter from the file's ``meter_provider.exemplar_filter``
+declared_exemplar_filter = _declared("_meter_provider", "_create_exemplar_filter")
+#: A LogRecordExporter from a ``LogRecordExporter`` section of the file
+declared_log_exporter = _declared("_logger_provider", "_create_log_record_exporter")
 
 
 # ---- controls
@@ -246,8 +233,9 @@ def cut_retry_waits(exporter: Any, cut: Callable[[], bool]) -> bool:
 
 def on_blocked_tick(server: Any, blocked: Callable[[float], None]) -> Callable[[], None] | None:
     """Have ``blocked(seconds)`` called on the server's event loop when Dask's tick
-    finds the loop was blocked past Dask's limit; per tick, one subtraction and
-    one comparison more. The undo; None where this Dask's tick is not as above."""
+    finds the loop was blocked past Dask's limit (what it raises is logged); per
+    tick, one subtraction and one comparison more. The undo; None where this
+    Dask's tick is not as above."""
     import distributed.core
 
     tick = getattr(server, "periodic_callbacks", {}).get("tick")
@@ -261,7 +249,11 @@ def on_blocked_tick(server: Any, blocked: Callable[[float], None]) -> Callable[[
         last = server._last_tick
         measure()
         if server._last_tick - last > limit:
-            blocked(server._last_tick - last)
+            try:
+                blocked(server._last_tick - last)
+            except Exception:  # never into Dask's tick
+                logging.getLogger("dask_otel").exception(
+                    "dask_otel: could not record a blocked event loop")
 
     tick.callback = measure_tick
 

@@ -91,28 +91,25 @@ def write_annotation(
     return annotation
 
 
+def _of_root(otel: Any, root_id: str) -> Mapping[str, Any]:
+    """``otel`` if the block that opened root Dask span ``root_id`` wrote it (the
+    root is among its ``entered``), else empty: the rule every process applies to
+    the carrier and ``sampled``, so that they agree on every task's trace"""
+    entered = otel.get("entered") if isinstance(otel, Mapping) else None
+    return otel if isinstance(entered, Mapping) and root_id in entered else {}
+
+
 def root_carrier(otel: Any, root_id: str) -> Mapping[str, str] | None:
-    """The carrier of a task's ``otel`` annotation if the block that opened root
-    Dask span ``root_id`` wrote it (the root is among its ``entered``), else None:
-    the rule every process applies, so that they agree on every task's trace"""
-    if not isinstance(otel, Mapping):
-        return None
-    entered = otel.get("entered")
-    carrier = otel.get("carrier")
-    if not isinstance(entered, Mapping) or root_id not in entered:
-        return None
+    """The caller's carrier in a task's ``otel`` annotation, by :func:`_of_root`"""
+    carrier = _of_root(otel, root_id).get("carrier")
     return carrier if isinstance(carrier, Mapping) else None
 
 
 def forced_sampling(otel: Any, root_id: str) -> bool | None:
     """Whether the client forced the trace of root Dask span ``root_id`` kept
-    (True) or dropped (False); None: the sampler decides. Read by the rule of
-    :func:`root_carrier`, so that every process agrees."""
-    sampled = otel.get("sampled") if isinstance(otel, Mapping) else None
-    if not isinstance(sampled, bool):
-        return None
-    entered = otel.get("entered")
-    return sampled if isinstance(entered, Mapping) and root_id in entered else None
+    (True) or dropped (False), by :func:`_of_root`; None: the sampler decides"""
+    sampled = _of_root(otel, root_id).get("sampled")
+    return sampled if isinstance(sampled, bool) else None
 
 
 def task_rules(otel: Any) -> dict[str, Any] | None:
@@ -202,3 +199,9 @@ def remote_parent(carrier: Mapping[str, Any] | None) -> SpanContext | None:
 def workflow_named(otel: Any) -> bool:
     """Whether the block that wrote ``otel`` was opened with ``workflow=True``"""
     return isinstance(otel, Mapping) and otel.get("workflow") is True
+
+
+def names_workflow(block: BlockExit, span_id: str) -> bool:
+    """Whether the exit ``block`` is of a block that opened root ``span_id`` with
+    ``workflow=True``"""
+    return block[0][0] == span_id and workflow_named(block[3])

@@ -17,20 +17,16 @@ from opentelemetry.semconv.attributes.code_attributes import (
 from opentelemetry.semconv.attributes.error_attributes import ERROR_TYPE as ERROR_TYPE
 from opentelemetry.semconv.attributes.error_attributes import ErrorTypeValues
 from opentelemetry.semconv.attributes.exception_attributes import (
-    EXCEPTION_MESSAGE as EXCEPTION_MESSAGE,
-)
-from opentelemetry.semconv.attributes.exception_attributes import (
-    EXCEPTION_STACKTRACE as EXCEPTION_STACKTRACE,
-)
-from opentelemetry.semconv.attributes.exception_attributes import (
+    EXCEPTION_MESSAGE as EXCEPTION_MESSAGE, EXCEPTION_STACKTRACE as EXCEPTION_STACKTRACE,
     EXCEPTION_TYPE as EXCEPTION_TYPE,
 )
 
 #: ``error.type`` when Dask kept no exception text (the conventions' fallback)
 OTHER_ERROR: str = ErrorTypeValues.OTHER.value
-#: ``thread.id``: in semantic-conventions 0.62b0 to 0.66b2 it is only in
-#: ``opentelemetry.semconv._incubating`` (a private module path), so it is spelled here
-THREAD_ID = "thread.id"
+#: ``thread.id`` and ``thread.name`` of the thread a task ran in: in
+#: semantic-conventions 0.62b0 to 0.66b2 only in ``opentelemetry.semconv._incubating``
+#: (a private module path), so spelled here
+THREAD_ID, THREAD_NAME = "thread.id", "thread.name"
 #: The span event of an erred task span, as the conventions name it
 EXCEPTION_EVENT = "exception"
 
@@ -102,8 +98,8 @@ THRESHOLD = "dask.threshold"
 OTEL_EXPORTER = "dask.otel.exporter"
 OTEL_SIGNAL = "dask.otel.signal"
 
-# -- outcomes --
-# (dask_otel.scheduler.outcomes: docs/metrics.md, "Workflow outcomes and removed workers")
+# --- outcomes (dask_otel.scheduler.outcomes: docs/metrics.md, "Workflow outcomes and
+# removed workers")
 
 #: The root Dask span's first tag where the user says it is bounded, else ``other``
 WORKFLOW_NAME = "dask.workflow.name"
@@ -111,8 +107,3 @@ WORKFLOW_NAME = "dask.workflow.name"
 WORKFLOW_RESULT = "dask.workflow.result"
 #: Why a worker left: ``memory_restart``, ``fail_hard``, ``retired``, ``closed``, ``lost``
 WORKER_REMOVED_REASON = "dask.worker.removed.reason"
-# -- flags --
-
-#: ``thread.name`` of the thread a task ran in: in semantic-conventions 0.62b0 to
-#: 0.66b2 only in ``opentelemetry.semconv._incubating``, so spelled here as ``thread.id``
-THREAD_NAME = "thread.name"

@@ -18,12 +18,11 @@ import dask
 import distributed
 from opentelemetry import context as otel_context
 from opentelemetry import trace
-from opentelemetry.trace import NonRecordingSpan
 
 from dask_otel.annotation import (ANNOTATION, BLOCK_EXIT, block_exit, forced_sampling,
                                   remote_parent, write_annotation)
 from dask_otel.config import parse_task_rules
-from dask_otel.span_context import dask_span_context
+from dask_otel.span_context import dask_span_context, in_context
 
 __all__ = ["span"]
 
@@ -54,7 +53,7 @@ def span(*tags: str, sampled: bool | None = None, tasks: Mapping[str, Any] | Non
         sampler = getattr(trace.get_tracer_provider(), "sampler", None)  # the SDK's, if any
         context = dask_span_context(ids[0], ids[-1], name[0], remote_parent(otel.get("carrier")),
                                     sampler, is_remote=True, forced=forced_sampling(otel, ids[0]))
-        token = otel_context.attach(trace.set_span_in_context(NonRecordingSpan(context), caller))
+        token = otel_context.attach(in_context(context, caller))
         try:
             with dask.annotate(**{ANNOTATION: otel}):
                 yield span_id

@@ -93,8 +93,11 @@ def _choice(key: str, choices: Sequence[str]) -> str:
     return value
 
 
-def _seconds(key: str, positive: bool = False, value: Any = _GET) -> float:
+def _seconds(key: str, positive: bool = False, value: Any = _GET, optional: bool = False
+             ) -> float | None:
     value = get(key) if value is _GET else value
+    if optional and value is None:  # no such rule
+        return None
     try:
         out = parse_timedelta(value)
     except Exception:
@@ -109,11 +112,6 @@ def _ratio(key: str, value: Any = _GET) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= 1:
         raise ConfigError(key, value, "a number from 0 to 1")
     return float(value)
-
-
-def _optional_seconds(key: str, value: Any = _GET) -> float | None:
-    value = get(key) if value is _GET else value
-    return None if value is None else _seconds(key, value=value)
 
 
 def _level(key: str) -> int:
@@ -245,7 +243,7 @@ class OtelConfig:
     task_sample_ratio: float = _key("otel.tasks.sample-ratio", _ratio, WORKERS)
     #: seconds; None: no such rule
     task_slower_than: float | None = _key(
-        "otel.tasks.slower-than", _optional_seconds, WORKERS
+        "otel.tasks.slower-than", partial(_seconds, optional=True), WORKERS
     )
     task_erred: bool = _key("otel.tasks.erred", _bool, WORKERS)
     #: resolved against OTEL_LOGS_EXPORTER (default none)

@@ -1,12 +1,9 @@
 """Zero-code: :class:`DaskInstrumentor`, the ``dask`` entry point of
-``opentelemetry_instrumentor`` that ``opentelemetry-instrument`` loads. When
-distributed is imported it wraps ``Scheduler.__init__`` (then adds the bridge,
-whatever ``--preload`` says) and ``Worker.start_unsafe`` (then one WARNING if the
-scheduler handed the worker no bridge); neither raises into Dask, and
-``uninstrument()`` undoes both. Loading it imports nothing of Dask: the ``otel:``
-config defaults and Dask's console (:mod:`dask_otel.config`, :mod:`dask_otel.log`)
-are set up once distributed is imported, so a process that never imports it pays
-nothing. The manual: docs/zero-code.md.
+``opentelemetry_instrumentor`` that ``opentelemetry-instrument`` loads: once
+distributed is imported (a process that never imports it pays nothing) it sets up
+the ``otel:`` defaults and Dask's console and wraps ``Scheduler.__init__`` (then adds
+the bridge, whatever ``--preload`` says) and ``Worker.start_unsafe`` (then one
+WARNING if the scheduler handed the worker no bridge). The manual: docs/zero-code.md.
 """
 
 from __future__ import annotations

@@ -1,11 +1,8 @@
-"""Dask's console and the bridge's own log lines (docs/logs.md, "What Dask prints").
-
-:func:`keep_dask_console`: ``opentelemetry-instrument`` puts an OpenTelemetry handler
-on the root logger at start-up, and distributed then skips its own console (it adds
-one only when the root has no handler); run distributed's set-up again with those
-handlers set aside, once, at import. The ``dask_otel`` logger, unless something
-configured it, takes the ``distributed`` logger's level, handlers and propagation.
-No SDK module is imported here.
+"""Dask's console and the bridge's own log lines (docs/logs.md, "What Dask prints"):
+:func:`keep_dask_console` runs distributed's set-up again, once, at import, when
+``opentelemetry-instrument``'s handlers on the root logger made it skip Dask's
+console; the ``dask_otel`` logger, unless something configured it, follows the
+``distributed`` logger. No SDK module is imported here.
 """
 
 from __future__ import annotations

@@ -13,8 +13,9 @@ from functools import lru_cache
 from hashlib import blake2b
 from typing import TYPE_CHECKING
 
-from opentelemetry import trace
-from opentelemetry.trace import SpanContext, TraceFlags, TraceState
+from opentelemetry.context import Context
+from opentelemetry.trace import (NonRecordingSpan, SpanContext, TraceFlags, TraceState,
+                                 set_span_in_context)
 
 if TYPE_CHECKING:
     from distributed.spans import Span
@@ -25,9 +26,6 @@ LOW_64 = (1 << 64) - 1
 #: W3C trace context Level 2's "random" trace flag: the trace id's low 56 bits
 #: are random. The int: opentelemetry-api 1.41 has no ``TraceFlags`` constant for it
 RANDOM = 0x02
-#: A uuid4's version nibble (bits 76-79) and variant bits (62-63), as an int's
-_UUID4_VERSION = (0xF << 76, 0x4 << 76)
-_UUID4_VARIANT = (0x3 << 62, 0x2 << 62)
 
 
 def dask_uuid(span_id: str) -> int:
@@ -45,12 +43,6 @@ def dask_uuid(span_id: str) -> int:
 def otel_span_id(span_id: str) -> int:
     """The OTel span id of a Dask span: the low 64 bits of its UUID"""
     return dask_uuid(span_id) & LOW_64
-
-
-def trace_id_of(root_id: str, remote_parent: SpanContext | None = None) -> int:
-    """The trace id of a Dask span tree: the caller's trace (``remote_parent``, the
-    SpanContext its root continues) if any, else its root span's UUID"""
-    return remote_parent.trace_id if remote_parent is not None else dask_uuid(root_id)
 
 
 def root_span(span: Span) -> Span:
@@ -77,9 +69,7 @@ def root_flags(root_id: str) -> int:
     if its id is a uuid4 (all bits random but the version nibble, bits 76-79, and
     the variant bits, 62-63), as ``distributed.spans`` makes them; else 0"""
     n = dask_uuid(root_id)
-    mask, version = _UUID4_VERSION
-    vmask, variant = _UUID4_VARIANT
-    return RANDOM if (n & mask) == version and (n & vmask) == variant else 0
+    return RANDOM if (n >> 76) & 0xF == 4 and (n >> 62) & 0x3 == 0b10 else 0
 
 
 @lru_cache(maxsize=4096)
@@ -101,15 +91,8 @@ def trace_decision(sampler: Sampler | None, trace_id: int, root_tag: str,
         return remote_parent is None or remote_parent.trace_flags.sampled, None
     if remote_parent is None:
         return _root_decision(sampler, trace_id, root_tag)
-    context = trace.set_span_in_context(trace.NonRecordingSpan(remote_parent))
-    result = sampler.should_sample(context, remote_parent.trace_id, root_tag)
+    result = sampler.should_sample(in_context(remote_parent), remote_parent.trace_id, root_tag)
     return result.decision.is_sampled(), result.trace_state or None
-
-
-def trace_sampled(sampler: Sampler | None, trace_id: int, root_tag: str,
-                  remote_parent: SpanContext | None = None) -> bool:
-    """The sampler's decision for a whole Dask trace (:func:`trace_decision`)"""
-    return trace_decision(sampler, trace_id, root_tag, remote_parent)[0]
 
 
 def dask_span_context(root_id: str, span_id: str, root_tag: str, remote_parent: SpanContext | None,
@@ -121,7 +104,8 @@ def dask_span_context(root_id: str, span_id: str, root_tag: str, remote_parent: 
     ``forced``: the client's ``sampled=`` (None: the sampler decides). Flags are
     the caller's (or :func:`root_flags`) with the sampled bit decided here; the
     trace state the sampler's, else the caller's."""
-    trace_id = trace_id_of(root_id, remote_parent)
+    # the caller's trace if the root continues one, else the root span's UUID
+    trace_id = remote_parent.trace_id if remote_parent is not None else dask_uuid(root_id)
     if forced is None:
         sampled, state = trace_decision(sampler, trace_id, root_tag, remote_parent)
     else:
@@ -143,3 +127,11 @@ def child_context(parent: SpanContext, span_id: int) -> SpanContext:
         trace_flags=TraceFlags(parent.trace_flags | TraceFlags.SAMPLED),
         trace_state=parent.trace_state,
     )
+
+
+def in_context(span_context: SpanContext | None, base: Context | None = None
+               ) -> Context | None:
+    """``base`` (None: the current context) with ``span_context`` as its current
+    span, not recording: what a task, an exemplar or a log record is tied to a
+    trace by; None for None"""
+    return set_span_in_context(NonRecordingSpan(span_context), base) if span_context else None

@@ -16,10 +16,8 @@ of the path once (``tests/test_layout.py``)::
           builder: numbers -> ReadableSpan           dask_otel.scheduler.builder
           -> SpanSink.emit -> the SDK's processors  dask_otel.export.sink
 
-On the loop only what reads Dask's live state: which spans are ready, their ids
-and sampling, and their numbers (task states, fine metrics, times) as plain
-values; the attributes, events, links and spans are made on the builder thread.
-The mapping and when a span is exported: docs/traces.md; costs: benchmarks/README.md.
+On the loop only what reads Dask's live state, as plain values. The mapping and
+when a span is exported: docs/traces.md; costs: benchmarks/README.md.
 """
 
 from __future__ import annotations
@@ -49,7 +47,7 @@ from dask_otel.span_context import child_context, dask_span_context, root_span
 if TYPE_CHECKING:
     from distributed import Scheduler
     from distributed.scheduler import TaskGroup, TaskState
-    from distributed.spans import Span, SpansSchedulerExtension
+    from distributed.spans import Span
     from opentelemetry.trace import SpanContext
 
     from dask_otel.config import OtelConfig
@@ -69,10 +67,9 @@ _GROUP = attrgetter("group")
 
 
 class SpanMirror:
-    """Watches the scheduler's SpansSchedulerExtension: exports each Dask span and
-    each batch of a TaskGroup once it has finished (traces on), and records each
-    root as a workflow run (metrics on). The plugin calls the ``observe_*``
-    methods from Dask's hooks, :meth:`poll` periodically, :meth:`flush` on close."""
+    """Watches the scheduler's SpansSchedulerExtension (above). The plugin calls the
+    ``observe_*`` methods from Dask's hooks, :meth:`poll` periodically, :meth:`flush`
+    on close."""
 
     def __init__(self, scheduler: Scheduler, sink: SpanSink | None, config: OtelConfig,
                  outcomes: Outcomes | None = None):
@@ -101,8 +98,7 @@ class SpanMirror:
         self._heads: dict[str, SpanHead] = {}
         self._batch: list[tuple[Any, tuple]] = []
         self._random = random.Random()
-        if (ext := self.extension) is not None:
-            self.ledger.follow_running(ext)  # instrumented while running
+        self.ledger.follow_running(self.dask_spans)  # instrumented while running
 
     @property
     def mirrored(self) -> int:
@@ -110,15 +106,16 @@ class SpanMirror:
         return self.builder.emitted if self.builder is not None else 0
 
     @property
-    def extension(self) -> SpansSchedulerExtension | None:
-        return self.scheduler.extensions.get("spans")
+    def dask_spans(self) -> dict[str, Span]:
+        """``SpansSchedulerExtension.spans``; empty without the extension"""
+        ext = self.scheduler.extensions.get("spans")
+        return ext.spans if ext is not None else {}
 
     # --- what the hooks learn ------------------------------------------------------
 
     def observe_new_spans(self) -> None:
         """Open the Dask spans created since the last look"""
-        if (ext := self.extension) is not None:
-            self.ledger.open_new_spans(ext)
+        self.ledger.open_new_spans(self.dask_spans)
 
     def observe_graph(self, keys: Iterable[Hashable], client: str | None = None) -> None:
         """Open the TaskGroups of a graph that just reached the scheduler
@@ -126,8 +123,7 @@ class SpanMirror:
         still ``released``). A group exported before opens again as a new batch,
         under the Dask span its tasks were submitted in (the TaskGroup collision
         keeps them on the group's first span), exported only if some task runs."""
-        ext = self.extension
-        if ext is None:
+        if not (spans := self.dask_spans):
             return
         self.observe_new_spans()
         ledger = self.ledger
@@ -144,7 +140,7 @@ class SpanMirror:
         for tg, ts in first.items():
             if tg in ledger.groups or tg.span_id is None:
                 continue
-            span = ext.spans.get(tg.span_id)
+            span = spans.get(tg.span_id)
             if span is None:
                 continue
             states = tg.states
@@ -186,7 +182,7 @@ class SpanMirror:
             if record is not None:
                 # Links to the spans of other traces that produced its inputs
                 links = record.links if record.links is not None else {}
-                producer_links(ts, root_span(span), self.extension, links, self.sink.sampler)
+                producer_links(ts, root_span(span), self.dask_spans, links, self.sink.sampler)
                 record.links = links or None
 
     def observe_erred(self, key: Hashable, startstops: Any) -> None:
@@ -194,8 +190,7 @@ class SpanMirror:
         forget it once the future is released), which end no earlier than it
         failed; its root's run erred"""
         ts = self.scheduler.tasks.get(key)
-        ext = self.extension
-        if ts is None or ext is None:
+        if ts is None:
             return
         # A task that ran and failed: the worker sent its startstops
         started, failed = failure_time(startstops)
@@ -203,7 +198,7 @@ class SpanMirror:
         kind = error_type(ts, self.scheduler.allowed_failures)
         if (batch := self.ledger.groups.get(tg)) is not None:
             batch.observe_erred(kind, failed, started)
-        span = ext.spans.get(tg.span_id) if tg.span_id else None
+        span = self.dask_spans.get(tg.span_id) if tg.span_id else None
         records = self.ledger.records
         if span is not None and (record := records.get(span.id)) is not None:
             sent = batch.sent if batch is not None else 0.0
@@ -219,26 +214,21 @@ class SpanMirror:
                 record.run_erred = True
             span = span.parent
 
-    def observe_sent(self, key: Hashable) -> None:
-        """The scheduler sends a task to a worker: the first of its batch bounds
-        the batch's start. Per task: two lookups, one test."""
+    def observe_processing(self, key: Hashable, sent: bool) -> None:
+        """The scheduler sends a task to a worker (``sent``: the first of its batch
+        bounds the batch's start), or hears it finished or failed (the last bounds
+        its end). Per task: two lookups, one test."""
         ts = self.scheduler.tasks.get(key)
         if ts is not None and (batch := self.ledger.groups.get(ts.group)) is not None:
-            if not batch.sent:
+            if not sent:
+                batch.received = time()
+            elif not batch.sent:
                 batch.sent = time()
-
-    def observe_received(self, key: Hashable) -> None:
-        """The scheduler hears a task finished or failed: the last of its batch
-        bounds the batch's end"""
-        ts = self.scheduler.tasks.get(key)
-        if ts is not None and (batch := self.ledger.groups.get(ts.group)) is not None:
-            batch.received = time()
 
     def observe_exit(self, msg: Any) -> None:
         """A client left a ``dask_otel.span`` block (:mod:`dask_otel.scheduler.blocks`)"""
         self.observe_new_spans()
-        ext = self.extension
-        blocks.observe_exit(self.ledger, ext.spans if ext is not None else {}, msg, time())
+        blocks.observe_exit(self.ledger, self.dask_spans, msg, time())
 
     def observe_client_leaving(self, client: str, left: float) -> None:
         blocks.observe_client_leaving(self.ledger, client, left)
@@ -260,11 +250,10 @@ class SpanMirror:
         with tasks processing in its subtree. The sampled context of the first root
         hit (None: none), the histogram's exemplar"""
         records = self.ledger.records
-        ext = self.extension
         if leaves is None:
             hit = [r.span for r in records.values() if r.span.states.get("processing")]
         else:
-            spans = ext.spans if ext is not None else {}
+            spans = self.dask_spans
             hit = [spans[span_id] for span_id in leaves if span_id in spans]
         seen: set[str] = set()
         roots = []
@@ -324,9 +313,7 @@ class SpanMirror:
         )
 
     def _export_empty_blocks(self, heard_before: float) -> None:
-        ext = self.extension
-        spans = ext.spans if ext is not None else {}
-        for span_id, block in blocks.due_empty_blocks(self.ledger, spans, heard_before):
+        for span_id, block in blocks.due_empty_blocks(self.ledger, self.dask_spans, heard_before):
             if self.sink is not None:
                 self._export(self._empty_block, span_id, block)
 
@@ -436,15 +423,14 @@ class SpanMirror:
         if prefix in latest or len(latest) < MAX_EXEMPLAR_PREFIXES:  # bounded
             latest[prefix] = context  # the exemplar of the prefix's fine metrics
         # Dask's fine metrics of its tasks: of the group's own Dask span
-        own = self.extension.spans.get(tg.span_id, span)  # type: ignore[union-attr]
+        own = self.dask_spans.get(tg.span_id, span)
         return taskgroup_span, ((str(tg.name), str(prefix)), batch, head, context, figures,
                                 self._span_metrics(own), start, end)
 
     def context_of(self, span_id: str) -> SpanContext | None:
         """The OTel SpanContext of a Dask span, open or exported (None: unknown,
         sampled out, or traces off); for Dask's rare events"""
-        ext = self.extension
-        span = ext.spans.get(span_id) if ext is not None else None
+        span = self.dask_spans.get(span_id)
         return self._context(span) if span is not None else None
 
     def _context(self, span: Span) -> SpanContext | None:

@@ -419,7 +419,7 @@ def test_a_failing_close_step_never_raises_into_dask_and_the_rest_still_runs(
         monkeypatch.setattr(plugin.mirror, "poll", lambda: polled.append(1))
         plugin._poll()
     failed = [r.getMessage() for r in caplog.records if "failed while closing" in r.getMessage()]
-    assert any("_flush_spans" in m for m in failed) and any("_close_metrics" in m for m in failed)
+    assert any("mirror.flush" in m for m in failed) and any("metrics.close" in m for m in failed)
     assert polled == []
 
 

@@ -14,7 +14,7 @@ from opentelemetry import trace
 from opentelemetry.trace import NonRecordingSpan, SpanContext, TraceFlags, TraceState
 
 import dask_otel
-from dask_otel.span_context import dask_span_context, otel_span_id, trace_sampled
+from dask_otel.span_context import dask_span_context, otel_span_id, trace_decision
 from tests.support.cluster import otel_cluster
 
 CALLER = SpanContext(
@@ -99,7 +99,7 @@ def test_ratio_sampler_keeps_the_ratio_of_dask_trace_ids(monkeypatch):
     for ratio in (0.1, 0.5, 0.9):
         monkeypatch.setenv("OTEL_TRACES_SAMPLER_ARG", str(ratio))
         sampler = TracerProvider().sampler  # as the scheduler's reads them
-        kept = sum(trace_sampled(sampler, uuid.uuid4().int, "root") for _ in range(10_000))
+        kept = sum(trace_decision(sampler, uuid.uuid4().int, "root")[0] for _ in range(10_000))
         assert abs(kept / 10_000 - ratio) <= 0.02, (ratio, kept)
 
 

@@ -1,11 +1,8 @@
-"""Export accounting and the outage policy, one engine for the three signals: what
-each batched exporter shipped (items and bytes: docs/deploy.md, "Volume") and lost,
-one WARNING per outage instead of one per failed batch and retry, one probe per
-export interval while it lasts, and no export thread waiting on a collector that
-does not answer (docs/deploy.md, "When telemetry fails"). :class:`AccountedExporter`
-wraps the SDK's exporter in the SDK's export thread; batching, queues and timeouts
-stay the SDK's. Every item handed to it is counted once, as exported or failed; the
-exporter is never built again.
+"""Export accounting and the outage policy, one engine for the three signals
+(docs/deploy.md, "Volume" and "When telemetry fails"): :class:`AccountedExporter`
+wraps the SDK's exporter in the SDK's export thread and counts every item handed to
+it once, as exported or failed; batching, queues and timeouts stay the SDK's, and
+the exporter is never built again.
 """
 
 from __future__ import annotations

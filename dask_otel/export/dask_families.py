@@ -250,13 +250,11 @@ class DaskFamilies(Attached):
     def _families(self, collector: PrometheusCollector) -> list[Metric]:
         # the collectors run in the reader's thread while the event loop changes
         # what they read: retried, then skipped for the round
-        for attempt in range(ATTEMPTS):
+        for _ in range(ATTEMPTS):
             try:
                 return list(collector.collect())
             except RuntimeError:  # a dict changed size during iteration
-                if attempt + 1 < ATTEMPTS:
-                    continue
-                return []
+                continue
             except Exception:
                 what = type(collector).__name__
                 level = logging.DEBUG if what in self.failed else logging.WARNING

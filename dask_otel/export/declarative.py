@@ -17,7 +17,7 @@ from dask_otel._compat import (declared_exemplar_filter, declared_log_exporter,
                                declared_metric_exporter, declared_span_exporter,
                                declared_span_limits, declared_view)
 from dask_otel.config import ConfigError
-from dask_otel.export.exporters import Account, prometheus_reader
+from dask_otel.export.exporters import SIGNALS, Account, prometheus_reader
 
 logger = logging.getLogger("dask_otel")
 
@@ -49,10 +49,6 @@ class ConfigFile:
                     "logs": ("logger_provider", "processors")}
         return {signal for signal, (section, items) in sections.items()
                 if getattr(getattr(self.model, section), items, None)}
-
-    def status(self) -> dict[str, Any]:
-        """What ``status()`` shows of it"""
-        return {"path": self.path, "ignored": list(self.ignored)}
 
     # -- the resource ------------------------------------------------------------
 
@@ -189,13 +185,10 @@ class ConfigFile:
             ) from None
 
 
-#: The spec's defaults, in milliseconds, for what a section of the file leaves out
-#: (the export interval of each signal, and an export's timeout)
-DEFAULTS = {"spans": 5000, "logs": 1000, "metrics": 60000, "timeout": 30000}
-
-
 def _or_default(value: int | None, what: str) -> int:
-    return DEFAULTS[what] if value is None else value
+    """``value``, else the spec's default in ms: a signal's export interval (the
+    SDK's: ``SIGNALS``), or an export's timeout (``timeout``)"""
+    return value if value is not None else 30000 if what == "timeout" else SIGNALS[what][3]
 
 
 def _lifecycle_is_ours(provider: Any) -> None:

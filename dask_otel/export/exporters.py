@@ -12,11 +12,17 @@ import logging
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import Any
 
 from dask_otel.config import ConfigError, OtelConfig, installed_entry_points, otlp_entry_point
 
 logger = logging.getLogger("dask_otel")
+
+
+def otel_environment() -> dict[str, str]:
+    """The ``OTEL_*`` variables, which the providers' exporters read once"""
+    return {k: v for k, v in os.environ.items() if k.startswith("OTEL_")}
 
 
 def _build_exporter(group: str, name: str, **kwargs: Any) -> Any:
@@ -35,10 +41,7 @@ def _build_exporter(group: str, name: str, **kwargs: Any) -> Any:
                 exporter = cls()  # an exporter without SDK metrics (older, third-party)
     except Exception as e:
         text = _redacted(f"{type(e).__name__}: {e}")
-        culprits = [
-            k for k, v in os.environ.items()
-            if k.startswith("OTEL_") and v.strip() and v.strip() in str(e)
-        ]
+        culprits = [k for k, v in otel_environment().items() if v.strip() and v.strip() in str(e)]
         value = os.environ[culprits[0]] if culprits else text
         if culprits and culprits[0] in _secret_variables():
             value = SECRET_NOT_SHOWN
@@ -55,7 +58,7 @@ SECRET_NOT_SHOWN = "(value not shown: it may hold credentials)"
 
 
 def _secret_variables() -> list[str]:
-    return sorted(k for k in os.environ if k.startswith("OTEL_") and "HEADERS" in k)
+    return sorted(k for k in otel_environment() if "HEADERS" in k)
 
 
 def _redacted(text: str) -> str:
@@ -150,20 +153,17 @@ def prometheus_reader() -> Any:
     return PrometheusMetricReader()
 
 
-#: (pid, OTEL_* variables) -> the SDK's detected resource, see detected_resource()
-_detected: tuple[tuple, Any] | None = None
-
-
 def detected_resource() -> Any:
     """``Resource.create({})`` (a few ms and a thread pool per call), once per
     process and ``OTEL_*`` variables: what it detects does not change while those do not"""
+    return _detected(os.getpid(), tuple(sorted(otel_environment().items())))
+
+
+@lru_cache(maxsize=1)
+def _detected(pid: int, otel_environment: tuple) -> Any:
     from opentelemetry.sdk.resources import Resource
 
-    global _detected
-    key = (os.getpid(), tuple(sorted((k, v) for k, v in os.environ.items() if k.startswith("OTEL_"))))
-    if _detected is None or _detected[0] != key:
-        _detected = (key, Resource.create({}))
-    return _detected[1]
+    return Resource.create({})
 
 
 @dataclass(slots=True)

@@ -17,16 +17,9 @@ class TelemetryTracerProvider(trace.TracerProvider):
     the API sets a global provider once, while Telemetry objects come and go, so its
     tracers start spans on whichever :class:`Telemetry` is current (none: no-op)"""
 
-    def get_tracer(
-        self,
-        instrumenting_module_name: str,
-        instrumenting_library_version: str | None = None,
-        schema_url: str | None = None,
-        attributes: Any = None,
-    ) -> trace.Tracer:
-        return TelemetryTracer(
-            instrumenting_module_name, instrumenting_library_version, schema_url, attributes
-        )
+    def get_tracer(self, *scope: Any, **named: Any) -> trace.Tracer:
+        # name, version, schema_url, attributes: as the caller passed them
+        return TelemetryTracer(scope, named)
 
 
 class TelemetryTracer(trace.Tracer):
@@ -34,13 +27,12 @@ class TelemetryTracer(trace.Tracer):
     tracer for this instrumentation scope, got once per provider), and that does
     nothing while there is none"""
 
-    #: what ``trace.get_tracer`` was called with: the instrumentation scope
-    scope: tuple[str, str | None, str | None, Any]
     #: the current provider's tracer, and that provider
     _current: tuple[Any, trace.Tracer] | None = None
 
-    def __init__(self, *scope: Any):
-        self.scope = scope  # type: ignore[assignment]
+    def __init__(self, scope: tuple, named: dict[str, Any]):
+        #: what ``get_tracer`` was called with: the instrumentation scope
+        self.scope, self.named = scope, named
 
     def tracer(self) -> trace.Tracer:
         telemetry = Telemetry._current
@@ -49,7 +41,7 @@ class TelemetryTracer(trace.Tracer):
             return _NO_OP
         current = self._current
         if current is None or current[0] is not provider:
-            current = self._current = (provider, provider.get_tracer(*self.scope))
+            current = self._current = (provider, provider.get_tracer(*self.scope, **self.named))
         return current[1]
 
     def start_span(self, *args: Any, **kwargs: Any) -> trace.Span:

@@ -72,10 +72,8 @@ class Attached:
     #: returned twice): a read returning the very same Reading gets them again
     observed: dict[str, tuple[Reading, list[Observation]]] = field(default_factory=dict)
 
-    @property
-    def active(self) -> bool:
-        """False while the server is closing, until close(): it is skipped"""
-        return True
+    #: False while the server is closing, until close(): it is skipped
+    active = True
 
     def close(self) -> None:
         if self.instruments is not None:
@@ -118,12 +116,24 @@ EXEMPLAR_VIEWS = [
 ]
 
 
-# provider -> {ProcessInstruments subclass: its instance}. Weak, so that a
+# provider -> {instruments class (of_provider): its instance}. Weak, so that a
 # MeterProvider that was shut down and dropped takes its instruments with it.
-_by_provider: WeakKeyDictionary[MeterProvider, dict[type, ProcessInstruments]] = WeakKeyDictionary()
+_by_provider: WeakKeyDictionary[MeterProvider, dict[type, Any]] = WeakKeyDictionary()
 _by_provider_lock = threading.Lock()
 
 
+def of_provider(cls: type, meter_provider: MeterProvider) -> Any:
+    """``cls(meter)``, the instruments of ``cls`` on ``meter_provider``, created on
+    first use: every Dask server of the process shares them"""
+    with _by_provider_lock:
+        per_class = _by_provider.setdefault(meter_provider, {})
+        if (instruments := per_class.get(cls)) is None:
+            meter = meter_provider.get_meter("dask_otel", __version__)
+            instruments = per_class[cls] = cls(meter)
+        return instruments
+
+
+@dataclass(eq=False)
 class ProcessInstruments:
     """The instruments of one metric table on one MeterProvider, and the Dask
     servers of this process they currently report on."""
@@ -131,21 +141,16 @@ class ProcessInstruments:
     #: The metric table; one instrument per row
     table: ClassVar[tuple[MetricSpec, ...]]
 
-    _attached: dict[Attached, None]
-    _lock: threading.Lock
-    #: Rows whose read failed once already: logged at WARNING once, then DEBUG
-    _failed: set[str]
     #: Where :meth:`add` creates instruments
     _meter: Meter
+    _attached: dict[Attached, None] = field(default_factory=dict)
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+    #: Rows whose read failed once already: logged at WARNING once, then DEBUG
+    _failed: set[str] = field(default_factory=set)
     #: The name of every row with an instrument: the table's, then those added
-    names: list[str]
+    names: list[str] = field(default_factory=list)
 
-    def __init__(self, meter: Meter):
-        self._attached = {}
-        self._lock = threading.Lock()
-        self._failed = set()
-        self._meter = meter
-        self.names = []
+    def __post_init__(self) -> None:
         for spec in self.table:
             self.add(spec)
 
@@ -161,16 +166,7 @@ class ProcessInstruments:
         with self._lock:
             self.names.append(spec.name)
 
-    @classmethod
-    def of(cls, meter_provider: MeterProvider) -> ProcessInstruments:
-        """This table's instruments on ``meter_provider``, created on first use"""
-        with _by_provider_lock:
-            per_class = _by_provider.setdefault(meter_provider, {})
-            instruments = per_class.get(cls)
-            if instruments is None:
-                meter = meter_provider.get_meter("dask_otel", __version__)
-                instruments = per_class[cls] = cls(meter)
-            return instruments
+    of = classmethod(of_provider)
 
     def attach(self, attached: Attached) -> Attached:
         with self._lock:

@@ -12,6 +12,7 @@ import configparser
 import inspect
 import logging
 import warnings
+from dataclasses import dataclass
 from typing import Any
 
 from dask_otel.config import ConfigError, OtelConfig
@@ -60,16 +61,15 @@ def _new_handler(handler_class: type, level: int, provider: Any) -> logging.Hand
         return handler_class(level=level, logger_provider=provider)
 
 
+@dataclass(eq=False)
 class _WhereRecordsStop(logging.Filter):
     """Lets through, on the handler of ``logger``, the records that stop at
     ``logger`` (it does not propagate, or it is the root) and that no other OTel
     handler on it exports"""
 
-    def __init__(self, logger: logging.Logger, ours: list[logging.Handler], otel_classes: tuple):
-        super().__init__()
-        self.logger = logger
-        self.ours = ours
-        self.otel_classes = otel_classes
+    logger: logging.Logger
+    ours: list[logging.Handler]
+    otel_classes: tuple
 
     def filter(self, record: logging.LogRecord) -> bool:
         if record.name.startswith("opentelemetry"):

@@ -106,7 +106,7 @@ class SpanSink:
     @property
     def sampler(self) -> Sampler:
         """The provider's sampler (OTEL_TRACES_SAMPLER); ask it through
-        :func:`dask_otel.span_context.trace_sampled`, one decision per trace"""
+        :func:`dask_otel.span_context.trace_decision`, one decision per trace"""
         return self.provider.sampler
 
     def bounded(self, attributes: dict[str, Any], count: int | None = None

@@ -13,14 +13,16 @@ import os
 import socket
 import sys
 import threading
+import uuid
 from dataclasses import dataclass, field
+from functools import lru_cache
 from typing import TYPE_CHECKING, Any
 
 from dask_otel.attributes import SCHEDULER_ADDRESS
 from dask_otel.config import OtelConfig
 from dask_otel.export.accounting import HELD_EXPORTER_LOGS, AccountedExporter
 from dask_otel.export.declarative import ConfigFile, config_file
-from dask_otel.export.exporters import EnvRecipe
+from dask_otel.export.exporters import EnvRecipe, otel_environment
 from dask_otel.export.instruments import EXEMPLAR_VIEWS
 from dask_otel.export.sink import DEFAULT_ATTRIBUTE_LENGTH, SpanSink
 
@@ -45,11 +47,6 @@ PROCESS_WIDE = {
 #: ``status()``'s ``export`` row of a signal: key -> ``ExportOutage`` field
 EXPORT_STATUS = {"items": "exported", "bytes": "sent_bytes", "failed": "failed",
                  "failed_requests": "export_failures"}
-
-
-def otel_environment() -> dict[str, str]:
-    """The ``OTEL_*`` variables, which the providers' exporters read once"""
-    return {k: v for k, v in os.environ.items() if k.startswith("OTEL_")}
 
 
 def recipe(config: OtelConfig | None = None) -> ConfigFile | EnvRecipe:
@@ -81,23 +78,6 @@ def service_name() -> tuple[str, str]:
     return DEFAULT_SERVICE_NAME, "default"
 
 
-def service_name_status(telemetry: Telemetry | None) -> dict[str, Any] | None:
-    """``status()``'s ``service_name``: the name the process's spans carry, and why"""
-    if telemetry is None:
-        return None
-    return {
-        "name": telemetry.resource.attributes.get("service.name"),
-        "from": service_name()[1],
-    }
-
-
-def config_file_status(telemetry: Telemetry | None) -> dict[str, Any] | None:
-    """``status()``'s ``OTEL_CONFIG_FILE`` (docs/configuration-file.md); None without one"""
-    if telemetry is None or telemetry.config_file is None:
-        return None
-    return telemetry.config_file.status()
-
-
 def build_resource(**attributes: Any):
     """Resource of this process: the recipe's, over :func:`service_name`, with the
     caller's attributes, host and process"""
@@ -108,21 +88,14 @@ def build_resource(**attributes: Any):
     if "service.instance.id" not in resource.attributes:
         # opentelemetry-sdk 1.45+ sets one per process (the global provider's
         # too); before, this process's own, so every signal still names its process
-        resource = resource.merge(Resource({"service.instance.id": _process_instance_id()}))
+        resource = resource.merge(Resource({"service.instance.id": _instance_id(os.getpid())}))
     return resource
 
 
-_instance_id: tuple[int, str] | None = None
-
-
-def _process_instance_id() -> str:
+@lru_cache(maxsize=1)
+def _instance_id(pid: int) -> str:
     """A random UUID per process (a forked child gets its own), as the SDK's"""
-    global _instance_id
-    if _instance_id is None or _instance_id[0] != os.getpid():
-        import uuid
-
-        _instance_id = (os.getpid(), str(uuid.uuid4()))
-    return _instance_id[1]
+    return str(uuid.uuid4())
 
 
 class Telemetry:

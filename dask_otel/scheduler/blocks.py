@@ -10,8 +10,8 @@ from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 import dask_otel.attributes as attr
-from dask_otel.annotation import (entered_at, exit_sender, forced_sampling, read_block_exit,
-                                  remote_parent, root_carrier, workflow_named)
+from dask_otel.annotation import (entered_at, exit_sender, forced_sampling, names_workflow,
+                                  read_block_exit, remote_parent, root_carrier)
 from dask_otel.span_context import dask_span_context, root_span
 
 if TYPE_CHECKING:
@@ -45,11 +45,6 @@ def observe_exit(ledger: Ledger, spans: Mapping[str, Span], msg: Any, now: float
             record.left_block(exited, sender, names_workflow(block, span_id))
         elif span_id not in spans:
             ledger.pend_exit(span_id, now, block)
-
-
-def names_workflow(block: BlockExit, span_id: str) -> bool:
-    """Whether ``block`` opened root ``span_id`` with ``workflow=True``"""
-    return block[0][0] == span_id and workflow_named(block[3])
 
 
 def left_by(record: SpanRecord, client: str) -> bool:

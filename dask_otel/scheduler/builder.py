@@ -1,10 +1,7 @@
 """What the mirror read on the event loop -> finished OpenTelemetry spans, on the
-bridge's own thread: the corridor's last stop before the SDK. The loop reads Dask's
-live state into plain numbers and hands each poll's spans over at once
-(:meth:`SpanBuilder.hand_over`, a bounded queue: a full one drops and counts); the
-builder thread makes their attributes, events, links, status and ``ReadableSpan``
-and hands them to the sink. Its only way out is the sink (``tests/test_layout.py``).
-What each attribute means: docs/traces.md; what it costs: benchmarks/README.md.
+bridge's own thread (:meth:`SpanBuilder.hand_over`, a bounded queue: a full one
+drops and counts): the corridor's last stop (:mod:`dask_otel.spans`), whose only
+way out is the sink. docs/traces.md; costs: benchmarks/README.md.
 """
 
 from __future__ import annotations
@@ -13,6 +10,7 @@ import logging
 import threading
 from collections.abc import Hashable, Mapping
 from dataclasses import dataclass, field
+from functools import lru_cache
 from queue import Empty, SimpleQueue
 from typing import TYPE_CHECKING, Any
 
@@ -48,29 +46,20 @@ _STATE_NAMES = {state: attr.TASKS_PREFIX + state for state in ALL_TASK_STATES}
 MAX_FOLDED = 1 << 16
 
 
-#: A fine-metric key ``(context, [prefix,] ..., activity, unit)`` -> its attribute
-#: name, its task prefix (``_NO_PREFIX`` unless an ``execute`` metric of one) and
-#: whether it is seconds of ``execute``; bounded
-_KEYS: dict[tuple[Hashable, ...], tuple[str, Hashable, bool]] = {}
-_MAX_KEYS = 1 << 16
 _NO_PREFIX = object()
 
 
+@lru_cache(maxsize=1 << 16)  # unbounded task prefixes: stay bounded
 def _key_info(key: tuple[Hashable, ...]) -> tuple[str, Hashable, bool] | None:
-    info = _KEYS.get(key)
-    if info is None:
-        if len(key) < 3:
-            return None
-        if len(_KEYS) >= _MAX_KEYS:  # unbounded task prefixes: stay bounded
-            _KEYS.clear()
-        execute = key[0] == "execute"
-        parts = (str(k).replace(" ", "_") for k in (key[0], key[-2], key[-1]))
-        info = _KEYS[key] = (
-            "dask.metrics.{}.{}.{}".format(*parts),
-            key[1] if execute and len(key) >= 4 else _NO_PREFIX,
-            execute and key[-1] == "seconds",
-        )
-    return info
+    """A fine-metric key ``(context, [prefix,] ..., activity, unit)`` -> its attribute
+    name, its task prefix (``_NO_PREFIX`` unless an ``execute`` metric of one) and
+    whether it is seconds of ``execute``"""
+    if len(key) < 3:
+        return None
+    execute = key[0] == "execute"
+    parts = (str(k).replace(" ", "_") for k in (key[0], key[-2], key[-1]))
+    return ("dask.metrics.{}.{}.{}".format(*parts),
+            key[1] if execute and len(key) >= 4 else _NO_PREFIX, execute and key[-1] == "seconds")
 
 
 @dataclass(slots=True)
@@ -96,7 +85,7 @@ class SpanMetrics:
         for key, value in metrics.items():
             if not value:
                 continue
-            info = _KEYS.get(key) or _key_info(key)
+            info = _key_info(key)
             if info is None:
                 continue
             name, prefix, execute_seconds = info
@@ -109,6 +98,14 @@ class SpanMetrics:
             if execute_seconds:
                 out.execute_seconds += value
         return out
+
+    def add(self, other: SpanMetrics) -> SpanMetrics:
+        """Sum ``other``'s totals and execute seconds into these"""
+        total = self.total
+        for name, value in other.total.items():
+            total[name] = total.get(name, 0) + value
+        self.execute_seconds += other.execute_seconds
+        return self
 
 
 #: Seconds the builder thread waits for spans before it ends (the next spans start
@@ -135,10 +132,10 @@ class SpanBuilder:
         #: are left on a queue with no thread
         self._lock = threading.Lock()
         #: The thread's own: by open Dask span id, its exported sub-spans' subtree
-        #: fine metrics and execute seconds (``otel.spans.totals: subtree``); and
-        #: the last copy of a Dask span's metrics it named, with its names (a
-        #: span's TaskGroups come together, with one copy)
-        self.folded: dict[str, tuple[dict[str, float], float]] = {}
+        #: fine metrics (``otel.spans.totals: subtree``); and the last copy of a
+        #: Dask span's metrics it named, with its names (a span's TaskGroups come
+        #: together, with one copy)
+        self.folded: dict[str, SpanMetrics] = {}
         self._named: tuple[Any, SpanMetrics | None] = (None, None)
 
     def hand_over(self, batch: list[tuple[Any, tuple]]) -> None:
@@ -183,25 +180,19 @@ class SpanBuilder:
             self._named = (metrics, named)
         return named
 
-    def fold(self, span_id: str, parent_id: str | None, metrics: dict[str, float],
-             execute_seconds: float) -> tuple[dict[str, float], float]:
-        """A Dask span's own fine metrics and execute seconds plus its exported
-        sub-spans' (taken), added to its parent's"""
+    def fold(self, span_id: str, parent_id: str | None, metrics: SpanMetrics) -> SpanMetrics:
+        """A Dask span's own fine metrics (``total`` and execute seconds) plus its
+        exported sub-spans' (taken), added to its parent's"""
         if (below := self.folded.pop(span_id, None)) is not None:
-            for name, value in below[0].items():
-                metrics[name] = metrics.get(name, 0) + value
-            execute_seconds += below[1]
+            metrics.add(below)
         if parent_id is not None:
-            up = self.folded.get(parent_id)
-            if up is None:
+            if (up := self.folded.get(parent_id)) is not None:
+                up.add(metrics)
+            else:
                 if len(self.folded) >= MAX_FOLDED:  # bounded
                     del self.folded[next(iter(self.folded))]
-                self.folded[parent_id] = (dict(metrics), execute_seconds)
-            else:
-                for name, value in metrics.items():
-                    up[0][name] = up[0].get(name, 0) + value
-                self.folded[parent_id] = (up[0], up[1] + execute_seconds)
-        return metrics, execute_seconds
+                self.folded[parent_id] = SpanMetrics().add(metrics)
+        return metrics
 
     def _run(self) -> None:
         queue = self._queue
@@ -283,15 +274,12 @@ def dask_span(builder: SpanBuilder, record: SpanRecord, head: SpanHead,
     attributes.update(task_counts(totals.states, sum(totals.states.values()), totals.nbytes,
                                   totals.duration))
     attributes[attr.ACTIVE_CPU_SECONDS] = active
-    named = builder.named(own_metrics)
-    metrics, execute_seconds = dict(named.total), named.execute_seconds
+    metrics = SpanMetrics().add(builder.named(own_metrics))
     if subtree:
-        metrics, execute_seconds = builder.fold(record.span.id, parent_id, metrics,
-                                                execute_seconds)
-    for name, value in totals.metrics.items():  # sub-spans done before the bridge started
-        metrics[name] = metrics.get(name, 0) + value
-    attributes.update(metrics)
-    if subtree and (idle := active - execute_seconds - totals.execute_seconds) > 0:
+        builder.fold(record.span.id, parent_id, metrics)
+    metrics.add(totals.fine)  # sub-spans done before the bridge started
+    attributes.update(metrics.total)
+    if subtree and (idle := active - metrics.execute_seconds) > 0:
         attributes[attr.IDLE] = idle
     if code is not None:
         attributes[attr.SPAN_CODE] = code
@@ -307,10 +295,11 @@ def dask_span(builder: SpanBuilder, record: SpanRecord, head: SpanHead,
             Event(name, sink.event_attributes(dict(values), count), timestamp)
             for name, values, timestamp in record.events
         )
-    return sink.span(
-        record.span.name[-1], head.context, parent, start, end, attributes, status, events,
-        bounded_links(sink, record.links),
-    )
+    count = sink.limits.max_link_attributes  # links to other traces: within the SDK's limits
+    links = tuple(Link(link.context, sink.event_attributes(dict(link.attributes), count))
+                  for link in (record.links or {}).values())
+    return sink.span(record.span.name[-1], head.context, parent, start, end, attributes, status,
+                     events, links)
 
 
 def taskgroup_span(builder: SpanBuilder, names: tuple[str, str], batch: GroupBatch,
@@ -344,12 +333,3 @@ def taskgroup_span(builder: SpanBuilder, names: tuple[str, str], batch: GroupBat
     status = erred_status(attributes, batch.erred, batch.error_type)
     return sink.span(TASKGROUP_SPAN_NAME.format(prefix), context, head.context, start, end,
                      attributes, status)
-
-
-def bounded_links(sink: SpanSink, links: Mapping[str, Link] | None) -> tuple[Link, ...]:
-    """Links with their attributes within the SDK's link attribute limits"""
-    if not links:
-        return ()
-    count = sink.limits.max_link_attributes
-    return tuple(Link(link.context, sink.event_attributes(dict(link.attributes), count))
-                 for link in links.values())

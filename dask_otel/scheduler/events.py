@@ -18,12 +18,12 @@ from time import time_ns
 from typing import TYPE_CHECKING, Any
 
 from opentelemetry._logs import LogRecord, SeverityNumber
-from opentelemetry.trace import NonRecordingSpan, set_span_in_context
 
 import dask_otel.attributes as attr
 from dask_otel._compat import remove_worker_lost_keys
 from dask_otel.annotation import LOOP_BLOCKED
 from dask_otel.scheduler.outcomes import CLOSED, FAIL_HARD, LOST, MEMORY_RESTART, RETIRED
+from dask_otel.span_context import in_context
 
 if TYPE_CHECKING:
     from distributed import Scheduler
@@ -31,6 +31,7 @@ if TYPE_CHECKING:
     from opentelemetry.sdk._logs import LoggerProvider
     from opentelemetry.trace import SpanContext
 
+    from dask_otel.scheduler.outcomes import Outcomes
     from dask_otel.spans import SpanMirror
 
 #: Keys listed in an attribute (``dask.event.processing_tasks``...): the first
@@ -134,12 +135,8 @@ class DaskEvents:
     topics: Collection[str]
     #: otel.logs.level: the records' lowest level, as for Python's log records
     level: int = logging.NOTSET
-    #: Counts a removed worker by its ``dask.worker.removed.reason``
-    #: (``Outcomes.worker_removed``; None: metrics are off)
-    removed: Callable[[str], None] | None = None
-    #: Records a blocked event loop by server kind, with its exemplar
-    #: (``Outcomes.loop_blocked``; None: metrics are off)
-    blocked: Callable[[str, float, SpanContext | None], None] | None = None
+    #: Counts removed workers and blocked event loops (None: metrics are off)
+    outcomes: Outcomes | None = None
     #: The LoggerProvider's logger the records go to (None: logs are off)
     logger: Logger | None = field(init=False)
     #: worker address -> ``(dask.worker.removed.reason, dask.worker.lost.reason)``
@@ -169,8 +166,8 @@ class DaskEvents:
             # counted whatever otel.events.topics says
             address = str(msg.get("worker"))
             kind, reason = self.reasons.pop(address, (LOST, None))
-            if self.removed is not None:
-                self.removed(kind)
+            if self.outcomes is not None:
+                self.outcomes.worker_removed(kind)
             if name in self.topics:
                 self._remove_worker(msg, address, reason)
         elif name in self.topics:
@@ -227,9 +224,16 @@ class DaskEvents:
         if not by_span:
             self._emit("remove-worker", level, body, attributes)
             return
-        now = time_ns()
+        now, mirror = time_ns(), self.mirror
         for span_id, (n_processing, n_lost) in islice(by_span.items(), MAX_SPANS):
-            context = self._on_span(span_id, address, reason, n_processing, n_lost, now)
+            context = None
+            if mirror is not None:  # a dask.worker.lost span event, if the span is open
+                lost = {attr.WORKER_ADDRESS: address, attr.TASKS_PROCESSING: n_processing,
+                        attr.TASKS_LOST_COMPUTED: n_lost}
+                if reason:
+                    lost[attr.WORKER_LOST_REASON] = reason
+                mirror.observe_worker_lost(span_id, lost, now)
+                context = mirror.context_of(span_id)
             per_span = {
                 **attributes,
                 attr.SPAN_ID: span_id,
@@ -251,24 +255,6 @@ class DaskEvents:
                     by_span.setdefault(span_id, [0, 0])[index] += 1
         return by_span
 
-    def _on_span(self, span_id: str, address: str, reason: str | None, processing: int, lost: int,
-                 now: int) -> SpanContext | None:
-        """Tell the mirror (a ``dask.worker.lost`` span event, if the Dask span is
-        open); its OTel span context (None if the mirror is off or its trace is
-        sampled out)"""
-        mirror = self.mirror
-        if mirror is None:
-            return None
-        attributes: dict[str, Any] = {
-            attr.WORKER_ADDRESS: address,
-            attr.TASKS_PROCESSING: processing,
-            attr.TASKS_LOST_COMPUTED: lost,
-        }
-        if reason:
-            attributes[attr.WORKER_LOST_REASON] = reason
-        mirror.observe_worker_lost(span_id, attributes, now)
-        return mirror.context_of(span_id)
-
     # --- an event loop blocked ------------------------------------------------------
 
     def loop_blocked(self, seconds: float, worker: dict | None = None) -> None:
@@ -288,8 +274,8 @@ class DaskEvents:
         context = None
         if self.mirror is not None:
             context = self.mirror.observe_loop_blocked(leaves, attributes, time_ns())
-        if self.blocked is not None:
-            self.blocked(attributes[attr.SERVER_KIND], seconds, context)
+        if self.outcomes is not None:
+            self.outcomes.loop_blocked(attributes[attr.SERVER_KIND], seconds, context)
 
     # --- every other event -----------------------------------------------------------
 
@@ -334,7 +320,7 @@ class DaskEvents:
         self.logger.emit(LogRecord(
             event_name=row.event_name if row is not None else USER_EVENT,
             timestamp=timestamp or time_ns(),
-            context=set_span_in_context(NonRecordingSpan(context)) if context else None,
+            context=in_context(context),
             severity_text=logging.getLevelName(level),
             severity_number=_SEVERITY_NUMBERS[level],
             body=body,

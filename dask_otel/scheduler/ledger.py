@@ -11,14 +11,14 @@ from dataclasses import dataclass, field
 from itertools import islice
 from typing import TYPE_CHECKING, Any
 
-from dask_otel.annotation import (announces_exits, entered_times, forced_sampling, otel_of,
-                                  remote_parent, root_carrier, workflow_named)
+from dask_otel.annotation import (announces_exits, entered_times, forced_sampling, names_workflow,
+                                  otel_of, remote_parent, root_carrier, workflow_named)
 from dask_otel.scheduler.record import GroupBatch, SpanRecord
 from dask_otel.scheduler.totals import group_done, subtree_totals
 
 if TYPE_CHECKING:
     from distributed.scheduler import TaskGroup, TaskState
-    from distributed.spans import Span, SpansSchedulerExtension
+    from distributed.spans import Span
     from opentelemetry.trace import SpanContext
 
     from dask_otel.annotation import BlockExit
@@ -62,17 +62,17 @@ class Ledger:
     #: ``otel`` annotation that says one); at most :data:`MAX_FORCED_ROOTS`
     forced_roots: dict[str, bool] = field(default_factory=dict)
 
-    def open_new_spans(self, ext: SpansSchedulerExtension) -> None:
+    def open_new_spans(self, spans: dict[str, Span]) -> None:
         """Open the Dask spans created since the last call, parents first"""
-        if new := len(ext.spans) - self.spans_seen:
-            self.spans_seen = len(ext.spans)
-            for span in list(islice(reversed(ext.spans.values()), new))[::-1]:
+        if (new := len(spans) - self.spans_seen) > 0:
+            self.spans_seen = len(spans)
+            for span in list(islice(reversed(spans.values()), new))[::-1]:
                 self.open_span(span)
 
-    def follow_running(self, ext: SpansSchedulerExtension) -> None:
+    def follow_running(self, spans: dict[str, Span]) -> None:
         """A cluster instrumented while running: open what is still in flight"""
-        self.spans_seen = len(ext.spans)
-        for span in ext.spans.values():
+        self.spans_seen = len(spans)
+        for span in spans.values():
             if not span.done:  # Dask's own walk, once
                 self.open_span(span)
                 for tg in span.groups:
@@ -91,7 +91,7 @@ class Ledger:
         if self.pending_exits and (pending := self.pending_exits.pop(span.id, None)):
             # its block was left before its graph came
             block = pending[1]
-            record.left_block(block[4], None, block[0][0] == span.id and workflow_named(block[3]))
+            record.left_block(block[4], None, names_workflow(block, span.id))
         parent = span.parent
         if parent is not None and (parent_record := self.records.get(parent.id)):
             parent_record.open_children += 1
@@ -107,11 +107,8 @@ class Ledger:
         parent_record = self.records.get(parent.id) if parent is not None else None
         if parent_record is not None and parent_record.open_children > 0:
             parent_record.open_children -= 1
-            self._maybe_leaf(parent_record)
-
-    def _maybe_leaf(self, record: SpanRecord) -> None:
-        if record.leaf:
-            self.leaves[record.span.id] = record
+            if parent_record.leaf:
+                self.leaves[parent.id] = parent_record
 
     # --- TaskGroup batches ---------------------------------------------------------
 
@@ -128,7 +125,8 @@ class Ledger:
         record = self.records.get(batch.span.id)
         if record is not None and record.open_groups > 0:
             record.open_groups -= 1
-            self._maybe_leaf(record)
+            if record.leaf:
+                self.leaves[record.span.id] = record
         return batch
 
     def clear(self) -> None:

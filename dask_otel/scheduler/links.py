@@ -16,7 +16,7 @@ from dask_otel.span_context import dask_span_context, root_span
 
 if TYPE_CHECKING:
     from distributed.scheduler import TaskState
-    from distributed.spans import Span, SpansSchedulerExtension
+    from distributed.spans import Span
     from opentelemetry.sdk.trace.sampling import Sampler
 
 #: Links kept per Dask span, at most
@@ -24,7 +24,7 @@ MAX_LINKS = 16
 
 
 def producer_links(
-    ts: TaskState, root: Span, ext: SpansSchedulerExtension, links: dict[str, Link],
+    ts: TaskState, root: Span, spans: dict[str, Span], links: dict[str, Link],
     sampler: Sampler,
 ) -> None:
     """Add to ``links`` a link to each Dask span in another trace than ``root``'s
@@ -34,7 +34,7 @@ def producer_links(
         if len(links) >= MAX_LINKS:
             return
         span_id = dep.group.span_id
-        if span_id is None or span_id in links or (producer := ext.spans.get(span_id)) is None:
+        if span_id is None or span_id in links or (producer := spans.get(span_id)) is None:
             continue
         if (producer_root := root_span(producer)) is root:
             continue

@@ -8,6 +8,7 @@ docs/metrics.md.
 from __future__ import annotations
 
 from collections.abc import Hashable, Mapping
+from functools import lru_cache
 from typing import TYPE_CHECKING, Any
 
 from distributed.spans import CONTEXTS_WITH_SPAN_ID
@@ -16,11 +17,11 @@ import dask_otel.attributes as attr
 from dask_otel._compat import span_own_metrics
 from dask_otel.export.instruments import (COUNTER, Attached, MetricSpec, ProcessInstruments,
                                           Reading, copy_mapping)
+from dask_otel.span_context import in_context
 
 if TYPE_CHECKING:
     from distributed import Scheduler
     from opentelemetry.context import Context
-    from opentelemetry.trace import SpanContext
 
     from dask_otel.export.telemetry import ServerTelemetry, Telemetry
     from dask_otel.spans import SpanMirror
@@ -48,20 +49,10 @@ MAX_SERIES = 2000
 #: The series the rest is summed into: the attribute of the SDK's own overflow point
 OVERFLOW = {"otel.metric.overflow": True}
 
-#: Attributes of the exported series' keys, built once (a few thousand at most:
-#: only the first MAX_SERIES keys of each unit are exported)
-_ATTRIBUTES: dict[Hashable, dict[str, Any]] = {}
-_MAX_ATTRIBUTES = 4 * MAX_SERIES
-
-
+@lru_cache(maxsize=4 * MAX_SERIES)  # only the first MAX_SERIES keys of a unit are exported
 def _attributes(key: tuple) -> dict[str, Any]:
-    try:
-        return _ATTRIBUTES[key]
-    except KeyError:
-        if len(_ATTRIBUTES) >= _MAX_ATTRIBUTES:  # keys Dask did not make
-            _ATTRIBUTES.clear()
-        attributes = _ATTRIBUTES[key] = fine_metric_attributes(key)[1]  # type: ignore[index]
-        return attributes
+    """The attributes of an exported series' key, built once"""
+    return fine_metric_attributes(key)[1]  # type: ignore[index]
 
 
 #: One fine-metrics reading before its attributes are built: value, Dask key, and
@@ -81,14 +72,14 @@ def _fine_metrics(dask_unit: str):
                 own = span_own_metrics(span)
                 if own:
                     state.append(({attr.SPAN_NAME: tuple(span.name)}, observed.fine_copy(own)))
-        previous = observed.previous_state.get(dask_unit)
+        previous = observed.previous.get(dask_unit)
         if previous is not None and previous[0] == state:
             # Nothing changed since the last read (the usual case at a short
             # interval): the same reading, whose observations are reused; no
             # series grew, so without exemplars
-            if previous[2]:
-                previous = observed.previous_state[dask_unit] = (
-                    state, [r[:2] for r in previous[1]], False)
+            if previous[3]:
+                previous = observed.previous[dask_unit] = (
+                    state, [r[:2] for r in previous[1]], previous[2], False)
             return previous[1]
         skip = CONTEXTS_WITH_SPAN_ID if spans else ()
         for _, metrics in state:
@@ -99,8 +90,9 @@ def _fine_metrics(dask_unit: str):
             (value, key, extra) for extra, metrics in state for key, value in metrics.items()
             if len(key) >= 3 and key[-1] == dask_unit and (extra or key[0] not in skip)
         ]
-        reading = observed.with_exemplars(dask_unit, _bounded(out))
-        observed.previous_state[dask_unit] = (state, reading, any(len(r) > 2 for r in reading))
+        reading, values, exemplars = observed.with_exemplars(
+            _bounded(out), previous[2] if previous is not None else {})
+        observed.previous[dask_unit] = (state, reading, values, exemplars)
         return reading
 
     return read
@@ -203,12 +195,10 @@ class SchedulerMetrics(Attached):
         self.mirror = mirror
         #: otel.metrics.span-label
         self.span_label = own.config.span_label
-        #: Dask unit -> {attributes: value at the previous collection}: a series
-        #: that grew since carries an exemplar
-        self._previous: dict[str, dict[tuple, float]] = {}
-        #: Dask unit -> (Dask's mappings at the previous read, that reading,
-        #: whether it has exemplars)
-        self.previous_state: dict[str, tuple[list, Reading, bool]] = {}
+        #: Dask unit -> (Dask's mappings at the previous read, that reading, each
+        #: series' value then (one that grew since carries an exemplar), whether
+        #: the reading has exemplars)
+        self.previous: dict[str, tuple[list, Reading, dict[tuple, float], bool]] = {}
         #: Keys of Dask's mappings that are no fine metrics, seen so far
         #: (``latency``, ``tick-duration``: they change at every heartbeat)
         self.not_fine: set[Hashable] = set()
@@ -222,14 +212,16 @@ class SchedulerMetrics(Attached):
             out.pop(key, None)
         return out
 
-    def with_exemplars(self, dask_unit: str, readings: Reading) -> Reading:
+    def with_exemplars(self, readings: Reading, previous: dict[tuple, float]
+                       ) -> tuple[Reading, dict[tuple, float], bool]:
         """``readings`` of one fine-metrics instrument, those of a task prefix that
-        grew since the previous collection in the context of the latest sampled
-        TaskGroup span of that prefix (docs/metrics.md: exemplars)"""
+        grew since ``previous`` (each series' value then) in the context of the
+        latest sampled TaskGroup span of that prefix (docs/metrics.md: exemplars);
+        each series' value now; whether any has an exemplar"""
         mirror = self.mirror
         latest = mirror.latest_by_prefix if mirror is not None else {}
-        previous, now = self._previous.get(dask_unit, {}), {}
-        contexts: dict[str, Context] = {}  # one per prefix, shared by its series
+        now: dict[tuple, float] = {}
+        contexts: dict[str, Context | None] = {}  # one per prefix, shared by its series
         out = []
         for value, attributes in readings:
             prefix = attributes.get(attr.TASK_PREFIX)
@@ -243,16 +235,8 @@ class SchedulerMetrics(Attached):
             context = latest.get(prefix)
             if context is not None and value > previous.get(key, 0):
                 if prefix not in contexts:
-                    contexts[prefix] = _span_context(context)
+                    contexts[prefix] = in_context(context)
                 out.append((value, attributes, contexts[prefix]))
             else:
                 out.append((value, attributes))
-        self._previous[dask_unit] = now
-        return out
-
-
-def _span_context(span_context: SpanContext) -> Context:
-    """An OTel Context whose current span is ``span_context`` (not recording)"""
-    from opentelemetry.trace import NonRecordingSpan, set_span_in_context
-
-    return set_span_in_context(NonRecordingSpan(span_context))
+        return out, now, bool(contexts)

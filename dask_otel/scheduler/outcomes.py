@@ -9,36 +9,31 @@ and Prometheus names: docs/metrics.md, "Workflow outcomes and removed workers".
 from __future__ import annotations
 
 import logging
-import threading
 from collections.abc import Mapping
 from fnmatch import fnmatchcase
 from typing import TYPE_CHECKING, Any
-from weakref import WeakKeyDictionary
 
 from opentelemetry.context import Context
-from opentelemetry.trace import NonRecordingSpan, set_span_in_context
 
 import dask_otel.attributes as attr
-from dask_otel._version import __version__
+from dask_otel.export.instruments import of_provider
+from dask_otel.span_context import in_context
 
 if TYPE_CHECKING:
     from collections.abc import Collection
 
-    from opentelemetry.metrics import Counter, Histogram, MeterProvider
+    from opentelemetry.metrics import Counter, Histogram, Meter, MeterProvider
     from opentelemetry.trace import SpanContext
 
     from dask_otel.scheduler.record import SpanRecord
 
 logger = logging.getLogger("dask_otel")
 
-WORKFLOW_DURATION = "dask.workflow.duration"
-WORKFLOW_RUNS = "dask.workflow.runs"
 WORKERS_REMOVED = "dask.worker.removed"
 
 #: ``dask.workflow.result``: no task erred; a task erred; the run did not finish
 #: (its client left with its block open, or the scheduler closed under it)
 OK, ERRED, CANCELLED = "ok", "erred", "cancelled"
-RESULTS = (OK, ERRED, CANCELLED)
 #: ``dask.workflow.name`` of every run whose name is not known to be bounded
 OTHER = "other"
 #: Dask's own root span of work outside any span: a bounded name
@@ -48,7 +43,6 @@ MAX_WORKFLOW_NAMES = 100
 #: ``dask.worker.removed.reason`` (docs/metrics.md has what each means)
 MEMORY_RESTART, FAIL_HARD, RETIRED, CLOSED = "memory_restart", "fail_hard", "retired", "closed"
 LOST = "lost"
-REMOVED_REASONS = (MEMORY_RESTART, FAIL_HARD, RETIRED, CLOSED, LOST)
 #: Bucket bounds of ``dask.workflow.duration``, seconds: from a 100 ms run to a day
 DURATION_BUCKETS = (0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1800, 3600, 7200, 14400,
                     43200, 86400)
@@ -58,18 +52,18 @@ BLOCKED_BUCKETS = (0.5, 1, 2, 3, 5, 10, 30, 60, 120, 300)
 
 
 class OutcomeInstruments:
-    """The four instruments on one MeterProvider: created once per provider, as
-    several schedulers of one process share it"""
+    """The four instruments on one MeterProvider (:func:`of_provider`)"""
 
-    def __init__(self, meter_provider: MeterProvider):
-        meter = meter_provider.get_meter("dask_otel", __version__)
+    of = classmethod(of_provider)
+
+    def __init__(self, meter: Meter):
         self.duration: Histogram = meter.create_histogram(
-            WORKFLOW_DURATION, unit="s",
+            "dask.workflow.duration", unit="s",
             description="Workflow runs (root Dask spans), from start to end, by name and result",
             explicit_bucket_boundaries_advisory=list(DURATION_BUCKETS),
         )
         self.runs: Counter = meter.create_counter(
-            WORKFLOW_RUNS, unit="{run}",
+            "dask.workflow.runs", unit="{run}",
             description="Workflow runs (root Dask spans) that ended, by name and result")
         self.removed: Counter = meter.create_counter(
             WORKERS_REMOVED, unit="{worker}",
@@ -79,17 +73,6 @@ class OutcomeInstruments:
             description="Event loops blocked past distributed.admin.tick.limit, by server kind",
             explicit_bucket_boundaries_advisory=list(BLOCKED_BUCKETS),
         )
-
-    @classmethod
-    def of(cls, meter_provider: MeterProvider) -> OutcomeInstruments:
-        with _lock:
-            if (instruments := _by_provider.get(meter_provider)) is None:
-                instruments = _by_provider[meter_provider] = cls(meter_provider)
-            return instruments
-
-
-_by_provider: WeakKeyDictionary[MeterProvider, OutcomeInstruments] = WeakKeyDictionary()
-_lock = threading.Lock()
 
 
 class Outcomes:
@@ -121,7 +104,7 @@ class Outcomes:
                 attr.WORKFLOW_RESULT: result,
             }
             # No sampled span: an empty context, never the scheduler's current one
-            in_trace = set_span_in_context(NonRecordingSpan(context)) if context else Context()
+            in_trace = in_context(context) or Context()
             self.instruments.duration.record(end - start, attributes, context=in_trace)
             self.instruments.runs.add(1, attributes, context=in_trace)
         except Exception:
@@ -139,12 +122,11 @@ class Outcomes:
         return name
 
     def worker_removed(self, reason: str) -> None:
-        """A worker was removed, for ``reason`` (:data:`REMOVED_REASONS`)"""
+        """A worker was removed, for ``reason`` (``dask.worker.removed.reason``)"""
         self.instruments.removed.add(1, {**self.attributes, attr.WORKER_REMOVED_REASON: reason})
 
     def loop_blocked(self, kind: str, seconds: float, context: SpanContext | None) -> None:
         """A ``kind`` server's event loop was blocked for ``seconds``, hitting the
         workflow of ``context`` (None: none sampled), its exemplar"""
-        in_trace = set_span_in_context(NonRecordingSpan(context)) if context else Context()
         self.instruments.blocked.record(seconds, {**self.attributes, attr.SERVER_KIND: kind},
-                                        context=in_trace)
+                                        context=in_context(context) or Context())

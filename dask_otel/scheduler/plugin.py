@@ -8,6 +8,7 @@ docs/configuration.md.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import dask.config
@@ -108,11 +109,9 @@ class OtelSchedulerPlugin(SchedulerPlugin):
 
                 self.events = DaskEvents(
                     scheduler, self.mirror, logs.provider if logs is not None else None,
-                    config.event_topics, config.logs_level,
-                    outcomes.worker_removed if outcomes is not None else None,
-                    outcomes.loop_blocked if outcomes is not None else None,
+                    config.event_topics, config.logs_level, outcomes,
                 )
-                self._unhook_tick = on_blocked_tick(scheduler, self._loop_blocked)
+                self._unhook_tick = on_blocked_tick(scheduler, self.events.loop_blocked)
         except ConfigError as e:  # an OTEL_* variable the SDK refused, named
             logger.error("dask_otel is off on scheduler %s: %s", scheduler.address, e)
             self.error = f"ConfigError: {e}"
@@ -129,29 +128,15 @@ class OtelSchedulerPlugin(SchedulerPlugin):
     def _poll(self) -> None:
         if self._closed:  # a poll queued with add_callback before close()
             return
-        try:
-            more = self.mirror.poll()  # type: ignore[union-attr]
-        except Exception:
-            logger.exception("dask_otel: span poll failed")
-            return
+        more = _guarded(self.mirror.poll)  # type: ignore[union-attr]
         if more and not self._closed:
             # Many spans finished at once: go on after the loop has run other work
             IOLoop.current().add_callback(self._poll)
 
-    def _loop_blocked(self, seconds: float) -> None:
-        if self.events is not None and not self._closed:
-            try:
-                self.events.loop_blocked(seconds)
-            except Exception:
-                logger.exception("dask_otel: could not record a blocked event loop")
-
     def update_graph(self, scheduler: Scheduler, *, tasks: Any = (), client: Any = None,
                      **kwargs: Any) -> None:
         if self.mirror is not None:
-            try:
-                self.mirror.observe_graph(tasks, client)
-            except Exception:
-                logger.exception("dask_otel: could not observe graph")
+            _guarded(self.mirror.observe_graph, tasks, client)
 
     def transition(self, key: Any, start: str, finish: str, *args: Any, stimulus_id: str = "",
                    **kwargs: Any) -> None:
@@ -162,11 +147,8 @@ class OtelSchedulerPlugin(SchedulerPlugin):
         if (mirror := self.mirror) is None or (start != "processing" and finish not in _TIMED):
             return
         try:
-            if finish == "processing":
-                mirror.observe_sent(key)
-                return
-            if start == "processing":
-                mirror.observe_received(key)
+            if start == "processing" or finish == "processing":
+                mirror.observe_processing(key, finish == "processing")  # sent?
             if finish == "erred":
                 mirror.observe_erred(key, kwargs.get("startstops"))
         except Exception:
@@ -177,28 +159,18 @@ class OtelSchedulerPlugin(SchedulerPlugin):
         # A client left a dask_otel.span block (dask_otel.client)
         if topic == BLOCK_EXIT:
             if self.mirror is not None:
-                try:
-                    self.mirror.observe_exit(msg)
-                except Exception:
-                    logger.exception("dask_otel: could not read a block's exit")
+                _guarded(self.mirror.observe_exit, msg)
             return
         # None after close: the workers' closing events would meet a shut provider
         if self.events is not None and not self._closed:
-            try:
-                self.events.observe(topic, msg)
-            except Exception:
-                logger.exception("dask_otel: could not export event %r", topic)
+            _guarded(self.events.observe, topic, msg)
 
     def remove_client(self, scheduler: Scheduler, client: str) -> None:
         # The exits of the blocks it left last may still come: they wait
         # (blocks.CLIENT_GONE_GRACE), then those still open are over
         if self.mirror is None or self._closed:
             return
-        try:
-            self.mirror.observe_client_leaving(client, time())
-        except Exception:
-            logger.exception("dask_otel: could not close a client's blocks")
-            return
+        _guarded(self.mirror.observe_client_leaving, client, time())
         try:
             IOLoop.current().call_later(CLIENT_GONE_GRACE, self._client_gone, client)
         except Exception:  # no event loop to wait on: at once
@@ -207,10 +179,7 @@ class OtelSchedulerPlugin(SchedulerPlugin):
     def _client_gone(self, client: str) -> None:
         if self.mirror is None or self._closed:
             return  # closing exports what is open, unfinished
-        try:
-            self.mirror.observe_client_gone(client)
-        except Exception:
-            logger.exception("dask_otel: could not close a client's blocks")
+        _guarded(self.mirror.observe_client_gone, client)
 
     async def close(self) -> None:
         """Export what is still open and flush, within otel.flush-timeout"""
@@ -219,33 +188,18 @@ class OtelSchedulerPlugin(SchedulerPlugin):
         self._closed = True
         # Each step on its own: Dask's plugin.close re-raises, and one failing step
         # must not keep the others (above all the release) from running
-        for step in (self._stop_polling, self._flush_spans, self._close_metrics):
-            try:
-                step()
-            except Exception:
-                logger.exception("dask_otel: %s failed while closing", step.__name__)
+        for part, step in (("_unhook_tick", "__call__"), ("_poller", "stop"), ("mirror", "flush"),
+                           ("families", "close"), ("metrics", "close")):
+            if (running := getattr(self, part)) is not None:
+                try:
+                    getattr(running, step)()
+                except Exception:
+                    logger.exception("dask_otel: %s.%s failed while closing", part, step)
         if self.telemetry is not None:
             try:
                 await release_telemetry(self.telemetry)
             except Exception:
                 logger.exception("dask_otel: could not release telemetry")
-
-    def _stop_polling(self) -> None:
-        if self._unhook_tick is not None:
-            self._unhook_tick()
-        if self._poller is not None:
-            self._poller.stop()
-
-    def _flush_spans(self) -> None:
-        if self.mirror is not None:
-            self.mirror.flush()
-
-    def _close_metrics(self) -> None:
-        if self.families is not None:
-            self.families.close()
-            self.families = None
-        if self.metrics is not None:
-            self.metrics.close()
 
     def status(self) -> dict[str, Any]:
         """What :func:`dask_otel.status` reports for the scheduler"""
@@ -267,6 +221,15 @@ class OtelSchedulerPlugin(SchedulerPlugin):
             spans_failed=spans.get("failed", 0),
             export_failures=spans.get("failed_requests", 0),
         )
+
+
+def _guarded(call: Callable[..., Any], *args: Any) -> Any:
+    """``call(*args)`` from a Dask hook: what it raises is logged, never raised into Dask"""
+    try:
+        return call(*args)
+    except Exception:
+        logger.exception("dask_otel: %s failed", getattr(call, "__qualname__", call))
+        return None
 
 
 def add_bridge(scheduler: Scheduler, path: str) -> OtelSchedulerPlugin:

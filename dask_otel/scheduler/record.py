@@ -110,8 +110,7 @@ class SpanRecord:
         return max(self.end or stop, self.exited, self.span.enqueued)
 
     def end_no_earlier(self, end: float) -> None:
-        if end > self.end:
-            self.end = end
+        self.end = max(self.end, end)
 
     def fold(self, totals: Totals, end: float) -> None:
         """An exported sub-span's end and subtree totals: the span then lies

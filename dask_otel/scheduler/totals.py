@@ -45,11 +45,7 @@ def observed(t: float, sent: float, received: float) -> float:
     its clock offset), moved into what the scheduler saw on its own clock: no
     earlier than it ``sent`` the task and no later than it ``received`` its
     completion or failure (0: not known)."""
-    if received and t > received:
-        t = received
-    if t < sent:
-        t = sent
-    return t
+    return max(min(t, received) if received else t, sent)
 
 
 def failure_time(startstops: Iterable[Mapping[str, Any]] | None) -> tuple[float, float]:
@@ -101,8 +97,7 @@ def groups_stop(groups: Iterable[TaskGroup]) -> float | None:
     for tg in groups:
         if not group_done(tg):
             return None
-        if tg.stop > stop:
-            stop = tg.stop
+        stop = max(stop, tg.stop)
     return stop
 
 
@@ -121,12 +116,10 @@ class Totals:
     start: float = 0.0
     #: when the last task finished, as ``Span.stop`` of a finished span
     stop: float = 0.0
-    #: ``dask.metrics.*`` attributes, summed over task prefixes: only of sub-spans
-    #: that finished before the bridge started (``Ledger.follow_running``); the
-    #: others' are summed on the builder thread
-    metrics: dict[str, float] = field(default_factory=dict)
-    #: seconds of the execute context, for "idle or other spans" (the same)
-    execute_seconds: float = 0.0
+    #: fine metrics (``total`` and execute seconds): only of sub-spans that finished
+    #: before the bridge started (``Ledger.follow_running``); the others' are
+    #: summed on the builder thread
+    fine: SpanMetrics = field(default_factory=SpanMetrics)
 
     @classmethod
     def own(cls, span: Span, metrics: bool = False) -> Totals:
@@ -135,9 +128,7 @@ class Totals:
         totals = cls()
         totals.add_groups(span.groups)
         if metrics:
-            named = SpanMetrics.of(span_own_metrics(span))
-            totals.metrics = dict(named.total)
-            totals.execute_seconds = named.execute_seconds
+            totals.fine.add(SpanMetrics.of(span_own_metrics(span)))
         return totals
 
     def add_groups(self, groups: Iterable[TaskGroup]) -> None:
@@ -149,8 +140,7 @@ class Totals:
             self.nbytes += tg.nbytes_total
             self.duration += tg.duration
             self._started(tg.start)
-            if tg.stop > self.stop:
-                self.stop = tg.stop
+            self.stop = max(self.stop, tg.stop)
 
     def _started(self, start: float) -> None:
         if start and (not self.start or start < self.start):
@@ -159,14 +149,11 @@ class Totals:
     def add(self, other: Totals) -> None:
         for state, n in other.states.items():
             self.states[state] = self.states.get(state, 0) + n
-        for name, value in other.metrics.items():
-            self.metrics[name] = self.metrics.get(name, 0) + value
+        self.fine.add(other.fine)
         self.nbytes += other.nbytes
         self.duration += other.duration
-        self.execute_seconds += other.execute_seconds
         self._started(other.start)
-        if other.stop > self.stop:
-            self.stop = other.stop
+        self.stop = max(self.stop, other.stop)
 
 
 def subtree_totals(span: Span) -> Totals:

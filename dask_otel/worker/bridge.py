@@ -13,6 +13,8 @@ from dataclasses import dataclass
 from functools import partial
 from typing import TYPE_CHECKING, Any
 
+from distributed.core import Status
+
 from dask_otel._compat import on_blocked_tick
 from dask_otel.annotation import LOOP_BLOCKED
 from dask_otel.attributes import SCHEDULER_ADDRESS
@@ -98,24 +100,17 @@ class WorkerBridge:
         self.unhook_tick = on_blocked_tick(worker, partial(_tell_blocked, worker))
 
     async def teardown(self, worker: Worker) -> None:
-        if self.unhook_tick is not None:
-            self.unhook_tick()
-            self.unhook_tick = None
-        if self.families is not None:
-            self.families.close()
-            self.families = None
-        if self.task_context is not None:
-            self.task_context.uninstall()
-            self.task_context = None
-        if self.spill is not None:
-            self.spill.close()
-            self.spill = None
+        for part, stop in (("unhook_tick", "__call__"), ("families", "close"),
+                           ("task_context", "uninstall"), ("spill", "close")):
+            if (running := getattr(self, part)) is not None:
+                getattr(running, stop)()
+                setattr(self, part, None)
         if self.telemetry is not None:
             telemetry, self.telemetry, self.server_telemetry = self.telemetry, None, None
-            if _closing(worker):
+            if worker.status in (Status.closing, Status.closed):
                 # Not inside Dask's close: see release_telemetry_in_background
                 release_telemetry_in_background(telemetry)
-            else:  # a client unregistered the plugin: the worker goes on
+            else:  # a client unregistered the plugin (no close): the worker goes on
                 await release_telemetry(telemetry)
 
 
@@ -123,19 +118,9 @@ def _tell_blocked(worker: Worker, seconds: float) -> None:
     """Dask's tick found the worker's loop blocked: the scheduler's bridge gets the
     tasks executing and their Dask spans (at most one per thread) on the stream
     that carries the worker's events, ahead of those tasks' results"""
-    try:
-        executing = list(worker.state.executing)
-        worker.log_event(LOOP_BLOCKED, {
-            "duration": seconds,
-            "tasks": [str(ts.key) for ts in executing],
-            "spans": list({ts.span_id for ts in executing if ts.span_id}),
-        })
-    except Exception:  # never into Dask's tick
-        logger.exception("dask_otel: could not report a blocked event loop")
-
-
-def _closing(worker: Worker) -> bool:
-    """True in Worker.close (a plugin is also torn down when a client unregisters it)"""
-    from distributed.core import Status
-
-    return worker.status in (Status.closing, Status.closed)
+    executing = list(worker.state.executing)
+    worker.log_event(LOOP_BLOCKED, {
+        "duration": seconds,
+        "tasks": [str(ts.key) for ts in executing],
+        "spans": list({ts.span_id for ts in executing if ts.span_id}),
+    })

@@ -1,19 +1,12 @@
 """The hook around ``Worker.execute`` that runs every task in its OTel context
 (:mod:`~dask_otel.worker.task_context`), and tells the task spans
 (:mod:`~dask_otel.worker.task_spans`) before and after each run: docs/traces.md,
-"Inside tasks".
-
-distributed has no public "around a task" hook. ``Worker.execute(key, *,
-stimulus_id)`` is the coroutine the worker's state machine calls as
-``self.execute``; it runs sync tasks with ``run_in_executor_with_context``
-(contextvars reach the executor thread) and coroutine tasks on the event loop.
-:class:`TaskContextHook` puts a wrapper in the worker *instance*'s ``execute``
-where :func:`dask_otel._compat.execute_hookable` finds that shape (else one INFO
-line, and tasks run untouched). The bridge never fails a task: an error while
-building a context runs it without one. A task that submits tasks with
-``worker_client()`` hands them its ``otel`` annotation, as distributed hands them
-its Dask span. Cost: two dict lookups, an attach and a detach per task
-(``benchmarks/task_context.py``).
+"Inside tasks". ``Worker.execute(key, *, stimulus_id)`` runs sync tasks with
+``run_in_executor_with_context`` (contextvars reach the executor thread) and
+coroutine tasks on the event loop; :class:`TaskContextHook` wraps the worker
+*instance*'s where :func:`dask_otel._compat.execute_hookable` finds that shape.
+An error while building a context runs the task without one. Cost:
+``benchmarks/task_context.py``.
 """
 
 from __future__ import annotations

@@ -24,12 +24,10 @@ class OtelWorkerPlugin(WorkerPlugin):
 
     name = PLUGIN_NAME
     idempotent = True
-
-    def __init__(self) -> None:
-        #: :class:`~dask_otel.worker.bridge.WorkerBridge`, once set up
-        self.bridge: Any = None
-        #: Why the bridge is off on this worker, if it is not installed there
-        self.error: str | None = None
+    #: :class:`~dask_otel.worker.bridge.WorkerBridge`, once set up
+    bridge: Any = None
+    #: Why the bridge is off on this worker, if it is not installed there
+    error: str | None = None
 
     def setup(self, worker: Any) -> Any:
         try:
@@ -46,16 +44,24 @@ class OtelWorkerPlugin(WorkerPlugin):
         return self.bridge.setup(worker)
 
     def teardown(self, worker: Any) -> Any:
-        if self.bridge is not None:
-            return self.bridge.teardown(worker)
-        return None
+        return self.bridge and self.bridge.teardown(worker)
 
     def status(self) -> dict[str, Any]:
         bridge = self.bridge
-        if bridge is None:
-            return worker_status(self.error)
-        return worker_status(bridge.error, bridge.server_telemetry, bridge.task_context,
-                             bridge.spill)
+        hook = bridge.task_context if bridge is not None else None
+        task_spans = hook.task_spans if hook is not None else None
+        return server_status(
+            self.error if bridge is None else bridge.error,
+            bridge.server_telemetry if bridge is not None else None,
+            "workers",  # dask_otel.config.WORKERS: nothing of dask_otel imported here
+            metrics=bridge is not None and bridge.spill is not None,
+            # whether tasks run in their OTel context (False: hook not installed)
+            task_context=hook is not None,
+            # tasks that ran without context because building it failed
+            task_context_errors=hook.errors if hook is not None else 0,
+            # task spans exported by this worker; None when it exports no traces
+            task_spans=task_spans.exported if task_spans is not None else None,
+        )
 
 
 def server_status(error: str | None, telemetry: Any, process: str, **features: Any
@@ -67,13 +73,16 @@ def server_status(error: str | None, telemetry: Any, process: str, **features: A
     if telemetry is None:
         service_name = config_file = shared_with = config = export = None
     else:  # dask_otel is installed here
-        from dask_otel.export.telemetry import config_file_status, service_name_status
+        from dask_otel.export.telemetry import service_name as named
 
-        service_name = service_name_status(telemetry.telemetry)
-        config_file = config_file_status(telemetry.telemetry)
+        process_wide = telemetry.telemetry
+        service_name = {"name": process_wide.resource.attributes.get("service.name"),
+                        "from": named()[1]}
+        read = process_wide.config_file
+        config_file = read and {"path": read.path, "ignored": list(read.ignored)}
         shared_with = telemetry.shared_with
-        config = telemetry.telemetry.config.effective(process)
-        export = telemetry.telemetry.export_status()
+        config = process_wide.config.effective(process)
+        export = process_wide.export_status()
     return {
         # why the bridge is off on this server (None: it is on)
         "error": error,
@@ -91,22 +100,6 @@ def server_status(error: str | None, telemetry: Any, process: str, **features: A
         # the otel.* keys this kind of server reads, as it uses them (None: off)
         "config": config,
     }
-
-
-def worker_status(error: str | None, telemetry: Any = None, hook: Any = None, spill: Any = None
-                  ) -> dict[str, Any]:
-    """A worker's :func:`server_status`, from its bridge's parts (None: not running)"""
-    task_spans = hook.task_spans if hook is not None else None
-    return server_status(
-        error, telemetry, "workers",  # dask_otel.config.WORKERS: nothing of dask_otel imported here
-        metrics=spill is not None,
-        # whether tasks run in their OTel context (False: hook not installed)
-        task_context=hook is not None,
-        # tasks that ran without context because building it failed
-        task_context_errors=hook.errors if hook is not None else 0,
-        # task spans exported by this worker; None when it exports no traces
-        task_spans=task_spans.exported if task_spans is not None else None,
-    )
 
 
 def dumps_by_value() -> bytes:

@@ -10,14 +10,13 @@ Nothing is sent for this: a task costs a dict lookup. The rules: docs/traces.md,
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from opentelemetry import trace
-from opentelemetry.trace import NonRecordingSpan, SpanContext
+from opentelemetry.trace import SpanContext
 
 from dask_otel.annotation import extract_caller, forced_sampling, otel_of, root_carrier, task_rules
-from dask_otel.span_context import dask_span_context
+from dask_otel.span_context import dask_span_context, in_context
 
 if TYPE_CHECKING:
     from opentelemetry.context import Context
@@ -45,19 +44,17 @@ class DaskSpanContext:
     rules: Any
 
 
+@dataclass(eq=False)
 class TaskContexts:
-    """Builds the OTel context of tasks from their annotations, cached per Dask span.
+    """Builds the OTel context of tasks from their annotations, cached per Dask span"""
 
-    ``sampler`` is the one the scheduler's mirror asks too (``OTEL_TRACES_SAMPLER``);
-    ``rules`` the worker's own task span rules (None: it exports no traces).
-    Both are part of the cached values, so they must not change.
-    """
-
-    def __init__(self, sampler: Sampler, rules: Any = None):
-        self.sampler = sampler
-        self.rules = rules
-        #: by (own Dask span id, root Dask span id, carrier items, the block's controls as sent)
-        self._cache: dict[tuple, DaskSpanContext] = {}
+    #: the sampler the scheduler's mirror asks too (``OTEL_TRACES_SAMPLER``); part
+    #: of the cached values, so it must not change (nor ``rules``)
+    sampler: Sampler
+    #: the worker's own task span rules (None: it exports no traces)
+    rules: Any = None
+    #: by (own Dask span id, root Dask span id, carrier items, the block's controls as sent)
+    _cache: dict[tuple, DaskSpanContext] = field(default_factory=dict)
 
     def of(self, annotations: Mapping[str, Any] | None) -> DaskSpanContext | None:
         """The context of a task with these annotations; None for a task in no
@@ -94,7 +91,7 @@ class TaskContexts:
             is_remote=True, forced=forced_sampling(otel, ids[0]),
         )
         rules = self.rules
-        context = trace.set_span_in_context(NonRecordingSpan(span_context), base)
+        context = in_context(span_context, base)
         return DaskSpanContext(
             span_context, context, str(ids[-1]), otel,
             rules and rules.of_span(task_rules(otel), span_context.trace_flags.sampled),

@@ -11,21 +11,20 @@ import functools
 import random
 import threading
 from collections.abc import Mapping
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from hashlib import blake2b
 from typing import TYPE_CHECKING, Any
 
 from dask.utils import key_split
 from distributed.metrics import time
 from distributed.worker_state_machine import ExecuteFailureEvent, ExecuteSuccessEvent
-from opentelemetry import trace
 from opentelemetry.sdk.trace import Event
-from opentelemetry.trace import NonRecordingSpan, Status, StatusCode
+from opentelemetry.trace import Status, StatusCode
 
 import dask_otel.attributes as attr
 from dask_otel._compat import task_function
 from dask_otel.annotation import entered_at
-from dask_otel.span_context import child_context
+from dask_otel.span_context import child_context, in_context
 
 if TYPE_CHECKING:
     from dask.typing import Key
@@ -122,22 +121,22 @@ class TaskRun:
         return self.dask_span.otel
 
 
+@dataclass(eq=False)
 class TaskSpans:
     """Starts and exports the task spans of one worker"""
 
-    def __init__(self, worker: Worker, sink: SpanSink):
-        self.worker = worker
-        #: the worker process's span processors
-        self.sink = sink
-        #: task spans handed to the span processors
-        self.exported = 0
-        self._random = random.Random()
-        #: Whether this worker shares the scheduler's clock (same host); None:
-        #: not looked at yet (the scheduler's address is known once running)
-        self._same_clock: bool | None = None
-        #: ``thread.name`` by thread id: the process's live threads when last
-        #: listed (Dask's executor threads live as long as the worker)
-        self._thread_names: dict[int, str] = {}
+    worker: Worker
+    #: the worker process's span processors
+    sink: SpanSink
+    #: task spans handed to the span processors
+    exported: int = 0
+    _random: random.Random = field(default_factory=random.Random)
+    #: Whether this worker shares the scheduler's clock (same host); None:
+    #: not looked at yet (the scheduler's address is known once running)
+    _same_clock: bool | None = None
+    #: ``thread.name`` by thread id: the process's live threads when last
+    #: listed (Dask's executor threads live as long as the worker)
+    _thread_names: dict[int, str] = field(default_factory=dict)
 
     def start(self, key: Key, dask_span: DaskSpanContext) -> TaskRun | DaskSpanContext:
         """The run of a task whose Dask span's tasks may get spans
@@ -149,8 +148,7 @@ class TaskSpans:
         span_id = self._random.getrandbits(64) or 1
         context = dask_span.context
         if chosen:
-            own = NonRecordingSpan(child_context(dask_span.span_context, span_id))
-            context = trace.set_span_in_context(own, context)
+            context = in_context(child_context(dask_span.span_context, span_id), context)
         return TaskRun(key, dask_span, context, span_id, chosen, self.worker.scheduler_delay)
 
     def finish(self, run: TaskRun, event: StateMachineEvent) -> None:
