@@ -101,8 +101,8 @@ def test_failed_tasks_end_their_spans_within_the_parent_over_otlp():
                 with span("load"):
                     client.gather(client.map(load, range(2)))
                 with span("fail"):
-                    # 1 s: the worker clock offset Dask estimates was seen 0.22 s off
-                    wait(client.submit(fail_slowly, 1, delay=1.0))
+                    # 2 s: the worker clock offset Dask estimates was seen 0.51 s off
+                    wait(client.submit(fail_slowly, 1, delay=2.0))
             trace_id = root_id.replace("-", "")
             spans = receiver.wait_for(
                 lambda r: len(t := [s for s in r.spans() if s.trace_id == trace_id]) >= 5 and t,
