@@ -251,9 +251,17 @@ async def test_flush_exports_what_is_open_as_unfinished(c, s, a, b):
         running = c.submit(wait_for_ever, key="never-ends")
         while not s.tasks.get("never-ends") or s.tasks["never-ends"].state != "processing":
             await asyncio.sleep(0.01)
+    memory = exporter.exporter
+    export = memory.export
+
+    def slow_export(batch):  # the builder thread takes 0.1 s a span
+        time.sleep(0.1)
+        return export(batch)
+
+    memory.export = slow_export
     mirror.flush()
     # At once: the builder thread handed them to the SDK before flush() returned
-    spans = {s.name: s for s in exporter.exporter.get_finished_spans()}
+    spans = {s.name: s for s in memory.get_finished_spans()}
     assert spans["running"].attributes["dask.span.unfinished"] is True
     assert "taskgroup/" + key_split("never-ends") in spans
     assert not (mirror.ledger.records or mirror.ledger.groups or mirror.ledger.leaves)
