@@ -470,7 +470,24 @@ def run_workload(
         cpu0, t0 = time.process_time(), time.perf_counter()
         cluster.close()
         result.close_cpu, result.close_wall = time.process_time() - cpu0, time.perf_counter() - t0
+        forget_closed_servers()
     return result
+
+
+def forget_closed_servers() -> None:
+    """Let a closed cluster's scheduler go: ``distributed.core._expects_comm`` is a
+    ``functools.cache`` keyed by every server's bound handlers, so each Scheduler a
+    process ever ran stays alive with its state (its transition log, the spans
+    extension's TaskGroups). Without this, each run's full garbage collections
+    also walked every earlier run's scheduler, and a later run (B after A) paid
+    for the earlier ones: at 100,000 tiny tasks B's collections on the event loop
+    took 4.95 s against A's 2.07 (benchmarks/README.md, "The slope")."""
+    import distributed.core
+
+    cache_clear = getattr(distributed.core._expects_comm, "cache_clear", None)
+    if cache_clear is not None:
+        cache_clear()
+    gc.collect()
 
 
 @contextlib.contextmanager
