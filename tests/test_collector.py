@@ -127,9 +127,15 @@ def pipeline(tmp_path_factory) -> Iterator[PipelineRun]:
                                       extra_args=compose_prometheus_flags())
         prometheus.config = shipped_scrape_config(
             "collector.yml", tmp_path_factory.mktemp("rules"), [collector.prometheus_exporter])
-        # What the compose stack's Dask services get, with the Collector's address here
+        # What the compose stack's Dask services get, with the Collector's address here.
+        # The Collector's prometheus exporter serves a histogram point's exemplars
+        # only until that series' next export, so Prometheus must scrape at least as
+        # often as the SDK exports (docs/deploy.md, "Exemplars"): the compose stack's
+        # one to one. With the fast tests' 0.5 s against a 1 s scrape, each exemplar
+        # had even odds of being missed
         env = {"OTEL_SERVICE_NAME": "dask", "OTEL_EXPORTER_OTLP_ENDPOINT": collector.otlp_grpc_endpoint,
                "OTEL_EXPORTER_OTLP_PROTOCOL": "grpc", "OTEL_EXPORTER_OTLP_INSECURE": "true",
+               "OTEL_METRIC_EXPORT_INTERVAL": str(round(1000 * SCRAPE_INTERVAL)),
                **SPILL_ENV, **workload_pythonpath()}
         with prometheus, dask_processes(env, worker_args=WORKER_ARGS) as cluster, \
                 cluster.client() as client:
