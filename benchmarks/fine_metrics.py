@@ -11,12 +11,16 @@ SDK's aggregation together, which is what the reader's thread does per export.
 
 Reported per N: the median wall and CPU time of one collection over ``--repeat``
 collections (with min-max), the peak of memory allocated during one (tracemalloc,
-measured apart), and the number of points exported.
+measured apart), and the number of points exported. By default nothing changes
+between collections (the bridge hands the SDK its previous observations again);
+with ``--grow`` one key of Dask's mapping grows before each, as a heartbeat's would,
+so that every collection reads Dask's mapping again.
 
 Usage::
 
     python -m benchmarks.fine_metrics                  # 100, 1,000, 10,000 prefixes
     python -m benchmarks.fine_metrics --prefixes 100 1000 --repeat 3
+    python -m benchmarks.fine_metrics --grow           # a key changes before each collection
 """
 
 from __future__ import annotations
@@ -68,14 +72,20 @@ def collect(reader) -> int:
     )
 
 
-def measure(reader, repeat: int) -> tuple[list[float], list[float], float, int]:
+def measure(reader, repeat: int, grow: dict | None = None
+            ) -> tuple[list[float], list[float], float, int]:
+    """``grow``: the mapping whose first key grows before each collection"""
     walls, cpus = [], []
     points = 0
     for _ in range(repeat):
+        if grow is not None:
+            grow[next(iter(grow))] += 1.0
         w0, c0 = time.perf_counter(), time.thread_time()
         points = collect(reader)
         walls.append(time.perf_counter() - w0)
         cpus.append(time.thread_time() - c0)
+    if grow is not None:
+        grow[next(iter(grow))] += 1.0
     tracemalloc.start()
     collect(reader)
     _, peak = tracemalloc.get_traced_memory()
@@ -87,6 +97,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--prefixes", type=int, nargs="+", default=[100, 1_000, 10_000])
     parser.add_argument("--repeat", type=int, default=7)
+    parser.add_argument("--grow", action="store_true",
+                        help="a key of Dask's mapping grows before each collection")
     args = parser.parse_args(argv)
 
     print("dask_otel fine metrics collection benchmark")
@@ -105,7 +117,9 @@ def main(argv: list[str] | None = None) -> int:
                 fill(cluster.scheduler, n)
                 try:
                     collect(reader)  # warm: instruments and aggregations exist
-                    walls, cpus, peak, points = measure(reader, args.repeat)
+                    walls, cpus, peak, points = measure(
+                        reader, args.repeat,
+                        cluster.scheduler.cumulative_worker_metrics if args.grow else None)
                 except MetricsTimeoutError as e:  # the reader's 10 s: nothing exported
                     rows.append([f"{n:,}", "", "", f"failed: {e}", "", ""])
                     continue
@@ -116,7 +130,8 @@ def main(argv: list[str] | None = None) -> int:
                     f"{median(cpus) * 1000:.1f} ({spread([c * 1000 for c in cpus], '{:.1f}')})",
                     f"{peak:.1f}",
                 ])
-    print(f"\n== one collection, median of {args.repeat} ==")
+    print(f"\n== one collection, median of {args.repeat}"
+          f"{', a key grown before each' if args.grow else ', nothing changed'} ==")
     print_table(["prefixes", "keys", "points", "wall ms", "CPU ms", "peak alloc MiB"], rows)
     return 0
 

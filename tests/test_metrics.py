@@ -115,7 +115,8 @@ def test_an_unchanged_collection_reuses_its_observations_and_a_change_shows_at_t
     """docs/metrics.md "What a collection costs": across collections in which no fine
     metric changed, though heartbeats changed Dask's ``latency`` in between, the bridge
     hands the SDK the very same observations; tasks that ran since show at the next
-    collection"""
+    collection, those of a task prefix new since the last (a read looks only at the
+    keys Dask added since) as well"""
     name = "dask.activity.time"
     with spilling_cluster(n_workers=2) as (cluster, client):
         assert client.submit(total, client.map(inc, range(20))).result() == sum(range(1, 21))
@@ -142,7 +143,10 @@ def test_an_unchanged_collection_reuses_its_observations_and_a_change_shows_at_t
         grown = ("execute", "inc", "thread-cpu", "seconds")
         ran = cluster.scheduler.cumulative_worker_metrics[grown]
         assert client.submit(total, client.map(inc, range(100, 140))).result() > 0
-        wait_until(lambda: cluster.scheduler.cumulative_worker_metrics[grown] > ran, what="inc grew")
+        fresh = ("execute", "fresh", "thread-cpu", "seconds")
+        client.gather(client.map(inc, range(5), key=[f"fresh-{i}" for i in range(5)]))
+        wait_until(lambda: cluster.scheduler.cumulative_worker_metrics[grown] > ran
+                   and fresh in cluster.scheduler.cumulative_worker_metrics, what="inc grew")
 
         def exported_as_dask_has_them() -> bool:
             expected = fine_snapshot(cluster)
@@ -155,6 +159,7 @@ def test_an_unchanged_collection_reuses_its_observations_and_a_change_shows_at_t
         wait_until(exported_as_dask_has_them, what="a collection between two heartbeats")
         points = collect(reader)
         assert value(points, name, dask_task_prefix="inc", dask_activity_name="thread-cpu") > ran
+        assert value(points, name, dask_task_prefix="fresh", dask_activity_name="thread-cpu") > 0
 
 
 #: docs/metrics.md, "Attributes": past 2000 series per instrument the rest is one
@@ -180,9 +185,12 @@ def test_past_the_cardinality_limit_the_rest_is_one_overflow_series():
         expected = fine_metrics_by_unit(dict(cluster.scheduler.cumulative_worker_metrics))
         reader = metric_reader(cluster)
         points = collect(reader)
-        # More prefixes, all past the limit: the kept series do not change
+        # More prefixes, all past the limit: the kept series do not change, and the
+        # overflow series sums the new ones too (a read looks only at the keys Dask
+        # added since the last, each once)
         wait([client.submit(inc, i, key=f"later{i}-0") for i in range(50)])
         heartbeats_carried(cluster, ("execute", "later49", "thread-cpu", "seconds"))
+        later_expected = fine_metrics_by_unit(dict(cluster.scheduler.cumulative_worker_metrics))
         later = collect(reader)
 
     seconds = expected["seconds"]
@@ -195,6 +203,8 @@ def test_past_the_cardinality_limit_the_rest_is_one_overflow_series():
     assert all(seconds[attributes] == v for attributes, v in kept.items())
     assert sum(p.value for p in exported) == pytest.approx(sum(seconds.values()))
     assert kept_series(later["dask.activity.time"]).keys() == kept.keys()
+    assert sum(p.value for p in later["dask.activity.time"]) == pytest.approx(
+        sum(later_expected["seconds"].values()))
 
 
 def test_no_span_attribute_by_default():

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Hashable, Mapping
 from functools import lru_cache
+from itertools import islice, repeat
 from typing import TYPE_CHECKING, Any
 
 from distributed.spans import CONTEXTS_WITH_SPAN_ID
@@ -64,14 +65,15 @@ def _fine_metrics(dask_unit: str):
     def read(observed: SchedulerMetrics) -> Reading:
         scheduler = observed.scheduler
         spans = observed.span_label and scheduler.extensions.get("spans")
-        # Dask's mappings, copied: [(attributes to add, metrics)]. With span-label,
-        # what can be attributed to spans is read from them
-        state = [(None, observed.fine_copy(scheduler.cumulative_worker_metrics))]
+        # Dask's mappings, copied: [(Dask span id or None, attributes to add,
+        # metrics)]. With span-label, what can be attributed to spans is read from them
+        state = [(None, None, observed.fine_copy(scheduler.cumulative_worker_metrics))]
         if spans:
             for span in list(spans.spans.values()):
                 own = span_own_metrics(span)
                 if own:
-                    state.append(({attr.SPAN_NAME: tuple(span.name)}, observed.fine_copy(own)))
+                    state.append((span.id, {attr.SPAN_NAME: tuple(span.name)},
+                                  observed.fine_copy(own)))
         previous = observed.previous.get(dask_unit)
         if previous is not None and previous[0] == state:
             # Nothing changed since the last read (the usual case at a short
@@ -82,32 +84,38 @@ def _fine_metrics(dask_unit: str):
                     state, [r[:2] for r in previous[1]], previous[2], False)
             return previous[1]
         skip = CONTEXTS_WITH_SPAN_ID if spans else ()
-        for _, metrics in state:
-            for key in [key for key in metrics if not isinstance(key, tuple)]:
-                observed.not_fine.add(key)
-                del metrics[key]
-        out: list[_Raw] = [
-            (value, key, extra) for extra, metrics in state for key, value in metrics.items()
-            if len(key) >= 3 and key[-1] == dask_unit and (extra or key[0] not in skip)
-        ]
+        known = observed.unit_keys.get(dask_unit, {})
+        keys_now = {}  # of the mappings read now only
+        out: list[_Raw] = []
+        overflow: float | None = None
+        for span_id, extra, metrics in state:
+            _, keys = keys_now[span_id] = observed.series_keys(
+                dask_unit, metrics, known.get(span_id), extra is not None, skip)
+            # The first MAX_SERIES series in Dask's order (each keeps its place as
+            # more come), the rest summed in C
+            room = max(MAX_SERIES - len(out), 0)
+            head = keys[:room]
+            out += zip(map(metrics.__getitem__, head), head, repeat(extra))
+            if len(keys) > room:
+                overflow = (overflow or 0.0) + sum(map(metrics.__getitem__, keys[room:]))
+        observed.unit_keys[dask_unit] = keys_now
         reading, values, exemplars = observed.with_exemplars(
-            _bounded(out), previous[2] if previous is not None else {})
+            _bounded(out, overflow), previous[2] if previous is not None else {})
         observed.previous[dask_unit] = (state, reading, values, exemplars)
         return reading
 
     return read
 
 
-def _bounded(readings: list[_Raw]) -> Reading:
-    """The first :data:`MAX_SERIES` readings with their attributes, the rest summed
-    into one overflow reading (Dask's mappings only grow, in insertion order: a
-    series never moves between the two)"""
+def _bounded(readings: list[_Raw], overflow: float | None) -> Reading:
+    """The readings with their attributes, and the ``overflow`` reading (the sum of
+    the series past :data:`MAX_SERIES`; None: none)"""
     out: list[tuple[float, Mapping[str, Any]]] = []
-    for value, key, extra in readings[:MAX_SERIES]:
+    for value, key, extra in readings:
         attributes = _attributes(key)
         out.append((value, {**attributes, **extra} if extra else attributes))  # type: ignore[arg-type]
-    if len(readings) > MAX_SERIES:
-        out.append((sum(value for value, _, _ in readings[MAX_SERIES:]), OVERFLOW))
+    if overflow is not None:
+        out.append((overflow, OVERFLOW))
     return out
 
 
@@ -202,6 +210,10 @@ class SchedulerMetrics(Attached):
         #: Keys of Dask's mappings that are no fine metrics, seen so far
         #: (``latency``, ``tick-duration``: they change at every heartbeat)
         self.not_fine: set[Hashable] = set()
+        #: Dask unit -> Dask span id (None: the scheduler's mapping) -> how many
+        #: keys of that mapping were read, and which of them are the unit's series
+        #: (:meth:`series_keys`)
+        self.unit_keys: dict[str, dict[str | None, tuple[int, list[tuple]]]] = {}
         assert self.telemetry.meter_provider is not None
         SchedulerInstruments.of(self.telemetry.meter_provider).attach(self)
 
@@ -211,6 +223,26 @@ class SchedulerMetrics(Attached):
         for key in tuple(self.not_fine):  # made in C: another reader may add to it
             out.pop(key, None)
         return out
+
+    def series_keys(self, unit: str, metrics: dict[Hashable, float],
+                    known: tuple[int, list[tuple]] | None, any_context: bool,
+                    skip: Any) -> tuple[int, list[tuple]]:
+        """How many keys ``metrics`` (a :meth:`fine_copy`) has and which are series of
+        ``unit``, in Dask's order (of contexts not in ``skip`` unless
+        ``any_context``), from those ``known`` at the previous read: Dask's
+        mappings only grow, in insertion order, so only the keys added since are
+        looked at (a read at 10,000 task prefixes would otherwise pass over 110,000
+        keys in Python for each unit). Keys that are no fine metrics are dropped
+        from ``metrics`` and remembered in :attr:`not_fine`."""
+        seen, keys = known if known is not None and known[0] <= len(metrics) else (0, [])
+        keys = list(keys)  # known stays as it was if this read fails half-way
+        for key in list(islice(metrics, seen, None)):
+            if not isinstance(key, tuple):
+                self.not_fine.add(key)
+                del metrics[key]
+            elif len(key) >= 3 and key[-1] == unit and (any_context or key[0] not in skip):
+                keys.append(key)
+        return len(metrics), keys
 
     def with_exemplars(self, readings: Reading, previous: dict[tuple, float]
                        ) -> tuple[Reading, dict[tuple, float], bool]:
