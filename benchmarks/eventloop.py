@@ -75,8 +75,6 @@ from benchmarks.harness import (
 
 BLOCK_TARGET = 0.005
 PER_SPAN_TARGET = 25e-6
-#: The bridge's thread that builds the mirrored spans off the event loop
-BUILDER_THREAD = "dask_otel-build"
 
 
 class Call(NamedTuple):
@@ -148,16 +146,55 @@ def _first(obj: object, *names: str) -> str:
     return next(name for name in names if hasattr(obj, name))
 
 
-def builder_cpu() -> float:
-    """CPU seconds of the bridge's builder thread (0 if none runs: before spans
-    were built off the loop, or before the first span)"""
-    for thread in threading.enumerate():
-        if thread.name == BUILDER_THREAD and thread.ident is not None:
+class BuilderClock:
+    """CPU seconds of the bridge's builder threads (``dask_otel-build``) since
+    :meth:`reset`: a thread ends after ``IDLE_EXIT`` idle and the next spans start
+    another, so each thread's CPU is added when it ends (wrapping
+    ``SpanBuilder._run``), and a live one's is read from its clock. 0 before spans
+    were built off the loop."""
+
+    def __init__(self) -> None:
+        self.ended = 0.0
+        #: thread ident -> its CPU clock when it started or at reset
+        self.started: dict[int, float] = {}
+        try:
+            from dask_otel.scheduler.builder import SpanBuilder
+        except ImportError:
+            return
+        run, clock = SpanBuilder._run, self
+
+        def timed_run(builder) -> None:
+            ident = threading.get_ident()
+            clock.started[ident] = time.thread_time()
             try:
-                return time.clock_gettime(time.pthread_getcpuclockid(thread.ident))
-            except (OSError, ProcessLookupError):  # it ended meanwhile
-                return 0.0
-    return 0.0
+                run(builder)
+            finally:
+                clock.ended += time.thread_time() - clock.started.pop(ident, 0.0)
+
+        SpanBuilder._run = timed_run
+
+    @staticmethod
+    def _cpu(ident: int) -> float | None:
+        try:
+            return time.clock_gettime(time.pthread_getcpuclockid(ident))
+        except (OSError, ProcessLookupError):  # it ended meanwhile
+            return None
+
+    def reset(self) -> None:
+        self.ended = 0.0
+        for ident in list(self.started):
+            if (cpu := self._cpu(ident)) is not None:
+                self.started[ident] = cpu
+
+    def read(self) -> float:
+        live = 0.0
+        for ident, start in list(self.started.items()):
+            if (cpu := self._cpu(ident)) is not None:
+                live += cpu - start
+        return self.ended + live
+
+
+BUILDER_CLOCK = BuilderClock()
 
 
 def bridge_probe(cluster: LocalCluster) -> Callable[[], dict]:
@@ -187,7 +224,7 @@ def bridge_probe(cluster: LocalCluster) -> Callable[[], dict]:
     exports = [Timed(stats, "export", gc_clock) for stats in accounted]
     transitions0 = scheduler.transition_counter
     mirrored0 = mirror.mirrored
-    builder0 = builder_cpu()
+    BUILDER_CLOCK.reset()
 
     def finish() -> dict:
         gc_clock.close()
@@ -198,7 +235,7 @@ def bridge_probe(cluster: LocalCluster) -> Callable[[], dict]:
             "transition_hook": transition_hook_cost(plugin),
             "transition_noop": transition_hook_cost(SchedulerPlugin()),
             "mirrored": mirror.mirrored - mirrored0,
-            "builder": builder_cpu() - builder0,
+            "builder": BUILDER_CLOCK.read(),
         }
 
     return finish
@@ -240,8 +277,8 @@ def main(argv: list[str] | None = None) -> int:
 
     rows = []
     per_span: dict[str, list[float]] = {k: [] for k in
-                                        ("hooks", "mirror", "transition", "total",
-                                         "total_no_gc", "builder", "export")}
+                                        ("hooks", "graph", "polls", "mirror", "transition",
+                                         "total", "total_no_gc", "builder", "export")}
     for _, b in pairs:
         p = b.probe
         t = p["timers"]
@@ -249,6 +286,8 @@ def main(argv: list[str] | None = None) -> int:
         hooks_cpu = t["poll"].cpu + t["update_graph"].cpu
         transition_cpu = p["transitions"] * p["transition_hook"]
         per_span["hooks"].append(hooks_cpu / mirrored)
+        for key, hook in (("graph", "update_graph"), ("polls", "poll")):
+            per_span[key].append((t[hook].cpu - t[hook].gc_cpu) / mirrored)
         per_span["mirror"].append((t["mirror_span"].cpu + t["mirror_group"].cpu) / mirrored)
         per_span["transition"].append(transition_cpu / mirrored)
         per_span["total"].append((hooks_cpu + transition_cpu) / mirrored)
@@ -307,7 +346,9 @@ def main(argv: list[str] | None = None) -> int:
           f"median of {len(pairs)} runs ==")
     labels = {
         "hooks": "poll + update_graph hooks, measured",
-        "mirror": "  of which span_of/group_span_of (reading; before: building)",
+        "graph": "  update_graph hook, without GC pauses",
+        "polls": "  polls, without GC pauses",
+        "mirror": "    of which span_of/group_span_of (reading; before: building)",
         "transition": "transition hook (calls x cost per call)",
         "total": "total on the scheduler thread",
         "total_no_gc": "  the same without GC pauses inside hooks",
@@ -329,7 +370,7 @@ def main(argv: list[str] | None = None) -> int:
 
     # The same cost as a share of the scheduler's CPU: a sharper estimate of
     # overhead.py's CPU ratio than A/B timing on a noisy machine
-    shares, loop_shares = [], []
+    shares, loop_shares, loop_shares_no_gc = [], [], []
     for a, b in pairs:
         p = b.probe
         t = p["timers"]
@@ -338,8 +379,13 @@ def main(argv: list[str] | None = None) -> int:
         bridge_cpu = loop_cpu + p["builder"] + sum(e.cpu for e in p["exports"])
         shares.append(bridge_cpu / a.scheduler_cpu)
         loop_shares.append(loop_cpu / a.scheduler_cpu)
+        loop_shares_no_gc.append(
+            (loop_cpu - t["poll"].gc_cpu - t["update_graph"].gc_cpu) / a.scheduler_cpu)
     print(f"\n  bridge CPU on the event loop per run, as a share of run A's scheduler CPU: "
-          f"{median(loop_shares) * 100:.2f}% ({spread([x * 100 for x in loop_shares], '{:.2f}')})")
+          f"{median(loop_shares) * 100:.2f}% ({spread([x * 100 for x in loop_shares], '{:.2f}')}); "
+          f"without the full collections that landed in a bridge callback (the heap's, "
+          f"whoever allocates when one is due): {median(loop_shares_no_gc) * 100:.2f}% "
+          f"({spread([x * 100 for x in loop_shares_no_gc], '{:.2f}')})")
     print(f"  bridge CPU in the scheduler process (event loop + builder and export threads) "
           f"per run, as a "
           f"share of run A's scheduler CPU: {median(shares) * 100:.1f}% "
