@@ -291,6 +291,32 @@ def test_self_metrics_count_spans_exported_and_lost(monkeypatch):
             assert value(points, "dask.otel.span.exported") == delivered
 
 
+def test_spans_past_the_builders_queue_count_as_dropped(monkeypatch):
+    """A poll's spans that do not fit the builder thread's queue are lost before any
+    exporter sees them: ``dask.otel.span.dropped`` counts them with
+    ``error.type=queue_full``, so that the alert on it (docs/metrics.md) sees every
+    span lost. A queue of one here, and a Dask span of ten TaskGroups that finish
+    together: a poll hands several over at once."""
+    with OTLPReceiver("grpc") as receiver:
+        set_otel_env(monkeypatch, receiver.env())
+        config = {"otel.traces.exporter": "otlp", "otel.spans.export-delay": "100ms",
+                  "otel.spans.poll-interval": "50ms"}
+        with spilling_cluster(config) as (cluster, client):
+            reader = metric_reader(cluster)
+            builder = cluster.scheduler.plugins["dask-otel"].mirror.builder
+            builder.capacity = 1
+            with span("full"):
+                client.gather([client.submit(inc, i, key=f"full{i}-0") for i in range(10)])
+            wait_until(lambda: builder.dropped, what="a poll's spans past the queue")
+            points = wait_until(
+                lambda: (p := collect(reader))
+                and value(p, "dask.otel.span.dropped", error_type="queue_full") == builder.dropped
+                and p,
+                what="the queue-full drops to be counted",
+            )
+            assert value(points, "dask.otel.span.dropped") == builder.dropped  # nothing else lost
+
+
 def test_self_metrics_add_up_under_a_sampler(monkeypatch):
     """mirrored + sampled_out is every span and TaskGroup that finished"""
     monkeypatch.setenv("OTEL_TRACES_SAMPLER", "always_off")

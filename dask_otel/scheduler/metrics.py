@@ -127,6 +127,23 @@ def _mirror_count(field: str):
     return read
 
 
+#: ``dask.otel.span.dropped`` of the spans a poll handed over past the builder
+#: thread's queue (the SDK's own instruments name a full queue so too)
+QUEUE_FULL = {attr.ERROR_TYPE: "queue_full"}
+
+
+def _dropped(observed: SchedulerMetrics) -> Reading:
+    """Spans lost: each span exporter's failed ones, and the builder's queue-full
+    drops (this scheduler's: the row is read once per process, which runs one),
+    from 0 on, as the exporters' are: an alert's ``increase()`` needs the series
+    before the first drop"""
+    readings = _exported("failed", "spans")(observed)
+    mirror = observed.mirror
+    if mirror is not None and mirror.builder is not None:
+        readings.append((mirror.builder.dropped, QUEUE_FULL))
+    return readings
+
+
 def _exported(field: str, signal: str | None = None):
     """``field`` of the process's accounted exporters (``ExportOutage``), by signal;
     of ``signal``'s only, when given"""
@@ -168,8 +185,9 @@ SCHEDULER_METRICS: tuple[MetricSpec, ...] = (
     MetricSpec("dask.otel.span.exported", COUNTER, "{span}", "Spans the exporter delivered",
                _exported("exported", "spans"), per_process=True),
     MetricSpec("dask.otel.span.dropped", COUNTER, "{span}",
-               "Spans lost because their export failed, or was not tried during an outage",
-               _exported("failed", "spans"), per_process=True),
+               "Spans lost because their export failed, or was not tried during an outage, "
+               "or the builder thread's queue was full",
+               _dropped, per_process=True),
     MetricSpec("dask.otel.export.items", COUNTER, "{item}",
                "Spans, metric points and log records the collector accepted, by signal",
                _exported("exported"), per_process=True),

@@ -354,15 +354,18 @@ def spans_dashboard() -> dict[str, Any]:
         "Spans mirrored, sampled out, exported, dropped",
         "Per second: Dask spans and TaskGroups the bridge handed to the OpenTelemetry "
         "SDK, those the sampler dropped (OTEL_TRACES_SAMPLER), spans each exporter "
-        "delivered, spans lost after the SDK's retries, and failed export requests.",
+        "delivered, spans lost after the SDK's retries (or before the SDK: queue_full, "
+        "a poll finished more than the bridge's builder queue holds), and failed export "
+        "requests.",
         "ops",
         [
             target(f"sum({rate('dask_otel_span_mirrored_total', CLUSTER)})", "mirrored"),
             target(f"sum({rate('dask_otel_span_sampled_out_total', CLUSTER)})", "sampled out"),
             target(f"sum by (dask_otel_exporter) ({rate('dask_otel_span_exported_total', CLUSTER)})",
                    "exported by {{dask_otel_exporter}}"),
-            target(f"sum by (dask_otel_exporter) ({rate('dask_otel_span_dropped_total', CLUSTER)})",
-                   "dropped by {{dask_otel_exporter}}"),
+            target(f"sum by (dask_otel_exporter, error_type) "
+                   f"({rate('dask_otel_span_dropped_total', CLUSTER)})",
+                   "dropped by {{dask_otel_exporter}}{{error_type}}"),
             target(f"sum by (dask_otel_exporter) ({rate('dask_otel_export_failures_total', CLUSTER)})",
                    "failed requests of {{dask_otel_exporter}}"),
         ],
