@@ -7,7 +7,7 @@ docs/metrics.md.
 
 from __future__ import annotations
 
-from collections.abc import Hashable, Mapping
+from collections.abc import Collection, Hashable, Mapping
 from functools import lru_cache
 from itertools import islice, repeat
 from typing import TYPE_CHECKING, Any
@@ -89,8 +89,9 @@ def _fine_metrics(dask_unit: str):
         out: list[_Raw] = []
         overflow: float | None = None
         for span_id, extra, metrics in state:
+            # a span's own mapping holds just the contexts skipped in the scheduler's: all kept
             _, keys = keys_now[span_id] = observed.series_keys(
-                dask_unit, metrics, known.get(span_id), extra is not None, skip)
+                dask_unit, metrics, known.get(span_id), () if extra is not None else skip)
             # The first MAX_SERIES series in Dask's order (each keeps its place as
             # more come), the rest summed in C
             room = max(MAX_SERIES - len(out), 0)
@@ -243,11 +244,11 @@ class SchedulerMetrics(Attached):
         return out
 
     def series_keys(self, unit: str, metrics: dict[Hashable, float],
-                    known: tuple[int, list[tuple]] | None, any_context: bool,
-                    skip: Any) -> tuple[int, list[tuple]]:
+                    known: tuple[int, list[tuple]] | None,
+                    skip: Collection[Hashable]) -> tuple[int, list[tuple]]:
         """How many keys ``metrics`` (a :meth:`fine_copy`) has and which are series of
-        ``unit``, in Dask's order (of contexts not in ``skip`` unless
-        ``any_context``), from those ``known`` at the previous read: Dask's
+        ``unit``, in Dask's order (of contexts not in ``skip``), from those
+        ``known`` at the previous read: Dask's
         mappings only grow, in insertion order, so only the keys added since are
         looked at (a read at 10,000 task prefixes would otherwise pass over 110,000
         keys in Python for each unit). Keys that are no fine metrics are dropped
@@ -258,7 +259,7 @@ class SchedulerMetrics(Attached):
             if not isinstance(key, tuple):
                 self.not_fine.add(key)
                 del metrics[key]
-            elif len(key) >= 3 and key[-1] == unit and (any_context or key[0] not in skip):
+            elif len(key) >= 3 and key[-1] == unit and key[0] not in skip:
                 keys.append(key)
         return len(metrics), keys
 
