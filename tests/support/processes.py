@@ -16,6 +16,8 @@ from pathlib import Path
 
 from distributed import Client
 
+from tests.support import oracle
+
 #: The repository root: ``tests.support.tasks`` is importable from it
 REPO = Path(__file__).resolve().parents[2]
 
@@ -156,8 +158,12 @@ class DaskProcesses:
             raise
 
     def __exit__(self, *exc) -> None:
+        address = self._read_address() if self.procs["scheduler"].poll() is None else None
+        dask = oracle.read_remote(address) if address and exc[0] is None else None
         self.stop()
         self.dir.cleanup()
+        if exc[0] is None:
+            oracle.processes_closed(dask, self.env, f"dask scheduler {address}")
 
 
 @contextlib.contextmanager
