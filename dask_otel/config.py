@@ -141,15 +141,15 @@ def _names(key: str, what: str = "a list of event topic names") -> frozenset[str
 def _exporters(
     key: str, signal: str, known: Sequence[str], env_default: str = "otlp"
 ) -> tuple[str, ...]:
-    """Exporter names from dask config, falling back to OTEL_<signal>_EXPORTER"""
+    """Exporter names from dask config; its default, the name of OTEL_<signal>_EXPORTER,
+    reads that variable. None (``null``, or ``none`` in a DASK_* variable) is ``none``."""
     env = f"OTEL_{signal}_EXPORTER"
     group = f"opentelemetry_{signal.lower()}_exporter"
-    value = get(key)
-    source = key
-    if value is None:
+    value, source = get(key), key
+    if value == env:
         value, source = os.environ.get(env, env_default), env
-    if isinstance(value, str):
-        value = [v for v in (v.strip() for v in value.split(",")) if v]
+    if isinstance(value, str) or value is None:
+        value = [v for v in (v.strip() for v in (value or "none").split(",")) if v]
     if not isinstance(value, (list, tuple)) or not all(isinstance(v, str) for v in value):
         raise ConfigError(source, value, "a list of exporter names")
     installed = installed_entry_points(group)

@@ -88,7 +88,7 @@ def test_a_refused_signal_does_not_keep_the_close_from_flushing_the_others(monke
         for key, value in {**receiver.env(), **FAST_EXPORT_ENV,
                            "OTEL_BSP_SCHEDULE_DELAY": "30000"}.items():
             monkeypatch.setenv(key, value)
-        with otel_cluster({**OTLP_CONFIG, "otel.logs.exporter": None}) as (client, mirrored):
+        with otel_cluster({**OTLP_CONFIG, "otel.logs.exporter": "OTEL_LOGS_EXPORTER"}) as (client, mirrored):
             with span("flushed at close") as sid:
                 client.submit(inc, 1, key="flushed-1").result()
             wait_until(lambda: receiver.rejected >= 1, what="metrics refused")

@@ -91,3 +91,34 @@ def test_true_and_false_as_text_are_booleans(text, value):
     with dask.config.set({"otel.enabled": text, "otel.tasks.spans": text}):
         config = read_config()
     assert config.enabled is value and config.task_spans is value
+
+
+SIGNALS = {"traces": "traces_exporters", "metrics": "metrics_exporters", "logs": "logs_exporters"}
+
+
+def exporter_none(spelling: str, tmp_path) -> dict:
+    """``otel.<signal>.exporter: none`` for the three signals, as dask reads one
+    spelling of it from the environment, a YAML file or ``dask.config.set``"""
+    where, text = spelling.split(":", 1)
+    if where == "env":
+        return dask.config.collect_env({f"DASK_OTEL__{s.upper()}__EXPORTER": text for s in SIGNALS})
+    if where == "yaml":
+        (tmp_path / "otel.yaml").write_text(
+            "otel:\n" + "".join(f"  {s}:\n    exporter: {text}\n" for s in SIGNALS))
+        return dask.config.merge(*dask.config.collect_yaml([tmp_path]))
+    return {f"otel.{s}.exporter": None if text == "None" else text for s in SIGNALS}
+
+
+@pytest.mark.parametrize("spelling", [
+    "env:none", "env:None", "env:null", "yaml:null", "yaml:~", "yaml:none", "set:None", "set:none",
+])
+def test_every_spelling_of_none_means_no_exporter(spelling, tmp_path, monkeypatch):
+    """Whatever the spelling, none (the outage WARNING's advice) exports nothing,
+    though OTEL_*_EXPORTER names one; the shipped default follows OTEL_*_EXPORTER"""
+    for signal in SIGNALS:
+        monkeypatch.setenv(f"OTEL_{signal.upper()}_EXPORTER", "console")
+    with dask.config.set(exporter_none(spelling, tmp_path)):
+        config = read_config()
+    assert [getattr(config, field) for field in SIGNALS.values()] == [(), (), ()]
+    default = read_config()
+    assert [getattr(default, field) for field in SIGNALS.values()] == [("console",)] * 3

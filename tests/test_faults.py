@@ -371,7 +371,7 @@ def test_malformed_otel_variable(variable, value, outcome, complaint, monkeypatc
     with OTLPReceiver("grpc") as receiver:
         set_env(monkeypatch, {**receiver.env(), variable: value})
         with caplog.at_level(logging.INFO), otel_cluster(
-            {**OTLP_CONFIG, "otel.traces.exporter": None}
+            {**OTLP_CONFIG, "otel.traces.exporter": "OTEL_TRACES_EXPORTER"}
         ) as (client, mirrored):
             with span(name):
                 assert client.gather(client.map(inc, range(3))) == [1, 2, 3]

@@ -313,7 +313,8 @@ def test_a_process_waits_half_of_the_flush_timeout_for_a_slow_collector(monkeypa
         set_otel_env(monkeypatch, {**receiver.env(), "OTEL_BSP_MAX_EXPORT_BATCH_SIZE": "1",
                                    "OTEL_BSP_SCHEDULE_DELAY": "60000"})
         with dask.config.set({"otel.flush-timeout": "12s", "otel.traces.exporter": "otlp",
-                              "otel.metrics.exporter": None, "otel.logs.exporter": None}):
+                              "otel.metrics.exporter": "OTEL_METRICS_EXPORTER",
+                              "otel.logs.exporter": "OTEL_LOGS_EXPORTER"}):
             server = Telemetry.acquire(dask_otel.config.read_config())
         tracer = server.telemetry.tracer_provider.get_tracer("test")
         for i in range(60):

@@ -94,7 +94,8 @@ def test_with_traces_off_runs_and_durations_are_still_recorded(monkeypatch):
     ok run whose only task runs 0.4 s in a sub-span, and an erred run, are
     counted, the ok run's duration no shorter than its sub-span's task; no span
     is exported and status() says traces are off"""
-    config = {**CONFIG, "otel.traces.exporter": None, "otel.metrics.workflows": ["nightly-*"]}
+    config = {**CONFIG, "otel.traces.exporter": "OTEL_TRACES_EXPORTER",
+              "otel.metrics.workflows": ["nightly-*"]}
     with OTLPReceiver("grpc") as receiver:
         set_otel_env(monkeypatch, {**receiver.env(), **ENV, "OTEL_TRACES_EXPORTER": "none"})
         with otel_cluster(config, processes=True, n_workers=1) as (client, _):

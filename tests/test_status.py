@@ -6,10 +6,12 @@ from __future__ import annotations
 
 import dask
 import pytest
+from distributed import span
 
 import dask_otel
 from dask_otel.config import ConfigError
 from tests.support.cluster import otel_cluster, wait_until
+from tests.support.otlp_receiver import OTLPReceiver
 from tests.support.processes import DaskProcesses, dask_processes
 
 #: No collector in these tests: nothing to export
@@ -90,3 +92,30 @@ def test_instrument_honours_the_clients_otel_enabled():
         dask_otel.instrument(client)
         status = dask_otel.status(client)
     assert status["scheduler"]["error"] is None and status["scheduler"]["config"]
+
+
+def test_exporter_none_in_the_environment_exports_nothing():
+    """``DASK_OTEL__{TRACES,METRICS,LOGS}__EXPORTER=none`` (the spelling the bridge's
+    outage WARNING gives) on ``dask scheduler`` and ``dask worker``, with a collector
+    at OTEL_EXPORTER_OTLP_ENDPOINT and ``OTEL_*_EXPORTER=otlp``: the collector gets
+    no span, point or log record while a workload runs and the cluster closes, and
+    status() says the signals are off. Dask reads ``none`` in a variable as None."""
+    signals = ("TRACES", "METRICS", "LOGS")
+    env = {**{f"DASK_OTEL__{s}__EXPORTER": "none" for s in signals},
+           **{f"OTEL_{s}_EXPORTER": "otlp" for s in signals}}
+    with OTLPReceiver("grpc") as receiver:
+        with dask_processes({**receiver.env(), **env}, n_workers=1) as cluster:
+            with cluster.client() as client:
+                workers = wait_until(lambda: bridges_started(client), what="the worker plugin")
+                with span("workload"):
+                    assert client.submit(sum, [1, 2]).result() == 3
+                status = dask_otel.status(client)
+        received = (len(receiver.spans()), len(receiver.metric_points()), len(receiver.logs()))
+    assert received == (0, 0, 0), receiver.summary()
+    scheduler = status["scheduler"]
+    assert scheduler["error"] is None
+    assert (scheduler["traces"], scheduler["metrics"]) == (False, False)
+    (worker,) = workers.values()
+    assert worker["error"] is None and worker["metrics"] is False
+    for config in (scheduler["config"], worker["config"]):
+        assert [config[f"otel.{s.lower()}.exporter"] for s in signals] == [[], [], []]

@@ -10,10 +10,11 @@ import time
 import pytest
 from distributed import span, wait
 
+from tests.support.cluster import wait_until
 from tests.support.otlp_receiver import OTLPReceiver
 from tests.support.processes import dask_processes
 from tests.support.span_tree import assert_span_tree
-from tests.support.tasks import broken, clean, fail_slowly, fit, load
+from tests.support.tasks import broken, clean, fail_slowly, fit, load, log_in_task
 
 
 def assert_well_formed(spans: list) -> None:
@@ -150,3 +151,40 @@ def test_scheduler_shutdown_flushes_pending_spans():
         (s,) = receiver.wait_for(lambda r: r.spans("last words"), timeout=10)
     assert s.attributes["dask.span.id"] == sid
     assert "dask.span.unfinished" not in s.attributes
+
+
+
+#: The signals as the bridge's outage WARNING names them
+NAMES = {"TRACES": "spans", "METRICS": "metrics", "LOGS": "logs"}
+
+
+@pytest.mark.parametrize("signal, protocol", [
+    ("TRACES", "http/protobuf"), ("METRICS", "grpc"), ("LOGS", "http/protobuf"),
+])
+def test_a_signals_own_protocol_variable_wins_over_the_general_one(signal, protocol):
+    """OTEL_EXPORTER_OTLP_PROTOCOL names the protocol the receiver does not speak,
+    one signal's OTEL_EXPORTER_OTLP_<signal>_PROTOCOL the one it speaks: that
+    signal arrives, by its own variable; the other two, by the general one, do not"""
+    other = {"grpc": "http/protobuf", "http/protobuf": "grpc"}[protocol]
+    with OTLPReceiver(protocol) as receiver:
+        env = {**receiver.env(), "OTEL_EXPORTER_OTLP_PROTOCOL": other,
+               f"OTEL_EXPORTER_OTLP_{signal}_PROTOCOL": protocol,
+               "OTEL_EXPORTER_OTLP_TIMEOUT": "2", "DASK_OTEL__FLUSH_TIMEOUT": "2s",
+               **{f"OTEL_{s}_EXPORTER": "otlp" for s in NAMES},
+               "OTEL_BLRP_SCHEDULE_DELAY": "100"}
+        with dask_processes(env, n_workers=1) as cluster, cluster.client() as client:
+            with span("by its own protocol"):
+                assert client.submit(log_in_task, 3).result() == 3
+            received = {
+                "TRACES": lambda r: r.spans("by its own protocol"),
+                "METRICS": lambda r: r.metric_points("dask.otel.span.mirrored"),
+                "LOGS": lambda r: [g for g in r.logs() if g.body == "scored partition 3"],
+            }
+            receiver.wait_for(received[signal], timeout=60)
+            # the other two are sent, by the general variable's protocol, and fail
+            failing = [f"cannot export {name}" for s, name in NAMES.items() if s != signal]
+            wait_until(lambda: all(f in cluster.log("scheduler") for f in failing),
+                       timeout=60, what=f"the scheduler's WARNINGs {failing}")
+    arrived = {"TRACES": bool(receiver.spans()), "METRICS": bool(receiver.metric_points()),
+               "LOGS": bool(receiver.logs())}
+    assert arrived == {s: s == signal for s in arrived}, receiver.summary()
