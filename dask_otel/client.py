@@ -103,17 +103,13 @@ def _announce_exit(msg: dict, sent: dict[str, distributed.Client]) -> None:
     default client's, which exports it as a block that ran no task), on each
     client's event loop, without waiting; whatever goes wrong is dropped"""
     try:
-        clients = list(sent.values()) or [distributed.client.default_client()]
-    except ValueError:  # no client: no graph of this block reached a scheduler
-        return
-    for client in clients:
-        try:
+        for client in list(sent.values()) or [distributed.client.default_client()]:
             if client.status == "running" and client.loop is not None:
                 # Sent before this client closes: the scheduler tells a late exit
                 # from a block its client left open (dask_otel.scheduler.blocks)
                 client.loop.add_callback(_send_exit, client, {**msg, "client": client.id})
-        except Exception:
-            pass  # telemetry never fails the caller
+    except Exception:  # no client (no graph of this block reached a scheduler), or other
+        pass  # telemetry never fails the caller
 
 
 async def _send_exit(client: distributed.Client, msg: dict) -> None:
