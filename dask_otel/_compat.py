@@ -74,6 +74,26 @@ def span_nthreads_history(span: Span) -> tuple[list[tuple[float, int]], int] | N
         return None
 
 
+# The client (dask_otel/client.py): every graph a Client sends (submit, map, compute,
+# persist, get) goes through its private ``Client._graph_to_futures``, under the
+# annotations it sends (distributed 2024.1.0 to 2026.8.0; tests/test_compat.py::test_dask_client_*).
+
+
+def on_graph_sent(sent: Callable[[Any], None]) -> None:
+    """Have ``sent(client)`` called as any Client sends a graph, in its caller's
+    thread (what it raises is dropped)"""
+    send = distributed.Client._graph_to_futures
+
+    @functools.wraps(send)
+    def graph_to_futures(client: Any, *args: Any, **kwargs: Any) -> Any:
+        try:
+            sent(client)
+        except Exception:
+            pass  # never into the caller's submit
+        return send(client, *args, **kwargs)
+
+    distributed.Client._graph_to_futures = graph_to_futures
+
 
 # -- limits --
 # The series limits of the bridge's metric streams (dask_otel/export/instruments.py;

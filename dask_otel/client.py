@@ -19,12 +19,16 @@ import distributed
 from opentelemetry import context as otel_context
 from opentelemetry import trace
 
+from dask_otel._compat import on_graph_sent
 from dask_otel.annotation import (ANNOTATION, BLOCK_EXIT, block_exit, forced_sampling,
                                   remote_parent, write_annotation)
 from dask_otel.config import parse_task_rules
 from dask_otel.span_context import dask_span_context, in_context
 
 __all__ = ["span"]
+
+#: Open blocks by Dask span id: the first client per scheduler address that sent a graph under each
+_sent: dict[str, dict[str, distributed.Client]] = {}
 
 
 @contextmanager
@@ -54,12 +58,14 @@ def span(*tags: str, sampled: bool | None = None, tasks: Mapping[str, Any] | Non
         context = dask_span_context(ids[0], ids[-1], name[0], remote_parent(otel.get("carrier")),
                                     sampler, is_remote=True, forced=forced_sampling(otel, ids[0]))
         token = otel_context.attach(in_context(context, caller))
+        sent = _sent[span_id] = {}
         try:
             with dask.annotate(**{ANNOTATION: otel}):
                 yield span_id
         finally:
             otel_context.detach(token)
-            _announce_exit(block_exit(span_annotation, len(tags), otel, time.time()))
+            del _sent[span_id]
+            _announce_exit(block_exit(span_annotation, len(tags), otel, time.time()), sent)
 
 
 def _check_controls(outer: Mapping[str, Any], sampled: Any, tasks: Any, workflow: Any
@@ -82,21 +88,27 @@ def _check_controls(outer: Mapping[str, Any], sampled: Any, tasks: Any, workflow
     return None if tasks is None else parse_task_rules(tasks, "tasks")
 
 
-def _announce_exit(msg: dict) -> None:
-    """Send a block's exit to the default client's scheduler on the client's
-    event loop, without waiting; whatever goes wrong is dropped"""
+def _graph_sent(client: distributed.Client) -> None:
+    """``client`` sends a graph: under the open blocks its span annotation names"""
+    for span_id in (dask.get_annotations().get("span") or {}).get("ids", ()):
+        if (clients := _sent.get(span_id)) is not None:
+            clients.setdefault(client.scheduler.address, client)
+
+
+on_graph_sent(_graph_sent)  # once, as this module is imported
+
+
+def _announce_exit(msg: dict, sent: dict[str, distributed.Client]) -> None:
+    """Send a block's exit to the schedulers its graphs went to (none: the
+    default client's, which exports it as a block that ran no task), on each
+    client's event loop, without waiting; whatever goes wrong is dropped"""
     try:
-        client = distributed.client.default_client()
-    except ValueError:  # no client: no graph of this block reached a scheduler
-        return
-    try:
-        if client.status != "running" or client.loop is None:
-            return
-        # Sent before this client closes: the scheduler tells a late exit from
-        # a block its client left open (dask_otel.scheduler.blocks)
-        msg["client"] = client.id
-        client.loop.add_callback(_send_exit, client, msg)
-    except Exception:
+        for client in list(sent.values()) or [distributed.client.default_client()]:
+            if client.status == "running" and client.loop is not None:
+                # Sent before this client closes: the scheduler tells a late exit
+                # from a block its client left open (dask_otel.scheduler.blocks)
+                client.loop.add_callback(_send_exit, client, {**msg, "client": client.id})
+    except Exception:  # no client (no graph of this block reached a scheduler), or other
         pass  # telemetry never fails the caller
 
 

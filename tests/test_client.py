@@ -455,3 +455,89 @@ def test_futures_that_outlive_their_block_extend_its_dask_span():
         (group,) = mirrored.children(exported)
     assert exported.end_time >= group.end_time >= int((left + 0.4) * 1e9)
     assert exported.end_time <= int(done * 1e9)
+
+
+def two_clusters(**overrides):
+    """Two LocalClusters with the bridge in this process, the default client on
+    the first; yields the second's client (not the default) and both Mirrored"""
+    import contextlib
+
+    from distributed import Client, LocalCluster, get_client
+
+    from tests.support.cluster import MEMORY_CONFIG, Mirrored, cluster_kwargs
+
+    @contextlib.contextmanager
+    def clusters():
+        config = {**MEMORY_CONFIG, "otel.metrics.exporter": "memory"}
+        with dask.config.set(config), LocalCluster(**cluster_kwargs(**overrides)) as one, \
+                LocalCluster(**cluster_kwargs(**overrides)) as two, Client(one) as default, \
+                Client(two, set_as_default=False) as second:
+            assert get_client() is default
+            yield second, Mirrored(one), Mirrored(two)
+
+    return clusters()
+
+
+def spans_of(mirrored, sid: str, scheduler: str) -> list:
+    """The OTel spans of Dask span ``sid`` that ``scheduler`` exported (the
+    clusters share the process's exporter: the resource tells them apart)"""
+    span_id = dask_span_ids(sid)[1]
+    return [s for s in mirrored.spans() if s.context.span_id == span_id
+            and s.resource.attributes["dask.scheduler.address"] == scheduler]
+
+
+def test_a_block_belongs_to_the_client_its_tasks_went_to():
+    """Worker processes: a block whose task went to the second (non-default)
+    client's cluster ends on that cluster as the block did, its workflow run
+    too; the default client's scheduler, which never saw it, exports nothing"""
+    from tests.support.metrics import collect, metric_reader
+    from tests.support.tasks import slow
+
+    with two_clusters(processes=True, n_workers=1) as (second, one, two):
+        a, b = one.cluster.scheduler.address, two.cluster.scheduler.address
+        with dask_otel.span("on-two", workflow=True) as sid:
+            entered = time.time()
+            assert second.submit(slow, 1, delay=0.02, key="on-two-0").result() == 1
+        left = time.time()
+        # Exported once its block exit is heard; ten seconds is far past that
+        try:
+            wait_until(lambda: spans_of(two, sid, b), timeout=10)
+        except AssertionError:
+            pass  # the asserts below say how it went
+        points = collect(metric_reader(two.cluster))
+        runs = [p for p in points.get("dask.workflow.duration", [])
+                if p.attributes.get("dask.workflow.name") == "on-two"]
+        time.sleep(1)  # an exit heard on cluster 1 is exported after 200 ms
+    exported = spans_of(two, sid, b)
+    assert len(exported) == 1, exported
+    (span_two,) = exported
+    assert span_two.start_time <= int(entered * 1e9)
+    assert span_two.end_time <= int(left * 1e9), (span_two.end_time - span_two.start_time) / 1e9
+    assert (span_two.end_time - span_two.start_time) / 1e9 < 5
+    assert [(p.attributes["dask.workflow.result"], p.value < 5) for p in runs] == [("ok", True)]
+    assert spans_of(one, sid, a) == []
+
+
+def test_enclosing_and_empty_blocks_belong_to_the_client_of_their_work():
+    """An outer block whose only graph went, from a nested block, to the second
+    client's cluster ends there at its exit; a block with no task run with the
+    second client as current is exported by that cluster alone"""
+    with two_clusters(n_workers=1) as (second, one, two):
+        a, b = one.cluster.scheduler.address, two.cluster.scheduler.address
+        with dask_otel.span("outer") as outer:
+            with dask_otel.span("inner") as inner:
+                assert second.submit(inc, 1, key="inner-0").result() == 2
+            time.sleep(0.1)  # client-side work in the outer block only
+            outer_left = time.time()
+        with second.as_current(), dask_otel.span("client only") as empty:
+            time.sleep(0.05)
+        left = time.time()
+        for sid in (outer, inner, empty):
+            wait_until(lambda: spans_of(two, sid, b), timeout=20)
+        time.sleep(1)  # an exit heard on cluster 1 is exported after 200 ms
+    (outer_span,), (inner_span,) = spans_of(two, outer, b), spans_of(two, inner, b)
+    assert outer_span.end_time >= int(outer_left * 1e9) >= inner_span.end_time + 100_000_000
+    assert outer_span.end_time <= int(left * 1e9)
+    (empty_span,) = spans_of(two, empty, b)
+    assert empty_span.attributes["dask.tasks.total"] == 0
+    assert [spans_of(one, sid, a) for sid in (outer, inner, empty)] == [[], [], []]

@@ -76,6 +76,25 @@ async def test_dask_task_function_finds_the_function_a_worker_runs(c, s, a):
     assert seen[0] is inc
 
 
+@gen_cluster(client=True)
+async def test_dask_client_sends_every_graph_where_on_graph_sent_sees_it(c, s, a, b):
+    """submit, map, compute and persist go through ``Client._graph_to_futures``,
+    under the block's annotations: the block learns the client its graphs went to"""
+    import dask
+
+    import dask_otel
+    from dask_otel import client as block_clients
+
+    with dask_otel.span("sent") as sid:
+        seen = block_clients._sent[sid]
+        for send in (lambda: c.submit(inc, 1, key="sent-1"), lambda: c.map(inc, [2]),
+                     lambda: c.compute(dask.delayed(inc)(3)), lambda: c.persist(dask.delayed(inc)(4))):
+            seen.clear()
+            await c.gather(send())
+            assert seen == {s.address: c}
+    assert sid not in block_clients._sent
+
+
 # --- OpenTelemetry SDK --------------------------------------------------------------
 
 

@@ -210,7 +210,7 @@ def test_an_exit_heard_just_after_its_client_left_is_no_cancellation(monkeypatch
         with otel_cluster(CONFIG, processes=True, n_workers=1) as (client, mirrored):
             scheduler = mirrored.cluster.scheduler
             leaving = Client(mirrored.cluster)
-            monkeypatch.setattr(dask_otel.client, "_announce_exit", held.append)
+            monkeypatch.setattr("dask_otel.client._announce_exit", lambda msg, _: held.append(msg))
             with dask_otel.span("nightly-etl", workflow=True):
                 leaving.submit(inc, 1).result()
             closed = time.time()
