@@ -148,8 +148,7 @@ class SpanMirror:
                 in_graph = Counter(groups)
             if not tg.stop and states.get("released", 0) == sum(states.values()) == in_graph[tg]:
                 # A new group: every task released, and in this graph
-                ledger.open_group(tg, GroupBatch(span))
-                self._read_annotation(ts, span, client)
+                self._open(tg, GroupBatch(span), ts, client, True)
                 fresh = span
             else:
                 later.append((tg, ts, span))
@@ -159,8 +158,7 @@ class SpanMirror:
                 continue  # no open span to lie inside (all its spans exported)
             if rerun is None:  # tasks of each group this graph (re)runs
                 rerun = Counter(g for g, t in zip(groups, tss) if t.state == "released")
-            ledger.open_group(tg, GroupBatch.reopened(tg, span, own, rerun[tg]))
-            self._read_annotation(ts, span, client)
+            self._open(tg, GroupBatch.reopened(tg, span, own, rerun[tg]), ts, client, rerun[tg] > 0)
 
     def _submitted_in(self, ts: TaskState, own: Span, fresh: Span | None) -> Span | None:
         """The open Dask span the tasks of a later batch were submitted in: the
@@ -174,9 +172,17 @@ class SpanMirror:
                 return record.span
         return None
 
-    def _read_annotation(self, ts: TaskState, span: Span, client: str | None) -> None:
-        ledger = self.ledger
+    def _open(self, tg: TaskGroup, batch: GroupBatch, ts: TaskState, client: str | None,
+              runs: bool) -> None:
+        """Open a batch, read its first task's annotation; name the OTel span of one that
+        ``runs`` tasks: its prefix's exemplar from the first heartbeat on (docs/metrics.md)"""
+        ledger, span, latest = self.ledger, batch.span, self.latest_by_prefix
+        ledger.open_group(tg, batch)
         ledger.observe_annotation(ts, client)
+        if runs and (context := self._context(span)) is not None and (
+                tg.prefix.name in latest or len(latest) < MAX_EXEMPLAR_PREFIXES):  # bounded
+            batch.span_id = self._random.getrandbits(64) or 1
+            latest[tg.prefix.name] = child_context(context, batch.span_id)
         if ts.dependencies and self.sink is not None:
             record = ledger.records.get(span.id)
             if record is not None:
@@ -406,10 +412,12 @@ class SpanMirror:
         nothing ran. Keeps nothing."""
         span = batch.span
         head = self._head(span)
-        figures = None
-        if head.context is not None:
-            if (figures := batch.figures(tg)) is None:
-                return None
+        figures = batch.figures(tg) if head.context is not None else None
+        latest, prefix = self.latest_by_prefix, tg.prefix.name
+        if figures is None and (named := latest.get(prefix)) and named.span_id == batch.span_id:
+            del latest[prefix]  # named at open (_open) and not exported: no exemplar
+        if figures is None and head.context is not None:
+            return None
         start = max(batch.start(tg) or span.enqueued, head.start)
         end = max(batch.end(tg) if group_done(tg) else time(), start)
         if (record := self.ledger.records.get(span.id)) is not None:
@@ -418,8 +426,7 @@ class SpanMirror:
             record.end_no_earlier(max(end, batch.received))
         if figures is None:
             return None if self.sink is None else False
-        context = child_context(head.context, self._random.getrandbits(64) or 1)
-        latest, prefix = self.latest_by_prefix, tg.prefix.name
+        context = child_context(head.context, batch.span_id or self._random.getrandbits(64) or 1)
         if prefix in latest or len(latest) < MAX_EXEMPLAR_PREFIXES:  # bounded
             latest[prefix] = context  # the exemplar of the prefix's fine metrics
         # Dask's fine metrics of its tasks: of the group's own Dask span

@@ -29,7 +29,7 @@ from tests.support.cluster import spilling_cluster, wait_until
 from tests.support.metrics import collect, metric_reader, value
 from tests.support.otlp_receiver import OTLPReceiver, set_otel_env
 from tests.support.processes import dask_processes
-from tests.support.tasks import double, inc, make_chunk, sum_chunks, total
+from tests.support.tasks import die_once, double, inc, make_chunk, slow_inc, sum_chunks, total
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -742,3 +742,82 @@ def test_each_prefix_series_carries_an_exemplar_of_its_own_taskgroup_span(monkey
             spans = {(s.trace_id, s.span_id): s.name for s in receiver.spans()}
     for prefix, pairs in exemplars.items():
         assert {spans[pair] for pair in pairs} == {f"taskgroup/{prefix}"}, (prefix, pairs)
+
+
+def activity_series(r: OTLPReceiver, prefixes: set[str]) -> dict[tuple, list]:
+    """The points of each ``dask.activity.*`` series of ``prefixes``, in time order"""
+    out: dict[tuple, list] = {}
+    for p in sorted(r.metric_points(), key=lambda p: p.time):
+        if p.name.startswith("dask.activity.") and p.attributes.get("dask.task.prefix") in prefixes:
+            out.setdefault((p.name, *sorted(p.attributes.items())), []).append(p)
+    return out
+
+
+def grew_without_exemplar(series: dict[tuple, list]) -> dict[tuple, list]:
+    """The series with a point above the one before (its first: above 0) that
+    carries no exemplar, with their (value, exemplars)"""
+    return {key: [(p.value, p.exemplars) for p in points] for key, points in series.items()
+            if any(p.value > (before.value if before else 0) and not p.exemplars
+                   for before, p in zip([None, *points], points))}
+
+
+def exemplar_pairs(series: dict[tuple, list]) -> set[tuple[str, str]]:
+    return {pair for points in series.values() for p in points for pair in p.exemplars}
+
+
+def test_every_series_that_grew_carries_an_exemplar_from_its_first_point(tmp_path):
+    """In the shape users run (``dask scheduler``/``dask worker`` processes, OTLP to
+    a receiver): a short workflow under one Dask span, a worker lost mid-task and
+    the task retried on the other. Dask's heartbeats bring a TaskGroup's metrics
+    while it runs, before its span is exported: every ``dask.activity.*`` series of
+    a task prefix carries an exemplar on its first non-zero point and on each point
+    where it grew, and every exemplar is of a span the receiver got"""
+    prefixes = {"slow_inc", "total", "die_once"}
+    with OTLPReceiver("grpc") as receiver, dask_processes(receiver.env()) as procs:
+        with procs.client() as client:
+            with span("nightly"):
+                # 2.5-5 s of tasks: collections every 0.5 s while they run
+                parts = client.map(slow_inc, range(10), delay=0.5)
+                survivor = client.submit(die_once, str(tmp_path / "died"))
+                assert client.submit(total, parts).result() == 55
+                assert survivor.result()
+            receiver.wait_for(lambda r: r.spans("nightly") and {
+                f"taskgroup/{p}" for p in prefixes} <= {s.name for s in r.spans()}, timeout=30)
+            # the workers' last heartbeats are in: two more collections after the spans
+            exports = len({p.time for p in receiver.metric_points("dask.activity.time")})
+            receiver.wait_for(lambda r: len({p.time for p in r.metric_points(
+                "dask.activity.time")}) >= exports + 2, timeout=30)
+            series = activity_series(receiver, prefixes)
+            pairs = exemplar_pairs(series)
+            # each names a span exported, or to be
+            receiver.wait_for(lambda r: pairs <= {(s.trace_id, s.span_id) for s in r.spans()},
+                              timeout=30)
+    assert {dict(key[1:])["dask.task.prefix"] for key in series} == prefixes
+    assert grew_without_exemplar(series) == {}
+
+
+def test_a_batch_that_runs_nothing_names_no_exemplar(monkeypatch):
+    """A graph that starts a new TaskGroup of prefix `lap` and requests a finished
+    one of it again (as a dependency): the finished group's new batch runs nothing
+    and is never exported, so it is no exemplar; each point where a `lap` series
+    grows while the new group runs carries the new group's span"""
+    with OTLPReceiver("grpc") as receiver:
+        set_otel_env(monkeypatch, {**receiver.env(), **EXEMPLARS_ENV})
+        with spilling_cluster(EXEMPLARS_CONFIG, n_workers=2) as (cluster, client):
+            with span("first"):
+                (done,) = client.map(slow_inc, [1], delay=0, key=[("lap-aaaaaaaa", 0)])
+                done.result()
+            receiver.wait_for(lambda r: r.spans("taskgroup/lap"), timeout=30)
+            time.sleep(1)  # its last heartbeat is in, and collected
+            started = time.time()
+            with span("second") as second:
+                wait(client.map(slow_inc, [done] * 4, delay=0.5,
+                                key=[("lap-bbbbbbbb", i) for i in range(4)]))
+            (new,) = receiver.wait_for(lambda r: [s for s in r.spans("taskgroup/lap")
+                                                  if s.trace_id == second.replace("-", "")],
+                                       timeout=30)
+            time.sleep(1)
+            series = activity_series(receiver, {"lap"})
+    assert grew_without_exemplar(series) == {}
+    assert exemplar_pairs({k: [p for p in v if p.time > started] for k, v in series.items()}
+                          ) == {(new.trace_id, new.span_id)}

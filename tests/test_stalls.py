@@ -86,7 +86,9 @@ def test_a_worker_blocked_by_a_task_holding_the_gil_is_told_on_its_spans():
     """A task holding the GIL on worker A inside span "hold" (under root "gil job")
     while workflow "elsewhere" runs a task on worker B: hold and its root get the
     event naming A and the task, elsewhere gets none from A; the histogram's
-    worker point has the gil job's trace as exemplar"""
+    worker point has the gil job's trace as exemplar. The block's length is in
+    seconds: at least the hold, and less than the test has lasted"""
+    began = time.monotonic()
     with OTLPReceiver("grpc") as receiver, dask_processes({**receiver.env(), **ENV}) as cluster:
         with cluster.client() as client:
             a, b = sorted(client.scheduler_info()["workers"])
@@ -105,6 +107,7 @@ def test_a_worker_blocked_by_a_task_holding_the_gil_is_told_on_its_spans():
                 assert event["dask.server.kind"] == "worker"
                 assert event["dask.tasks.running"] == (held.key,)
                 assert event["dask.tasks.running.count"] == 1
+                assert event["dask.event_loop.blocked.duration"] < time.monotonic() - began
             assert not [e for e in elsewhere if e.get("dask.worker.address") == a]
             point = blocked_point(receiver, "worker", root_id)
-            assert point.max >= BLOCK - CLOCK
+            assert BLOCK - CLOCK <= point.max < time.monotonic() - began

@@ -195,6 +195,8 @@ class GroupBatch:
     received: float = 0.0
     #: When a poll last found the group still running (0: never)
     busy: float = 0.0
+    #: Its OTel span's id, named when it opened (0: at its export)
+    span_id: int = 0
     #: The earliest time the group can be ready, as the last poll found: polls
     #: pass it over until then (a group's end only moves later)
     wake: float = 0.0
