@@ -25,7 +25,9 @@ that check by name, saying why: :meth:`Oracle.waive`):
   by unit, context, task prefix and activity, equals Dask's
   ``Scheduler.cumulative_worker_metrics`` then;
 - ``exemplars``: every exemplar of a ``dask.activity.*`` point names an exported span;
-- ``spill``: each worker's ``dask.spill.*`` totals equal its SpillBuffer's counters.
+- ``spill``: each worker's ``dask.spill.*`` totals equal its SpillBuffer's counters;
+- ``lost-workers``: every worker Dask removed while it processed tasks is a
+  ``dask.worker.lost`` span event naming it.
 """
 
 from __future__ import annotations
@@ -38,7 +40,8 @@ from typing import Any
 
 from tests.support.span_tree import as_node, assert_span_tree
 
-CHECKS = ("tree", "every-span", "every-task", "fine-metrics", "exemplars", "spill")
+CHECKS = ("tree", "every-span", "every-task", "fine-metrics", "exemplars", "spill",
+          "lost-workers")
 
 #: Attributes the oracle reads (written out: the oracle does not import what it checks)
 SPAN_ID = "dask.span.id"
@@ -69,6 +72,8 @@ class DaskRecord:
     fine: dict[tuple[str, str, str, str], float] = field(default_factory=dict)
     #: Worker address -> SpillBuffer ``cumulative_metrics`` (label, unit) -> value
     spill: dict[str, dict[tuple[str, str], float]] = field(default_factory=dict)
+    #: Workers Dask removed while they processed tasks (its ``remove-worker`` events)
+    lost_workers: list[str] = field(default_factory=list)
 
 
 def fine_key(key: Hashable) -> tuple[str, str, str, str] | None:
@@ -95,6 +100,10 @@ def read_dask(dask_scheduler: Any) -> DaskRecord:
     for tg, root_id in groups.values():
         record.tasks[tg.name] = record.tasks.get(tg.name, 0) + sum(tg.states.values())
         record.task_roots.setdefault(tg.name, set()).add(root_id)
+    for _, msg in list(dask_scheduler.events.get("all", ())):
+        if isinstance(msg, dict) and msg.get("action") == "remove-worker" and msg.get(
+                "processing-tasks") and "worker" in msg:
+            record.lost_workers.append(msg["worker"])
     for key, value in dict(dask_scheduler.cumulative_worker_metrics).items():
         if (k := fine_key(key)) is not None:
             record.fine[k] = record.fine.get(k, 0.0) + value
@@ -127,6 +136,12 @@ class Exported:
 
 def attributes_of(span: Any) -> Mapping[str, Any]:
     return span.attributes or {}
+
+
+def _events(span: Any) -> list[tuple[str, Mapping[str, Any]]]:
+    """``(name, attributes)`` of a span's events, from the SDK or the receiver"""
+    return [(e.name, e.attributes or {}) if hasattr(e, "name") else (e[0], e[2])
+            for e in span.events or ()]
 
 
 def sdk_points(data: Any) -> dict[str, list[tuple[dict, float, tuple]]]:
@@ -205,6 +220,12 @@ def compare(dask: DaskRecord, exported: Exported, waived: Iterable[str] = ()) ->
                           f"count {got}")
             for name in set(batches) - set(dask.tasks):
                 check("every-task", False, f"batches of TaskGroup {name!r}, unknown to Dask")
+    if spans and dask.lost_workers:
+        told = {str(a.get("dask.worker.address")) for span in spans for name, a in _events(span)
+                if name == "dask.worker.lost"}
+        for address in dask.lost_workers:
+            check("lost-workers", address in told,
+                  f"worker {address} was lost processing tasks: no dask.worker.lost event")
     if exported.points is not None:
         problems += _compare_metrics(dask, exported, spans, check)
     return problems
