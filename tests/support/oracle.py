@@ -100,7 +100,7 @@ def read_dask(dask_scheduler: Any) -> DaskRecord:
     for tg, root_id in groups.values():
         record.tasks[tg.name] = record.tasks.get(tg.name, 0) + sum(tg.states.values())
         record.task_roots.setdefault(tg.name, set()).add(root_id)
-    for _, msg in list(dask_scheduler.events.get("all", ())):
+    for _, msg in dask_scheduler.get_events("all"):
         if isinstance(msg, dict) and msg.get("action") == "remove-worker" and msg.get(
                 "processing-tasks") and "worker" in msg:
             record.lost_workers.append(msg["worker"])
