@@ -312,10 +312,10 @@ def taskgroup_span(builder: SpanBuilder, names: tuple[str, str], batch: GroupBat
                    start: float, end: float) -> ReadableSpan:
     """The OTel span of one ``batch`` of a TaskGroup (``names``: its name and task
     prefix; taken from the ledger), with ``context``, a child of its Dask span's:
-    its task counts, bytes and duration (``figures``, the group's when exported) and
-    fine metrics (its prefix's in ``span_metrics``, the loop's copy of its own Dask
-    span's), less what earlier batches and, while that span is open (``open_id``),
-    earlier groups of the prefix carried: Dask keys them by prefix, not group"""
+    its task counts, bytes, duration (``figures``: the group's when exported) and fine
+    metrics (its prefix's in ``span_metrics``, the loop's copy of its own Dask span's),
+    less what earlier batches counted; fine metrics, while that span is open
+    (``open_id``), less what any group of the prefix carried: Dask keys them by prefix"""
     sink = builder.sink
     name, prefix = names
     metrics = builder.named(span_metrics).by_prefix.get(prefix, {})

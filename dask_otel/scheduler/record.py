@@ -180,8 +180,7 @@ class GroupBatch:
     #: ``TaskGroup.nbytes_total`` and ``TaskGroup.duration`` then
     nbytes: int = 0
     duration: float = 0.0
-    #: ``dask.metrics.*`` of the group's prefix within its Dask span then (a batch
-    #: exported after that span's export carries only what grew since)
+    #: ``dask.metrics.*`` of the group's prefix within its Dask span then
     metrics: dict[str, float] = field(default_factory=dict)
     #: Tasks of this batch that erred, when the last did and when the first of
     #: them started running (0: none): Dask records no run time for them
