@@ -431,8 +431,9 @@ class SpanMirror:
             latest[prefix] = context  # the exemplar of the prefix's fine metrics
         # Dask's fine metrics of its tasks: of the group's own Dask span
         own = self.dask_spans.get(tg.span_id, span)
+        open_id = own.id if own.id in self.ledger.records else None
         return taskgroup_span, ((str(tg.name), str(prefix)), batch, head, context, figures,
-                                self._span_metrics(own), start, end)
+                                self._span_metrics(own), open_id, start, end)
 
     def context_of(self, span_id: str) -> SpanContext | None:
         """The OTel SpanContext of a Dask span, open or exported (None: unknown,

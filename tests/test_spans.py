@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
+import uuid
 from collections.abc import Iterator
 
 import dask
@@ -126,6 +127,47 @@ def test_span_attributes_carry_counts_bytes_and_fine_metrics(cluster):
     # Fine performance metrics arrived with the workers' heartbeats before export
     assert attrs["dask.metrics.execute.thread-noncpu.seconds"] >= 0.15
     assert "dask.metrics.execute.thread-cpu.seconds" in attrs
+
+
+def test_taskgroup_spans_of_one_prefix_sum_to_dasks_fine_metrics(cluster):
+    """Dask keys fine metrics by span and task prefix, not by TaskGroup: the
+    TaskGroup spans of one prefix in one Dask span (two groups at once, a third
+    after their export, a later batch of the first) carry each figure once, so
+    that their sum is Dask's own figure of the prefix in that span"""
+    client, mirrored = cluster
+    token = uuid.uuid4().hex[:16]
+
+    def keys(group, ids):
+        return [(f"slow-{group}{token}", i) for i in ids]  # prefix "slow", own group
+
+    def taskgroup_spans(stage):
+        return [c for c in mirrored.children(stage)
+                if c.attributes["dask.taskgroup.prefix"] == "slow"]
+
+    with dask_otel.span("one prefix, three groups") as sid:
+        held = client.map(slow, range(4), key=keys("a", range(4)), delay=0.05)  # group a stays
+        client.gather(held + client.map(slow, range(4), key=keys("b", range(4)), delay=0.05))
+        spans = mirrored.cluster.scheduler.extensions["spans"].spans
+        head = dask_span_ids(sid)[1]
+        wait_until(lambda: len([s for s in mirrored.spans()
+                                if s.parent and s.parent.span_id == head]) == 2,
+                   what="the two groups' spans")
+        client.gather(client.map(slow, range(3), key=keys("c", range(3)), delay=0.05))
+        client.gather(client.map(slow, range(4, 6), key=keys("a", range(4, 6)), delay=0.05))
+    stage = mirrored.by_dask_id(sid)
+    groups = taskgroup_spans(stage)
+    assert sorted(g.attributes["dask.taskgroup.name"][5] for g in groups) == ["a", "a", "b", "c"]
+    expected: dict[str, float] = {}
+    for (context, *prefix, activity, unit), value in spans[sid].cumulative_worker_metrics.items():
+        if context == "execute" and prefix == ["slow"] and value:
+            expected[f"dask.metrics.execute.{activity}.{unit}".replace(" ", "_")] = value
+    assert expected["dask.metrics.execute.thread-noncpu.seconds"] >= 0.05 * 13
+    got: dict[str, float] = {}
+    for g in groups:
+        for name, value in g.attributes.items():
+            if name.startswith("dask.metrics."):
+                got[name] = got.get(name, 0) + value
+    assert got == pytest.approx(expected)
 
 
 def test_erred_tasks_set_error_status(cluster):

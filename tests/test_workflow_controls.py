@@ -247,3 +247,21 @@ def test_a_nested_block_cannot_name_a_workflow_or_change_the_sampling():
                 pass
         with dask_otel.span("nested", sampled=True):  # repeating it is fine
             assert dask.get_annotations()["otel"]["sampled"] is True
+
+
+def test_a_block_inside_a_plain_distributed_span_is_nested_too():
+    """A ``distributed.span`` root says nothing of sampling or workflows: a
+    ``dask_otel.span`` block inside it is nested all the same"""
+    from distributed import span as dask_span
+
+    with dask_span("plain root"):
+        assert "otel" not in dask.get_annotations()
+        with pytest.raises(ValueError, match="workflow=True: only a root block"):
+            with dask_otel.span("nested", workflow=True):
+                pass
+        for sampled in (False, True):
+            with pytest.raises(ValueError, match=f"sampled={sampled}: a nested block"):
+                with dask_otel.span("nested", sampled=sampled):
+                    pass
+        with dask_otel.span("nested", workflow=False, sampled=None):  # nothing asked: fine
+            assert "sampled" not in dask.get_annotations()["otel"]

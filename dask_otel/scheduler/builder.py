@@ -132,7 +132,8 @@ class SpanBuilder:
         #: are left on a queue with no thread
         self._lock = threading.Lock()
         #: The thread's own: by open Dask span id, its exported sub-spans' subtree
-        #: fine metrics (``otel.spans.totals: subtree``); and the last copy of a
+        #: fine metrics (``otel.spans.totals: subtree``) and, ``by_prefix``, what its
+        #: exported TaskGroup spans carried of its own; and the last copy of a
         #: Dask span's metrics it named, with its names (a span's TaskGroups come
         #: together, with one copy)
         self.folded: dict[str, SpanMetrics] = {}
@@ -186,13 +187,16 @@ class SpanBuilder:
         if (below := self.folded.pop(span_id, None)) is not None:
             metrics.add(below)
         if parent_id is not None:
-            if (up := self.folded.get(parent_id)) is not None:
-                up.add(metrics)
-            else:
-                if len(self.folded) >= MAX_FOLDED:  # bounded
-                    del self.folded[next(iter(self.folded))]
-                self.folded[parent_id] = SpanMetrics().add(metrics)
+            self.folded_of(parent_id).add(metrics)
         return metrics
+
+    def folded_of(self, span_id: str) -> SpanMetrics:
+        """``folded`` of an open Dask span, made if need be (bounded)"""
+        if (folded := self.folded.get(span_id)) is None:
+            if len(self.folded) >= MAX_FOLDED:
+                del self.folded[next(iter(self.folded))]
+            folded = self.folded[span_id] = SpanMetrics()
+        return folded
 
     def _run(self) -> None:
         queue = self._queue
@@ -275,8 +279,7 @@ def dask_span(builder: SpanBuilder, record: SpanRecord, head: SpanHead,
                                   totals.duration))
     attributes[attr.ACTIVE_CPU_SECONDS] = active
     metrics = SpanMetrics().add(builder.named(own_metrics))
-    if subtree:
-        builder.fold(record.span.id, parent_id, metrics)
+    builder.fold(record.span.id, parent_id if subtree else None, metrics)
     metrics.add(totals.fine)  # sub-spans done before the bridge started
     attributes.update(metrics.total)
     if subtree and (idle := active - metrics.execute_seconds) > 0:
@@ -305,31 +308,33 @@ def dask_span(builder: SpanBuilder, record: SpanRecord, head: SpanHead,
 def taskgroup_span(builder: SpanBuilder, names: tuple[str, str], batch: GroupBatch,
                    head: SpanHead, context: SpanContext,
                    figures: tuple[dict[str, int], int, float],
-                   span_metrics: Mapping[tuple[Hashable, ...], float], start: float, end: float
-                   ) -> ReadableSpan:
+                   span_metrics: Mapping[tuple[Hashable, ...], float], open_id: str | None,
+                   start: float, end: float) -> ReadableSpan:
     """The OTel span of one ``batch`` of a TaskGroup (``names``: its name and task
     prefix; taken from the ledger), with ``context``, a child of its Dask span's:
-    its task counts, bytes, duration (``figures``: the group's states, bytes and
-    duration when exported) and fine metrics (its prefix's in ``span_metrics``, the
-    loop's copy of its own Dask span's then), less what an earlier batch counted"""
+    its task counts, bytes, duration (``figures``: the group's when exported) and fine
+    metrics (its prefix's in ``span_metrics``, the loop's copy of its own Dask span's),
+    less what earlier batches counted; fine metrics, while that span is open
+    (``open_id``), less what any group of the prefix carried: Dask keys them by prefix"""
     sink = builder.sink
     name, prefix = names
     metrics = builder.named(span_metrics).by_prefix.get(prefix, {})
+    carried = (builder.folded_of(open_id).by_prefix.setdefault(prefix, {}) if open_id
+               else batch.metrics)
     states, nbytes, duration = figures
     attributes = {attr.SPAN_ID: batch.span.id, attr.SPAN_NAME: head.tags,
                   attr.TASKGROUP_NAME: name, attr.TASKGROUP_PREFIX: prefix}
     if (base := batch.states) is None:
         attributes.update(task_counts(states, sum(states.values()), nbytes, duration))
-        attributes.update(metrics)
     else:
         attributes.update(task_counts(
             {state: n - base.get(state, 0) for state, n in states.items()},
             sum(states.values()) - batch.total, max(nbytes - batch.nbytes, 0),
             max(duration - batch.duration, 0.0),
         ))
-        for key, value in metrics.items():
-            if (delta := value - batch.metrics.get(key, 0)) > 0:
-                attributes[key] = delta
+    for key, value in metrics.items():
+        if (delta := value - carried.get(key, 0)) > 0:
+            attributes[key], carried[key] = delta, value
     status = erred_status(attributes, batch.erred, batch.error_type)
     return sink.span(TASKGROUP_SPAN_NAME.format(prefix), context, head.context, start, end,
                      attributes, status)
