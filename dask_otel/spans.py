@@ -332,8 +332,6 @@ class SpanMirror:
         finally:
             ledger.clear()
             self._end_poll()
-            if self.builder is not None:  # built and handed to the SDK before it flushes
-                self.builder.drain(self.config.flush_timeout)
 
     def _end_poll(self) -> None:
         """Hand the poll's spans to the builder thread at once; forget its caches"""
@@ -342,6 +340,18 @@ class SpanMirror:
         if self._batch:
             batch, self._batch = self._batch, []
             self.builder.hand_over(batch)  # type: ignore[union-attr]
+
+    def _kept(self, child_kept: bool, parent: SpanRecord | None) -> bool:
+        """Whether the builder's queue takes a span of this poll, else it is dropped
+        and counted: past its capacity only the parent of a span kept (a poll hands
+        children over first), so that a full queue never orphans what it keeps"""
+        builder: SpanBuilder = self.builder  # type: ignore[assignment]  # traces are on
+        if not child_kept and builder.queued - builder.built + len(self._batch) >= builder.capacity:
+            builder.dropped += 1
+            return False
+        if parent is not None:
+            parent.child_kept = True
+        return True
 
     def _export(self, export: Any, *args: Any, **kwargs: Any) -> None:
         """Read what a span's export needs with ``export`` (``(build, args)`` for
@@ -358,15 +368,16 @@ class SpanMirror:
 
     # --- what to export ------------------------------------------------------------
 
-    def _empty_block(self, span_id: str, block: Any) -> tuple[Any, tuple] | bool:
+    def _empty_block(self, span_id: str, block: Any) -> tuple[Any, tuple] | bool | None:
         span = blocks.empty_block_span(self.ledger, self.sink, span_id, block)
-        return span if span is False else (built, (span,))
+        return span if span is False else (built, (span,)) if self._kept(False, None) else None
 
     def span_of(self, record: SpanRecord, stop: float, unfinished: bool = False
                 ) -> tuple[Any, tuple] | bool | None:
         """Take an open Dask span's record, end its parent no earlier, record a
         root's run, and read what its OTel span needs (for the builder thread);
-        False if the sampler drops its trace, None if traces are off. Keeps nothing."""
+        False if the sampler drops its trace, None if traces are off or a full
+        queue drops it. Keeps nothing."""
         span = record.span
         head = self._head(span)  # before the record goes: the root's caller
         ledger = self.ledger
@@ -393,6 +404,8 @@ class SpanMirror:
         code = span_code(span) if config.export_code else None
         if code is not None and not code and not self.told_no_code:
             self.told_no_code = _tell_no_code(span.name[-1])
+        if not self._kept(record.child_kept, parent_record):
+            return None
         return dask_span, (record, head, parent_context, parent.id if parent is not None else None,
                            end, subtree if sums else own, self._span_metrics(span),
                            active_cpu_seconds(span, end), sums, code, subtree.start, unfinished)
@@ -402,8 +415,8 @@ class SpanMirror:
         """Read what the OTel span of a batch of a TaskGroup needs (for the builder
         thread): a child of its Dask span's (which then ends no earlier), from its
         first task's start (a later batch: its graph's arrival) to its last task's
-        end. False if the sampler drops the trace, None if traces are off or
-        nothing ran. Keeps nothing."""
+        end. False if the sampler drops the trace, None if traces are off,
+        nothing ran or a full queue drops it. Keeps nothing."""
         span = batch.span
         head = self._head(span)
         figures = None
@@ -418,6 +431,8 @@ class SpanMirror:
             record.end_no_earlier(max(end, batch.received))
         if figures is None:
             return None if self.sink is None else False
+        if not self._kept(False, record):
+            return None
         context = child_context(head.context, self._random.getrandbits(64) or 1)
         latest, prefix = self.latest_by_prefix, tg.prefix.name
         if prefix in latest or len(latest) < MAX_EXEMPLAR_PREFIXES:  # bounded
