@@ -338,8 +338,6 @@ class SpanMirror:
         finally:
             ledger.clear()
             self._end_poll()
-            if self.builder is not None:  # built and handed to the SDK before it flushes
-                self.builder.drain(self.config.flush_timeout)
 
     def _end_poll(self) -> None:
         """Hand the poll's spans to the builder thread at once; forget its caches"""
@@ -348,6 +346,18 @@ class SpanMirror:
         if self._batch:
             batch, self._batch = self._batch, []
             self.builder.hand_over(batch)  # type: ignore[union-attr]
+
+    def _kept(self, child_kept: bool, parent: SpanRecord | None) -> bool:
+        """Whether the builder's queue takes a span of this poll, else it is dropped
+        and counted: past its capacity only the parent of a span kept (a poll hands
+        children over first), so that a full queue never orphans what it keeps"""
+        builder: SpanBuilder = self.builder  # type: ignore[assignment]  # traces are on
+        if not child_kept and builder.queued - builder.built + len(self._batch) >= builder.capacity:
+            builder.dropped += 1
+            return False
+        if parent is not None:
+            parent.child_kept = True
+        return True
 
     def _export(self, export: Any, *args: Any, **kwargs: Any) -> None:
         """Read what a span's export needs with ``export`` (``(build, args)`` for
@@ -364,15 +374,16 @@ class SpanMirror:
 
     # --- what to export ------------------------------------------------------------
 
-    def _empty_block(self, span_id: str, block: Any) -> tuple[Any, tuple] | bool:
+    def _empty_block(self, span_id: str, block: Any) -> tuple[Any, tuple] | bool | None:
         span = blocks.empty_block_span(self.ledger, self.sink, span_id, block)
-        return span if span is False else (built, (span,))
+        return span if span is False else (built, (span,)) if self._kept(False, None) else None
 
     def span_of(self, record: SpanRecord, stop: float, unfinished: bool = False
                 ) -> tuple[Any, tuple] | bool | None:
         """Take an open Dask span's record, end its parent no earlier, record a
         root's run, and read what its OTel span needs (for the builder thread);
-        False if the sampler drops its trace, None if traces are off. Keeps nothing."""
+        False if the sampler drops its trace, None if traces are off or a full
+        queue drops it. Keeps nothing."""
         span = record.span
         head = self._head(span)  # before the record goes: the root's caller
         ledger = self.ledger
@@ -399,6 +410,8 @@ class SpanMirror:
         code = span_code(span) if config.export_code else None
         if code is not None and not code and not self.told_no_code:
             self.told_no_code = _tell_no_code(span.name[-1])
+        if not self._kept(record.child_kept, parent_record):
+            return None
         return dask_span, (record, head, parent_context, parent.id if parent is not None else None,
                            end, subtree if sums else own, self._span_metrics(span),
                            active_cpu_seconds(span, end), sums, code, subtree.start, unfinished)
@@ -408,15 +421,14 @@ class SpanMirror:
         """Read what the OTel span of a batch of a TaskGroup needs (for the builder
         thread): a child of its Dask span's (which then ends no earlier), from its
         first task's start (a later batch: its graph's arrival) to its last task's
-        end. False if the sampler drops the trace, None if traces are off or
-        nothing ran. Keeps nothing."""
+        end. False if the sampler drops the trace, None if traces are off,
+        nothing ran or a full queue drops it. Keeps nothing."""
         span = batch.span
         head = self._head(span)
         figures = batch.figures(tg) if head.context is not None else None
         latest, prefix = self.latest_by_prefix, tg.prefix.name
-        if figures is None and (named := latest.get(prefix)) and named.span_id == batch.span_id:
-            del latest[prefix]  # named at open (_open) and not exported: no exemplar
         if figures is None and head.context is not None:
+            self._unname(prefix, batch)  # named at open (_open), nothing ran: no exemplar
             return None
         start = max(batch.start(tg) or span.enqueued, head.start)
         end = max(batch.end(tg) if group_done(tg) else time(), start)
@@ -426,6 +438,9 @@ class SpanMirror:
             record.end_no_earlier(max(end, batch.received))
         if figures is None:
             return None if self.sink is None else False
+        if not self._kept(False, record):
+            self._unname(prefix, batch)  # dropped by the full queue: no exemplar
+            return None
         context = child_context(head.context, batch.span_id or self._random.getrandbits(64) or 1)
         if prefix in latest or len(latest) < MAX_EXEMPLAR_PREFIXES:  # bounded
             latest[prefix] = context  # the exemplar of the prefix's fine metrics
@@ -434,6 +449,12 @@ class SpanMirror:
         open_id = own.id if own.id in self.ledger.records else None
         return taskgroup_span, ((str(tg.name), str(prefix)), batch, head, context, figures,
                                 self._span_metrics(own), open_id, start, end)
+
+    def _unname(self, prefix: str, batch: GroupBatch) -> None:
+        """The batch named at open (:meth:`_open`) is not exported: its prefix's
+        fine metrics name no exemplar until the next batch"""
+        if (named := self.latest_by_prefix.get(prefix)) and named.span_id == batch.span_id:
+            del self.latest_by_prefix[prefix]
 
     def context_of(self, span_id: str) -> SpanContext | None:
         """The OTel SpanContext of a Dask span, open or exported (None: unknown,

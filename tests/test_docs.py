@@ -207,9 +207,11 @@ def test_span_attribute_table_matches_what_is_emitted():
             running = client.submit(__import__("time").sleep, 3)
             tasks = mirrored.cluster.scheduler.tasks
             wait_until(lambda: getattr(tasks.get(running.key), "state", "") == "processing")
-            # what the scheduler does on close, run on its event loop
+            # what the scheduler does on close, run on its event loop, and its
+            # release's drain of the builder
             client.run_on_scheduler(
-                lambda dask_scheduler: dask_scheduler.plugins["dask-otel"].mirror.flush()
+                lambda dask_scheduler: (m := dask_scheduler.plugins["dask-otel"].mirror).flush()
+                or m.builder.drain(10)
             )
             del running
         every_span = mirrored.spans()

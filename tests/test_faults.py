@@ -198,12 +198,12 @@ def test_hung_collector_close_waits_no_longer_than_the_stall_that_makes_it_an_ou
     monkeypatch,
 ):
     """A collector that accepts TCP and never answers, the flush's export the first:
-    once it has had no answer for STALLED_AFTER (1 s) it is an outage, and the close
-    stops waiting for the flush instead of waiting 80 % of half of
-    otel.flush-timeout (4 s here)"""
-    from dask_otel.export.accounting import STALLED_AFTER
-
-    config = {**OTLP_CONFIG, "otel.flush-timeout": "10s"}
+    once it has had no answer for 1 s (docs/deploy.md, "Closing") it is an outage,
+    and the close stops waiting for the flush instead of waiting 80 % of half of
+    otel.flush-timeout: 24 s here, far above the stall, so that a stall of 10 s
+    would cost 10 s"""
+    stalled_after = 1.0  # the documented value, not the code's: a test of it
+    config = {**OTLP_CONFIG, "otel.flush-timeout": "60s"}
 
     def close_time(config: dict) -> float:
         return seconds_to_close(config, lambda client: run_spans(client, 3), settle=0.5,
@@ -215,7 +215,7 @@ def test_hung_collector_close_waits_no_longer_than_the_stall_that_makes_it_an_ou
         without = close_time({**config, "distributed.scheduler.preload": []})
         with_bridge = close_time(config)
         assert hole.connections >= 1
-    assert with_bridge - without < STALLED_AFTER + 1, (with_bridge, without)
+    assert with_bridge - without < stalled_after + 2, (with_bridge, without)
 
 
 def test_black_hole_collector_and_shutdown_is_bounded_by_flush_timeout(monkeypatch):

@@ -13,9 +13,10 @@ import time
 
 import dask
 import pytest
-from distributed import LocalCluster, span
+from distributed import Client, LocalCluster, span
 
 import dask_otel
+from dask_otel.export.lifecycle import PROCESS_SHARE
 from tests.support.cluster import seconds_to_close, wait_until
 from tests.support.otlp_receiver import BlackHole, OTLPReceiver, closed_port, set_otel_env
 from tests.support.processes import dask_processes
@@ -333,3 +334,47 @@ def test_a_process_waits_half_of_the_flush_timeout_for_a_slow_collector(monkeypa
     assert "within 4.8s (half of otel.flush-timeout=12s)" in warning, warning
     assert delivered < 60  # the flush was still under way when the close went on
     assert seconds < 12 * 0.8, seconds  # the whole flush timeout's share would be 9.6 s
+
+
+def test_a_hung_collector_behind_a_files_simple_processor_holds_neither_the_loop_nor_the_close(
+        tmp_path, monkeypatch):
+    """A config file's ``simple`` span processor exports inside ``on_end``, on the
+    bridge's builder thread: with a collector that accepts the connection and never
+    answers, that thread is stuck in its first export. The scheduler's close (its
+    process's last server here) waits for it within its share of otel.flush-timeout
+    (half: 5 s of 10 s), off the event loop, which stays responsive; not the whole
+    10 s on the loop before the release spends its own share."""
+    pytest.importorskip("opentelemetry.configuration", reason="dask-otel[config] not installed")
+    from tornado.ioloop import PeriodicCallback
+
+    flush_timeout = 10.0
+    with BlackHole() as hole:
+        path = tmp_path / "otel.yaml"
+        exporter = f'otlp_grpc: {{endpoint: "{hole.endpoint}", timeout: 60000}}'
+        path.write_text('file_format: "1.0-rc.1"\ntracer_provider:\n  processors:\n'
+                        f"    - simple: {{exporter: {{{exporter}}}}}\n")
+        monkeypatch.setenv("OTEL_CONFIG_FILE", str(path))
+        config = {**CONFIG, "otel.flush-timeout": f"{flush_timeout}s",
+                  "distributed.scheduler.preload": ["dask_otel"]}
+        ticks: list[float] = []
+        with dask.config.set(config):
+            cluster = LocalCluster(n_workers=1, processes=False, threads_per_worker=1,
+                                   dashboard_address=None)
+            client = Client(cluster)
+            try:
+                run_workflows(client)
+                wait_until(lambda: hole.connections, what="the builder's first export")
+
+                def tick() -> None:
+                    ticks.append(time.monotonic())
+
+                cluster.loop.add_callback(lambda: PeriodicCallback(tick, 20).start())
+                wait_until(lambda: ticks, what="the scheduler's loop to tick")
+            finally:
+                start = time.monotonic()
+                client.close()
+                cluster.close()
+                seconds = time.monotonic() - start
+    gaps = [b - a for a, b in zip(ticks, ticks[1:]) if b > start]
+    assert max(gaps) < 2.0, f"the scheduler's loop stood still for {max(gaps):.1f}s"
+    assert seconds < PROCESS_SHARE * flush_timeout + 2.0, seconds

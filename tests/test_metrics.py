@@ -291,6 +291,28 @@ def test_self_metrics_count_spans_exported_and_lost(monkeypatch):
             assert value(points, "dask.otel.span.exported") == delivered
 
 
+def test_span_dropped_counts_the_spans_of_a_refused_request_not_the_request(monkeypatch):
+    """A collector that refuses every request (not retried): a Dask span of ten
+    TaskGroups, eleven spans, handed to the SDK by one poll, in one request or two
+    (the second then dropped without a request: an outage). dask.otel.span.dropped
+    says 11, the spans; dask.otel.export.failures counts the requests."""
+    with OTLPReceiver("grpc", mode="reject") as receiver:
+        set_otel_env(monkeypatch, {**receiver.env(), "OTEL_BSP_SCHEDULE_DELAY": "500"})
+        config = {"otel.traces.exporter": "otlp", "otel.spans.export-delay": "100ms",
+                  "otel.spans.poll-interval": "50ms"}
+        with spilling_cluster(config) as (cluster, client):
+            reader = metric_reader(cluster)
+            plugin = cluster.scheduler.plugins["dask-otel"]
+            with span("refused"):
+                client.gather([client.submit(inc, i, key=f"refused{i}-0") for i in range(10)])
+            (accounted,) = plugin.telemetry.accounted_of("spans")
+            wait_until(lambda: accounted.outage.failed == 11, what="the 11 spans refused")
+            points = collect(reader)
+            assert receiver.rejected < 11
+    assert value(points, "dask.otel.span.dropped") == 11
+    assert value(points, "dask.otel.export.failures") == receiver.rejected
+
+
 def test_spans_past_the_builders_queue_count_as_dropped(monkeypatch):
     """A poll's spans that do not fit the builder thread's queue are lost before any
     exporter sees them: ``dask.otel.span.dropped`` counts them with

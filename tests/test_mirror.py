@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import os
 import time
 
 import pytest
@@ -21,10 +22,11 @@ from distributed.utils_test import gen_cluster, inc
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+from opentelemetry.trace import SpanContext, TraceFlags
 
 from dask_otel.config import read_config
 from dask_otel.export.sink import SpanSink, span_limits
-from dask_otel.scheduler.builder import IDLE_EXIT
+from dask_otel.scheduler.builder import IDLE_EXIT, SpanBuilder, built
 from dask_otel.scheduler.plugin import OtelSchedulerPlugin
 from dask_otel.span_context import otel_span_id
 from dask_otel.spans import SpanMirror
@@ -115,6 +117,60 @@ async def test_a_full_builder_queue_drops_and_counts_what_does_not_fit(c, s, a, 
     dropped = mirror.builder.dropped
     assert dropped >= 1 and len(spans) + dropped == 4, (len(spans), dropped)
     assert mirror.mirrored == len(spans)
+
+
+def test_in_a_forked_child_the_builder_builds():
+    """os.fork after the builder thread started (idle, waiting for spans): in the
+    child that thread is gone; the child's next spans start one there, as the SDK's
+    BatchProcessor does, and reach the SDK's exporter"""
+    exporter = InMemorySpanExporter()
+    sink = SpanSink(TracerProvider(shutdown_on_exit=False), [SimpleSpanProcessor(exporter)],
+                    span_limits())
+    builder = SpanBuilder(sink)
+
+    def one(name: str) -> list:
+        context = SpanContext(1, int.from_bytes(name.encode(), "big"), False,
+                              TraceFlags(TraceFlags.SAMPLED))
+        return [(built, (sink.span(name, context, None, time.time(), time.time(), {}),))]
+
+    builder.hand_over(one("parent"))
+    deadline = time.monotonic() + 20
+    while builder.emitted < 1:
+        assert time.monotonic() < deadline, "the parent's span was not built"
+        time.sleep(0.01)
+    assert builder._thread is not None and builder._thread.is_alive()
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: report what it built, and leave at once
+        try:
+            builder.hand_over(one("child"))
+            while builder.emitted < 2 and time.monotonic() < deadline:
+                time.sleep(0.01)
+            names = ",".join(s.name for s in exporter.get_finished_spans())
+            os.write(write, names.encode())
+        finally:
+            os._exit(0)
+    os.close(write)
+    os.waitpid(pid, 0)
+    with os.fdopen(read) as out:
+        assert out.read() == "parent,child"
+    assert [s.name for s in exporter.get_finished_spans()] == ["parent"]
+
+
+@gen_cluster(client=True)
+async def test_the_builder_queue_empties_as_its_thread_builds(c, s, a, b):
+    """The queue's capacity is of spans handed over and not yet built: four here,
+    and three workflows one after the other, each a Dask span and its TaskGroup,
+    each built before the next is handed over: six spans, none dropped"""
+    mirror, exporter = mirror_on(s, **NOW)
+    mirror.builder.capacity = 4
+    for run in range(3):
+        with span(f"run {run}"):
+            await c.submit(inc, run, key=f"run{run}-0")
+        await poll_until_open(mirror)
+        mirror.builder.drain(5)
+    assert mirror.builder.dropped == 0
+    assert len(exporter.get_finished_spans()) == mirror.mirrored == 6
 
 
 @gen_cluster(client=True)
@@ -251,17 +307,8 @@ async def test_flush_exports_what_is_open_as_unfinished(c, s, a, b):
         running = c.submit(wait_for_ever, key="never-ends")
         while not s.tasks.get("never-ends") or s.tasks["never-ends"].state != "processing":
             await asyncio.sleep(0.01)
-    memory = exporter.exporter
-    export = memory.export
-
-    def slow_export(batch):  # the builder thread takes 0.1 s a span
-        time.sleep(0.1)
-        return export(batch)
-
-    memory.export = slow_export
-    mirror.flush()
-    # At once: the builder thread handed them to the SDK before flush() returned
-    spans = {s.name: s for s in memory.get_finished_spans()}
+    mirror.flush()  # the scheduler's release then drains the builder (test_spans.py)
+    spans = by_name(exporter)
     assert spans["running"].attributes["dask.span.unfinished"] is True
     assert "taskgroup/" + key_split("never-ends") in spans
     assert not (mirror.ledger.records or mirror.ledger.groups or mirror.ledger.leaves)

@@ -22,6 +22,7 @@ from tests.support.cluster import (
     otel_cluster,
     wait_until,
 )
+from tests.support.metrics import collect, metric_reader, value
 from tests.support.otlp_receiver import OTLPReceiver, set_otel_env
 from tests.support.span_tree import assert_span_tree
 from tests.support.tasks import (
@@ -468,6 +469,61 @@ def test_scheduler_close_exports_unfinished_spans():
     assert s.attributes["dask.span.unfinished"] is True
     assert s.end_time >= s.start_time
     assert_well_formed(spans)
+
+
+def test_the_close_hands_the_sdk_every_span_before_it_flushes():
+    """The scheduler's close exports what is open (three finished spans waiting for
+    their export delay, one cut short, and their TaskGroups: 8 spans), and its
+    release lets the builder thread hand them all to the SDK before the SDK flushes
+    and shuts down, though the exporter takes 0.1 s a span (the in-memory exporter's
+    processor exports on the builder thread): none is built after the shutdown"""
+    with otel_cluster({"otel.spans.export-delay": "1h"}, n_workers=1) as (client, mirrored):
+        cluster = mirrored.cluster
+        for i in range(3):
+            with span(f"waiting {i}"):
+                client.submit(inc, i, key=f"waiting{i}-0").result()
+        (memory,) = mirrored.plugin.telemetry.span_exporters
+        export = memory.export
+
+        def slow_export(batch):
+            time.sleep(0.1)
+            return export(batch)
+
+        memory.export = slow_export
+        with span("cut short"):
+            fut = client.submit(slow, 1, delay=5)
+            wait_until(lambda: getattr(cluster.scheduler.tasks.get(fut.key), "state", None) == "processing")
+            cluster.close()
+    names = sorted(s.name for s in mirrored.spans())
+    assert names == sorted(["cut short", "taskgroup/slow"] + [f"waiting {i}" for i in range(3)]
+                           + [f"taskgroup/waiting{i}" for i in range(3)]), names
+
+
+def test_a_full_builder_queue_drops_children_first_and_never_orphans_what_it_keeps():
+    """The builder's queue, of two spans here; a poll hands over TaskGroups and then
+    their Dask spans (children first), and the root after its three sub-spans, in
+    that poll or a later one. A full queue drops TaskGroups and Dask spans, but keeps,
+    past its capacity, every Dask span below which a span was kept: each span that
+    arrives has its parent; each one dropped is counted, in status() and in
+    dask.otel.span.dropped with error.type=queue_full"""
+    config = {"otel.metrics.exporter": "memory", "otel.spans.export-delay": "300ms"}
+    with otel_cluster(config, n_workers=1) as (client, mirrored):
+        mirror = mirrored.plugin.mirror
+        builder = mirror.builder
+        builder.capacity = 2
+        with span("root"):
+            for i in range(3):
+                with span(f"stage {i}"):
+                    client.gather([client.submit(inc, j, key=f"s{i}g{j}-0") for j in range(5)])
+        made = 1 + 3 + 3 * 5  # Dask spans and TaskGroups
+        wait_until(lambda: not mirror.ledger.records and builder.built == builder.queued,
+                   what="every span handed over and built")
+        spans = mirrored.spans()
+        assert_span_tree(spans, ends="inside-if-exported-first")
+        assert builder.dropped == made - len(spans) > 0, (builder.dropped, len(spans))
+        assert dask_otel.status(client)["scheduler"]["queue_full_dropped_spans"] == builder.dropped
+        points = collect(metric_reader(mirrored.cluster))
+        assert value(points, "dask.otel.span.dropped", error_type="queue_full") == builder.dropped
 
 
 def test_instrument_a_running_cluster():

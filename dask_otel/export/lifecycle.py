@@ -27,20 +27,30 @@ PROCESS_SHARE = 0.5
 FLUSH_SHARE = 0.8
 
 
-async def release_telemetry(telemetry: Telemetry) -> None:
+async def release_telemetry(telemetry: Telemetry, builder: Any = None) -> None:
     """Detach from the process's Telemetry; the last user flushes (in a thread: the
-    SDK does not bound a flush against a hung collector) and shuts it down, waiting
-    at most :data:`PROCESS_SHARE` of otel.flush-timeout. Past that, or when exports
-    were already failing, the SDK is shut down in the background, exporters first
-    (which ends a waiting export); what was still queued is dropped and counted."""
+    SDK does not bound a flush against a hung collector; the span ``builder`` drained
+    first) and shuts it down, waiting at most :data:`PROCESS_SHARE` of otel.flush-timeout.
+    Past that, or when exports were already failing, the SDK is shut down in the
+    background, exporters first (which ends a waiting export); what was still queued is
+    dropped and counted."""
     if Telemetry.detach(telemetry):
-        await _flush_and_shut_down(telemetry)
+        await _flush_and_shut_down(telemetry, builder)
 
 
-async def _flush_and_shut_down(telemetry: Telemetry) -> None:
+async def _flush_and_shut_down(telemetry: Telemetry, builder: Any = None) -> None:
     timeout = telemetry.config.flush_timeout
     budget = PROCESS_SHARE * timeout
     deadline = time.monotonic() + budget
+
+    def shut_down(flushed: threading.Event | None = None) -> None:
+        if builder is not None:  # what it holds reaches the SDK first, off the loop
+            builder.drain(budget)
+        if flushed is not None:
+            telemetry.force_flush()
+            flushed.set()
+        telemetry.shutdown()
+
     try:
         if telemetry.outage:
             logger.warning("dask_otel: exports are failing; closing without waiting for them "
@@ -50,13 +60,7 @@ async def _flush_and_shut_down(telemetry: Telemetry) -> None:
             # before the server reports itself closed): one thread start and one
             # wake-up of the loop per close with a healthy collector
             flushed = threading.Event()
-
-            def flush_then_shut_down() -> None:
-                telemetry.force_flush()
-                flushed.set()
-                telemetry.shutdown()
-
-            done = _in_thread(flush_then_shut_down, "dask_otel-close")
+            done = _in_thread(lambda: shut_down(flushed), "dask_otel-close")
             # A flush whose export meets an outage (a refused or UNAVAILABLE
             # collector, or one that has not answered for STALLED_AFTER) cannot
             # complete: stop waiting for it
@@ -79,7 +83,7 @@ async def _flush_and_shut_down(telemetry: Telemetry) -> None:
         pass
     # The collector is not answering: shut the SDK down without waiting. Its
     # threads end as soon as the exporters' shutdown cuts their exports short.
-    threading.Thread(target=telemetry.shutdown, name="dask_otel-shutdown", daemon=True).start()
+    threading.Thread(target=shut_down, name="dask_otel-shutdown", daemon=True).start()
 
 
 def release_telemetry_in_background(telemetry: Telemetry) -> None:

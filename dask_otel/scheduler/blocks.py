@@ -115,6 +115,7 @@ def empty_block_span(ledger: Ledger, sink: SpanSink, span_id: str, block: BlockE
     start = entered_at(otel, span_id) or exited
     if i and (parent_record := ledger.records.get(ids[i - 1])) is not None:
         parent_record.end_no_earlier(exited)  # the enclosing span covers it
+        parent_record.child_kept = True  # and a full builder queue keeps it
     # Dask made no span of it: only its ids, tags, entry and exit are known
     attributes = {attr.SPAN_ID: span_id, attr.SPAN_NAME: tuple(tags[: i + 1]), attr.TASKS_TOTAL: 0}
     return sink.span(str(tags[i]), context, parent, start, exited, attributes)

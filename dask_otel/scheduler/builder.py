@@ -1,13 +1,15 @@
 """What the mirror read on the event loop -> finished OpenTelemetry spans, on the
-bridge's own thread (:meth:`SpanBuilder.hand_over`, a bounded queue: a full one
-drops and counts): the corridor's last stop (:mod:`dask_otel.spans`), whose only
-way out is the sink. docs/traces.md; costs: benchmarks/README.md.
+bridge's own thread (:meth:`SpanBuilder.hand_over`, a bounded queue: the mirror
+drops and counts past it): the corridor's last stop (:mod:`dask_otel.spans`), whose
+only way out is the sink. docs/traces.md; costs: benchmarks/README.md.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import threading
+import weakref
 from collections.abc import Hashable, Mapping
 from dataclasses import dataclass, field
 from functools import lru_cache
@@ -36,8 +38,8 @@ logger = logging.getLogger("dask_otel")
 #: A TaskGroup span's name: its task prefix behind a word of its own, so that a trace
 #: UI lists TaskGroups apart from Dask spans and tasks (docs/traces.md "Span names")
 TASKGROUP_SPAN_NAME = "taskgroup/{}"
-#: Spans handed over and not yet built: past it a poll's spans are dropped and
-#: counted (the SDK's batch span processor queues as many by default)
+#: Spans handed over and not yet built: past it spans are dropped, children first, and
+#: counted (``SpanMirror._kept``; the SDK's batch span processor queues as many by default)
 MAX_QUEUED_SPANS = 2048
 #: ``dask.tasks.<state>`` by state: built once, not per span
 _STATE_NAMES = {state: attr.TASKS_PREFIX + state for state in ALL_TASK_STATES}
@@ -117,7 +119,8 @@ IDLE_EXIT = 2.0
 class SpanBuilder:
     """The bridge's builder thread and its bounded queue. The event loop writes
     ``queued`` and ``dropped``, the thread ``built`` and ``emitted``: each counter
-    has one writer. The thread starts with spans handed over and ends when idle."""
+    has one writer. The thread starts with spans handed over (in a forked child too,
+    as the SDK's BatchProcessor) and ends when idle."""
 
     def __init__(self, sink: SpanSink, capacity: int = MAX_QUEUED_SPANS):
         self.sink = sink
@@ -138,19 +141,20 @@ class SpanBuilder:
         #: together, with one copy)
         self.folded: dict[str, SpanMetrics] = {}
         self._named: tuple[Any, SpanMetrics | None] = (None, None)
+        if hasattr(os, "register_at_fork"):
+            forked = weakref.WeakMethod(self._forked)
+            os.register_at_fork(after_in_child=lambda: (reset := forked()) and reset())
+
+    def _forked(self) -> None:
+        """A forked child has no thread; the parent builds what it had queued"""
+        self._lock, self._queue, self._thread, self.queued = (threading.Lock(), SimpleQueue(),
+                                                              None, self.built)
 
     def hand_over(self, batch: list[tuple[Any, tuple]]) -> None:
         """Queue a poll's spans, each ``(build, args)``: ``build(self, *args)`` makes
-        its ``ReadableSpan``. What does not fit is dropped and counted: the loop
-        never waits."""
+        its ``ReadableSpan``. The loop never waits."""
         if not batch:
             return
-        room = self.capacity - (self.queued - self.built)
-        if len(batch) > room:
-            self.dropped += len(batch) - max(room, 0)
-            if room <= 0:
-                return
-            batch = batch[:room]
         self.queued += len(batch)
         with self._lock:  # once a poll
             self._queue.put(batch)
@@ -160,8 +164,8 @@ class SpanBuilder:
                 self._thread.start()
 
     def drain(self, timeout: float) -> None:
-        """Let the thread build and hand to the SDK all that is queued, then end,
-        waiting at most ``timeout`` seconds: before the SDK's providers flush"""
+        """Let the thread build and hand to the SDK all that is queued, then end, waiting
+        at most ``timeout`` seconds, in the thread that then flushes (never on the loop)"""
         with self._lock:
             thread, self._thread = self._thread, None
             if thread is None:

@@ -197,7 +197,7 @@ class OtelSchedulerPlugin(SchedulerPlugin):
                     logger.exception("dask_otel: %s.%s failed while closing", part, step)
         if self.telemetry is not None:
             try:
-                await release_telemetry(self.telemetry)
+                await release_telemetry(self.telemetry, getattr(self.mirror, "builder", None))
             except Exception:
                 logger.exception("dask_otel: could not release telemetry")
 

@@ -79,6 +79,8 @@ class SpanRecord:
     links: dict[str, Link] | None = None
     #: The subtree totals of its sub-spans exported so far, summed as they go
     folded: Totals | None = None
+    #: Something below it went to the builder's queue: a full queue keeps it
+    child_kept: bool = False
     #: Span events to export with it, ``(name, attributes, time in ns)``, at most
     #: :data:`MAX_SPAN_EVENTS` (``dask.worker.lost``); None: none
     events: list[tuple[str, dict[str, Any], int]] | None = None
