@@ -17,10 +17,11 @@ that check by name, saying why: :meth:`Oracle.waive`):
   and lies inside it (``tests.support.span_tree.assert_span_tree``);
 - ``every-span``: every Dask span of a trace the sampler kept is exported exactly once
   (a trace is kept whole or not at all; with the default sampler, every trace);
-- ``every-task``: every task Dask ran is counted in exactly one exported TaskGroup
+- ``every-task``: every task a graph ran is counted in exactly one exported TaskGroup
   batch: by TaskGroup name, the sum of ``dask.tasks.total`` over the exported batches
-  equals the tasks Dask added to the TaskGroups of that name (collisions, later
-  batches and groups Dask made again included);
+  equals the tasks graphs submitted to run there, as Dask's transition log tells
+  (collisions, reruns of released tasks and groups Dask made again included;
+  recomputation after a worker's loss, which no graph asked for, is not a batch);
 - ``fine-metrics``: each ``dask.activity.*`` figure exported at the last collection,
   by unit, context, task prefix and activity, equals Dask's
   ``Scheduler.cumulative_worker_metrics`` then;
@@ -39,6 +40,9 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from tests.support.span_tree import as_node, assert_span_tree
+
+#: The length of Dask's transition log a test's scheduler keeps (the oracle reads it)
+LOG_LENGTH_KEY, LOG_LENGTH = "distributed.admin.low-level-log-length", 1_000_000
 
 CHECKS = ("tree", "every-span", "every-task", "fine-metrics", "exemplars", "spill",
           "lost-workers")
@@ -64,8 +68,9 @@ class DaskRecord:
 
     #: Dask span id -> (its root's id, its tags)
     spans: dict[str, tuple[str, tuple[str, ...]]] = field(default_factory=dict)
-    #: TaskGroup name -> tasks Dask added to the TaskGroups of that name, and the
-    #: root Dask span id of each group's span
+    #: TaskGroup name -> tasks graphs submitted to run in TaskGroups of that name
+    #: (``Scheduler.transition_log``: released -> waiting, on ``update-graph``),
+    #: and the root Dask span ids of their spans
     tasks: dict[str, int] = field(default_factory=dict)
     task_roots: dict[str, set[str]] = field(default_factory=dict)
     #: ``Scheduler.cumulative_worker_metrics``: (unit, context, prefix or where,
@@ -79,6 +84,8 @@ class DaskRecord:
     #: (its own count: then a trace may be missing, though only whole)
     address: str = ""
     sampled_out: bool = False
+    #: Dask's transition log was full: the tasks it ran cannot be counted
+    log_full: bool = False
 
 
 def fine_key(key: Hashable) -> tuple[str, str, str, str] | None:
@@ -92,6 +99,8 @@ def fine_key(key: Hashable) -> tuple[str, str, str, str] | None:
 
 def read_dask(dask_scheduler: Any) -> DaskRecord:
     """Dask's own record on ``dask_scheduler`` (runs there: ``run_on_scheduler``)"""
+    from distributed.utils import key_split_group
+
     mirror = getattr(dask_scheduler.plugins.get("dask-otel"), "mirror", None)
     record = DaskRecord(address=dask_scheduler.address,
                         sampled_out=bool(getattr(mirror, "sampled_out", 0)))
@@ -105,8 +114,18 @@ def read_dask(dask_scheduler: Any) -> DaskRecord:
         for tg in span.groups:
             groups[id(tg)] = (tg, root.id)
     for tg, root_id in groups.values():
-        record.tasks[tg.name] = record.tasks.get(tg.name, 0) + sum(tg.states.values())
         record.task_roots.setdefault(tg.name, set()).add(root_id)
+    # Tasks a graph submitted to run: a new task, or one released since it ran
+    # (TaskGroup.states counts task states, not runs: a rerun adds nothing there)
+    log = dask_scheduler.transition_log
+    if len(log) == log.maxlen:
+        record.tasks = {}  # the log forgot some: what it holds proves nothing
+        record.log_full = True
+    else:
+        runs = Counter(key_split_group(t[0]) for t in log
+                       if t[1] == "released" and t[2] != "forgotten"
+                       and str(t[4]).startswith("update-graph"))
+        record.tasks = {name: runs.get(name, 0) for name in record.task_roots}
     for _, msg in dask_scheduler.get_events("all"):
         if isinstance(msg, dict) and msg.get("action") == "remove-worker" and msg.get(
                 "processing-tasks") and "worker" in msg:
@@ -231,6 +250,8 @@ def compare(dask: DaskRecord, exported: Exported, waived: Iterable[str] = ()) ->
                       f"TaskGroup {name!r}: Dask added {n} tasks, the exported batches count {got}")
         for name in set(batches) - set(dask.tasks):
             check("every-task", False, f"batches of TaskGroup {name!r}, unknown to Dask")
+        check("every-task", not dask.log_full, "Dask's transition log is full: raise "
+              "distributed.admin.low-level-log-length (tests/support/cluster.py)")
     if spans and dask.lost_workers:
         told = {str(a.get("dask.worker.address")) for span in spans for name, a in _events(span)
                 if name == "dask.worker.lost"}
