@@ -3,6 +3,7 @@ package tests.support"""
 
 from __future__ import annotations
 
+import dask
 import pytest
 
 import dask_otel.log
@@ -13,6 +14,10 @@ from tests.support.cluster import otel_cluster
 # up, keeps its lines to its own handler, and the bridge's logger follows it
 # (dask_otel/log.py): let the bridge's lines reach caplog as well.
 dask_otel.log.logger.propagate = True
+
+# The oracle counts the tasks graphs ran from the scheduler's transition log (1,000
+# entries by default): keep all of a test's
+dask.config.set({oracle.LOG_LENGTH_KEY: oracle.LOG_LENGTH})
 
 
 @pytest.fixture(autouse=True)

@@ -60,7 +60,9 @@ class DaskProcesses:
     def __init__(self, env: dict[str, str], n_workers: int = 2, worker_args: tuple = ()):
         # Task functions (tests.support.tasks) are pickled by reference
         pythonpath = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
-        self.env = {**os.environ, "PYTHONPATH": pythonpath, **env}
+        # the transition log the oracle reads, long enough for a test
+        self.env = {**os.environ, "PYTHONPATH": pythonpath,
+                    "DASK_DISTRIBUTED__ADMIN__LOW_LEVEL_LOG_LENGTH": str(oracle.LOG_LENGTH), **env}
         self.n_workers = n_workers
         self.worker_args = worker_args
         self.dir = tempfile.TemporaryDirectory()
