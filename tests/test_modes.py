@@ -43,6 +43,7 @@ import pytest
 from distributed import Client, span, wait
 
 import dask_otel
+from tests.support import oracle
 from tests.support.cluster import wait_until
 from tests.support.otlp_receiver import OTLPReceiver
 from tests.support.processes import FAST_ENV, PRELOAD_ENV, DaskProcesses
@@ -462,6 +463,10 @@ def cell_cluster(cell: Cell, tmp_path: Path) -> Iterator[tuple]:
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("cell", CELLS, ids=str)
 def test_every_capability_works_or_says_it_does_not_apply(cell, tmp_path):
+    oracle.waive("every-task",
+                 "the outage capability's run is sent to a refusing collector", roots=('modes-outage',))
+    oracle.waive("every-span",
+                 "the outage capability's run is sent to a refusing collector", roots=('modes-outage',))
     failed: dict[str, str] = {}
 
     def check(name: str, run: Callable[[], None]) -> None:
