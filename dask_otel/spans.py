@@ -29,12 +29,14 @@ from collections.abc import Hashable, Iterable
 from operator import attrgetter
 from time import perf_counter
 from typing import TYPE_CHECKING, Any
+from uuid import uuid4
 
 from distributed.metrics import time
+from opentelemetry.trace import Link
 
-from dask_otel._compat import span_own_metrics
-from dask_otel.annotation import entered_times, otel_of
-from dask_otel.attributes import LOOP_BLOCKED, WORKER_LOST
+from dask_otel._compat import detached_span, sent_annotations, span_own_metrics
+from dask_otel.annotation import entered_times, otel_of, read_span
+from dask_otel.attributes import LOOP_BLOCKED, SPAN_ID, SPAN_NAME, WORKER_LOST
 from dask_otel.scheduler import blocks
 from dask_otel.scheduler.builder import SpanBuilder, built, dask_span, taskgroup_span
 from dask_otel.scheduler.ledger import Ledger
@@ -98,6 +100,8 @@ class SpanMirror:
         self._heads: dict[str, SpanHead] = {}
         self._batch: list[tuple[Any, tuple]] = []
         self._random = random.Random()
+        #: The computation the last graph joined and its ``span`` annotation then
+        self._sent: tuple[Any, Any] = (None, None)
         self.ledger.follow_running(self.dask_spans)  # instrumented while running
 
     @property
@@ -122,11 +126,14 @@ class SpanMirror:
         (``update_graph``: Dask attached its tasks to their spans; new ones are
         still ``released``). A group exported before opens again as a new batch,
         under the Dask span its tasks were submitted in (the TaskGroup collision
-        keeps them on the group's first span), exported only if some task runs."""
+        keeps them on the group's first span), exported only if some task runs;
+        so does an open group's, done, if its new tasks were sent from another
+        block: its batch so far is exported at once, without them."""
         if not (spans := self.dask_spans):
             return
         self.observe_new_spans()
         ledger = self.ledger
+        told = self._sent_in()
         # One task per group of the graph (the first), whose annotations are
         # those of all, and how many of the graph's tasks each group has. In C
         # (map, zip, Counter): this runs for every key of every graph.
@@ -137,11 +144,13 @@ class SpanMirror:
         rerun: dict[TaskGroup, int] | None = None
         later: list[tuple[TaskGroup, TaskState, Span]] = []
         fresh: Span | None = None  # the span of the graph's new groups
+        orphan: Span | None = None  # where nothing says where they were sent
         for tg, ts in first.items():
-            if tg in ledger.groups or tg.span_id is None:
+            if tg.span_id is None or (span := spans.get(tg.span_id)) is None:
                 continue
-            span = spans.get(tg.span_id)
-            if span is None:
+            if tg in ledger.groups:
+                if told is not None:  # more work of its open batch, or of another block
+                    later.append((tg, ts, span))
                 continue
             states = tg.states
             if in_graph is None:
@@ -154,19 +163,36 @@ class SpanMirror:
             else:
                 later.append((tg, ts, span))
         for tg, ts, own in later:
-            span = self._submitted_in(ts, own, fresh)
-            if span is None:
-                continue  # no open span to lie inside (all its spans exported)
+            span = self._submitted_in(ts, own, fresh, told)
+            if span is None:  # nothing says where: a root of its own, one per graph
+                span = orphan = orphan or self._made(([str(uuid4())], [tg.prefix.name]), own)
             if rerun is None:  # tasks of each group this graph (re)runs
                 rerun = Counter(g for g, t in zip(groups, tss) if t.state == "released")
+            if (batch := ledger.groups.get(tg)) is not None:
+                if batch.span.id == span.id or not group_done(tg):
+                    continue  # its block's, or two blocks' at once: one batch
+                self._export(self.group_span_of, tg, ledger.take_group(tg), rerun[tg])
+                self._end_poll()
             ledger.open_group(tg, GroupBatch.reopened(tg, span, own, rerun[tg]))
             self._read_annotation(ts, span, client)
 
-    def _submitted_in(self, ts: TaskState, own: Span, fresh: Span | None) -> Span | None:
-        """The open Dask span the tasks of a later batch were submitted in: the
-        innermost ``dask_otel.span`` block of their annotation, else the span of
-        the graph's new groups, else the group's own span; None if none is open
-        (Dask made no span of where they were submitted: nothing to lie inside)"""
+    def _sent_in(self) -> tuple[list[str], list[Any]] | None:
+        """``(ids, tags)`` of the block the graph now in ``update_graph`` was sent
+        in, as its client sent them (Dask rewrites its tasks' ``span`` annotation);
+        None if it sent none, or the one there is an earlier graph's"""
+        computation, sent = sent_annotations(self.scheduler)
+        block = sent.get("span")
+        seen, self._sent = self._sent, (computation, block)
+        return None if seen[0] is computation and seen[1] is block else read_span(block)
+
+    def _submitted_in(self, ts: TaskState, own: Span, fresh: Span | None,
+                      told: tuple[list[str], list[Any]] | None) -> Span | None:
+        """The Dask span the tasks of a later batch were submitted in: the block
+        ``told`` (the graph's), made here where Dask made none of it; else the open
+        innermost ``dask_otel.span`` block of their annotation, the span of the
+        graph's new groups, the group's own span; None: nothing says"""
+        if told is not None:
+            return self._made(told, own)
         records = self.ledger.records
         entered = entered_times(otel_of(ts.annotations))
         for span_id in (list(entered)[-1] if entered else None, fresh and fresh.id, own.id):
@@ -174,9 +200,25 @@ class SpanMirror:
                 return record.span
         return None
 
+    def _made(self, block: tuple[list[str], list[Any]], own: Span) -> Span:
+        """The Dask span of ``block`` (ids and tags, root first), and each of its
+        ancestors, that Dask made none of (every task of it joined an older
+        TaskGroup, of ``own``): made and opened here, linked to ``own``"""
+        (ids, tags), span, ledger = block, None, self.ledger
+        for i, span_id in enumerate(ids):
+            parent, record = span, ledger.records.get(span_id)
+            span = record.span if record else self.dask_spans.get(span_id) or ledger.made.get(span_id)
+            if span is None:
+                span = detached_span(tuple(map(str, tags[: i + 1])), span_id, parent,
+                                     self.scheduler)
+                link = (context := self._context(own)) and Link(
+                    context, {SPAN_ID: own.id, SPAN_NAME: tuple(own.name)})
+                ledger.open_made(span, {own.id: link} if link else None)
+        return span  # type: ignore[return-value]
+
     def _read_annotation(self, ts: TaskState, span: Span, client: str | None) -> None:
         ledger = self.ledger
-        ledger.observe_annotation(ts, client)
+        ledger.observe_annotation(otel_of(ts.annotations), span, client)
         if ts.dependencies and self.sink is not None:
             record = ledger.records.get(span.id)
             if record is not None:
@@ -198,7 +240,9 @@ class SpanMirror:
         kind = error_type(ts, self.scheduler.allowed_failures)
         if (batch := self.ledger.groups.get(tg)) is not None:
             batch.observe_erred(kind, failed, started)
-        span = self.dask_spans.get(tg.span_id) if tg.span_id else None
+            span = batch.span  # the span its batch is exported under
+        else:
+            span = self.dask_spans.get(tg.span_id) if tg.span_id else None
         records = self.ledger.records
         if span is not None and (record := records.get(span.id)) is not None:
             sent = batch.sent if batch is not None else 0.0
@@ -397,18 +441,18 @@ class SpanMirror:
                            end, subtree if sums else own, self._span_metrics(span),
                            active_cpu_seconds(span, end), sums, code, subtree.start, unfinished)
 
-    def group_span_of(self, tg: TaskGroup, batch: GroupBatch
+    def group_span_of(self, tg: TaskGroup, batch: GroupBatch, held: int = 0
                       ) -> tuple[Any, tuple] | bool | None:
         """Read what the OTel span of a batch of a TaskGroup needs (for the builder
         thread): a child of its Dask span's (which then ends no earlier), from its
         first task's start (a later batch: its graph's arrival) to its last task's
-        end. False if the sampler drops the trace, None if traces are off or
-        nothing ran. Keeps nothing."""
+        end, less ``held`` released tasks (the next batch's). False if the sampler
+        drops the trace, None if traces are off or nothing ran. Keeps nothing."""
         span = batch.span
         head = self._head(span)
         figures = None
         if head.context is not None:
-            if (figures := batch.figures(tg)) is None:
+            if (figures := batch.figures(tg, held)) is None:
                 return None
         start = max(batch.start(tg) or span.enqueued, head.start)
         end = max(batch.end(tg) if group_done(tg) else time(), start)
@@ -422,10 +466,10 @@ class SpanMirror:
         latest, prefix = self.latest_by_prefix, tg.prefix.name
         if prefix in latest or len(latest) < MAX_EXEMPLAR_PREFIXES:  # bounded
             latest[prefix] = context  # the exemplar of the prefix's fine metrics
-        # Dask's fine metrics of its tasks: of the group's own Dask span
+        # The Dask span Dask attached it to, which has its tasks' fine metrics
         own = self.dask_spans.get(tg.span_id, span)
-        return taskgroup_span, ((str(tg.name), str(prefix)), batch, head, context, figures,
-                                self._span_metrics(own), start, end)
+        return taskgroup_span, ((str(tg.name), str(prefix), own.id, tuple(own.name)), batch, head,
+                                context, figures, self._span_metrics(own), start, end)
 
     def context_of(self, span_id: str) -> SpanContext | None:
         """The OTel SpanContext of a Dask span, open or exported (None: unknown,

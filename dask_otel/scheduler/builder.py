@@ -285,6 +285,8 @@ def dask_span(builder: SpanBuilder, record: SpanRecord, head: SpanHead,
         attributes[attr.SPAN_CODE] = code
     if unfinished:
         attributes[attr.SPAN_UNFINISHED] = True
+    if record.collided:
+        attributes[attr.SPAN_COLLIDED] = True
     status = erred_status(attributes, record.erred, record.error_type)
     first_task = first_task and min(max(first_task, start), end)
     events = ((Event(attr.FIRST_TASK_START, NO_ATTRIBUTES, int(first_task * 1e9)),)
@@ -302,21 +304,22 @@ def dask_span(builder: SpanBuilder, record: SpanRecord, head: SpanHead,
                      events, links)
 
 
-def taskgroup_span(builder: SpanBuilder, names: tuple[str, str], batch: GroupBatch,
-                   head: SpanHead, context: SpanContext,
+def taskgroup_span(builder: SpanBuilder, names: tuple[str, str, str, tuple[str, ...]],
+                   batch: GroupBatch, head: SpanHead, context: SpanContext,
                    figures: tuple[dict[str, int], int, float],
                    span_metrics: Mapping[tuple[Hashable, ...], float], start: float, end: float
                    ) -> ReadableSpan:
-    """The OTel span of one ``batch`` of a TaskGroup (``names``: its name and task
-    prefix; taken from the ledger), with ``context``, a child of its Dask span's:
-    its task counts, bytes, duration (``figures``: the group's states, bytes and
-    duration when exported) and fine metrics (its prefix's in ``span_metrics``, the
-    loop's copy of its own Dask span's then), less what an earlier batch counted"""
+    """The OTel span of one ``batch`` of a TaskGroup (``names``: its name, task
+    prefix, and the id and tags of the Dask span Dask attached it to; taken from
+    the ledger), with ``context``, a child of its Dask span's (``head``): its task
+    counts, bytes, duration (``figures``: the group's states, bytes and duration
+    when exported) and fine metrics (its prefix's in ``span_metrics``, the loop's
+    copy of its own Dask span's then), less what an earlier batch counted"""
     sink = builder.sink
-    name, prefix = names
+    name, prefix, span_id, tags = names
     metrics = builder.named(span_metrics).by_prefix.get(prefix, {})
     states, nbytes, duration = figures
-    attributes = {attr.SPAN_ID: batch.span.id, attr.SPAN_NAME: head.tags,
+    attributes = {attr.SPAN_ID: span_id, attr.SPAN_NAME: tags,
                   attr.TASKGROUP_NAME: name, attr.TASKGROUP_PREFIX: prefix}
     if (base := batch.states) is None:
         attributes.update(task_counts(states, sum(states.values()), nbytes, duration))
