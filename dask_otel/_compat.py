@@ -75,21 +75,18 @@ def span_nthreads_history(span: Span) -> tuple[list[tuple[float, int]], int] | N
 
 
 def sent_annotations(scheduler: Any) -> tuple[Any, Mapping[str, Any]]:
-    """The computation a graph joins and the annotations its client sent, in the
-    ``update_graph`` plugin hook (2024.1.0 to 2026.8.0): ``Scheduler.computations[-1]``,
-    whose ``annotations`` took the graph's global annotations before the spans
-    extension rewrote its tasks' ``span`` (the TaskGroup collision); an earlier
-    graph's stay there for keys this one did not send"""
+    """In the ``update_graph`` hook, ``Scheduler.computations[-1]`` and its
+    ``annotations``: the graph's global ones as its client sent them, before the
+    spans extension rewrote its tasks' ``span`` (2024.1.0 to 2026.8.0), and what
+    earlier graphs of the computation sent for other keys"""
     computations = getattr(scheduler, "computations", None)
     last = computations[-1] if computations else None
     return last, getattr(last, "annotations", None) or {}
 
 
 def detached_span(name: tuple[str, ...], span_id: str, parent: Span | None, scheduler: Any) -> Span:
-    """A ``distributed.spans.Span`` the spans extension does not hold (its constructor,
-    2024.1.0 to 2026.8.0): the bridge's own of a block Dask made no span of. Writes
-    ``Span._parent``, a weak reference, as a strong one: the parent may be another
-    detached span, which nothing else holds once Dask makes its own of that block"""
+    """A ``distributed.spans.Span`` no extension holds (2024.1.0 to 2026.8.0), its
+    ``_parent`` written strong: a detached parent has no other holder"""
     from distributed.spans import Span
 
     span = Span(name, span_id, parent, scheduler.total_nthreads_history)

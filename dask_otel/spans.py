@@ -133,7 +133,11 @@ class SpanMirror:
             return
         self.observe_new_spans()
         ledger = self.ledger
-        told = self._sent_in()
+        # The block the client sent the graph in (Dask rewrote its tasks'); None: it
+        # sent none, and what the computation holds is an earlier graph's
+        (computation, sent), seen = sent_annotations(self.scheduler), self._sent
+        self._sent = computation, (block := sent.get("span"))
+        told = None if seen[0] is computation and seen[1] is block else read_span(block)
         # One task per group of the graph (the first), whose annotations are
         # those of all, and how many of the graph's tasks each group has. In C
         # (map, zip, Counter): this runs for every key of every graph.
@@ -175,15 +179,6 @@ class SpanMirror:
                 self._end_poll()
             ledger.open_group(tg, GroupBatch.reopened(tg, span, own, rerun[tg]))
             self._read_annotation(ts, span, client)
-
-    def _sent_in(self) -> tuple[list[str], list[Any]] | None:
-        """``(ids, tags)`` of the block the graph now in ``update_graph`` was sent
-        in, as its client sent them (Dask rewrites its tasks' ``span`` annotation);
-        None if it sent none, or the one there is an earlier graph's"""
-        computation, sent = sent_annotations(self.scheduler)
-        block = sent.get("span")
-        seen, self._sent = self._sent, (computation, block)
-        return None if seen[0] is computation and seen[1] is block else read_span(block)
 
     def _submitted_in(self, ts: TaskState, own: Span, fresh: Span | None,
                       told: tuple[list[str], list[Any]] | None) -> Span | None:
@@ -240,9 +235,8 @@ class SpanMirror:
         kind = error_type(ts, self.scheduler.allowed_failures)
         if (batch := self.ledger.groups.get(tg)) is not None:
             batch.observe_erred(kind, failed, started)
-            span = batch.span  # the span its batch is exported under
-        else:
-            span = self.dask_spans.get(tg.span_id) if tg.span_id else None
+        # The span its batch is exported under, else the group's
+        span = batch.span if batch is not None else self.dask_spans.get(tg.span_id)
         records = self.ledger.records
         if span is not None and (record := records.get(span.id)) is not None:
             sent = batch.sent if batch is not None else 0.0

@@ -751,6 +751,45 @@ def test_collided_work_of_a_busy_block_goes_under_its_dask_otel_block(cluster):
     del first, second
 
 
+def test_collided_work_of_a_block_after_its_first_graph_goes_under_it(cluster):
+    """In-process (the client's annotations reach the scheduler by reference): block
+    B's second graph, sent after its first finished, joins A's exported group; it
+    shows the scheduler the very annotation the first did, in a computation of its
+    own, so it is the block's: the batch goes under B"""
+    client, mirrored = cluster
+    a, first = exported_inc_in_span_a(client, mirrored)
+    with span("B") as b_id:
+        own = client.submit(double, 1, key="double-b")
+        own.result()
+        second = client.submit(inc, 2)
+        second.result()
+    b = mirrored.by_dask_id(b_id)
+    groups = wait_until(lambda: len(c := mirrored.children(b)) == 2 and c)
+    assert sorted(g.name for g in groups) == ["taskgroup/double-b", "taskgroup/inc"]
+    assert_span_tree(mirrored.spans(), ends="inside")
+    del first, own, second
+
+
+def test_collided_work_sent_in_no_block_while_a_block_runs_is_not_put_in_that_block():
+    """Worker processes. While block X's graph runs, a graph sent in no block joins A's
+    exported group: the scheduler's computation still holds X's span annotation (it
+    keeps what earlier graphs sent), but this graph sent none: its batch is a root of
+    its own, never in X's run"""
+    with otel_cluster(processes=True) as (client, mirrored):
+        a, first = exported_inc_in_span_a(client, mirrored)
+        with span("X") as x_id:
+            busy = client.submit(slow, 1, delay=1, key="busy-x")
+        second = client.submit(inc, 2)
+        second.result()
+        busy.result()
+        x = mirrored.by_dask_id(x_id)
+        root = wait_until(lambda: next((s for s in mirrored.spans() if s.name == "inc"), None))
+        (batch,) = wait_until(lambda: mirrored.children(root))
+        assert [g.name for g in mirrored.children(x)] == ["taskgroup/busy-x"]
+        assert batch.name == "taskgroup/inc" and root.context.trace_id != x.context.trace_id
+        del first, second, busy
+
+
 def dask_tasks_by_group(cluster: LocalCluster) -> dict[str, int]:
     """Dask's own record: by TaskGroup name, the tasks it added to the TaskGroups of
     that name (``TaskGroup.states`` summed), over the TaskGroups of every Dask span"""
@@ -791,7 +830,7 @@ def test_every_task_of_a_block_dask_made_no_span_of_is_counted_inside_the_blocks
         b = mirrored.by_dask_id(b_id)
         (batch,) = wait_until(lambda: mirrored.children(b))
         ran = dask_tasks_by_group(mirrored.cluster)
-        wait_until(lambda: runs_by_name(mirrored.cluster) == {"A": 1, "B": 1})
+        wait_until(lambda: runs_by_name(mirrored.cluster) == {("A", "ok"): 1, ("B", "ok"): 1})
         spans = mirrored.spans()
         del first, second
     assert sum(ran.values()) == 2  # both on A's TaskGroup
@@ -804,13 +843,34 @@ def test_every_task_of_a_block_dask_made_no_span_of_is_counted_inside_the_blocks
     assert [link.context.span_id for link in b.links] == [a.context.span_id]
 
 
-def runs_by_name(cluster: LocalCluster) -> dict[str, float]:
-    """``dask.workflow.runs`` by workflow name, from the scheduler's in-memory reader"""
-    out: dict[str, float] = {}
+def runs_by_name(cluster: LocalCluster) -> dict[tuple[str, str], float]:
+    """``dask.workflow.runs`` by workflow name and result, from the scheduler's
+    in-memory reader"""
+    out: dict[tuple[str, str], float] = {}
     for p in collect(metric_reader(cluster)).get("dask.workflow.runs", []):
-        name = p.attributes["dask.workflow.name"]
-        out[name] = out.get(name, 0) + p.value
+        key = p.attributes["dask.workflow.name"], p.attributes["dask.workflow.result"]
+        out[key] = out.get(key, 0) + p.value
     return out
+
+
+def test_a_task_that_erred_in_a_block_dask_made_no_span_of_errs_that_blocks_run():
+    """Worker processes. Block A's task erred; block B's erring task joins A's
+    exported TaskGroup: B's span (the bridge's) and B's run erred, A's run is
+    counted once"""
+    config = {"otel.metrics.exporter": "memory", "otel.metrics.workflows": ["A", "B"]}
+    with otel_cluster(config, processes=True) as (client, mirrored):
+        with span("A") as a_id:
+            first = client.submit(fail, 1)
+            wait(first)
+        a = mirrored.by_dask_id(a_id)
+        wait_until(lambda: mirrored.children(a))
+        with span("B") as b_id:
+            second = client.submit(fail, 2)
+            wait(second)
+        b = mirrored.by_dask_id(b_id)
+        wait_until(lambda: runs_by_name(mirrored.cluster) == {("A", "erred"): 1, ("B", "erred"): 1})
+        del first, second
+    assert b.status.status_code is StatusCode.ERROR and b.attributes["dask.tasks.erred"] == 1
 
 
 def test_collided_work_submitted_in_no_block_is_a_root_of_its_own_linked_to_its_group():

@@ -32,8 +32,8 @@ MAX_PENDING_EXITS = 1024
 #: Roots whose client forced their sampling (``dask_otel.span(sampled=...)``),
 #: remembered open or exported (a few dozen bytes each)
 MAX_FORCED_ROOTS = 4096
-#: Spans the mirror made of blocks Dask made none of, remembered open or exported
-#: until Dask makes them (a Dask ``Span`` each, a few hundred bytes)
+#: Spans of blocks Dask made none of, made by the mirror, remembered open or
+#: exported until Dask makes them (a few hundred bytes each)
 MAX_MADE_SPANS = 1024
 
 
@@ -65,8 +65,7 @@ class Ledger:
     #: ``otel`` annotation that says one); at most :data:`MAX_FORCED_ROOTS`
     forced_roots: dict[str, bool] = field(default_factory=dict)
     #: By Dask span id: the spans the mirror made of blocks whose every task joined
-    #: an older TaskGroup (the TaskGroup collision: Dask made no span of them),
-    #: until Dask makes one; at most :data:`MAX_MADE_SPANS`
+    #: an older TaskGroup (the collision); at most :data:`MAX_MADE_SPANS`
     made: dict[str, Span] = field(default_factory=dict)
 
     def open_new_spans(self, spans: dict[str, Span]) -> None:
