@@ -16,14 +16,12 @@ import logging
 import threading
 from collections.abc import Callable, Hashable, Iterable, Mapping
 from types import MappingProxyType
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import distributed
 from distributed.protocol.serialize import ToPickle
+from distributed.spans import Span
 from packaging.version import Version
-
-if TYPE_CHECKING:
-    from distributed.spans import Span
 
 
 # --- distributed: versions ------------------------------------------------------
@@ -87,8 +85,6 @@ def sent_annotations(scheduler: Any) -> tuple[Any, Mapping[str, Any]]:
 def detached_span(name: tuple[str, ...], span_id: str, parent: Span | None, scheduler: Any) -> Span:
     """A ``distributed.spans.Span`` no extension holds (2024.1.0 to 2026.8.0), its
     ``_parent`` written strong: a detached parent has no other holder"""
-    from distributed.spans import Span
-
     span = Span(name, span_id, parent, scheduler.total_nthreads_history)
     span._parent = (lambda: parent) if parent is not None else None
     return span

@@ -170,11 +170,14 @@ class SpanMirror:
             span = self._submitted_in(ts, own, fresh, told)
             if span is None:  # nothing says where: a root of its own, one per graph
                 span = orphan = orphan or self._made(([str(uuid4())], [tg.prefix.name]), own)
+            if (batch := ledger.groups.get(tg)) is not None and (
+                    batch.span.id == span.id or not group_done(tg)):
+                continue  # more work of its open batch's block, or two blocks' at once
             if rerun is None:  # tasks of each group this graph (re)runs
                 rerun = Counter(g for g, t in zip(groups, tss) if t.state == "released")
-            if (batch := ledger.groups.get(tg)) is not None:
-                if batch.span.id == span.id or not group_done(tg):
-                    continue  # its block's, or two blocks' at once: one batch
+            if not rerun[tg]:
+                continue  # none: finished tasks merely requested again
+            if batch is not None:  # another block's, done: it ends without them
                 self._export(self.group_span_of, tg, ledger.take_group(tg), rerun[tg])
                 self._end_poll()
             ledger.open_group(tg, GroupBatch.reopened(tg, span, own, rerun[tg]))
@@ -214,13 +217,11 @@ class SpanMirror:
     def _read_annotation(self, ts: TaskState, span: Span, client: str | None) -> None:
         ledger = self.ledger
         ledger.observe_annotation(otel_of(ts.annotations), span, client)
-        if ts.dependencies and self.sink is not None:
-            record = ledger.records.get(span.id)
-            if record is not None:
-                # Links to the spans of other traces that produced its inputs
-                links = record.links if record.links is not None else {}
-                producer_links(ts, root_span(span), self.dask_spans, links, self.sink.sampler)
-                record.links = links or None
+        if ts.dependencies and self.sink is not None and (record := ledger.records.get(span.id)):
+            # Links to the spans of other traces that produced its inputs
+            links = record.links if record.links is not None else {}
+            producer_links(ts, root_span(span), self.dask_spans, links, self.sink.sampler)
+            record.links = links or None
 
     def observe_erred(self, key: Hashable, startstops: Any) -> None:
         """A task erred: count it for its open group and spans (Dask's state counts
