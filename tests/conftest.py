@@ -3,15 +3,21 @@ package tests.support"""
 
 from __future__ import annotations
 
+import dask
 import pytest
 
 import dask_otel.log
+from tests.support import oracle
 from tests.support.cluster import otel_cluster
 
 # caplog listens on the root logger. distributed, imported here before pytest set it
 # up, keeps its lines to its own handler, and the bridge's logger follows it
 # (dask_otel/log.py): let the bridge's lines reach caplog as well.
 dask_otel.log.logger.propagate = True
+
+# The oracle counts the tasks graphs ran from the scheduler's transition log (1,000
+# entries by default): keep all of a test's
+dask.config.set({oracle.LOG_LENGTH_KEY: oracle.LOG_LENGTH})
 
 
 @pytest.fixture(autouse=True)
@@ -26,6 +32,25 @@ def telemetry_released():
     if leaked is not None:
         leaked.shutdown()
         pytest.fail("a test left dask_otel's Telemetry acquired (a server did not close)")
+
+
+@pytest.fixture(autouse=True)
+def dask_is_the_oracle():
+    """After every test that ran a cluster, Dask's own record against everything
+    the bridge exported (tests/support/oracle.py): clusters of ``otel_cluster`` and
+    ``dask_processes`` as they close, any other scheduler of this process here"""
+    import os
+
+    from distributed import Scheduler
+
+    oracle.current = whole = oracle.Oracle()
+    before = set(Scheduler._instances)
+    try:
+        yield whole
+        whole.finish([s for s in list(Scheduler._instances) if s not in before], os.environ)
+        whole.assert_whole()
+    finally:
+        oracle.current = None
 
 
 @pytest.fixture

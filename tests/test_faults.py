@@ -15,6 +15,7 @@ import pytest
 from distributed import Client, span
 
 import dask_otel
+from tests.support import oracle
 from tests.support.cluster import (
     MEMORY_CONFIG,
     dask_span_ids,
@@ -237,6 +238,8 @@ def test_black_hole_collector_and_shutdown_is_bounded_by_flush_timeout(monkeypat
 def test_bounded_memory_when_the_collector_is_gone(monkeypatch):
     """The SDK's queue limit bounds what waits for a dead collector; what does not
     fit is dropped and counted, and the mirror itself keeps nothing"""
+    oracle.waive("every-task", "the collector is a black hole: batches past the SDK's queue are dropped")
+    oracle.waive("every-span", "the collector is a black hole: spans past the SDK's queue are dropped")
     with BlackHole() as hole:
         set_env(monkeypatch, {**hole.env(protocol="grpc"), "OTEL_BSP_MAX_QUEUE_SIZE": "16",
                               "OTEL_BSP_MAX_EXPORT_BATCH_SIZE": "4",
@@ -472,6 +475,8 @@ def test_huge_empty_and_many_span_names_are_bounded():
 
 
 def test_auth_headers_never_reach_logs_or_attributes():
+    oracle.waive("every-task", "the first run is exported during an outage, and lost")
+    oracle.waive("every-span", "the first run is exported during an outage, and lost")
     secret = "s3cret-token-never-logged"
     with OTLPReceiver("grpc", mode="unavailable") as receiver:
         env = {

@@ -82,6 +82,8 @@ from opentelemetry.proto.common.v1.common_pb2 import AnyValue, KeyValue
 from opentelemetry.proto.metrics.v1 import metrics_pb2
 from opentelemetry.proto.trace.v1 import trace_pb2
 
+from tests.support import oracle
+
 __all__ = [
     "BlackHole",
     "OTLPReceiver",
@@ -642,6 +644,8 @@ class OTLPReceiver:
         """Start serving (again, on the same port after a stop())."""
         if self.running:
             return self
+        if oracle.current is not None:  # the oracle reads what it received
+            oracle.current.receivers.append(self)
         self._stopping.clear()
         if self.protocol == "grpc":
             self._start_grpc()

@@ -16,6 +16,8 @@ from pathlib import Path
 
 from distributed import Client
 
+from tests.support import oracle
+
 #: The repository root: ``tests.support.tasks`` is importable from it
 REPO = Path(__file__).resolve().parents[2]
 
@@ -58,7 +60,9 @@ class DaskProcesses:
     def __init__(self, env: dict[str, str], n_workers: int = 2, worker_args: tuple = ()):
         # Task functions (tests.support.tasks) are pickled by reference
         pythonpath = os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))
-        self.env = {**os.environ, "PYTHONPATH": pythonpath, **env}
+        # the transition log the oracle reads, long enough for a test
+        self.env = {**os.environ, "PYTHONPATH": pythonpath,
+                    "DASK_DISTRIBUTED__ADMIN__LOW_LEVEL_LOG_LENGTH": str(oracle.LOG_LENGTH), **env}
         self.n_workers = n_workers
         self.worker_args = worker_args
         self.dir = tempfile.TemporaryDirectory()
@@ -156,8 +160,12 @@ class DaskProcesses:
             raise
 
     def __exit__(self, *exc) -> None:
+        address = self._read_address() if self.procs["scheduler"].poll() is None else None
+        dask = oracle.read_remote(address) if address and exc[0] is None else None
         self.stop()
         self.dir.cleanup()
+        if exc[0] is None:
+            oracle.processes_closed(dask, self.env, f"dask scheduler {address}")
 
 
 @contextlib.contextmanager

@@ -47,6 +47,8 @@ class Node:
 def as_node(span: Any) -> Node:
     """A Node from an SDK ``ReadableSpan``, an OTLP receiver ``ReceivedSpan`` or a
     Jaeger span dict"""
+    if isinstance(span, Node):
+        return span
     if isinstance(span, dict):  # Jaeger
         return Node(span["trace_id"], span["span_id"], span["parent_id"], span["name"],
                     span["start_time_unix_nano"], span["end_time_unix_nano"],
