@@ -309,12 +309,11 @@ def taskgroup_span(builder: SpanBuilder, names: tuple[str, str, str, tuple[str, 
                    figures: tuple[dict[str, int], int, float],
                    span_metrics: Mapping[tuple[Hashable, ...], float], start: float, end: float
                    ) -> ReadableSpan:
-    """The OTel span of one ``batch`` of a TaskGroup (``names``: its name, task
-    prefix, and the id and tags of the Dask span Dask attached it to; taken from
-    the ledger), with ``context``, a child of its Dask span's (``head``): its task
-    counts, bytes, duration (``figures``: the group's states, bytes and duration
-    when exported) and fine metrics (its prefix's in ``span_metrics``, the loop's
-    copy of its own Dask span's then), less what an earlier batch counted"""
+    """The OTel span of one ``batch`` of a TaskGroup (``names``: its name, prefix, and
+    the id and tags of the span Dask attached it to), with ``context``, a child of
+    ``head``'s: its task counts, bytes, duration (``figures``: the group's states,
+    bytes and duration when exported) and fine metrics (its prefix's in
+    ``span_metrics``, the loop's copy of that span's), less what an earlier batch counted"""
     sink = builder.sink
     name, prefix, span_id, tags = names
     metrics = builder.named(span_metrics).by_prefix.get(prefix, {})
