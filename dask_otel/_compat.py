@@ -16,14 +16,12 @@ import logging
 import threading
 from collections.abc import Callable, Hashable, Iterable, Mapping
 from types import MappingProxyType
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import distributed
 from distributed.protocol.serialize import ToPickle
+from distributed.spans import Span
 from packaging.version import Version
-
-if TYPE_CHECKING:
-    from distributed.spans import Span
 
 
 # --- distributed: versions ------------------------------------------------------
@@ -93,6 +91,25 @@ def on_graph_sent(sent: Callable[[Any], None]) -> None:
         return send(client, *args, **kwargs)
 
     distributed.Client._graph_to_futures = graph_to_futures
+
+
+def sent_annotations(scheduler: Any) -> tuple[Any, Mapping[str, Any]]:
+    """In the ``update_graph`` hook, ``Scheduler.computations[-1]`` and its
+    ``annotations``: the graph's global ones as its client sent them, before the
+    spans extension rewrote its tasks' ``span`` (2024.1.0 to 2026.8.0), and what
+    earlier graphs of the computation sent for other keys"""
+    computations = getattr(scheduler, "computations", None)
+    last = computations[-1] if computations else None
+    return last, getattr(last, "annotations", None) or {}
+
+
+def detached_span(name: tuple[str, ...], span_id: str, parent: Span | None, scheduler: Any) -> Span:
+    """A ``distributed.spans.Span`` no extension holds (2024.1.0 to 2026.8.0), its
+    ``_parent`` written strong: a detached parent has no other holder"""
+    span = Span(name, span_id, parent, scheduler.total_nthreads_history)
+    span._parent = (lambda: parent) if parent is not None else None
+    return span
+
 
 
 # -- limits --

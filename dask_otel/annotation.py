@@ -164,18 +164,22 @@ def read_block_exit(msg: Any) -> BlockExit | None:
         return None
     span, own, otel, exited = msg.get("span"), msg.get("own"), msg.get("otel"), msg.get("exited")
     if not (
-        isinstance(span, Mapping) and isinstance(own, int) and isinstance(otel, Mapping)
+        (block := read_span(span)) and isinstance(own, int) and isinstance(otel, Mapping)
         and isinstance(exited, (int, float)) and entered_times(otel) is not None
+        and 0 < own <= len(block[0])
     ):
         return None
-    ids, tags = span.get("ids"), span.get("name")
-    if not (
-        isinstance(ids, (list, tuple)) and isinstance(tags, (list, tuple))
-        and len(ids) == len(tags) and 0 < own <= len(ids)
-        and all(isinstance(i, str) for i in ids)
-    ):
+    return *block, own, otel, float(exited)
+
+
+def read_span(span: Any) -> tuple[list[str], list[Any]] | None:
+    """``(ids, tags)``, root first, of Dask's ``span`` annotation as a client sent it
+    (in a :data:`BLOCK_EXIT` event, or a graph's), or None for one of another shape"""
+    ids, tags = (span.get("ids"), span.get("name")) if isinstance(span, Mapping) else (0, 0)
+    if not (isinstance(ids, (list, tuple)) and isinstance(tags, (list, tuple))
+            and 0 < len(ids) == len(tags) and all(isinstance(i, str) for i in ids)):
         return None
-    return list(ids), list(tags), own, otel, float(exited)
+    return list(ids), list(tags)
 
 
 def extract_caller(

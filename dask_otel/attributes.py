@@ -38,6 +38,8 @@ SPAN_ID = "dask.span.id"
 SPAN_NAME = "dask.span.name"
 SPAN_CODE = "dask.span.code"
 SPAN_UNFINISHED = "dask.span.unfinished"
+#: A span Dask made none of: every task of its block joined an older TaskGroup
+SPAN_COLLIDED = "dask.span.collided"
 ACTIVE_CPU_SECONDS = "dask.active_cpu_seconds"
 #: Thread time of a span that no task accounts for, as Dask's
 #: ``Span.cumulative_worker_metrics`` has it

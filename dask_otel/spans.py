@@ -29,12 +29,14 @@ from collections.abc import Hashable, Iterable
 from operator import attrgetter
 from time import perf_counter
 from typing import TYPE_CHECKING, Any
+from uuid import uuid4
 
 from distributed.metrics import time
+from opentelemetry.trace import Link
 
-from dask_otel._compat import span_own_metrics
-from dask_otel.annotation import entered_times, otel_of
-from dask_otel.attributes import LOOP_BLOCKED, WORKER_LOST
+from dask_otel._compat import detached_span, sent_annotations, span_own_metrics
+from dask_otel.annotation import entered_times, otel_of, read_span
+from dask_otel.attributes import LOOP_BLOCKED, SPAN_ID, SPAN_NAME, WORKER_LOST
 from dask_otel.scheduler import blocks
 from dask_otel.scheduler.builder import SpanBuilder, built, dask_span, taskgroup_span
 from dask_otel.scheduler.ledger import Ledger
@@ -98,6 +100,8 @@ class SpanMirror:
         self._heads: dict[str, SpanHead] = {}
         self._batch: list[tuple[Any, tuple]] = []
         self._random = random.Random()
+        #: The computation the last graph joined and its ``span`` annotation then
+        self._sent: tuple[Any, Any] = (None, None)
         self.ledger.follow_running(self.dask_spans)  # instrumented while running
 
     @property
@@ -122,11 +126,18 @@ class SpanMirror:
         (``update_graph``: Dask attached its tasks to their spans; new ones are
         still ``released``). A group exported before opens again as a new batch,
         under the Dask span its tasks were submitted in (the TaskGroup collision
-        keeps them on the group's first span), exported only if some task runs."""
+        keeps them on the group's first span), exported only if some task runs;
+        so does an open group's, done, if its new tasks were sent from another
+        block: its batch so far is exported at once, without them."""
         if not (spans := self.dask_spans):
             return
         self.observe_new_spans()
         ledger = self.ledger
+        # The block the client sent the graph in (Dask rewrote its tasks'); None: it
+        # sent none, and what the computation holds is an earlier graph's
+        (computation, sent), seen = sent_annotations(self.scheduler), self._sent
+        self._sent = computation, (block := sent.get("span"))
+        told = None if seen[0] is computation and seen[1] is block else read_span(block)
         # One task per group of the graph (the first), whose annotations are
         # those of all, and how many of the graph's tasks each group has. In C
         # (map, zip, Counter): this runs for every key of every graph.
@@ -137,34 +148,47 @@ class SpanMirror:
         rerun: dict[TaskGroup, int] | None = None
         later: list[tuple[TaskGroup, TaskState, Span]] = []
         fresh: Span | None = None  # the span of the graph's new groups
+        orphan: Span | None = None  # where nothing says where they were sent
         for tg, ts in first.items():
-            if tg in ledger.groups or tg.span_id is None:
+            if tg.span_id is None or (span := spans.get(tg.span_id)) is None:
                 continue
-            span = spans.get(tg.span_id)
-            if span is None:
+            if tg in ledger.groups:
+                if told is not None:  # more work of its open batch, or of another block
+                    later.append((tg, ts, span))
                 continue
             states = tg.states
             if in_graph is None:
                 in_graph = Counter(groups)
             if not tg.stop and states.get("released", 0) == sum(states.values()) == in_graph[tg]:
                 # A new group: every task released, and in this graph
-                self._open(tg, GroupBatch(span), ts, client, True)
+                self._open(tg, GroupBatch(span), ts, client)
                 fresh = span
             else:
                 later.append((tg, ts, span))
         for tg, ts, own in later:
-            span = self._submitted_in(ts, own, fresh)
-            if span is None:
-                continue  # no open span to lie inside (all its spans exported)
+            span = self._submitted_in(ts, own, fresh, told)
+            if span is None:  # nothing says where: a root of its own, one per graph
+                span = orphan = orphan or self._made(([str(uuid4())], [tg.prefix.name]), own)
+            if (batch := ledger.groups.get(tg)) is not None and (
+                    batch.span.id == span.id or not group_done(tg)):
+                continue  # more work of its open batch's block, or two blocks' at once
             if rerun is None:  # tasks of each group this graph (re)runs
                 rerun = Counter(g for g, t in zip(groups, tss) if t.state == "released")
-            self._open(tg, GroupBatch.reopened(tg, span, own, rerun[tg]), ts, client, rerun[tg] > 0)
+            if not rerun[tg]:
+                continue  # none: finished tasks merely requested again
+            if batch is not None:  # another block's, done: it ends without them
+                self._export(self.group_span_of, tg, ledger.take_group(tg), rerun[tg])
+                self._end_poll()
+            self._open(tg, GroupBatch.reopened(tg, span, own, rerun[tg]), ts, client)
 
-    def _submitted_in(self, ts: TaskState, own: Span, fresh: Span | None) -> Span | None:
-        """The open Dask span the tasks of a later batch were submitted in: the
-        innermost ``dask_otel.span`` block of their annotation, else the span of
-        the graph's new groups, else the group's own span; None if none is open
-        (Dask made no span of where they were submitted: nothing to lie inside)"""
+    def _submitted_in(self, ts: TaskState, own: Span, fresh: Span | None,
+                      told: tuple[list[str], list[Any]] | None) -> Span | None:
+        """The Dask span the tasks of a later batch were submitted in: the block
+        ``told`` (the graph's), made here where Dask made none of it; else the open
+        innermost ``dask_otel.span`` block of their annotation, the span of the
+        graph's new groups, the group's own span; None: nothing says"""
+        if told is not None:
+            return self._made(told, own)
         records = self.ledger.records
         entered = entered_times(otel_of(ts.annotations))
         for span_id in (list(entered)[-1] if entered else None, fresh and fresh.id, own.id):
@@ -172,24 +196,37 @@ class SpanMirror:
                 return record.span
         return None
 
-    def _open(self, tg: TaskGroup, batch: GroupBatch, ts: TaskState, client: str | None,
-              runs: bool) -> None:
-        """Open a batch, read its first task's annotation; name the OTel span of one that
-        ``runs`` tasks: its prefix's exemplar from the first heartbeat on (docs/metrics.md)"""
+    def _made(self, block: tuple[list[str], list[Any]], own: Span) -> Span:
+        """The Dask span of ``block`` (ids and tags, root first), and each of its
+        ancestors, that Dask made none of (every task of it joined an older
+        TaskGroup, of ``own``): made and opened here, linked to ``own``"""
+        (ids, tags), span, ledger = block, None, self.ledger
+        for i, span_id in enumerate(ids):
+            parent, record = span, ledger.records.get(span_id)
+            span = record.span if record else self.dask_spans.get(span_id) or ledger.made.get(span_id)
+            if span is None:
+                span = detached_span(tuple(map(str, tags[: i + 1])), span_id, parent,
+                                     self.scheduler)
+                link = (context := self._context(own)) and Link(
+                    context, {SPAN_ID: own.id, SPAN_NAME: tuple(own.name)})
+                ledger.open_made(span, {own.id: link} if link else None)
+        return span  # type: ignore[return-value]
+
+    def _open(self, tg: TaskGroup, batch: GroupBatch, ts: TaskState, client: str | None) -> None:
+        """Open a batch (it runs tasks), read its first task's annotation; name its OTel
+        span: its prefix's exemplar from the first heartbeat on (docs/metrics.md)"""
         ledger, span, latest = self.ledger, batch.span, self.latest_by_prefix
         ledger.open_group(tg, batch)
-        ledger.observe_annotation(ts, client)
-        if runs and (context := self._context(span)) is not None and (
+        ledger.observe_annotation(otel_of(ts.annotations), span, client)
+        if (context := self._context(span)) is not None and (
                 tg.prefix.name in latest or len(latest) < MAX_EXEMPLAR_PREFIXES):  # bounded
             batch.span_id = self._random.getrandbits(64) or 1
             latest[tg.prefix.name] = child_context(context, batch.span_id)
-        if ts.dependencies and self.sink is not None:
-            record = ledger.records.get(span.id)
-            if record is not None:
-                # Links to the spans of other traces that produced its inputs
-                links = record.links if record.links is not None else {}
-                producer_links(ts, root_span(span), self.dask_spans, links, self.sink.sampler)
-                record.links = links or None
+        if ts.dependencies and self.sink is not None and (record := ledger.records.get(span.id)):
+            # Links to the spans of other traces that produced its inputs
+            links = record.links if record.links is not None else {}
+            producer_links(ts, root_span(span), self.dask_spans, links, self.sink.sampler)
+            record.links = links or None
 
     def observe_erred(self, key: Hashable, startstops: Any) -> None:
         """A task erred: count it for its open group and spans (Dask's state counts
@@ -204,7 +241,8 @@ class SpanMirror:
         kind = error_type(ts, self.scheduler.allowed_failures)
         if (batch := self.ledger.groups.get(tg)) is not None:
             batch.observe_erred(kind, failed, started)
-        span = self.dask_spans.get(tg.span_id) if tg.span_id else None
+        # The span its batch is exported under, else the group's
+        span = batch.span if batch is not None else self.dask_spans.get(tg.span_id)
         records = self.ledger.records
         if span is not None and (record := records.get(span.id)) is not None:
             sent = batch.sent if batch is not None else 0.0
@@ -416,16 +454,17 @@ class SpanMirror:
                            end, subtree if sums else own, self._span_metrics(span),
                            active_cpu_seconds(span, end), sums, code, subtree.start, unfinished)
 
-    def group_span_of(self, tg: TaskGroup, batch: GroupBatch
+    def group_span_of(self, tg: TaskGroup, batch: GroupBatch, held: int = 0
                       ) -> tuple[Any, tuple] | bool | None:
         """Read what the OTel span of a batch of a TaskGroup needs (for the builder
         thread): a child of its Dask span's (which then ends no earlier), from its
         first task's start (a later batch: its graph's arrival) to its last task's
-        end. False if the sampler drops the trace, None if traces are off,
-        nothing ran or a full queue drops it. Keeps nothing."""
+        end, less ``held`` released tasks (the next batch's). False if the sampler
+        drops the trace, None if traces are off, nothing ran or a full queue drops
+        it. Keeps nothing."""
         span = batch.span
         head = self._head(span)
-        figures = batch.figures(tg) if head.context is not None else None
+        figures = batch.figures(tg, held) if head.context is not None else None
         latest, prefix = self.latest_by_prefix, tg.prefix.name
         if figures is None and head.context is not None:
             self._unname(prefix, batch)  # named at open (_open), nothing ran: no exemplar
@@ -444,11 +483,11 @@ class SpanMirror:
         context = child_context(head.context, batch.span_id or self._random.getrandbits(64) or 1)
         if prefix in latest or len(latest) < MAX_EXEMPLAR_PREFIXES:  # bounded
             latest[prefix] = context  # the exemplar of the prefix's fine metrics
-        # Dask's fine metrics of its tasks: of the group's own Dask span
+        # The Dask span Dask attached it to, which has its tasks' fine metrics
         own = self.dask_spans.get(tg.span_id, span)
         open_id = own.id if own.id in self.ledger.records else None
-        return taskgroup_span, ((str(tg.name), str(prefix)), batch, head, context, figures,
-                                self._span_metrics(own), open_id, start, end)
+        return taskgroup_span, ((str(tg.name), str(prefix), own.id, tuple(own.name)), batch, head,
+                                context, figures, self._span_metrics(own), open_id, start, end)
 
     def _unname(self, prefix: str, batch: GroupBatch) -> None:
         """The batch named at open (:meth:`_open`) is not exported: its prefix's

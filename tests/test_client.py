@@ -180,7 +180,7 @@ def test_memory_of_the_mirror_is_bounded_by_open_spans(cluster):
     Read through the scheduler plugin's ``mirror`` and ``mirror.ledger`` (no public
     API shows them): all their containers, found by type, so that one added
     later is checked too."""
-    from dask_otel.scheduler.ledger import MAX_REOPENED_ROOTS
+    from dask_otel.scheduler.ledger import MAX_MADE_SPANS, MAX_REOPENED_ROOTS
     from dask_otel.spans import MAX_EXEMPLAR_PREFIXES
 
     client, mirrored = cluster
@@ -206,6 +206,7 @@ def test_memory_of_the_mirror_is_bounded_by_open_spans(cluster):
     time.sleep(0.3)  # a few more polls
     bounded = {
         "Ledger.reopened_parents": MAX_REOPENED_ROOTS,
+        "Ledger.made": MAX_MADE_SPANS,  # the "sub" blocks of wf-1 to wf-19: Dask made none
         "SpanMirror.latest_by_prefix": min(MAX_EXEMPLAR_PREFIXES, 21),  # 20 + double
     }
     containers = containers_of(mirror, ledger)

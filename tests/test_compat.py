@@ -48,6 +48,49 @@ async def test_dask_span_keeps_the_thread_count_history_active_cpu_seconds_reads
 
 
 @gen_cluster(client=True)
+async def test_dask_update_graph_plugins_see_the_span_annotation_the_client_sent(c, s, a, b):
+    """The span mirror's ``_sent_in``: in ``update_graph``, the tasks of block B that
+    join A's TaskGroup say A (the spans extension rewrote them), the graph's
+    computation keeps what the client sent: B"""
+    seen = []
+
+    class Sent(SchedulerPlugin):
+        def update_graph(self, scheduler, *, tasks=(), **kwargs):
+            computation, sent = _compat.sent_annotations(scheduler)
+            ts = scheduler.tasks[tasks[0]]
+            seen.append((computation, sent.get("span"), ts.annotations["span"]["ids"][-1]))
+
+    s.add_plugin(Sent(), name="sent")
+    with span("A") as a_id:
+        first = c.submit(inc, 1, key="sent-1")
+        await first
+    with span("B") as b_id:
+        await c.submit(inc, 2, key="sent-2")
+    (_, sent_a, task_a), (computation, sent_b, task_b) = seen
+    assert sent_a["ids"][-1] == task_a == a_id
+    assert sent_b["ids"][-1] == b_id and task_b == a_id and b_id not in s.extensions["spans"].spans
+    assert computation is s.computations[-1]
+
+
+@gen_cluster(client=True)
+async def test_dask_span_made_detached_keeps_its_parent_and_reads_as_dasks(c, s, a, b):
+    """``_compat.detached_span``: Dask's Span, built as the extension builds one, held
+    by no extension; a detached parent lives as long as its child"""
+    import gc
+
+    root = _compat.detached_span(("made",), "11111111-1111-1111-1111-111111111111", None, s)
+    child = _compat.detached_span(("made", "step"), "22222222-2222-2222-2222-222222222222",
+                                  root, s)
+    del root
+    gc.collect()
+    assert child.parent.name == ("made",) and child.parent.parent is None
+    assert child.annotation == {"name": ("made", "step"), "ids": (
+        "11111111-1111-1111-1111-111111111111", "22222222-2222-2222-2222-222222222222")}
+    assert not child.groups and _compat.span_nthreads_history(child) is not None
+    assert child.id not in s.extensions["spans"].spans
+
+
+@gen_cluster(client=True)
 async def test_dask_remove_worker_lists_lost_keys_as_compat_says(c, s, a, b):
     events = []
 

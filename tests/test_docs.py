@@ -199,9 +199,13 @@ def test_span_attribute_table_matches_what_is_emitted():
     }
     with otel_cluster(config) as (client, mirrored):
         with span("documented") as sid:
-            client.gather(client.map(inc, range(3)))
+            done = client.map(inc, range(3))
+            client.gather(done)
             wait(client.map(fail, range(2)))
         mirrored.by_dask_id(sid)
+        with span("collided") as collided:  # its task joins inc's TaskGroup: Dask makes no span
+            client.submit(inc, 3).result()
+        mirrored.by_dask_id(collided)
         # an unfinished span, exported when the scheduler closes
         with span("cut short"):
             running = client.submit(__import__("time").sleep, 3)

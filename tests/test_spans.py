@@ -798,20 +798,274 @@ def test_taskgroup_work_after_its_export_is_a_new_child_of_the_span_it_was_submi
     assert_span_tree(mirrored.spans(), ends="inside")
 
 
-def test_a_later_batch_with_no_open_span_to_lie_in_is_not_exported(cluster):
-    """All of B's tasks join a group of A, exported: Dask makes no span of B, so
-    there is no span the batch could lie inside; it is not exported (never under
-    A, which ended before it ran)"""
+def test_a_later_batch_whose_block_dask_never_made_is_exported_in_the_span_the_bridge_makes(
+    cluster,
+):
+    """All of B's tasks join a group of A, exported: Dask makes no span of B. The
+    bridge makes B's span itself (its ids, marked ``dask.span.collided``, linked to
+    A), and the batch lies inside it; never under A, which ended before it ran
+    (before: the batch was not exported at all)"""
     client, mirrored = cluster
     a, first = exported_inc_in_span_a(client, mirrored)
-    with span("B"):
-        client.submit(inc, 2).result()
-    client.submit(double, 3, key="double-after").result()  # a poll after B's tasks
-    wait_until(lambda: any(s.name == "taskgroup/double-after" for s in mirrored.spans()))
-    time.sleep(0.5)
+    with span("B") as b_id:
+        second = client.submit(inc, 2)
+        second.result()
+    b = mirrored.by_dask_id(b_id)
+    (batch,) = wait_until(lambda: mirrored.children(b))
     assert [g.name for g in mirrored.children(a)] == ["taskgroup/inc"]
+    assert batch.name == "taskgroup/inc" and batch.attributes["dask.tasks.total"] == 1
+    assert b.attributes["dask.span.collided"] is True
+    assert [link.context.span_id for link in b.links] == [a.context.span_id]
+    assert a.end_time <= batch.start_time
     assert_span_tree(mirrored.spans(), ends="inside")
-    del first
+    del first, second
+
+
+def test_collided_work_sent_in_no_block_goes_under_the_span_of_its_graphs_new_groups(cluster):
+    """A graph sent in no block: inc joins A's exported group, double-free is new
+    (Dask puts it on its default span): nothing says where the graph was sent but
+    Dask's span of its new group, which the inc batch joins"""
+    client, mirrored = cluster
+    a, first = exported_inc_in_span_a(client, mirrored)
+    second = client.compute(dask.delayed(double)(dask.delayed(inc)(2), dask_key_name="double-free"))
+    second.result()
+    default = wait_until(lambda: next((s for s in mirrored.spans() if s.name == "default"), None))
+    groups = wait_until(lambda: len(c := mirrored.children(default)) == 2 and c)
+    assert sorted(g.name for g in groups) == ["taskgroup/double-free", "taskgroup/inc"]
+    assert_span_tree(mirrored.spans(), ends="inside")
+    del first, second
+
+
+def test_collided_work_of_a_busy_block_goes_under_its_dask_otel_block(cluster):
+    """In-process, the client's annotations reach the scheduler by reference: a
+    second graph of a block, sent while its first runs, shows the scheduler the
+    same span annotation, which an earlier graph's left there would show too. Its
+    task, joining A's exported group, still goes under its block: the ``otel``
+    annotation's ``entered`` names it"""
+    client, mirrored = cluster
+    a, first = exported_inc_in_span_a(client, mirrored)
+    with dask_otel.span("B") as b_id:
+        busy = client.submit(slow, 1, delay=1, key="busy-b")
+        second = client.submit(inc, 2)
+        second.result()
+        busy.result()
+    b = mirrored.by_dask_id(b_id)
+    groups = wait_until(lambda: len(c := mirrored.children(b)) == 2 and c)
+    assert sorted(g.name for g in groups) == ["taskgroup/busy-b", "taskgroup/inc"]
+    assert_span_tree(mirrored.spans(), ends="inside")
+    del first, second
+
+
+def test_collided_work_of_a_block_after_its_first_graph_goes_under_it(cluster):
+    """In-process (the client's annotations reach the scheduler by reference): block
+    B's second graph, sent after its first finished, joins A's exported group; it
+    shows the scheduler the very annotation the first did, in a computation of its
+    own, so it is the block's: the batch goes under B"""
+    client, mirrored = cluster
+    a, first = exported_inc_in_span_a(client, mirrored)
+    with span("B") as b_id:
+        own = client.submit(double, 1, key="double-b")
+        own.result()
+        second = client.submit(inc, 2)
+        second.result()
+    b = mirrored.by_dask_id(b_id)
+    groups = wait_until(lambda: len(c := mirrored.children(b)) == 2 and c)
+    assert sorted(g.name for g in groups) == ["taskgroup/double-b", "taskgroup/inc"]
+    assert_span_tree(mirrored.spans(), ends="inside")
+    del first, own, second
+
+
+def test_collided_work_sent_in_no_block_while_a_block_runs_is_not_put_in_that_block():
+    """Worker processes. While block X's graph runs, a graph sent in no block joins A's
+    exported group: the scheduler's computation still holds X's span annotation (it
+    keeps what earlier graphs sent), but this graph sent none: its batch is a root of
+    its own, never in X's run"""
+    with otel_cluster(processes=True) as (client, mirrored):
+        a, first = exported_inc_in_span_a(client, mirrored)
+        with span("X") as x_id:
+            busy = client.submit(slow, 1, delay=1, key="busy-x")
+        second = client.submit(inc, 2)
+        second.result()
+        busy.result()
+        x = mirrored.by_dask_id(x_id)
+        root = wait_until(lambda: next((s for s in mirrored.spans() if s.name == "inc"), None))
+        (batch,) = wait_until(lambda: mirrored.children(root))
+        assert [g.name for g in mirrored.children(x)] == ["taskgroup/busy-x"]
+        assert batch.name == "taskgroup/inc" and root.context.trace_id != x.context.trace_id
+        del first, second, busy
+
+
+def dask_tasks_by_group(cluster: LocalCluster) -> dict[str, int]:
+    """Dask's own record: by TaskGroup name, the tasks it added to the TaskGroups of
+    that name (``TaskGroup.states`` summed), over the TaskGroups of every Dask span"""
+    groups = {tg for s in cluster.scheduler.extensions["spans"].spans.values() for tg in s.groups}
+    out: dict[str, int] = {}
+    for tg in groups:
+        out[tg.name] = out.get(tg.name, 0) + sum(tg.states.values())
+    return out
+
+
+def batch_tasks_by_group(spans: list) -> dict[str, int]:
+    """What the exported TaskGroup batches count, by TaskGroup name"""
+    out: dict[str, int] = {}
+    for s in spans:
+        if (name := s.attributes.get("dask.taskgroup.name")) is not None:
+            out[name] = out.get(name, 0) + s.attributes["dask.tasks.total"]
+    return out
+
+
+@pytest.mark.parametrize("block", [span, dask_otel.span], ids=["distributed", "dask_otel"])
+def test_every_task_of_a_block_dask_made_no_span_of_is_counted_inside_the_blocks_span(block):
+    """Worker processes. Block A submits inc and is exported; block B then submits
+    inc again: Dask puts B's task on A's TaskGroup (the collision) and makes no span
+    of B. Every task Dask ran is counted in exactly one exported batch, every span
+    lies inside its parent, A ended before B's work began, B's trace is the one its
+    id names, and B counts as a run (before: B's batch was never exported)"""
+    config = {"otel.metrics.exporter": "memory", "otel.metrics.workflows": ["A", "B"]}
+    with otel_cluster(config, processes=True) as (client, mirrored):
+        with block("A") as a_id:
+            first = client.submit(inc, 1)
+            first.result()
+        a = mirrored.by_dask_id(a_id)
+        wait_until(lambda: mirrored.children(a))  # A's batch exported: A's work is over
+        b_submitted = time.time()
+        with block("B") as b_id:
+            second = client.submit(inc, 2)
+            second.result()
+        b = mirrored.by_dask_id(b_id)
+        (batch,) = wait_until(lambda: mirrored.children(b))
+        ran = dask_tasks_by_group(mirrored.cluster)
+        wait_until(lambda: runs_by_name(mirrored.cluster) == {("A", "ok"): 1, ("B", "ok"): 1})
+        spans = mirrored.spans()
+        del first, second
+    assert sum(ran.values()) == 2  # both on A's TaskGroup
+    assert batch_tasks_by_group(spans) == ran
+    assert batch.attributes["dask.tasks.total"] == 1
+    assert_span_tree(spans, ends="inside")
+    assert a.end_time <= batch.start_time and a.end_time / 1e9 <= b_submitted
+    assert b.context.trace_id == dask_span_ids(b_id)[0] and b.parent is None
+    assert b.attributes["dask.span.collided"] is True
+    assert [link.context.span_id for link in b.links] == [a.context.span_id]
+
+
+def runs_by_name(cluster: LocalCluster) -> dict[tuple[str, str], float]:
+    """``dask.workflow.runs`` by workflow name and result, from the scheduler's
+    in-memory reader"""
+    out: dict[tuple[str, str], float] = {}
+    for p in collect(metric_reader(cluster)).get("dask.workflow.runs", []):
+        key = p.attributes["dask.workflow.name"], p.attributes["dask.workflow.result"]
+        out[key] = out.get(key, 0) + p.value
+    return out
+
+
+def test_a_task_that_erred_in_a_block_dask_made_no_span_of_errs_that_blocks_run():
+    """Worker processes. Block A's task erred; block B's erring task joins A's
+    exported TaskGroup: B's span (the bridge's) and B's run erred, A's run is
+    counted once"""
+    config = {"otel.metrics.exporter": "memory", "otel.metrics.workflows": ["A", "B"]}
+    with otel_cluster(config, processes=True) as (client, mirrored):
+        with span("A") as a_id:
+            first = client.submit(fail, 1)
+            wait(first)
+        a = mirrored.by_dask_id(a_id)
+        wait_until(lambda: mirrored.children(a))
+        with span("B") as b_id:
+            second = client.submit(fail, 2)
+            wait(second)
+        b = mirrored.by_dask_id(b_id)
+        wait_until(lambda: runs_by_name(mirrored.cluster) == {("A", "erred"): 1, ("B", "erred"): 1})
+        del first, second
+    assert b.status.status_code is StatusCode.ERROR and b.attributes["dask.tasks.erred"] == 1
+
+
+def test_collided_work_submitted_in_no_block_is_a_root_of_its_own_linked_to_its_group():
+    """A graph in no span whose every task joins A's exported TaskGroup: nothing
+    says where it was submitted, A is over, so its batch is exported under a root
+    of its own, named after its task prefix, marked ``dask.span.collided`` and
+    linked to A, counted as a run (before: not exported)"""
+    with otel_cluster({"otel.metrics.exporter": "memory"}, processes=True) as (client, mirrored):
+        with span("A") as a_id:
+            first = client.submit(inc, 1)
+            first.result()
+        a = mirrored.by_dask_id(a_id)
+        wait_until(lambda: mirrored.children(a))
+        second = client.submit(inc, 2)
+        second.result()
+        root = wait_until(lambda: next((s for s in mirrored.spans() if s.name == "inc"), None))
+        (batch,) = wait_until(lambda: mirrored.children(root))
+        ran = dask_tasks_by_group(mirrored.cluster)
+        wait_until(lambda: sum(runs_by_name(mirrored.cluster).values()) == 2)
+        spans = mirrored.spans()
+        del first, second
+    assert batch_tasks_by_group(spans) == ran and sum(ran.values()) == 2
+    assert root.parent is None and root.attributes["dask.span.collided"] is True
+    assert [link.context.span_id for link in root.links] == [a.context.span_id]
+    assert a.end_time <= batch.start_time
+    assert_span_tree(spans, ends="inside")
+
+
+def shuffling_workflow(client: Client, pdf, right, held: list) -> str:
+    """One run: a from_pandas ingest, a P2P shuffle and a merge, an array rechunk,
+    an erring stage, in three levels of ``distributed.span``; what it persisted is
+    kept in ``held`` (so Dask keeps its TaskGroups for the next run)"""
+    da = pytest.importorskip("dask.array")
+    dd = pytest.importorskip("dask.dataframe")
+    with span("workflow") as root_id:
+        with span("ingest"):
+            df = dd.from_pandas(pdf, npartitions=4).persist()
+            wait(df)
+        with span("transform"):
+            with span("shuffle"):
+                shuffled = df.shuffle("k", shuffle_method="p2p").persist()
+                wait(shuffled)
+            with span("merge"):
+                merged = shuffled.merge(right, on="k").persist()
+                wait(merged)
+        with span("arrays"):
+            client.compute(da.arange(64, chunks=8).reshape(8, 8).rechunk((8, 2)).sum()).result()
+        with span("erring"):
+            wait(client.submit(fail, 1))
+    held += [df, shuffled, merged]
+    return root_id
+
+
+def test_a_workflow_run_twice_counts_every_task_of_each_run_in_its_own_trace():
+    """Worker processes; a deterministic dataframe workflow run twice, the first
+    run's results held: run 2's ingest and its P2P barrier join run 1's TaskGroups
+    (the collision; the barrier's group while run 1's batch of it still waits for
+    its export). Every task Dask ran is counted once; run 2's trace has every stage
+    of the workflow; nothing of run 2 lies in run 1's trace, whose spans all end
+    before run 2 began (before: run 2 had no ingest, and its barrier stretched run
+    1's shuffle, transform and root into run 2)"""
+    pd = pytest.importorskip("pandas")
+    dd = pytest.importorskip("dask.dataframe")
+    pdf = pd.DataFrame({"k": [i % 7 for i in range(400)], "v": range(400)})
+    # Each run's own table to merge with: a task run again (a released input of
+    # what is held) counts in each batch it ran in, and this test counts tasks
+    right = [dd.from_pandas(pd.DataFrame({"k": range(7), "w": [run] * 7}), npartitions=1)
+             for run in range(2)]
+    # Run 1's batches still wait for their export when run 2 begins (the default 2 s)
+    with otel_cluster({"otel.spans.export-delay": "2s"}, processes=True, n_workers=2) as (
+        client, mirrored,
+    ):
+        held: list = []
+        run_1 = shuffling_workflow(client, pdf, right[0], held)
+        second_began = time.time()
+        run_2 = shuffling_workflow(client, pdf, right[1], held)
+        mirrored.by_dask_id(run_2)
+        mirrored.by_dask_id(run_1)
+        time.sleep(3)  # every batch exported
+        ran = dask_tasks_by_group(mirrored.cluster)
+        spans = mirrored.spans()
+        del held
+    assert batch_tasks_by_group(spans) == ran
+    assert_span_tree(spans, ends="inside")
+    traces = [dask_span_ids(run)[0] for run in (run_1, run_2)]
+    late = [s.name for s in spans
+            if s.context.trace_id == traces[0] and s.end_time / 1e9 > second_began]
+    assert not late, f"run 1's spans end after run 2 began: {late}"
+    stages = {"workflow", "ingest", "transform", "shuffle", "merge", "arrays", "erring"}
+    assert {s.name for s in spans if s.context.trace_id == traces[1]} >= stages
 
 
 def test_all_erred_group_given_new_work_is_exported_once_per_batch(cluster):

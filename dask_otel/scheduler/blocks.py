@@ -43,7 +43,7 @@ def observe_exit(ledger: Ledger, spans: Mapping[str, Span], msg: Any, now: float
         record = ledger.records.get(span_id)
         if record is not None:
             record.left_block(exited, sender, names_workflow(block, span_id))
-        elif span_id not in spans:
+        elif span_id not in spans and span_id not in ledger.made:
             ledger.pend_exit(span_id, now, block)
 
 

@@ -292,6 +292,8 @@ def dask_span(builder: SpanBuilder, record: SpanRecord, head: SpanHead,
         attributes[attr.SPAN_CODE] = code
     if unfinished:
         attributes[attr.SPAN_UNFINISHED] = True
+    if record.collided:
+        attributes[attr.SPAN_COLLIDED] = True
     status = erred_status(attributes, record.erred, record.error_type)
     first_task = first_task and min(max(first_task, start), end)
     events = ((Event(attr.FIRST_TASK_START, NO_ATTRIBUTES, int(first_task * 1e9)),)
@@ -309,24 +311,24 @@ def dask_span(builder: SpanBuilder, record: SpanRecord, head: SpanHead,
                      events, links)
 
 
-def taskgroup_span(builder: SpanBuilder, names: tuple[str, str], batch: GroupBatch,
-                   head: SpanHead, context: SpanContext,
+def taskgroup_span(builder: SpanBuilder, names: tuple[str, str, str, tuple[str, ...]],
+                   batch: GroupBatch, head: SpanHead, context: SpanContext,
                    figures: tuple[dict[str, int], int, float],
                    span_metrics: Mapping[tuple[Hashable, ...], float], open_id: str | None,
                    start: float, end: float) -> ReadableSpan:
-    """The OTel span of one ``batch`` of a TaskGroup (``names``: its name and task
-    prefix; taken from the ledger), with ``context``, a child of its Dask span's:
-    its task counts, bytes, duration (``figures``: the group's when exported) and fine
-    metrics (its prefix's in ``span_metrics``, the loop's copy of its own Dask span's),
-    less what earlier batches counted; fine metrics, while that span is open
-    (``open_id``), less what any group of the prefix carried: Dask keys them by prefix"""
+    """The OTel span of one ``batch`` of a TaskGroup (``names``: its name, prefix, and
+    the id and tags of the span Dask attached it to), with ``context``, a child of
+    ``head``'s: its task counts, bytes, duration (``figures``: the group's when
+    exported) and fine metrics (its prefix's in ``span_metrics``, the loop's copy of
+    that span's), less what earlier batches counted; fine metrics, while that span is
+    open (``open_id``), less what any group of the prefix carried: Dask keys them by prefix"""
     sink = builder.sink
-    name, prefix = names
+    name, prefix, span_id, tags = names
     metrics = builder.named(span_metrics).by_prefix.get(prefix, {})
     carried = (builder.folded_of(open_id).by_prefix.setdefault(prefix, {}) if open_id
                else batch.metrics)
     states, nbytes, duration = figures
-    attributes = {attr.SPAN_ID: batch.span.id, attr.SPAN_NAME: head.tags,
+    attributes = {attr.SPAN_ID: span_id, attr.SPAN_NAME: tags,
                   attr.TASKGROUP_NAME: name, attr.TASKGROUP_PREFIX: prefix}
     if (base := batch.states) is None:
         attributes.update(task_counts(states, sum(states.values()), nbytes, duration))

@@ -12,12 +12,12 @@ from itertools import islice
 from typing import TYPE_CHECKING, Any
 
 from dask_otel.annotation import (announces_exits, entered_times, forced_sampling, names_workflow,
-                                  otel_of, remote_parent, root_carrier, workflow_named)
+                                  remote_parent, root_carrier, workflow_named)
 from dask_otel.scheduler.record import GroupBatch, SpanRecord
 from dask_otel.scheduler.totals import group_done, subtree_totals
 
 if TYPE_CHECKING:
-    from distributed.scheduler import TaskGroup, TaskState
+    from distributed.scheduler import TaskGroup
     from distributed.spans import Span
     from opentelemetry.trace import SpanContext
 
@@ -32,6 +32,9 @@ MAX_PENDING_EXITS = 1024
 #: Roots whose client forced their sampling (``dask_otel.span(sampled=...)``),
 #: remembered open or exported (a few dozen bytes each)
 MAX_FORCED_ROOTS = 4096
+#: Spans of blocks Dask made none of, made by the mirror, remembered open or
+#: exported until Dask makes them (a few hundred bytes each)
+MAX_MADE_SPANS = 1024
 
 
 @dataclass  # one per mirror: vars() lists its tables (tests/test_client.py)
@@ -61,13 +64,21 @@ class Ledger:
     #: By root Dask span id: the client's ``sampled=`` for its trace (the first
     #: ``otel`` annotation that says one); at most :data:`MAX_FORCED_ROOTS`
     forced_roots: dict[str, bool] = field(default_factory=dict)
+    #: By Dask span id: the spans the mirror made of blocks whose every task joined
+    #: an older TaskGroup (the collision); at most :data:`MAX_MADE_SPANS`
+    made: dict[str, Span] = field(default_factory=dict)
 
     def open_new_spans(self, spans: dict[str, Span]) -> None:
-        """Open the Dask spans created since the last call, parents first"""
+        """Open the Dask spans created since the last call, parents first; one
+        the mirror made first is Dask's from now on (exported: not again)"""
         if (new := len(spans) - self.spans_seen) > 0:
             self.spans_seen = len(spans)
             for span in list(islice(reversed(spans.values()), new))[::-1]:
-                self.open_span(span)
+                if (made := self.made.pop(span.id, None)) is None:
+                    self.open_span(span)
+                elif (record := self.records.get(span.id)) is not None:
+                    record.span = span  # begun when the mirror made it
+                    record.observe_entered(made.enqueued, False, None)
 
     def follow_running(self, spans: dict[str, Span]) -> None:
         """A cluster instrumented while running: open what is still in flight"""
@@ -97,6 +108,12 @@ class Ledger:
             parent_record.open_children += 1
             self.leaves.pop(parent.id, None)
         return record
+
+    def open_made(self, span: Span, links: dict[str, Any] | None) -> None:
+        """Open a span the mirror made (a detached Dask ``Span``), with ``links``"""
+        _bounded_put(self.made, span.id, span, MAX_MADE_SPANS)
+        record = self.open_span(span)
+        record.collided, record.links = True, links
 
     def take_span(self, record: SpanRecord) -> None:
         """Forget an open span (it is being exported)"""
@@ -132,7 +149,7 @@ class Ledger:
     def clear(self) -> None:
         """Forget everything (the scheduler is closing)"""
         for table in (self.groups, self.records, self.leaves, self.reopened_parents,
-                      self.pending_exits, self.forced_roots):
+                      self.pending_exits, self.forced_roots, self.made):
             table.clear()
 
     def pend_exit(self, span_id: str, heard: float, block: BlockExit) -> None:
@@ -140,16 +157,14 @@ class Ledger:
 
     # --- what the client's annotation says ---------------------------------------
 
-    def observe_annotation(self, ts: TaskState, client: str | None = None) -> None:
-        """Read the ``otel`` annotation on a task of a new graph (of ``client``):
-        when its blocks were entered, the caller's span its root continues, and
-        whether its root is a named workflow. The TaskGroup collision may have moved
-        ``ts.annotations["span"]``: the carrier is taken only from the root's own blocks."""
-        annotations = ts.annotations
-        otel = otel_of(annotations)
-        span_annotation = annotations.get("span") if otel is not None else None
-        if not isinstance(span_annotation, Mapping) or not (ids := span_annotation.get("ids")):
-            return  # none, or an "otel" annotation someone else made: not ours
+    def observe_annotation(self, otel: Any, span: Span, client: str | None = None) -> None:
+        """Read the ``otel`` annotation of a new graph's tasks (of ``client``) that go
+        under Dask span ``span``: when its blocks were entered, the caller's span its
+        root continues, and whether its root is a named workflow. The carrier is
+        taken only from the root's own blocks."""
+        span_annotation = span.annotation if otel is not None else None
+        if not span_annotation or not (ids := span_annotation.get("ids")):
+            return  # none, or the default span
         if workflow_named(otel) and (root := self.records.get(ids[0])) is not None:
             root.workflow = True
         if (entered := entered_times(otel)) is None:

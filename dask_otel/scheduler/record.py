@@ -91,6 +91,8 @@ class SpanRecord:
     workflow: bool = False
     run_erred: bool = False
     cancelled: bool = False
+    #: Dask made no span of its block (the TaskGroup collision): the mirror did
+    collided: bool = False
 
     @property
     def leaf(self) -> bool:
@@ -259,11 +261,12 @@ class GroupBatch:
         if started and (not self.started or started < self.started):
             self.started = started
 
-    def figures(self, tg: TaskGroup) -> tuple[dict[str, int], int, float] | None:
-        """The group's states, output bytes and duration now, read for its span's
-        attributes (``builder.taskgroup_span``); None for a later batch in which
-        nothing ran"""
+    def figures(self, tg: TaskGroup, held: int = 0) -> tuple[dict[str, int], int, float] | None:
+        """The group's states, output bytes and duration now, less ``held`` released
+        tasks (a new graph's, of the next batch), read for its span's attributes
+        (``builder.taskgroup_span``); None for a later batch in which nothing ran"""
         states = dict(tg.states)
+        states["released"] = states.get("released", 0) - held
         # float: an int 0 in distributed 2024.1 until a task ran
         figures = (states, tg.nbytes_total, float(tg.duration))
         if self.states is None or self.erred or figures[2] > self.duration:
