@@ -12,18 +12,20 @@ import contextlib
 import copy
 import logging
 import threading
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from opentelemetry.metrics import CallbackOptions, Observation
 
+from dask_otel.attributes import WORKER_ADDRESS
 from dask_otel.export.instruments import COUNTER, GAUGE, Attached, MetricSpec, ProcessInstruments
 
 if TYPE_CHECKING:
     from collections import defaultdict
     from collections.abc import Hashable
 
+    from distributed import Scheduler, Worker
     from distributed.core import Server
     from distributed.http.prometheus import PrometheusCollector
     from distributed.system_monitor import SystemMonitor
@@ -60,6 +62,30 @@ def families_wanted(own: ServerTelemetry) -> bool:
         )
         return False
     return True
+
+
+def server_families(server: Scheduler | Worker, own: ServerTelemetry) -> DaskFamilies:
+    """A scheduler's families (Dask's ``COLLECTORS``) or a worker's (the collector its
+    ``/metrics`` serves from, but for the SpillBuffer's families: :mod:`dask_otel.spill`
+    exports the same counters), from now until ``close()``. Imports prometheus_client:
+    only where :func:`families_wanted`"""
+    from distributed import Scheduler
+
+    if isinstance(server, Scheduler):
+        from distributed.http.scheduler.prometheus.core import COLLECTORS
+
+        # Dask's label sets exactly, beside the resource naming the scheduler
+        return DaskFamilies(server, COLLECTORS, dict(own.metric_attributes), own)
+    from distributed.http.worker.prometheus.core import WorkerMetricCollector
+
+    class WorkerCollector(WorkerMetricCollector):
+        def collect_spillbuffer(self) -> Iterator[Metric]:
+            return iter(())
+
+    # over OTLP every worker shares its scheduler's resource, where Prometheus
+    # tells the endpoints apart by ``instance``
+    attributes = {**own.metric_attributes, WORKER_ADDRESS: server.address}
+    return DaskFamilies(server, [WorkerCollector], attributes, own)
 
 
 def family_spec(family: Metric, prefix: str, beside_gauge: bool) -> MetricSpec | None:

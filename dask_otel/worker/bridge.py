@@ -45,7 +45,7 @@ class WorkerBridge:
     telemetry: Telemetry | None = None
     server_telemetry: ServerTelemetry | None = None
     spill: Any = None
-    #: :class:`~dask_otel.worker.dask_families.WorkerFamilies`, with otel.metrics.dask
+    #: :func:`~dask_otel.export.dask_families.server_families`, with otel.metrics.dask
     families: Any = None
     #: :class:`~dask_otel.worker.execute_hook.TaskContextHook`; None where it
     #: could not be installed
@@ -88,13 +88,10 @@ class WorkerBridge:
         self.spill = SpillInstruments.observe(worker, own)
 
     def _start_families(self, worker: Worker, own: ServerTelemetry) -> None:
-        from dask_otel.export.dask_families import families_wanted
+        from dask_otel.export.dask_families import families_wanted, server_families
 
-        if own.telemetry.meter_provider is None or not families_wanted(own):
-            return
-        from dask_otel.worker.dask_families import WorkerFamilies
-
-        self.families = WorkerFamilies(worker, own)
+        if own.telemetry.meter_provider is not None and families_wanted(own):
+            self.families = server_families(worker, own)
 
     def _start_stalls(self, worker: Worker, own: ServerTelemetry) -> None:
         self.unhook_tick = on_blocked_tick(worker, partial(_tell_blocked, worker))
