@@ -28,9 +28,18 @@ if TYPE_CHECKING:
     from dask_otel.spans import SpanMirror
 
 
+#: Series per fine-metrics instrument, scheduler and collection, the rest folded
+#: into one overflow series (the SDK 1.45.2 default; folding here, not in the
+#: SDK, saves ~20 us per further series: seconds of GIL at 10,000 prefixes)
+MAX_SERIES = 2000
+#: The series the rest is summed into: the attribute of the SDK's own overflow point
+OVERFLOW = {"otel.metric.overflow": True}
+
+
+@lru_cache(maxsize=4 * MAX_SERIES)  # only the first MAX_SERIES keys of a unit are exported
 def fine_metric_attributes(key: Hashable) -> tuple[str, dict[str, Any]] | None:
     """``(dask unit, attributes)`` of a fine-metrics key ``(context, [prefix or
-    where...], activity, unit)``; None for other keys (``"latency"``...)"""
+    where...], activity, unit)``, built once; None for other keys (``"latency"``...)"""
     if not isinstance(key, tuple) or len(key) < 3:
         return None
     context, *middle, activity, unit = key
@@ -41,19 +50,6 @@ def fine_metric_attributes(key: Hashable) -> tuple[str, dict[str, Any]] | None:
         else:
             attributes[attr.ACTIVITY_WHERE] = " ".join(map(str, middle))
     return str(unit), attributes
-
-
-#: Series per fine-metrics instrument, scheduler and collection, the rest folded
-#: into one overflow series (the SDK 1.45.2 default; folding here, not in the
-#: SDK, saves ~20 us per further series: seconds of GIL at 10,000 prefixes)
-MAX_SERIES = 2000
-#: The series the rest is summed into: the attribute of the SDK's own overflow point
-OVERFLOW = {"otel.metric.overflow": True}
-
-@lru_cache(maxsize=4 * MAX_SERIES)  # only the first MAX_SERIES keys of a unit are exported
-def _attributes(key: tuple) -> dict[str, Any]:
-    """The attributes of an exported series' key, built once"""
-    return fine_metric_attributes(key)[1]  # type: ignore[index]
 
 
 #: One fine-metrics reading before its attributes are built: value, Dask key, and
@@ -113,7 +109,7 @@ def _bounded(readings: list[_Raw], overflow: float | None) -> Reading:
     the series past :data:`MAX_SERIES`; None: none)"""
     out: list[tuple[float, Mapping[str, Any]]] = []
     for value, key, extra in readings:
-        attributes = _attributes(key)
+        attributes = fine_metric_attributes(key)[1]  # type: ignore[index]
         out.append((value, {**attributes, **extra} if extra else attributes))  # type: ignore[arg-type]
     if overflow is not None:
         out.append((overflow, OVERFLOW))
