@@ -54,14 +54,7 @@ def get(key: str) -> Any:
     """``dask.config.get(key)``, or the shipped default (otel.yaml) when the key is
     absent: the application may have reset dask config since this module was
     imported, which must not switch the bridge off."""
-    return dask.config.get(key, default=_default(key))
-
-
-def _default(key: str) -> Any:
-    value: Any = DEFAULTS
-    for part in key.split("."):
-        value = value[part]
-    return value
+    return dask.config.get(key, default=dask.config.get(key, config=DEFAULTS))
 
 
 def _warn_unknown_keys(given: Any, defaults: dict, prefix: str) -> None:
