@@ -14,7 +14,7 @@ import socket
 import sys
 import threading
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from functools import lru_cache
 from typing import TYPE_CHECKING, Any
 
@@ -33,15 +33,10 @@ logger = logging.getLogger("dask_otel")
 
 #: service.name when neither OTEL_SERVICE_NAME nor OTEL_RESOURCE_ATTRIBUTES sets one
 DEFAULT_SERVICE_NAME = "dask"
-#: The settings the process's providers are built with (``OtelConfig`` field ->
-#: dask config key): one value per process, the first server's
-PROCESS_WIDE = {
-    "traces_exporters": "otel.traces.exporter",
-    "metrics_exporters": "otel.metrics.exporter",
-    "logs_exporters": "otel.logs.exporter",
-    "logs_level": "otel.logs.level",
-    "flush_timeout": "otel.flush-timeout",
-}
+#: The ``OtelConfig`` fields the process's providers are built with: one value per
+#: process, the first server's
+PROCESS_WIDE = ("traces_exporters", "metrics_exporters", "logs_exporters", "logs_level",
+                "flush_timeout")
 
 
 #: ``status()``'s ``export`` row of a signal: key -> ``ExportOutage`` field
@@ -233,10 +228,9 @@ class Telemetry:
             if address in self.warned:
                 return
             self.warned.add(address)
-        ignored = [
-            key for name, key in PROCESS_WIDE.items()
-            if getattr(config, name) != getattr(self.config, name)
-        ]
+        keys = {f.name: f.metadata["key"] for f in fields(OtelConfig)}
+        ignored = [keys[name] for name in PROCESS_WIDE
+                   if getattr(config, name) != getattr(self.config, name)]
         now = otel_environment()
         ignored += sorted(
             k for k in {*now, *self.environment} if now.get(k) != self.environment.get(k)
