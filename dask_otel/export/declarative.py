@@ -94,15 +94,13 @@ class ConfigFile:
         return provider, declared_span_limits(limits, global_limits)
 
     def span_processors(self, account: Account, meter_provider: Any = None) -> list:
-        """The file's span processors, each exporter passed through ``account``"""
         from opentelemetry.sdk.trace.export import BatchSpanProcessor, SimpleSpanProcessor
 
         return self._processors("spans", "tracer_provider", declared_span_exporter, account,
                                 BatchSpanProcessor, SimpleSpanProcessor)
 
     def metric_readers(self, account: Account) -> list:
-        """The file's metric readers, each push exporter passed through
-        ``account``; a Prometheus pull reader serves on Dask's ``/metrics``"""
+        """A pull reader serves on Dask's ``/metrics`` (the Prometheus exporter's)"""
         from opentelemetry.sdk.metrics.export import PeriodicExportingMetricReader
 
         out = []
@@ -141,7 +139,6 @@ class ConfigFile:
         return provider
 
     def log_processors(self, account: Account) -> list:
-        """The file's log record processors, each exporter passed through ``account``"""
         from opentelemetry.sdk._logs.export import BatchLogRecordProcessor, SimpleLogRecordProcessor
 
         return self._processors("logs", "logger_provider", declared_log_exporter, account,

@@ -195,7 +195,6 @@ class EnvRecipe:
 
     @property
     def signals(self) -> set[str]:
-        """The signals exported"""
         names = {"spans": self.config.traces_exporters, "metrics": self.config.metrics_exporters,
                  "logs": self.config.logs_exporters}
         return {signal for signal, exporters in names.items() if exporters}
