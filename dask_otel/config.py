@@ -188,10 +188,9 @@ def _key(name: str, parse: Callable[[str], Any], *read_in: str) -> Any:
 @dataclass(frozen=True)
 class OtelConfig:
     """A validated snapshot of the ``otel:`` dask config namespace, as one process
-    reads it: each process of a cluster has its own"""
+    reads it (each process of a cluster has its own): durations in seconds"""
 
     enabled: bool = _key("otel.enabled", _bool, CLIENT, SCHEDULER, WORKERS)
-    #: seconds
     flush_timeout: float = _key("otel.flush-timeout", _seconds, SCHEDULER, WORKERS)
     #: the SDK's retries for every batch during an outage, instead of probes
     retry_during_outage: bool = _key(
@@ -203,15 +202,11 @@ class OtelConfig:
         partial(_exporters, signal="TRACES", known=TRACES_EXPORTERS),
         SCHEDULER, WORKERS,
     )
-    #: seconds
     poll_interval: float = _key(
         "otel.spans.poll-interval", partial(_seconds, positive=True), SCHEDULER
     )
-    #: seconds
     export_delay: float = _key("otel.spans.export-delay", _seconds, SCHEDULER)
-    #: seconds
     metrics_timeout: float = _key("otel.spans.metrics-timeout", _seconds, SCHEDULER)
-    #: "subtree" or "own"
     span_totals: str = _key(
         "otel.spans.totals", partial(_choice, choices=("subtree", "own")), SCHEDULER
     )
@@ -232,7 +227,6 @@ class OtelConfig:
         partial(_names, what="a list of fnmatch patterns of span names"), SCHEDULER,
     )
     task_spans: bool = _key("otel.tasks.spans", _bool, WORKERS)
-    #: in [0, 1]
     task_sample_ratio: float = _key("otel.tasks.sample-ratio", _ratio, WORKERS)
     #: seconds; None: no such rule
     task_slower_than: float | None = _key(
@@ -245,7 +239,6 @@ class OtelConfig:
         partial(_exporters, signal="LOGS", known=LOGS_EXPORTERS, env_default="none"),
         SCHEDULER, WORKERS,
     )
-    #: a logging level number
     logs_level: int = _key("otel.logs.level", _level, SCHEDULER, WORKERS)
     #: the Dask events exported as log records (dask_otel.scheduler.events)
     event_topics: frozenset[str] = _key("otel.events.topics", _names, SCHEDULER)
