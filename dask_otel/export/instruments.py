@@ -180,13 +180,6 @@ class ProcessInstruments:
             if attached in self._attached:
                 attached.last_round = set(self.names)
 
-    def _reported(self, attached: Attached, spec: MetricSpec) -> None:
-        with self._lock:
-            if attached.last_round is not None:
-                attached.last_round.discard(spec.name)
-                if not attached.last_round:
-                    self._attached.pop(attached, None)
-
     @property
     def attached(self) -> list[Attached]:
         """A copy, safe to iterate in the reader's thread"""
@@ -202,7 +195,10 @@ class ProcessInstruments:
                         reporting.append(server)
                 elif spec.name in server.last_round:
                     reporting.append(server)
-                    self._reported(server, spec)
+                    with self._lock:  # once more, then forgotten
+                        server.last_round.discard(spec.name)
+                        if not server.last_round:
+                            self._attached.pop(server, None)
             if spec.per_process:
                 reporting = reporting[:1]
             out = []
