@@ -122,11 +122,6 @@ class ExportOutage:
     under_way: _Export | None = None
 
     @property
-    def in_outage(self) -> bool:
-        """True while exports are failing, or the one under way cannot complete"""
-        return bool(self.failing) or self.stalled
-
-    @property
     def stalled(self) -> bool:
         """True while the export under way waits for a retry, or has had no answer
         for :data:`STALLED_AFTER` seconds: a flush waiting for it waits on the
