@@ -53,7 +53,7 @@ def measure(workers: list[int], repeat: int) -> dict[str, dict[str, list[float]]
 
     from benchmarks.harness import quiet_logs
     from dask_otel.export.dask_families import server_families
-    from dask_otel.spill import SpillInstruments
+    from dask_otel.spill import ObservedWorker
 
     out: dict[str, dict[str, list[float]]] = {}
     with quiet_logs(), dask.config.set({"distributed.scheduler.preload": []}):
@@ -73,7 +73,7 @@ def measure(workers: list[int], repeat: int) -> dict[str, dict[str, list[float]]
                             meter_provider=MeterProvider(metric_readers=[readers[side]])))
                 attached = [server_families(cluster.scheduler, owns["A"])]
                 attached += [server_families(w, owns["A"]) for w in cluster.workers.values()]
-                attached += [SpillInstruments.observe(w, owns["S"]) for w in cluster.workers.values()]
+                attached += [ObservedWorker(w, owns["S"]) for w in cluster.workers.values()]
                 dask_collectors = [c(cluster.scheduler) for c in COLLECTORS]
                 dask_collectors += [WorkerMetricCollector(w) for w in cluster.workers.values()]
 

@@ -21,7 +21,7 @@ from dask_otel.attributes import SCHEDULER_ADDRESS
 from dask_otel.export.global_provider import adopt_global_tracer_provider
 from dask_otel.export.lifecycle import (release_telemetry, release_telemetry_in_background,
                                         start_telemetry)
-from dask_otel.spill import SpillInstruments
+from dask_otel.spill import ObservedWorker
 from dask_otel.worker.execute_hook import TaskContextHook
 from dask_otel.worker.task_context import TaskContexts, default_sampler
 from dask_otel.worker.task_spans import TaskRules, TaskSpans
@@ -83,9 +83,8 @@ class WorkerBridge:
         )
 
     def _start_spill(self, worker: Worker, own: ServerTelemetry) -> None:
-        if own.telemetry.meter_provider is None:
-            return
-        self.spill = SpillInstruments.observe(worker, own)
+        if own.telemetry.meter_provider is not None:
+            self.spill = ObservedWorker(worker, own)
 
     def _start_families(self, worker: Worker, own: ServerTelemetry) -> None:
         from dask_otel.export.dask_families import families_wanted, server_families
