@@ -13,7 +13,7 @@ import copy
 import logging
 import threading
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from opentelemetry.metrics import CallbackOptions, Observation
@@ -29,7 +29,6 @@ if TYPE_CHECKING:
     from distributed.core import Server
     from distributed.http.prometheus import PrometheusCollector
     from distributed.system_monitor import SystemMonitor
-    from opentelemetry.metrics import Meter
     from prometheus_client import Metric
 
     from dask_otel.export.telemetry import ServerTelemetry
@@ -152,6 +151,7 @@ class ServerView:
         return getattr(self.server, name)
 
 
+@dataclass(eq=False)
 class FamilyInstruments(ProcessInstruments):
     """The instruments of Dask's families on one MeterProvider: those the
     collections of this process's servers have yielded so far. The first
@@ -161,20 +161,15 @@ class FamilyInstruments(ProcessInstruments):
     table = ()
 
     #: Dask family (name, type, unit, beside_gauge) -> its instrument's row
-    specs: dict[tuple[str, str, str, bool], MetricSpec | None]
+    specs: dict[tuple[str, str, str, bool], MetricSpec | None] = field(default_factory=dict)
     #: Rows yielded by a collection, not yet given an instrument
-    pending: dict[str, MetricSpec]
+    pending: dict[str, MetricSpec] = field(default_factory=dict)
     #: ``{instrument name: [Observation]}`` of the latest round
-    round: dict[str, list[Observation]]
+    round: dict[str, list[Observation]] = field(default_factory=dict)
     #: Instruments that read :attr:`round` already; None: no round yet
-    read_by: set[str] | None
+    read_by: set[str] | None = None
     #: Serializes rounds (two readers of one provider may collect at once)
-    round_lock: threading.Lock
-
-    def __init__(self, meter: Meter):
-        super().__init__(meter)
-        self.specs, self.pending, self.round, self.read_by = {}, {}, {}, None
-        self.round_lock = threading.Lock()
+    round_lock: threading.Lock = field(default_factory=threading.Lock)
 
     def _callback(self, spec: MetricSpec) -> Callable[[CallbackOptions], list[Observation]]:
         def callback(options: CallbackOptions) -> list[Observation]:
