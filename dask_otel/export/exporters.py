@@ -37,7 +37,6 @@ def _build_exporter(group: str, name: str, **kwargs: Any) -> Any:
             except TypeError:
                 if not kwargs:
                     raise
-                kwargs = {}
                 exporter = cls()  # an exporter without SDK metrics (older, third-party)
     except Exception as e:
         text = _redacted(f"{type(e).__name__}: {e}")
