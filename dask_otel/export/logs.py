@@ -12,6 +12,7 @@ import configparser
 import inspect
 import logging
 import warnings
+from collections.abc import Collection
 from dataclasses import dataclass
 from typing import Any
 
@@ -68,7 +69,8 @@ class _WhereRecordsStop(logging.Filter):
     handler on it exports"""
 
     logger: logging.Logger
-    ours: list[logging.Handler]
+    #: every handler of ours (a live view)
+    ours: Collection[logging.Handler]
     otel_classes: tuple
 
     def filter(self, record: logging.LogRecord) -> bool:
@@ -106,11 +108,9 @@ class LogExport:
         loggers = [logging.getLogger(name) for name in dask_logger_names()]
         if not any(isinstance(h, otel_classes) for h in root.handlers):
             loggers.append(root)
-        ours: list[logging.Handler] = []
         for target in loggers:
             handler = _new_handler(otel_classes[0], config.logs_level, self.provider)
-            handler.addFilter(_WhereRecordsStop(target, ours, otel_classes))
-            ours.append(handler)
+            handler.addFilter(_WhereRecordsStop(target, self.handlers.values(), otel_classes))
             self.handlers[target] = handler
         for target, handler in self.handlers.items():
             target.addHandler(handler)
