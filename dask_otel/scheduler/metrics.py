@@ -145,12 +145,9 @@ def _exported(field: str, signal: str | None = None):
     """``field`` of the process's accounted exporters (``ExportOutage``), by signal;
     of ``signal``'s only, when given"""
     def read(observed: SchedulerMetrics) -> Reading:
-        return [
-            (getattr(e.outage, field), {attr.OTEL_EXPORTER: type(e.exporter).__name__}
-             if signal else {attr.OTEL_EXPORTER: type(e.exporter).__name__,
-                             attr.OTEL_SIGNAL: e.outage.signal})
-            for e in list(observed.telemetry.accounted) if signal in (None, e.outage.signal)
-        ]
+        return [(getattr(e.outage, field), {attr.OTEL_EXPORTER: type(e.exporter).__name__,
+                                            **({} if signal else {attr.OTEL_SIGNAL: e.outage.signal})})
+                for e in list(observed.telemetry.accounted) if signal in (None, e.outage.signal)]
 
     return read
 
