@@ -168,11 +168,10 @@ class ProcessInstruments:
 
     of = classmethod(of_provider)
 
-    def attach(self, attached: Attached) -> Attached:
+    def attach(self, attached: Attached) -> None:
         with self._lock:
             self._attached[attached] = None
         attached.instruments = self
-        return attached
 
     def retire(self, attached: Attached) -> None:
         """Report ``attached`` at the next collection of each row, then forget it"""
