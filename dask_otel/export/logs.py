@@ -34,21 +34,17 @@ def dask_logger_names(config: dict | None = None) -> list[str]:
     base = dask_logging_config(config)
     names = list(DISTRIBUTED_LOGGERS)
     if base.get("logging-file-config"):
-        names += _file_config_logger_names(base["logging-file-config"])
+        parser = configparser.ConfigParser(interpolation=None)
+        parser.read(base["logging-file-config"])
+        keys = [k.strip() for k in parser.get("loggers", "keys", fallback="").split(",")]
+        names += [parser.get(f"logger_{key}", "qualname", fallback=key)
+                  for key in keys if key and key != "root"]
     logging_config = base.get("logging") or {}
     if "version" in logging_config:
         names += list(logging_config.get("loggers") or {})
     else:
         names += list(logging_config)
     return list(dict.fromkeys(names))
-
-
-def _file_config_logger_names(path: str) -> list[str]:
-    parser = configparser.ConfigParser(interpolation=None)
-    parser.read(path)
-    keys = [k.strip() for k in parser.get("loggers", "keys", fallback="").split(",")]
-    return [parser.get(f"logger_{key}", "qualname", fallback=key)
-            for key in keys if key and key != "root"]
 
 
 def _new_handler(handler_class: type, level: int, provider: Any) -> logging.Handler:
