@@ -97,23 +97,11 @@ def _fine_metrics(dask_unit: str):
                 overflow = (overflow or 0.0) + sum(map(metrics.__getitem__, keys[room:]))
         observed.unit_keys[dask_unit] = keys_now
         reading, values, exemplars = observed.with_exemplars(
-            _bounded(out, overflow), previous[2] if previous is not None else {})
+            out, overflow, previous[2] if previous is not None else {})
         observed.previous[dask_unit] = (state, reading, values, exemplars)
         return reading
 
     return read
-
-
-def _bounded(readings: list[_Raw], overflow: float | None) -> Reading:
-    """The readings with their attributes, and the ``overflow`` reading (the sum of
-    the series past :data:`MAX_SERIES`; None: none)"""
-    out: list[tuple[float, Mapping[str, Any]]] = []
-    for value, key, extra in readings:
-        attributes = fine_metric_attributes(key)[1]  # type: ignore[index]
-        out.append((value, {**attributes, **extra} if extra else attributes))  # type: ignore[arg-type]
-    if overflow is not None:
-        out.append((overflow, OVERFLOW))
-    return out
 
 
 def _mirror_count(field: str):
@@ -256,18 +244,22 @@ class SchedulerMetrics(Attached):
                 keys.append(key)
         return len(metrics), keys
 
-    def with_exemplars(self, readings: Reading, previous: dict[tuple, float]
+    def with_exemplars(self, raw: list[_Raw], overflow: float | None, previous: dict[tuple, float]
                        ) -> tuple[Reading, dict[tuple, float], bool]:
-        """``readings`` of one fine-metrics instrument, those of a task prefix that
-        grew since ``previous`` (each series' value then) in the context of the
-        latest sampled TaskGroup span of that prefix (docs/metrics.md: exemplars);
-        each series' value now; whether any has an exemplar"""
+        """The readings of one fine-metrics instrument, with their attributes, and the
+        ``overflow`` reading last (the sum of the series past :data:`MAX_SERIES`; None:
+        none); those of a task prefix that grew since ``previous`` (each series' value
+        then) in the context of the latest sampled TaskGroup span of that prefix
+        (docs/metrics.md: exemplars). Each series' value now; whether any has an exemplar"""
         mirror = self.mirror
         latest = mirror.latest_by_prefix if mirror is not None else {}
         now: dict[tuple, float] = {}
         contexts: dict[str, Context | None] = {}  # one per prefix, shared by its series
-        out = []
-        for value, attributes in readings:
+        out: list[tuple[Any, ...]] = []
+        for value, dask_key, extra in raw:
+            attributes = fine_metric_attributes(dask_key)[1]  # type: ignore[index]
+            if extra:
+                attributes = {**attributes, **extra}
             prefix = attributes.get(attr.TASK_PREFIX)
             if prefix is None or not latest:
                 out.append((value, attributes))
@@ -283,4 +275,6 @@ class SchedulerMetrics(Attached):
                 out.append((value, attributes, contexts[prefix]))
             else:
                 out.append((value, attributes))
+        if overflow is not None:
+            out.append((overflow, OVERFLOW))
         return out, now, bool(contexts)
