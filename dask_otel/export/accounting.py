@@ -18,8 +18,7 @@ from typing import Any
 
 from dask_otel._compat import count_request_sizes, cut_retry_waits
 from dask_otel.export.exporters import SIGNALS
-
-logger = logging.getLogger("dask_otel")
+from dask_otel.log import logger
 
 #: Seconds without an answer after which an export counts as an outage: a healthy
 #: collector answers within milliseconds, and shutdown should not wait for one

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import atexit
 import dataclasses
-import logging
 import os
 from typing import Any
 
@@ -18,8 +17,7 @@ from dask_otel._compat import (declared_exemplar_filter, declared_log_exporter,
                                declared_span_limits, declared_view)
 from dask_otel.config import ConfigError
 from dask_otel.export.exporters import SIGNALS, Account, prometheus_reader
-
-logger = logging.getLogger("dask_otel")
+from dask_otel.log import logger
 
 #: The variable that names the file (opentelemetry-sdk's name for it)
 VARIABLE = "OTEL_CONFIG_FILE"

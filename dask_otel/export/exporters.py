@@ -16,8 +16,7 @@ from functools import lru_cache
 from typing import Any
 
 from dask_otel.config import ConfigError, OtelConfig, installed_entry_points, otlp_entry_point
-
-logger = logging.getLogger("dask_otel")
+from dask_otel.log import logger
 
 
 def otel_environment() -> dict[str, str]:

@@ -8,7 +8,6 @@ last that detaches (:mod:`dask_otel.export.lifecycle`).
 
 from __future__ import annotations
 
-import logging
 import os
 import socket
 import sys
@@ -25,11 +24,10 @@ from dask_otel.export.declarative import ConfigFile, config_file
 from dask_otel.export.exporters import EnvRecipe, otel_environment
 from dask_otel.export.instruments import EXEMPLAR_VIEWS
 from dask_otel.export.sink import DEFAULT_ATTRIBUTE_LENGTH, SpanSink
+from dask_otel.log import logger
 
 if TYPE_CHECKING:
     from opentelemetry.sdk.trace import TracerProvider
-
-logger = logging.getLogger("dask_otel")
 
 #: service.name when neither OTEL_SERVICE_NAME nor OTEL_RESOURCE_ATTRIBUTES sets one
 DEFAULT_SERVICE_NAME = "dask"

@@ -7,7 +7,6 @@ docs/configuration.md.
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -21,6 +20,7 @@ from dask_otel.annotation import BLOCK_EXIT
 from dask_otel.attributes import SCHEDULER_ADDRESS
 from dask_otel.config import SCHEDULER, ConfigError
 from dask_otel.export.lifecycle import release_telemetry, start_telemetry
+from dask_otel.log import logger
 from dask_otel.scheduler.blocks import CLIENT_GONE_GRACE
 from dask_otel.spans import SpanMirror
 from dask_otel.worker.plugin import PLUGIN_NAME, dumps_by_value, server_status
@@ -32,8 +32,6 @@ if TYPE_CHECKING:
     from dask_otel.export.telemetry import ServerTelemetry, Telemetry
     from dask_otel.scheduler.events import DaskEvents
     from dask_otel.scheduler.metrics import SchedulerMetrics
-
-logger = logging.getLogger("dask_otel")
 
 #: The transitions the mirror times besides leaving ``processing``
 _TIMED = frozenset(("processing", "erred"))

@@ -7,7 +7,6 @@ others run. docs/traces.md, docs/metrics.md, docs/events.md.
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
@@ -21,6 +20,7 @@ from dask_otel.attributes import SCHEDULER_ADDRESS
 from dask_otel.export.global_provider import adopt_global_tracer_provider
 from dask_otel.export.lifecycle import (release_telemetry, release_telemetry_in_background,
                                         start_telemetry)
+from dask_otel.log import logger
 from dask_otel.spill import ObservedWorker
 from dask_otel.worker.execute_hook import TaskContextHook
 from dask_otel.worker.task_context import TaskContexts, default_sampler
@@ -30,8 +30,6 @@ if TYPE_CHECKING:
     from distributed import Worker
 
     from dask_otel.export.telemetry import ServerTelemetry, Telemetry
-
-logger = logging.getLogger("dask_otel")
 
 
 @dataclass(slots=True)
