@@ -58,9 +58,8 @@ def within_limits(values: Iterable[Any], max_len: int | None) -> bool:
                 return False
             if kind is str and max_len is not None and max(map(len, value)) > max_len:
                 return False
-        elif kind is str:
-            if max_len is not None and len(value) > max_len:
-                return False
+        elif kind is str and max_len is not None and len(value) > max_len:
+            return False
         elif kind not in _PRIMITIVES and kind is not tuple:
             return False
     return True
@@ -142,7 +141,6 @@ class SpanSink:
         )
 
     def emit(self, span: ReadableSpan) -> None:
-        """Hand one finished span to the SDK's span processors"""
         for processor in self.processors:
             processor.on_end(span)
 
