@@ -52,7 +52,7 @@ def measure(workers: list[int], repeat: int) -> dict[str, dict[str, list[float]]
     from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 
     from benchmarks.harness import quiet_logs
-    from dask_otel.export.dask_families import server_families
+    from dask_otel.export.dask_families import DaskFamilies
     from dask_otel.spill import ObservedWorker
 
     out: dict[str, dict[str, list[float]]] = {}
@@ -71,8 +71,8 @@ def measure(workers: list[int], repeat: int) -> dict[str, dict[str, list[float]]
                     owns[side] = SimpleNamespace(
                         metric_attributes={}, telemetry=SimpleNamespace(
                             meter_provider=MeterProvider(metric_readers=[readers[side]])))
-                attached = [server_families(cluster.scheduler, owns["A"])]
-                attached += [server_families(w, owns["A"]) for w in cluster.workers.values()]
+                attached = [DaskFamilies(cluster.scheduler, owns["A"])]
+                attached += [DaskFamilies(w, owns["A"]) for w in cluster.workers.values()]
                 attached += [ObservedWorker(w, owns["S"]) for w in cluster.workers.values()]
                 dask_collectors = [c(cluster.scheduler) for c in COLLECTORS]
                 dask_collectors += [WorkerMetricCollector(w) for w in cluster.workers.values()]

@@ -12,7 +12,7 @@ import contextlib
 import copy
 import logging
 import threading
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -61,30 +61,6 @@ def families_wanted(own: ServerTelemetry) -> bool:
         )
         return False
     return True
-
-
-def server_families(server: Scheduler | Worker, own: ServerTelemetry) -> DaskFamilies:
-    """A scheduler's families (Dask's ``COLLECTORS``) or a worker's (the collector its
-    ``/metrics`` serves from, but for the SpillBuffer's families: :mod:`dask_otel.spill`
-    exports the same counters), from now until ``close()``. Imports prometheus_client:
-    only where :func:`families_wanted`"""
-    from distributed import Scheduler
-
-    if isinstance(server, Scheduler):
-        from distributed.http.scheduler.prometheus.core import COLLECTORS
-
-        # Dask's label sets exactly, beside the resource naming the scheduler
-        return DaskFamilies(server, COLLECTORS, dict(own.metric_attributes), own)
-    from distributed.http.worker.prometheus.core import WorkerMetricCollector
-
-    class WorkerCollector(WorkerMetricCollector):
-        def collect_spillbuffer(self) -> Iterator[Metric]:
-            return iter(())
-
-    # over OTLP every worker shares its scheduler's resource, where Prometheus
-    # tells the endpoints apart by ``instance``
-    attributes = {**own.metric_attributes, WORKER_ADDRESS: server.address}
-    return DaskFamilies(server, [WorkerCollector], attributes, own)
 
 
 def family_spec(family: Metric, prefix: str, beside_gauge: bool) -> MetricSpec | None:
@@ -218,7 +194,10 @@ class FamilyInstruments(ProcessInstruments):
 
 
 class DaskFamilies(Attached):
-    """Exports the families of one Dask server's collectors until :meth:`close`"""
+    """Exports the families of one Dask server from now until :meth:`close`: a
+    scheduler's (Dask's ``COLLECTORS``) or a worker's (the collector its ``/metrics``
+    serves from, but for the SpillBuffer's families: :mod:`dask_otel.spill` exports
+    the same counters). Imports prometheus_client: only where :func:`families_wanted`"""
 
     #: The scheduler or worker
     server: Server
@@ -230,9 +209,25 @@ class DaskFamilies(Attached):
     #: :meth:`close`: the last round still collects)
     family_instruments: FamilyInstruments
 
-    def __init__(self, server: Server, collector_types: Iterable[type], attributes: dict[str, Any],
-                 own: ServerTelemetry):
-        super().__init__(attributes)
+    def __init__(self, server: Scheduler | Worker, own: ServerTelemetry):
+        from distributed import Scheduler
+
+        if isinstance(server, Scheduler):
+            from distributed.http.scheduler.prometheus.core import COLLECTORS as collector_types
+
+            # Dask's label sets exactly, beside the resource naming the scheduler
+            super().__init__(dict(own.metric_attributes))
+        else:
+            from distributed.http.worker.prometheus.core import WorkerMetricCollector
+
+            class WorkerCollector(WorkerMetricCollector):
+                def collect_spillbuffer(self) -> Iterator[Metric]:
+                    return iter(())
+
+            collector_types = [WorkerCollector]
+            # over OTLP every worker shares its scheduler's resource, where
+            # Prometheus tells the endpoints apart by ``instance``
+            super().__init__({**own.metric_attributes, WORKER_ADDRESS: server.address})
         self.server = server
         view = ServerView(server)
         self.collectors = [collector(view) for collector in collector_types]

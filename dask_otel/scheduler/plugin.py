@@ -84,13 +84,13 @@ class OtelSchedulerPlugin(SchedulerPlugin):
         try:
             outcomes = None
             if (provider := own.telemetry.meter_provider) is not None:
-                from dask_otel.export.dask_families import families_wanted, server_families
+                from dask_otel.export.dask_families import DaskFamilies, families_wanted
                 from dask_otel.scheduler.metrics import SchedulerMetrics
                 from dask_otel.scheduler.outcomes import Outcomes
 
                 outcomes = Outcomes(provider, own.metric_attributes, config.workflows)
                 if families_wanted(own):
-                    self.families = server_families(scheduler, own)
+                    self.families = DaskFamilies(scheduler, own)
             if own.span_sink is not None or outcomes is not None:
                 # Traces, or the workflow outcomes made of its records
                 self.mirror = SpanMirror(scheduler, own.span_sink, config, outcomes)

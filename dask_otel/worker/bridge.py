@@ -43,7 +43,7 @@ class WorkerBridge:
     telemetry: Telemetry | None = None
     server_telemetry: ServerTelemetry | None = None
     spill: Any = None
-    #: :func:`~dask_otel.export.dask_families.server_families`, with otel.metrics.dask
+    #: :class:`~dask_otel.export.dask_families.DaskFamilies`, with otel.metrics.dask
     families: Any = None
     #: :class:`~dask_otel.worker.execute_hook.TaskContextHook`; None where it
     #: could not be installed
@@ -85,10 +85,10 @@ class WorkerBridge:
             self.spill = ObservedWorker(worker, own)
 
     def _start_families(self, worker: Worker, own: ServerTelemetry) -> None:
-        from dask_otel.export.dask_families import families_wanted, server_families
+        from dask_otel.export.dask_families import DaskFamilies, families_wanted
 
         if own.telemetry.meter_provider is not None and families_wanted(own):
-            self.families = server_families(worker, own)
+            self.families = DaskFamilies(worker, own)
 
     def _start_stalls(self, worker: Worker, own: ServerTelemetry) -> None:
         self.unhook_tick = on_blocked_tick(worker, partial(_tell_blocked, worker))
