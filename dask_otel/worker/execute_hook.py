@@ -38,9 +38,8 @@ _told_unhookable = False
 
 @dataclass(slots=True)
 class TaskContextHook:
-    """Wraps one worker's ``execute`` so that every task runs in its OTel context.
-    Install with :meth:`install`; :meth:`uninstall` puts ``Worker.execute`` back
-    (or, when something wrapped it after us, turns ours into a pass-through)."""
+    """Wraps one worker's ``execute`` (:meth:`install`, :meth:`uninstall`) so that
+    every task runs in its OTel context"""
 
     worker: Worker
     #: builds each task's context from its annotations
