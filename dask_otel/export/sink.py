@@ -91,11 +91,6 @@ class SpanSink:
             self.resource = self.provider.resource
         self.scope = InstrumentationScope("dask_otel", __version__)
 
-    def with_resource(self, resource: Resource) -> SpanSink:
-        """The same processors and limits, for a server with another resource (a
-        second cluster in the process): cheap, nothing is copied"""
-        return SpanSink(self.provider, self.processors, self.limits, resource)
-
     def name(self, name: str) -> str:
         """A span name or status description cut, as attribute strings are, to the
         attribute value length limit"""

@@ -311,7 +311,8 @@ class ServerTelemetry:
     ) -> ServerTelemetry:
         sink = telemetry.span_sink
         if sink is not None and resource != sink.resource:
-            sink = sink.with_resource(resource)
+            # a second cluster in the process: the same processors and limits, nothing copied
+            sink = SpanSink(sink.provider, sink.processors, sink.limits, resource)
         first = telemetry.scheduler_address
         if address is None or first is None or address == first:
             return cls(telemetry, config, sink)
