@@ -1,7 +1,8 @@
 """The ``otel:`` dask config namespace: each key's validation, which processes
-read it (:func:`read_in`), and the exporters by name. Defaults in ``otel.yaml``,
-meanings in ``otel-schema.yaml``; together they are the README's configuration
-table (README.md, "Configuration"). Where telemetry goes (``OTEL_*``) the SDK reads.
+read it (its :class:`OtelConfig` field's ``read_in``), and the exporters by name.
+Defaults in ``otel.yaml``, meanings in ``otel-schema.yaml``; together they are the
+README's configuration table (README.md, "Configuration"). Where telemetry goes
+(``OTEL_*``) the SDK reads.
 """
 
 from __future__ import annotations
@@ -257,11 +258,6 @@ class OtelConfig:
                     value = sorted(value)
                 values[f.metadata["key"]] = list(value) if isinstance(value, tuple) else value
         return values
-
-
-def read_in() -> dict[str, tuple[str, ...]]:
-    """Each key of :class:`OtelConfig`, with the processes that read it"""
-    return {f.metadata["key"]: f.metadata["read_in"] for f in fields(OtelConfig)}
 
 
 def enabled() -> bool:
