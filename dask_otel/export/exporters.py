@@ -151,14 +151,10 @@ def prometheus_reader() -> Any:
     return PrometheusMetricReader()
 
 
-def detected_resource() -> Any:
-    """``Resource.create({})`` (a few ms and a thread pool per call), once per
-    process and ``OTEL_*`` variables: what it detects does not change while those do not"""
-    return _detected(os.getpid(), tuple(sorted(otel_environment().items())))
-
-
 @lru_cache(maxsize=1)
-def _detected(pid: int, otel_environment: tuple) -> Any:
+def detected_resource(pid: int, otel_variables: tuple) -> Any:
+    """``Resource.create({})`` (a few ms and a thread pool per call), once per process
+    and ``OTEL_*`` variables, its arguments: what it detects does not change while they do not"""
     from opentelemetry.sdk.resources import Resource
 
     return Resource.create({})
@@ -187,7 +183,8 @@ class EnvRecipe:
         SDK's unknown_service never shows), ``OTEL_*``'s on top"""
         from opentelemetry.sdk.resources import OTELResourceDetector, Resource
 
-        return detected_resource().merge(
+        detected = detected_resource(os.getpid(), tuple(sorted(otel_environment().items())))
+        return detected.merge(
             Resource({"service.name": service_name, **ours})
         ).merge(OTELResourceDetector().detect())
 
