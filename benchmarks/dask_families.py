@@ -52,9 +52,8 @@ def measure(workers: list[int], repeat: int) -> dict[str, dict[str, list[float]]
     from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 
     from benchmarks.harness import quiet_logs
-    from dask_otel.scheduler.dask_families import SchedulerFamilies
-    from dask_otel.spill import SpillInstruments
-    from dask_otel.worker.dask_families import WorkerFamilies
+    from dask_otel.export.dask_families import DaskFamilies
+    from dask_otel.spill import ObservedWorker
 
     out: dict[str, dict[str, list[float]]] = {}
     with quiet_logs(), dask.config.set({"distributed.scheduler.preload": []}):
@@ -72,9 +71,9 @@ def measure(workers: list[int], repeat: int) -> dict[str, dict[str, list[float]]
                     owns[side] = SimpleNamespace(
                         metric_attributes={}, telemetry=SimpleNamespace(
                             meter_provider=MeterProvider(metric_readers=[readers[side]])))
-                attached = [SchedulerFamilies(cluster.scheduler, owns["A"])]
-                attached += [WorkerFamilies(w, owns["A"]) for w in cluster.workers.values()]
-                attached += [SpillInstruments.observe(w, owns["S"]) for w in cluster.workers.values()]
+                attached = [DaskFamilies(cluster.scheduler, owns["A"])]
+                attached += [DaskFamilies(w, owns["A"]) for w in cluster.workers.values()]
+                attached += [ObservedWorker(w, owns["S"]) for w in cluster.workers.values()]
                 dask_collectors = [c(cluster.scheduler) for c in COLLECTORS]
                 dask_collectors += [WorkerMetricCollector(w) for w in cluster.workers.values()]
 

@@ -28,8 +28,7 @@ from packaging.version import Version
 
 # The span mirror, its events and the task spans
 
-#: ``remove-worker`` events list the keys lost with the worker (distributed
-#: 2024.3.0+); 2024.1-2024.2 do not: they are read from the scheduler instead
+#: ``remove-worker`` events list the keys lost with the worker (:func:`remove_worker_lost_keys`)
 REMOVE_WORKER_LISTS_LOST_KEYS = Version(distributed.__version__) >= Version("2024.3.0")
 
 
@@ -125,8 +124,7 @@ SERIES_LIMIT_SINCE = Version("1.45.2")
 
 
 def series_limit_view_options(limit: int) -> dict[str, int]:
-    """The keyword of a View that sets its streams' series limit to ``limit``;
-    none before opentelemetry-sdk 1.45.2, whose streams have no limit"""
+    """The keyword of a View that sets its streams' series limit to ``limit``, if any"""
     from opentelemetry.sdk.version import __version__
 
     if Version(__version__) < SERIES_LIMIT_SINCE:
@@ -152,18 +150,15 @@ def _declared(module: str, name: str) -> Callable[..., Any]:
     return build
 
 
-#: A SpanExporter from a ``SpanExporter`` section of the file
+#: The SDK object of a section of the file, by its kind: a ``SpanExporter``; the
+#: SpanLimits of ``tracer_provider.limits`` and ``attribute_limits``, as the package
+#: gives its TracerProvider; a ``PushMetricExporter``, ``View``, exemplar filter, or
+#: ``LogRecordExporter``
 declared_span_exporter = _declared("_tracer_provider", "_create_span_exporter")
-#: The SDK's SpanLimits from the file's ``tracer_provider.limits`` and
-#: ``attribute_limits``, as the package gives its TracerProvider
 declared_span_limits = _declared("_tracer_provider", "_create_span_limits")
-#: A MetricExporter from a ``PushMetricExporter`` section of the file
 declared_metric_exporter = _declared("_meter_provider", "_create_push_metric_exporter")
-#: An SDK View from a ``View`` section of the file
 declared_view = _declared("_meter_provider", "_create_view")
-#: An SDK exemplar filter from the file's ``meter_provider.exemplar_filter``
 declared_exemplar_filter = _declared("_meter_provider", "_create_exemplar_filter")
-#: A LogRecordExporter from a ``LogRecordExporter`` section of the file
 declared_log_exporter = _declared("_logger_provider", "_create_log_record_exporter")
 
 

@@ -1,7 +1,8 @@
 """The ``otel:`` dask config namespace: each key's validation, which processes
-read it (:func:`read_in`), and the exporters by name. Defaults in ``otel.yaml``,
-meanings in ``otel-schema.yaml``; together they are the README's configuration
-table (README.md, "Configuration"). Where telemetry goes (``OTEL_*``) the SDK reads.
+read it (its :class:`OtelConfig` field's ``read_in``), and the exporters by name.
+Defaults in ``otel.yaml``, meanings in ``otel-schema.yaml``; together they are the
+README's configuration table (README.md, "Configuration"). Where telemetry goes
+(``OTEL_*``) the SDK reads.
 """
 
 from __future__ import annotations
@@ -54,14 +55,7 @@ def get(key: str) -> Any:
     """``dask.config.get(key)``, or the shipped default (otel.yaml) when the key is
     absent: the application may have reset dask config since this module was
     imported, which must not switch the bridge off."""
-    return dask.config.get(key, default=_default(key))
-
-
-def _default(key: str) -> Any:
-    value: Any = DEFAULTS
-    for part in key.split("."):
-        value = value[part]
-    return value
+    return dask.config.get(key, default=dask.config.get(key, config=DEFAULTS))
 
 
 def _warn_unknown_keys(given: Any, defaults: dict, prefix: str) -> None:
@@ -195,10 +189,9 @@ def _key(name: str, parse: Callable[[str], Any], *read_in: str) -> Any:
 @dataclass(frozen=True)
 class OtelConfig:
     """A validated snapshot of the ``otel:`` dask config namespace, as one process
-    reads it: each process of a cluster has its own"""
+    reads it (each process of a cluster has its own): durations in seconds"""
 
     enabled: bool = _key("otel.enabled", _bool, CLIENT, SCHEDULER, WORKERS)
-    #: seconds
     flush_timeout: float = _key("otel.flush-timeout", _seconds, SCHEDULER, WORKERS)
     #: the SDK's retries for every batch during an outage, instead of probes
     retry_during_outage: bool = _key(
@@ -210,15 +203,11 @@ class OtelConfig:
         partial(_exporters, signal="TRACES", known=TRACES_EXPORTERS),
         SCHEDULER, WORKERS,
     )
-    #: seconds
     poll_interval: float = _key(
         "otel.spans.poll-interval", partial(_seconds, positive=True), SCHEDULER
     )
-    #: seconds
     export_delay: float = _key("otel.spans.export-delay", _seconds, SCHEDULER)
-    #: seconds
     metrics_timeout: float = _key("otel.spans.metrics-timeout", _seconds, SCHEDULER)
-    #: "subtree" or "own"
     span_totals: str = _key(
         "otel.spans.totals", partial(_choice, choices=("subtree", "own")), SCHEDULER
     )
@@ -239,7 +228,6 @@ class OtelConfig:
         partial(_names, what="a list of fnmatch patterns of span names"), SCHEDULER,
     )
     task_spans: bool = _key("otel.tasks.spans", _bool, WORKERS)
-    #: in [0, 1]
     task_sample_ratio: float = _key("otel.tasks.sample-ratio", _ratio, WORKERS)
     #: seconds; None: no such rule
     task_slower_than: float | None = _key(
@@ -252,7 +240,6 @@ class OtelConfig:
         partial(_exporters, signal="LOGS", known=LOGS_EXPORTERS, env_default="none"),
         SCHEDULER, WORKERS,
     )
-    #: a logging level number
     logs_level: int = _key("otel.logs.level", _level, SCHEDULER, WORKERS)
     #: the Dask events exported as log records (dask_otel.scheduler.events)
     event_topics: frozenset[str] = _key("otel.events.topics", _names, SCHEDULER)
@@ -271,11 +258,6 @@ class OtelConfig:
                     value = sorted(value)
                 values[f.metadata["key"]] = list(value) if isinstance(value, tuple) else value
         return values
-
-
-def read_in() -> dict[str, tuple[str, ...]]:
-    """Each key of :class:`OtelConfig`, with the processes that read it"""
-    return {f.metadata["key"]: f.metadata["read_in"] for f in fields(OtelConfig)}
 
 
 def enabled() -> bool:

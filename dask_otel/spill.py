@@ -33,19 +33,22 @@ SPILLBUFFER_TOTALS = (
 
 
 class ObservedWorker(Attached):
-    """A worker that the spill instruments of its process report on"""
+    """A worker that the spill instruments of its process report on, from now
+    until :meth:`close`"""
 
     worker: Worker
     #: distributed.worker.memory.terminate when the worker started; only a nanny
     #: enforces it, so None for a worker without one
     terminate_fraction: float | None
 
-    def __init__(self, worker: Worker, attributes: Mapping[str, Any] | None = None):
+    def __init__(self, worker: Worker, own: ServerTelemetry):
         super().__init__({WORKER_ADDRESS: worker.address, WORKER_NAME: str(worker.name),
-                          **(attributes or {})})
+                          **own.metric_attributes})
         self.worker = worker
         fraction = dask.config.get("distributed.worker.memory.terminate", False)
         self.terminate_fraction = fraction if getattr(worker, "nanny", None) else None
+        assert own.telemetry.meter_provider is not None
+        SpillInstruments.of(own.telemetry.meter_provider).attach(self)
 
     @property
     def active(self) -> bool:
@@ -164,11 +167,3 @@ class SpillInstruments(ProcessInstruments):
     this process"""
 
     table = SPILL_METRICS
-
-    @classmethod
-    def observe(cls, worker: Worker, own: ServerTelemetry) -> ObservedWorker:
-        """Report on ``worker`` until the returned handle's ``close()``"""
-        assert own.telemetry.meter_provider is not None
-        instruments = cls.of(own.telemetry.meter_provider)
-        observed = ObservedWorker(worker, own.metric_attributes)
-        return instruments.attach(observed)  # type: ignore[return-value]

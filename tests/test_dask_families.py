@@ -31,9 +31,8 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 import dask_otel
-from dask_otel.scheduler.dask_families import SchedulerFamilies
+from dask_otel.export.dask_families import DaskFamilies
 from dask_otel.scheduler.outcomes import WORKERS_REMOVED
-from dask_otel.worker.dask_families import WorkerFamilies
 from tests.support.cluster import otel_cluster, wait_until
 from tests.support.deploy_checks import collector_prometheus_name
 from tests.support.metrics import collect
@@ -161,8 +160,8 @@ def live() -> Live:
                 client.gather(futures)
                 worker = next(iter(cluster.workers.values()))
                 attached = [
-                    SchedulerFamilies(cluster.scheduler, own_of(provider)),
-                    WorkerFamilies(worker, own_of(provider)),
+                    DaskFamilies(cluster.scheduler, own_of(provider)),
+                    DaskFamilies(worker, own_of(provider)),
                 ]
                 # Idle cluster: nothing but clocks moves between the two reads
                 s_text = scrape_text(cluster.scheduler.http_server.port)
@@ -239,8 +238,8 @@ def families_of_one_worker(**config: Any) -> Iterator[tuple[Any, Any, InMemoryMe
         with dask.config.set(config), otel_cluster(processes=False, n_workers=1) as (_, mirrored):
             cluster = mirrored.cluster
             worker = next(iter(cluster.workers.values()))
-            attached = [SchedulerFamilies(cluster.scheduler, own_of(provider)),
-                        WorkerFamilies(worker, own_of(provider))]
+            attached = [DaskFamilies(cluster.scheduler, own_of(provider)),
+                        DaskFamilies(worker, own_of(provider))]
             yield cluster, worker, reader, attached
             for a in attached:
                 a.close()

@@ -72,23 +72,29 @@ def schema_descriptions(node: dict, prefix: str = "") -> dict[str, str]:
     return out
 
 
+def read_in() -> dict[str, tuple[str, ...]]:
+    """Each key of OtelConfig, with the processes that read it"""
+    return {f.metadata["key"]: f.metadata["read_in"]
+            for f in dataclasses.fields(dask_otel.config.OtelConfig)}
+
+
 def config_table() -> list[str]:
     """The README's config table, put together from the one copy of each fact: the
     key's meaning (otel-schema.yaml), its default (otel.yaml) and the processes
     that read it (dask_otel/config.py)"""
     meanings = schema_descriptions(yaml.safe_load(SCHEMA.read_text()))
-    read_in = dask_otel.config.read_in()
+    read_in_by_key = read_in()
     lines = ["| key | default | read in | meaning |", "|---|---|---|---|"]
     for key, value in dotted(dask_otel.config.DEFAULTS).items():
         default = yaml.safe_dump(value).splitlines()[0].removesuffix(" ...")
-        lines.append(f"| `{key}` | `{default}` | {', '.join(read_in[key])} | {meanings[key]} |")
+        lines.append(f"| `{key}` | `{default}` | {', '.join(read_in_by_key[key])} | {meanings[key]} |")
     return lines
 
 
 def test_the_schema_describes_every_key_of_otel_yaml_and_no_other():
     meanings = schema_descriptions(yaml.safe_load(SCHEMA.read_text()))
     assert set(meanings) == set(dotted(dask_otel.config.DEFAULTS))
-    assert set(meanings) == set(dask_otel.config.read_in())
+    assert set(meanings) == set(read_in())
     assert all(meanings.values())
 
 

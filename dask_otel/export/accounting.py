@@ -18,8 +18,7 @@ from typing import Any
 
 from dask_otel._compat import count_request_sizes, cut_retry_waits
 from dask_otel.export.exporters import SIGNALS
-
-logger = logging.getLogger("dask_otel")
+from dask_otel.log import logger
 
 #: Seconds without an answer after which an export counts as an outage: a healthy
 #: collector answers within milliseconds, and shutdown should not wait for one
@@ -120,11 +119,6 @@ class ExportOutage:
     last_request: float = float("-inf")
     #: the export under way, if any
     under_way: _Export | None = None
-
-    @property
-    def in_outage(self) -> bool:
-        """True while exports are failing, or the one under way cannot complete"""
-        return bool(self.failing) or self.stalled
 
     @property
     def stalled(self) -> bool:

@@ -12,22 +12,23 @@ import contextlib
 import copy
 import logging
 import threading
-from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from opentelemetry.metrics import CallbackOptions, Observation
 
+from dask_otel.attributes import WORKER_ADDRESS
 from dask_otel.export.instruments import COUNTER, GAUGE, Attached, MetricSpec, ProcessInstruments
 
 if TYPE_CHECKING:
     from collections import defaultdict
     from collections.abc import Hashable
 
+    from distributed import Scheduler, Worker
     from distributed.core import Server
     from distributed.http.prometheus import PrometheusCollector
     from distributed.system_monitor import SystemMonitor
-    from opentelemetry.metrics import Meter
     from prometheus_client import Metric
 
     from dask_otel.export.telemetry import ServerTelemetry
@@ -126,6 +127,7 @@ class ServerView:
         return getattr(self.server, name)
 
 
+@dataclass(eq=False)
 class FamilyInstruments(ProcessInstruments):
     """The instruments of Dask's families on one MeterProvider: those the
     collections of this process's servers have yielded so far. The first
@@ -135,20 +137,15 @@ class FamilyInstruments(ProcessInstruments):
     table = ()
 
     #: Dask family (name, type, unit, beside_gauge) -> its instrument's row
-    specs: dict[tuple[str, str, str, bool], MetricSpec | None]
+    specs: dict[tuple[str, str, str, bool], MetricSpec | None] = field(default_factory=dict)
     #: Rows yielded by a collection, not yet given an instrument
-    pending: dict[str, MetricSpec]
+    pending: dict[str, MetricSpec] = field(default_factory=dict)
     #: ``{instrument name: [Observation]}`` of the latest round
-    round: dict[str, list[Observation]]
+    round: dict[str, list[Observation]] = field(default_factory=dict)
     #: Instruments that read :attr:`round` already; None: no round yet
-    read_by: set[str] | None
+    read_by: set[str] | None = None
     #: Serializes rounds (two readers of one provider may collect at once)
-    round_lock: threading.Lock
-
-    def __init__(self, meter: Meter):
-        super().__init__(meter)
-        self.specs, self.pending, self.round, self.read_by = {}, {}, {}, None
-        self.round_lock = threading.Lock()
+    round_lock: threading.Lock = field(default_factory=threading.Lock)
 
     def _callback(self, spec: MetricSpec) -> Callable[[CallbackOptions], list[Observation]]:
         def callback(options: CallbackOptions) -> list[Observation]:
@@ -197,7 +194,10 @@ class FamilyInstruments(ProcessInstruments):
 
 
 class DaskFamilies(Attached):
-    """Exports the families of one Dask server's collectors until :meth:`close`"""
+    """Exports the families of one Dask server from now until :meth:`close`: a
+    scheduler's (Dask's ``COLLECTORS``) or a worker's (the collector its ``/metrics``
+    serves from, but for the SpillBuffer's families: :mod:`dask_otel.spill` exports
+    the same counters). Imports prometheus_client: only where :func:`families_wanted`"""
 
     #: The scheduler or worker
     server: Server
@@ -209,9 +209,25 @@ class DaskFamilies(Attached):
     #: :meth:`close`: the last round still collects)
     family_instruments: FamilyInstruments
 
-    def __init__(self, server: Server, collector_types: Iterable[type], attributes: dict[str, Any],
-                 own: ServerTelemetry):
-        super().__init__(attributes)
+    def __init__(self, server: Scheduler | Worker, own: ServerTelemetry):
+        from distributed import Scheduler
+
+        if isinstance(server, Scheduler):
+            from distributed.http.scheduler.prometheus.core import COLLECTORS as collector_types
+
+            # Dask's label sets exactly, beside the resource naming the scheduler
+            super().__init__(dict(own.metric_attributes))
+        else:
+            from distributed.http.worker.prometheus.core import WorkerMetricCollector
+
+            class WorkerCollector(WorkerMetricCollector):
+                def collect_spillbuffer(self) -> Iterator[Metric]:
+                    return iter(())
+
+            collector_types = [WorkerCollector]
+            # over OTLP every worker shares its scheduler's resource, where
+            # Prometheus tells the endpoints apart by ``instance``
+            super().__init__({**own.metric_attributes, WORKER_ADDRESS: server.address})
         self.server = server
         view = ServerView(server)
         self.collectors = [collector(view) for collector in collector_types]

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import atexit
 import dataclasses
-import logging
 import os
 from typing import Any
 
@@ -18,8 +17,7 @@ from dask_otel._compat import (declared_exemplar_filter, declared_log_exporter,
                                declared_span_limits, declared_view)
 from dask_otel.config import ConfigError
 from dask_otel.export.exporters import SIGNALS, Account, prometheus_reader
-
-logger = logging.getLogger("dask_otel")
+from dask_otel.log import logger
 
 #: The variable that names the file (opentelemetry-sdk's name for it)
 VARIABLE = "OTEL_CONFIG_FILE"
@@ -94,15 +92,13 @@ class ConfigFile:
         return provider, declared_span_limits(limits, global_limits)
 
     def span_processors(self, account: Account, meter_provider: Any = None) -> list:
-        """The file's span processors, each exporter passed through ``account``"""
         from opentelemetry.sdk.trace.export import BatchSpanProcessor, SimpleSpanProcessor
 
         return self._processors("spans", "tracer_provider", declared_span_exporter, account,
                                 BatchSpanProcessor, SimpleSpanProcessor)
 
     def metric_readers(self, account: Account) -> list:
-        """The file's metric readers, each push exporter passed through
-        ``account``; a Prometheus pull reader serves on Dask's ``/metrics``"""
+        """A pull reader serves on Dask's ``/metrics`` (the Prometheus exporter's)"""
         from opentelemetry.sdk.metrics.export import PeriodicExportingMetricReader
 
         out = []
@@ -141,7 +137,6 @@ class ConfigFile:
         return provider
 
     def log_processors(self, account: Account) -> list:
-        """The file's log record processors, each exporter passed through ``account``"""
         from opentelemetry.sdk._logs.export import BatchLogRecordProcessor, SimpleLogRecordProcessor
 
         return self._processors("logs", "logger_provider", declared_log_exporter, account,

@@ -16,8 +16,7 @@ from functools import lru_cache
 from typing import Any
 
 from dask_otel.config import ConfigError, OtelConfig, installed_entry_points, otlp_entry_point
-
-logger = logging.getLogger("dask_otel")
+from dask_otel.log import logger
 
 
 def otel_environment() -> dict[str, str]:
@@ -37,7 +36,6 @@ def _build_exporter(group: str, name: str, **kwargs: Any) -> Any:
             except TypeError:
                 if not kwargs:
                     raise
-                kwargs = {}
                 exporter = cls()  # an exporter without SDK metrics (older, third-party)
     except Exception as e:
         text = _redacted(f"{type(e).__name__}: {e}")
@@ -153,14 +151,10 @@ def prometheus_reader() -> Any:
     return PrometheusMetricReader()
 
 
-def detected_resource() -> Any:
-    """``Resource.create({})`` (a few ms and a thread pool per call), once per
-    process and ``OTEL_*`` variables: what it detects does not change while those do not"""
-    return _detected(os.getpid(), tuple(sorted(otel_environment().items())))
-
-
 @lru_cache(maxsize=1)
-def _detected(pid: int, otel_environment: tuple) -> Any:
+def detected_resource(pid: int, otel_variables: tuple) -> Any:
+    """``Resource.create({})`` (a few ms and a thread pool per call), once per process
+    and ``OTEL_*`` variables, its arguments: what it detects does not change while they do not"""
     from opentelemetry.sdk.resources import Resource
 
     return Resource.create({})
@@ -189,13 +183,13 @@ class EnvRecipe:
         SDK's unknown_service never shows), ``OTEL_*``'s on top"""
         from opentelemetry.sdk.resources import OTELResourceDetector, Resource
 
-        return detected_resource().merge(
+        detected = detected_resource(os.getpid(), tuple(sorted(otel_environment().items())))
+        return detected.merge(
             Resource({"service.name": service_name, **ours})
         ).merge(OTELResourceDetector().detect())
 
     @property
     def signals(self) -> set[str]:
-        """The signals exported"""
         names = {"spans": self.config.traces_exporters, "metrics": self.config.metrics_exporters,
                  "logs": self.config.logs_exporters}
         return {signal for signal, exporters in names.items() if exporters}

@@ -13,9 +13,8 @@ from dask_otel.export.telemetry import Telemetry
 
 
 class TelemetryTracerProvider(trace.TracerProvider):
-    """The process's global TracerProvider once the bridge has adopted that role:
-    the API sets a global provider once, while Telemetry objects come and go, so its
-    tracers start spans on whichever :class:`Telemetry` is current (none: no-op)"""
+    """The process's global TracerProvider once the bridge has adopted that role: the
+    API sets a global provider once, while Telemetry objects come and go"""
 
     def get_tracer(self, *scope: Any, **named: Any) -> trace.Tracer:
         # name, version, schema_url, attributes: as the caller passed them
@@ -23,9 +22,8 @@ class TelemetryTracerProvider(trace.TracerProvider):
 
 
 class TelemetryTracer(trace.Tracer):
-    """A Tracer whose spans start on the current Telemetry's TracerProvider (its
-    tracer for this instrumentation scope, got once per provider), and that does
-    nothing while there is none"""
+    """A Tracer whose spans start on the current :class:`Telemetry`'s TracerProvider
+    (its tracer for this scope, got once per provider); none: no-op"""
 
     #: the current provider's tracer, and that provider
     _current: tuple[Any, trace.Tracer] | None = None

@@ -168,24 +168,16 @@ class ProcessInstruments:
 
     of = classmethod(of_provider)
 
-    def attach(self, attached: Attached) -> Attached:
+    def attach(self, attached: Attached) -> None:
         with self._lock:
             self._attached[attached] = None
         attached.instruments = self
-        return attached
 
     def retire(self, attached: Attached) -> None:
         """Report ``attached`` at the next collection of each row, then forget it"""
         with self._lock:
             if attached in self._attached:
                 attached.last_round = set(self.names)
-
-    def _reported(self, attached: Attached, spec: MetricSpec) -> None:
-        with self._lock:
-            if attached.last_round is not None:
-                attached.last_round.discard(spec.name)
-                if not attached.last_round:
-                    self._attached.pop(attached, None)
 
     @property
     def attached(self) -> list[Attached]:
@@ -202,7 +194,10 @@ class ProcessInstruments:
                         reporting.append(server)
                 elif spec.name in server.last_round:
                     reporting.append(server)
-                    self._reported(server, spec)
+                    with self._lock:  # once more, then forgotten
+                        server.last_round.discard(spec.name)
+                        if not server.last_round:
+                            self._attached.pop(server, None)
             if spec.per_process:
                 reporting = reporting[:1]
             out = []

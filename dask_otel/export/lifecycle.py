@@ -8,15 +8,13 @@ from __future__ import annotations
 
 import asyncio
 import atexit
-import logging
 import threading
 import time
 from typing import Any
 
 from dask_otel.config import ConfigError, read_config
 from dask_otel.export.telemetry import ServerTelemetry, Telemetry
-
-logger = logging.getLogger("dask_otel")
+from dask_otel.log import logger
 
 #: Share of otel.flush-timeout one process may wait. A LocalCluster closes its
 #: workers (in parallel) before its scheduler: each waiting half keeps the whole

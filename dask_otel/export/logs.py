@@ -12,6 +12,7 @@ import configparser
 import inspect
 import logging
 import warnings
+from collections.abc import Collection
 from dataclasses import dataclass
 from typing import Any
 
@@ -33,21 +34,17 @@ def dask_logger_names(config: dict | None = None) -> list[str]:
     base = dask_logging_config(config)
     names = list(DISTRIBUTED_LOGGERS)
     if base.get("logging-file-config"):
-        names += _file_config_logger_names(base["logging-file-config"])
+        parser = configparser.ConfigParser(interpolation=None)
+        parser.read(base["logging-file-config"])
+        keys = [k.strip() for k in parser.get("loggers", "keys", fallback="").split(",")]
+        names += [parser.get(f"logger_{key}", "qualname", fallback=key)
+                  for key in keys if key and key != "root"]
     logging_config = base.get("logging") or {}
     if "version" in logging_config:
         names += list(logging_config.get("loggers") or {})
     else:
         names += list(logging_config)
     return list(dict.fromkeys(names))
-
-
-def _file_config_logger_names(path: str) -> list[str]:
-    parser = configparser.ConfigParser(interpolation=None)
-    parser.read(path)
-    keys = [k.strip() for k in parser.get("loggers", "keys", fallback="").split(",")]
-    return [parser.get(f"logger_{key}", "qualname", fallback=key)
-            for key in keys if key and key != "root"]
 
 
 def _new_handler(handler_class: type, level: int, provider: Any) -> logging.Handler:
@@ -68,7 +65,8 @@ class _WhereRecordsStop(logging.Filter):
     handler on it exports"""
 
     logger: logging.Logger
-    ours: list[logging.Handler]
+    #: every handler of ours (a live view)
+    ours: Collection[logging.Handler]
     otel_classes: tuple
 
     def filter(self, record: logging.LogRecord) -> bool:
@@ -106,11 +104,9 @@ class LogExport:
         loggers = [logging.getLogger(name) for name in dask_logger_names()]
         if not any(isinstance(h, otel_classes) for h in root.handlers):
             loggers.append(root)
-        ours: list[logging.Handler] = []
         for target in loggers:
             handler = _new_handler(otel_classes[0], config.logs_level, self.provider)
-            handler.addFilter(_WhereRecordsStop(target, ours, otel_classes))
-            ours.append(handler)
+            handler.addFilter(_WhereRecordsStop(target, self.handlers.values(), otel_classes))
             self.handlers[target] = handler
         for target, handler in self.handlers.items():
             target.addHandler(handler)

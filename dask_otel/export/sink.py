@@ -58,9 +58,8 @@ def within_limits(values: Iterable[Any], max_len: int | None) -> bool:
                 return False
             if kind is str and max_len is not None and max(map(len, value)) > max_len:
                 return False
-        elif kind is str:
-            if max_len is not None and len(value) > max_len:
-                return False
+        elif kind is str and max_len is not None and len(value) > max_len:
+            return False
         elif kind not in _PRIMITIVES and kind is not tuple:
             return False
     return True
@@ -91,11 +90,6 @@ class SpanSink:
         if self.resource is None:
             self.resource = self.provider.resource
         self.scope = InstrumentationScope("dask_otel", __version__)
-
-    def with_resource(self, resource: Resource) -> SpanSink:
-        """The same processors and limits, for a server with another resource (a
-        second cluster in the process): cheap, nothing is copied"""
-        return SpanSink(self.provider, self.processors, self.limits, resource)
 
     def name(self, name: str) -> str:
         """A span name or status description cut, as attribute strings are, to the
@@ -142,7 +136,6 @@ class SpanSink:
         )
 
     def emit(self, span: ReadableSpan) -> None:
-        """Hand one finished span to the SDK's span processors"""
         for processor in self.processors:
             processor.on_end(span)
 

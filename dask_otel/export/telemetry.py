@@ -8,13 +8,12 @@ last that detaches (:mod:`dask_otel.export.lifecycle`).
 
 from __future__ import annotations
 
-import logging
 import os
 import socket
 import sys
 import threading
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from functools import lru_cache
 from typing import TYPE_CHECKING, Any
 
@@ -25,23 +24,17 @@ from dask_otel.export.declarative import ConfigFile, config_file
 from dask_otel.export.exporters import EnvRecipe, otel_environment
 from dask_otel.export.instruments import EXEMPLAR_VIEWS
 from dask_otel.export.sink import DEFAULT_ATTRIBUTE_LENGTH, SpanSink
+from dask_otel.log import logger
 
 if TYPE_CHECKING:
     from opentelemetry.sdk.trace import TracerProvider
 
-logger = logging.getLogger("dask_otel")
-
 #: service.name when neither OTEL_SERVICE_NAME nor OTEL_RESOURCE_ATTRIBUTES sets one
 DEFAULT_SERVICE_NAME = "dask"
-#: The settings the process's providers are built with (``OtelConfig`` field ->
-#: dask config key): one value per process, the first server's
-PROCESS_WIDE = {
-    "traces_exporters": "otel.traces.exporter",
-    "metrics_exporters": "otel.metrics.exporter",
-    "logs_exporters": "otel.logs.exporter",
-    "logs_level": "otel.logs.level",
-    "flush_timeout": "otel.flush-timeout",
-}
+#: The ``OtelConfig`` fields the process's providers are built with: one value per
+#: process, the first server's
+PROCESS_WIDE = ("traces_exporters", "metrics_exporters", "logs_exporters", "logs_level",
+                "flush_timeout")
 
 
 #: ``status()``'s ``export`` row of a signal: key -> ``ExportOutage`` field
@@ -233,10 +226,9 @@ class Telemetry:
             if address in self.warned:
                 return
             self.warned.add(address)
-        ignored = [
-            key for name, key in PROCESS_WIDE.items()
-            if getattr(config, name) != getattr(self.config, name)
-        ]
+        keys = {f.name: f.metadata["key"] for f in fields(OtelConfig)}
+        ignored = [keys[name] for name in PROCESS_WIDE
+                   if getattr(config, name) != getattr(self.config, name)]
         now = otel_environment()
         ignored += sorted(
             k for k in {*now, *self.environment} if now.get(k) != self.environment.get(k)
@@ -319,7 +311,8 @@ class ServerTelemetry:
     ) -> ServerTelemetry:
         sink = telemetry.span_sink
         if sink is not None and resource != sink.resource:
-            sink = sink.with_resource(resource)
+            # a second cluster in the process: the same processors and limits, nothing copied
+            sink = SpanSink(sink.provider, sink.processors, sink.limits, resource)
         first = telemetry.scheduler_address
         if address is None or first is None or address == first:
             return cls(telemetry, config, sink)

@@ -28,9 +28,18 @@ if TYPE_CHECKING:
     from dask_otel.spans import SpanMirror
 
 
+#: Series per fine-metrics instrument, scheduler and collection, the rest folded
+#: into one overflow series (the SDK 1.45.2 default; folding here, not in the
+#: SDK, saves ~20 us per further series: seconds of GIL at 10,000 prefixes)
+MAX_SERIES = 2000
+#: The series the rest is summed into: the attribute of the SDK's own overflow point
+OVERFLOW = {"otel.metric.overflow": True}
+
+
+@lru_cache(maxsize=4 * MAX_SERIES)  # only the first MAX_SERIES keys of a unit are exported
 def fine_metric_attributes(key: Hashable) -> tuple[str, dict[str, Any]] | None:
     """``(dask unit, attributes)`` of a fine-metrics key ``(context, [prefix or
-    where...], activity, unit)``; None for other keys (``"latency"``...)"""
+    where...], activity, unit)``, built once; None for other keys (``"latency"``...)"""
     if not isinstance(key, tuple) or len(key) < 3:
         return None
     context, *middle, activity, unit = key
@@ -41,19 +50,6 @@ def fine_metric_attributes(key: Hashable) -> tuple[str, dict[str, Any]] | None:
         else:
             attributes[attr.ACTIVITY_WHERE] = " ".join(map(str, middle))
     return str(unit), attributes
-
-
-#: Series per fine-metrics instrument, scheduler and collection, the rest folded
-#: into one overflow series (the SDK 1.45.2 default; folding here, not in the
-#: SDK, saves ~20 us per further series: seconds of GIL at 10,000 prefixes)
-MAX_SERIES = 2000
-#: The series the rest is summed into: the attribute of the SDK's own overflow point
-OVERFLOW = {"otel.metric.overflow": True}
-
-@lru_cache(maxsize=4 * MAX_SERIES)  # only the first MAX_SERIES keys of a unit are exported
-def _attributes(key: tuple) -> dict[str, Any]:
-    """The attributes of an exported series' key, built once"""
-    return fine_metric_attributes(key)[1]  # type: ignore[index]
 
 
 #: One fine-metrics reading before its attributes are built: value, Dask key, and
@@ -101,23 +97,11 @@ def _fine_metrics(dask_unit: str):
                 overflow = (overflow or 0.0) + sum(map(metrics.__getitem__, keys[room:]))
         observed.unit_keys[dask_unit] = keys_now
         reading, values, exemplars = observed.with_exemplars(
-            _bounded(out, overflow), previous[2] if previous is not None else {})
+            out, overflow, previous[2] if previous is not None else {})
         observed.previous[dask_unit] = (state, reading, values, exemplars)
         return reading
 
     return read
-
-
-def _bounded(readings: list[_Raw], overflow: float | None) -> Reading:
-    """The readings with their attributes, and the ``overflow`` reading (the sum of
-    the series past :data:`MAX_SERIES`; None: none)"""
-    out: list[tuple[float, Mapping[str, Any]]] = []
-    for value, key, extra in readings:
-        attributes = _attributes(key)
-        out.append((value, {**attributes, **extra} if extra else attributes))  # type: ignore[arg-type]
-    if overflow is not None:
-        out.append((overflow, OVERFLOW))
-    return out
 
 
 def _mirror_count(field: str):
@@ -149,12 +133,9 @@ def _exported(field: str, signal: str | None = None):
     """``field`` of the process's accounted exporters (``ExportOutage``), by signal;
     of ``signal``'s only, when given"""
     def read(observed: SchedulerMetrics) -> Reading:
-        return [
-            (getattr(e.outage, field), {attr.OTEL_EXPORTER: type(e.exporter).__name__}
-             if signal else {attr.OTEL_EXPORTER: type(e.exporter).__name__,
-                             attr.OTEL_SIGNAL: e.outage.signal})
-            for e in list(observed.telemetry.accounted) if signal in (None, e.outage.signal)
-        ]
+        return [(getattr(e.outage, field), {attr.OTEL_EXPORTER: type(e.exporter).__name__,
+                                            **({} if signal else {attr.OTEL_SIGNAL: e.outage.signal})})
+                for e in list(observed.telemetry.accounted) if signal in (None, e.outage.signal)]
 
     return read
 
@@ -263,18 +244,22 @@ class SchedulerMetrics(Attached):
                 keys.append(key)
         return len(metrics), keys
 
-    def with_exemplars(self, readings: Reading, previous: dict[tuple, float]
+    def with_exemplars(self, raw: list[_Raw], overflow: float | None, previous: dict[tuple, float]
                        ) -> tuple[Reading, dict[tuple, float], bool]:
-        """``readings`` of one fine-metrics instrument, those of a task prefix that
-        grew since ``previous`` (each series' value then) in the context of the
-        latest sampled TaskGroup span of that prefix (docs/metrics.md: exemplars);
-        each series' value now; whether any has an exemplar"""
+        """The readings of one fine-metrics instrument, with their attributes, and the
+        ``overflow`` reading last (the sum of the series past :data:`MAX_SERIES`; None:
+        none); those of a task prefix that grew since ``previous`` (each series' value
+        then) in the context of the latest sampled TaskGroup span of that prefix
+        (docs/metrics.md: exemplars). Each series' value now; whether any has an exemplar"""
         mirror = self.mirror
         latest = mirror.latest_by_prefix if mirror is not None else {}
         now: dict[tuple, float] = {}
         contexts: dict[str, Context | None] = {}  # one per prefix, shared by its series
-        out = []
-        for value, attributes in readings:
+        out: list[tuple[Any, ...]] = []
+        for value, dask_key, extra in raw:
+            attributes = fine_metric_attributes(dask_key)[1]  # type: ignore[index]
+            if extra:
+                attributes = {**attributes, **extra}
             prefix = attributes.get(attr.TASK_PREFIX)
             if prefix is None or not latest:
                 out.append((value, attributes))
@@ -290,4 +275,6 @@ class SchedulerMetrics(Attached):
                 out.append((value, attributes, contexts[prefix]))
             else:
                 out.append((value, attributes))
+        if overflow is not None:
+            out.append((overflow, OVERFLOW))
         return out, now, bool(contexts)

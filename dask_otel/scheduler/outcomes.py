@@ -76,9 +76,8 @@ class OutcomeInstruments:
 
 
 class Outcomes:
-    """One scheduler's workflow outcomes and removed workers: the span mirror
-    records each root it finishes (``SpanMirror.span_of``), the events each
-    removed worker"""
+    """One scheduler's workflow outcomes (each root the mirror finishes,
+    ``SpanMirror.span_of``) and removed workers"""
 
     def __init__(self, meter_provider: MeterProvider, attributes: Mapping[str, Any],
                  patterns: Collection[str] = ()):

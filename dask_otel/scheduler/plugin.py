@@ -7,7 +7,6 @@ docs/configuration.md.
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
@@ -21,6 +20,7 @@ from dask_otel.annotation import BLOCK_EXIT
 from dask_otel.attributes import SCHEDULER_ADDRESS
 from dask_otel.config import SCHEDULER, ConfigError
 from dask_otel.export.lifecycle import release_telemetry, start_telemetry
+from dask_otel.log import logger
 from dask_otel.scheduler.blocks import CLIENT_GONE_GRACE
 from dask_otel.spans import SpanMirror
 from dask_otel.worker.plugin import PLUGIN_NAME, dumps_by_value, server_status
@@ -32,8 +32,6 @@ if TYPE_CHECKING:
     from dask_otel.export.telemetry import ServerTelemetry, Telemetry
     from dask_otel.scheduler.events import DaskEvents
     from dask_otel.scheduler.metrics import SchedulerMetrics
-
-logger = logging.getLogger("dask_otel")
 
 #: The transitions the mirror times besides leaving ``processing``
 _TIMED = frozenset(("processing", "erred"))
@@ -86,15 +84,13 @@ class OtelSchedulerPlugin(SchedulerPlugin):
         try:
             outcomes = None
             if (provider := own.telemetry.meter_provider) is not None:
-                from dask_otel.export.dask_families import families_wanted
+                from dask_otel.export.dask_families import DaskFamilies, families_wanted
                 from dask_otel.scheduler.metrics import SchedulerMetrics
                 from dask_otel.scheduler.outcomes import Outcomes
 
                 outcomes = Outcomes(provider, own.metric_attributes, config.workflows)
                 if families_wanted(own):
-                    from dask_otel.scheduler.dask_families import SchedulerFamilies
-
-                    self.families = SchedulerFamilies(scheduler, own)
+                    self.families = DaskFamilies(scheduler, own)
             if own.span_sink is not None or outcomes is not None:
                 # Traces, or the workflow outcomes made of its records
                 self.mirror = SpanMirror(scheduler, own.span_sink, config, outcomes)

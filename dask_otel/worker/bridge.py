@@ -7,7 +7,6 @@ others run. docs/traces.md, docs/metrics.md, docs/events.md.
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
@@ -21,7 +20,8 @@ from dask_otel.attributes import SCHEDULER_ADDRESS
 from dask_otel.export.global_provider import adopt_global_tracer_provider
 from dask_otel.export.lifecycle import (release_telemetry, release_telemetry_in_background,
                                         start_telemetry)
-from dask_otel.spill import SpillInstruments
+from dask_otel.log import logger
+from dask_otel.spill import ObservedWorker
 from dask_otel.worker.execute_hook import TaskContextHook
 from dask_otel.worker.task_context import TaskContexts, default_sampler
 from dask_otel.worker.task_spans import TaskRules, TaskSpans
@@ -30,8 +30,6 @@ if TYPE_CHECKING:
     from distributed import Worker
 
     from dask_otel.export.telemetry import ServerTelemetry, Telemetry
-
-logger = logging.getLogger("dask_otel")
 
 
 @dataclass(slots=True)
@@ -45,7 +43,7 @@ class WorkerBridge:
     telemetry: Telemetry | None = None
     server_telemetry: ServerTelemetry | None = None
     spill: Any = None
-    #: :class:`~dask_otel.worker.dask_families.WorkerFamilies`, with otel.metrics.dask
+    #: :class:`~dask_otel.export.dask_families.DaskFamilies`, with otel.metrics.dask
     families: Any = None
     #: :class:`~dask_otel.worker.execute_hook.TaskContextHook`; None where it
     #: could not be installed
@@ -83,18 +81,14 @@ class WorkerBridge:
         )
 
     def _start_spill(self, worker: Worker, own: ServerTelemetry) -> None:
-        if own.telemetry.meter_provider is None:
-            return
-        self.spill = SpillInstruments.observe(worker, own)
+        if own.telemetry.meter_provider is not None:
+            self.spill = ObservedWorker(worker, own)
 
     def _start_families(self, worker: Worker, own: ServerTelemetry) -> None:
-        from dask_otel.export.dask_families import families_wanted
+        from dask_otel.export.dask_families import DaskFamilies, families_wanted
 
-        if own.telemetry.meter_provider is None or not families_wanted(own):
-            return
-        from dask_otel.worker.dask_families import WorkerFamilies
-
-        self.families = WorkerFamilies(worker, own)
+        if own.telemetry.meter_provider is not None and families_wanted(own):
+            self.families = DaskFamilies(worker, own)
 
     def _start_stalls(self, worker: Worker, own: ServerTelemetry) -> None:
         self.unhook_tick = on_blocked_tick(worker, partial(_tell_blocked, worker))

@@ -11,7 +11,6 @@ An error while building a context runs the task without one. Cost:
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
@@ -22,6 +21,7 @@ from opentelemetry import context as otel_context
 
 from dask_otel._compat import execute_hookable
 from dask_otel.annotation import ANNOTATION
+from dask_otel.log import logger
 from dask_otel.worker.task_spans import TaskRun
 
 if TYPE_CHECKING:
@@ -32,17 +32,14 @@ if TYPE_CHECKING:
     from dask_otel.worker.task_context import DaskSpanContext, TaskContexts
     from dask_otel.worker.task_spans import TaskSpans
 
-logger = logging.getLogger("dask_otel")
-
 #: Logged the "cannot install" INFO line in this process already
 _told_unhookable = False
 
 
 @dataclass(slots=True)
 class TaskContextHook:
-    """Wraps one worker's ``execute`` so that every task runs in its OTel context.
-    Install with :meth:`install`; :meth:`uninstall` puts ``Worker.execute`` back
-    (or, when something wrapped it after us, turns ours into a pass-through)."""
+    """Wraps one worker's ``execute`` (:meth:`install`, :meth:`uninstall`) so that
+    every task runs in its OTel context"""
 
     worker: Worker
     #: builds each task's context from its annotations

@@ -19,8 +19,7 @@ PLUGIN_NAME = "dask-otel"
 
 
 class OtelWorkerPlugin(WorkerPlugin):
-    """On each worker: the OTel context tasks run in, task spans, and the
-    SpillBuffer state as OpenTelemetry metrics (see :class:`WorkerBridge`)"""
+    """What Dask registers on each worker: it starts a :class:`WorkerBridge`"""
 
     name = PLUGIN_NAME
     idempotent = True

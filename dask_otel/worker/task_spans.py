@@ -41,7 +41,6 @@ if TYPE_CHECKING:
 #: ``run/<task>``), so that a trace UI lists tasks apart from their TaskGroup and Dask
 #: span (docs/traces.md "Span names")
 TASK_SPAN_NAME = "run/{}"
-_UNSET = Status(StatusCode.UNSET)
 _HASH_SPACE = 1 << 64
 
 
@@ -215,7 +214,7 @@ class TaskSpans:
         if ts is not None and (function := function_name(ts.run_spec)) is not None:
             attributes[attr.CODE_FUNCTION_NAME] = function
         events: tuple[Event, ...] = ()
-        status = _UNSET
+        status: Status | None = None
         if erred:
             exc_type, message = _exception_type_and_message(event)
             status = Status(StatusCode.ERROR, sink.name(f"{exc_type}: {message}"))
