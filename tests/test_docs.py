@@ -25,6 +25,7 @@ from distributed import Client, LocalCluster, Scheduler, span, wait
 
 import dask_otel
 import dask_otel.config
+from tests.support import oracle
 from tests.support.cluster import (
     UNINSTRUMENTED_CONFIG,
     Mirrored,
@@ -297,6 +298,8 @@ def test_a_command_line_preload_needs_dask_otel_named_too(tmp_path):
 def test_instrument_exports_no_dask_span_that_finished_before_it():
     """README, "`instrument` and `status`": Dask spans that finished before the call
     are not exported; those after it are"""
+    for check in ("every-span", "every-task"):
+        oracle.waive(check, "finished before dask_otel.instrument: not the bridge's", ["before"])
     with dask.config.set(UNINSTRUMENTED_CONFIG):
         with LocalCluster(**cluster_kwargs(n_workers=1)) as cluster, Client(cluster) as client:
             with span("before") as before:
