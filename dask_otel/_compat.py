@@ -110,7 +110,6 @@ def detached_span(name: tuple[str, ...], span_id: str, parent: Span | None, sche
     return span
 
 
-
 # -- limits --
 # The series limits of the bridge's metric streams (dask_otel/export/instruments.py;
 # tests/test_compat.py::test_limits_*). opentelemetry-sdk 1.45.2, a patch release,

@@ -123,9 +123,7 @@ def task_rules(otel: Any) -> dict[str, Any] | None:
 def entered_times(otel: Any) -> Mapping[str, Any] | None:
     """When the client entered the annotation's blocks, by Dask span id (values of
     any type: the caller takes the numbers); None for another shape"""
-    if not isinstance(otel, Mapping):
-        return None
-    times = otel.get("entered")
+    times = otel.get("entered") if isinstance(otel, Mapping) else None
     return times if isinstance(times, Mapping) else None
 
 

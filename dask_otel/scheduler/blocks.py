@@ -34,14 +34,12 @@ CLIENT_GONE_GRACE = 1.0
 def observe_exit(ledger: Ledger, spans: Mapping[str, Span], msg: Any, now: float) -> None:
     """A client left a block: its open spans may finish; the exit of a span not
     seen yet is kept until its graph comes, or exported as an empty block"""
-    block = read_block_exit(msg)
-    if block is None:
+    if (block := read_block_exit(msg)) is None:
         return
     ids, _, own, otel, exited = block
     sender = exit_sender(msg)
     for span_id in ids[-own:]:
-        record = ledger.records.get(span_id)
-        if record is not None:
+        if (record := ledger.records.get(span_id)) is not None:
             record.left_block(exited, sender, names_workflow(block, span_id))
         elif span_id not in spans and span_id not in ledger.made:
             ledger.pend_exit(span_id, now, block)

@@ -85,10 +85,7 @@ class SpanMetrics:
         out = cls()
         total, by_prefix = out.total, out.by_prefix
         for key, value in metrics.items():
-            if not value:
-                continue
-            info = _key_info(key)
-            if info is None:
+            if not value or (info := _key_info(key)) is None:
                 continue
             name, prefix, execute_seconds = info
             total[name] = total.get(name, 0) + value
@@ -239,12 +236,8 @@ def task_counts(states: Mapping[str, int], total: int, nbytes: int, duration: fl
                 ) -> dict[str, Any]:
     """The attributes every mirrored span has of its tasks: the count of each
     state (those above 0), the total, output bytes and duration"""
-    names = _STATE_NAMES
-    out: dict[str, Any] = {}
-    for state, n in states.items():
-        if n > 0:
-            name = names.get(state)
-            out[attr.TASKS_PREFIX + state if name is None else name] = n
+    out: dict[str, Any] = {_STATE_NAMES.get(state) or attr.TASKS_PREFIX + state: n
+                           for state, n in states.items() if n > 0}
     out.update({attr.TASKS_TOTAL: total, attr.OUTPUT_BYTES: nbytes, attr.DURATION: duration})
     return out
 

@@ -271,9 +271,8 @@ class DaskEvents:
             attributes[attr.TASKS_RUNNING] = [str(k) for k in islice(keys, MAX_KEYS)]
             attributes[attr.TASKS_RUNNING + ".count"] = len(keys)
             leaves = [str(span_id) for span_id in worker.get("spans") or ()]
-        context = None
-        if self.mirror is not None:
-            context = self.mirror.observe_loop_blocked(leaves, attributes, time_ns())
+        context = (self.mirror.observe_loop_blocked(leaves, attributes, time_ns())
+                   if self.mirror is not None else None)
         if self.outcomes is not None:
             self.outcomes.loop_blocked(attributes[attr.SERVER_KIND], seconds, context)
 
@@ -295,10 +294,8 @@ class DaskEvents:
             if isinstance(category, type):
                 attributes[attr.EVENT_CATEGORY] = category.__name__
         row = DASK_EVENTS.get(name)
-        if row is not None and isinstance(msg, dict):
-            body = row.text(msg)
-        else:
-            body = msg if isinstance(msg, str) else name
+        body = (row.text(msg) if row is not None and isinstance(msg, dict)
+                else msg if isinstance(msg, str) else name)
         self._emit(name, row.severity if row else logging.INFO, body, attributes, context)
 
     def _running_span(self, address: str | None) -> str | None:

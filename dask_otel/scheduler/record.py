@@ -106,8 +106,7 @@ class SpanRecord:
         waiting_exit = self.block_client is not None and not self.exited
         if self.open_children or self.client_left or waiting_exit:
             return None
-        stop = groups_stop(self.span.groups)
-        if stop is None:
+        if (stop := groups_stop(self.span.groups)) is None:
             return None
         # Dask's own TaskGroup.stop only for groups finished before the bridge
         # started; the others' bounded ends are in ``end``
@@ -222,10 +221,7 @@ class GroupBatch:
         clock"""
         if self.since:
             return self.since
-        if tg.start and self.started:
-            start = min(tg.start, self.started)
-        else:
-            start = tg.start or self.started
+        start = min(filter(None, (tg.start, self.started)), default=0.0)  # the earlier of those known
         return observed(start, self.sent, self.received) if start else 0.0
 
     def end(self, tg: TaskGroup) -> float:

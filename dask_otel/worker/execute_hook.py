@@ -60,8 +60,7 @@ class TaskContextHook:
         """Wrap ``worker.execute``; None (and one INFO log per process) when this
         distributed does not have the shape the hook needs"""
         global _told_unhookable
-        reason = execute_hookable(worker)
-        if reason is not None:
+        if (reason := execute_hookable(worker)) is not None:
             if not _told_unhookable:
                 _told_unhookable = True
                 logger.info("dask_otel: tasks run without an OpenTelemetry context on this worker "

@@ -90,11 +90,9 @@ class TaskContexts:
             ids[0], ids[-1], str(name[0]) if name else "default", remote, self.sampler,
             is_remote=True, forced=forced_sampling(otel, ids[0]),
         )
-        rules = self.rules
-        context = in_context(span_context, base)
         return DaskSpanContext(
-            span_context, context, str(ids[-1]), otel,
-            rules and rules.of_span(task_rules(otel), span_context.trace_flags.sampled),
+            span_context, in_context(span_context, base), str(ids[-1]), otel,
+            self.rules and self.rules.of_span(task_rules(otel), span_context.trace_flags.sampled),
         )
 
 
