@@ -1,0 +1,42 @@
+"""Workflows no one wrote by hand (tests/support/workflows.py): seeded programs of
+span blocks, repeats while their TaskGroups live, P2P shuffles and rechunks,
+erring tasks, a worker killed mid-run, cancellations, a client leaving inside its
+block, a second cluster, each run on worker processes. Dask's own record is the
+oracle (tests/support/oracle.py): every span, task, fine metric and exemplar
+accounted for when the cluster closes.
+
+The seeds below cover every kind of step together (``python -m
+tests.support.workflows --coverage SEED...``). A failure prints its seed and its
+program; replay it with ``python -m tests.support.workflows SEED`` or
+``pytest tests/test_generated.py -k seed17``. A soak over more seeds:
+``DASK_OTEL_SOAK_SEEDS=200 python -m pytest tests/test_generated.py`` (seeds 0 to 199).
+"""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from tests.support.workflows import replay
+
+#: Together, every kind of step of tests.support.workflows.KINDS (the coverage
+#: table: ``python -m tests.support.workflows --coverage`` with these seeds)
+SEEDS = [2, 4, 7, 9, 11, 12, 14, 19, 24, 38, 39, 40, 44, 45, 47, 48, 53, 55, 56, 59]
+#: Seeds that took 15 s or more on a loaded 2-core machine (a worker killed and
+#: started again, a second cluster): started first
+SLOW = {19, 24, 38, 56, 59}
+
+
+def seeds() -> list:
+    soak = os.environ.get("DASK_OTEL_SOAK_SEEDS")
+    chosen = range(int(soak)) if soak else SEEDS
+    return [pytest.param(seed, id=f"seed{seed}",
+                         marks=[pytest.mark.slow] if seed in SLOW else [])
+            for seed in chosen]
+
+
+@pytest.mark.timeout(600)
+@pytest.mark.parametrize("seed", seeds())
+def test_a_generated_workflow_is_accounted_for_by_dask(seed):
+    replay(seed)
