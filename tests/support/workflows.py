@@ -40,6 +40,7 @@ end of the program, so Dask keeps their TaskGroups):
 from __future__ import annotations
 
 import contextlib
+import gc
 import os
 import random
 import signal
@@ -418,6 +419,7 @@ class Runner:
 
         keys = {key for m in made for key in _keys(m)}
         made.clear()
+        gc.collect()  # futures sit in reference cycles: freed by the collector's timing
         scheduler = client.cluster.scheduler  # in-process (otel_cluster)
 
         def forgotten() -> bool:
