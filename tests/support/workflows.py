@@ -57,8 +57,10 @@ KINDS = ("span:distributed", "span:dask_otel", "nested:3", "map", "submit", "shu
 STAGES = ("map", "submit", "shuffle", "rechunk", "err")
 #: Task functions of tests.support.tasks a map or submit stage draws from
 FUNCS = ("inc", "double", "square", "slow_inc")
-#: The cluster a program runs on, and the config on top of otel_cluster's
-CONFIG = {"otel.metrics.exporter": "memory"}
+#: The cluster a program runs on, and the config on top of otel_cluster's (the
+#: transition log the oracle reads kept long enough, as tests/conftest.py does, so
+#: that ``python -m tests.support.workflows`` replays as pytest runs)
+CONFIG = {"otel.metrics.exporter": "memory", "distributed.admin.low-level-log-length": 1_000_000}
 N_WORKERS = 2
 
 Step = tuple
