@@ -28,8 +28,8 @@ SEEDS = [2, 4, 7, 12, 14, 17, 19, 24, 33, 38, 41, 44, 45, 48, 53, 57, 59, 95, 36
 
 def seeds() -> list:
     """The seeds to run; a program that starts a second cluster of worker
-    processes is ``slow`` (40 to 90 s at -n 4 on a loaded 2-core machine, the
-    others 15 to 35 s)"""
+    processes is ``slow``. Measured on 2 cores at -n 4: 2 to 14 s a seed, the 20
+    in 46 s, at load 5; 9 to 31 s, in 95 s, at load 11 (up to 90 s at load 13)"""
     soak = os.environ.get("DASK_OTEL_SOAK_SEEDS", "")
     first, _, last = soak.partition("-")
     chosen = (range(int(first), int(last) + 1) if last else range(int(first))) if soak else SEEDS
