@@ -6,6 +6,10 @@
 - :mod:`~tests.support.tasks`: every function the tests run as a Dask task;
 - :mod:`~tests.support.span_tree`: the one span-tree checker, for spans from the
   SDK, the OTLP receiver or Phoenix;
+- :mod:`~tests.support.oracle`: Dask's own record against everything the bridge
+  exported, after every cluster;
+- :mod:`~tests.support.workflows`: seeded programs of Dask steps no one wrote by
+  hand, and their runner (``python -m tests.support.workflows SEED``);
 - :mod:`~tests.support.callers`: the application around Dask (its tracer, the
   carrier of its context);
 - :mod:`~tests.support.metrics`: reading the bridge's in-memory metric reader;
