@@ -126,7 +126,7 @@ class SpanMirror:
         scheduler (``update_graph``: Dask attached its tasks to their spans; new ones
         are still ``released``). A group exported before opens again as a new batch,
         under the Dask span its tasks were submitted in (the TaskGroup collision
-        keeps them on the group's first span), if some task of it is to run;
+        keeps them on the group's first span), exported only if some task runs;
         so does an open group's, done, if its new tasks were sent from another
         block: its batch so far is exported at once, without them."""
         if not (spans := self.dask_spans):
