@@ -121,10 +121,10 @@ class SpanMirror:
         """Open the Dask spans created since the last look"""
         self.ledger.open_new_spans(self.dask_spans)
 
-    def observe_graph(self, keys: Iterable[Hashable], client: str | None = None) -> None:
-        """Open the TaskGroups of a graph that just reached the scheduler
-        (``update_graph``: Dask attached its tasks to their spans; new ones are
-        still ``released``). A group exported before opens again as a new batch,
+    def observe_graph(self, keys: Iterable[Hashable], wanted: Any, client: str | None = None) -> None:
+        """Open the TaskGroups of a graph asked for ``wanted`` that just reached the
+        scheduler (``update_graph``: Dask attached its tasks to their spans; new ones
+        are still ``released``). A group exported before opens again as a new batch,
         under the Dask span its tasks were submitted in (the TaskGroup collision
         keeps them on the group's first span), exported only if some task runs;
         so does an open group's, done, if its new tasks were sent from another
@@ -172,8 +172,13 @@ class SpanMirror:
             if (batch := ledger.groups.get(tg)) is not None and (
                     batch.span.id == span.id or not group_done(tg)):
                 continue  # more work of its open batch's block, or two blocks' at once
-            if rerun is None:  # tasks of each group this graph (re)runs
-                rerun = Counter(g for g, t in zip(groups, tss) if t.state == "released")
+            if rerun is None:  # tasks of each group it (re)runs, as Dask picks them after this
+                # hook: the released keys asked for and, on, the released inputs of each
+                run = new = {t for t in map(self.scheduler.tasks.get, wanted)
+                             if t and t.state == "released"}
+                while new := {d for t in new for d in t.dependencies if d.state == "released"} - run:
+                    run = run | new
+                rerun = Counter(map(_GROUP, run))
             if not rerun[tg]:
                 continue  # none: finished tasks merely requested again
             if batch is not None:  # another block's, done: it ends without them

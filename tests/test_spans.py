@@ -1420,3 +1420,30 @@ def test_a_skewed_worker_clock_leaves_every_span_inside_the_schedulers_window(sk
     )
     names = sorted(n.name for n in nodes.values())
     assert names.count("run/sk") == 8 and names.count("taskgroup/sk") == 1
+
+
+def test_a_persisted_shuffle_persisted_again_counts_only_what_dask_ran():
+    """Worker processes; a dataframe P2P shuffle persisted and held, then persisted
+    again in a block: Dask runs nothing of it again (its outputs are in memory; its
+    inputs, released, are not recomputed), so no batch of the block counts a task
+    and every task is counted once (before: the block's batches counted the
+    released inputs as run again)"""
+    pd = pytest.importorskip("pandas")
+    dd = pytest.importorskip("dask.dataframe")
+    pdf = pd.DataFrame({"k": [i % 7 for i in range(400)], "v": range(400)})
+    with otel_cluster(processes=True, n_workers=2) as (client, mirrored):
+        with span("first") as first_id:
+            held = client.persist(dd.from_pandas(pdf, npartitions=2).shuffle("k", shuffle_method="p2p"))
+            wait(held)
+        first = mirrored.by_dask_id(first_id)
+        wait_until(lambda: any(s.name == "taskgroup/frompandas" for s in mirrored.children(first)))
+        with dask_otel.span("again") as again_id:
+            again = client.persist(dd.from_pandas(pdf, npartitions=2).shuffle("k", shuffle_method="p2p"))
+            wait(again)
+        second = mirrored.by_dask_id(again_id)
+        time.sleep(1)  # any later batch exported
+        spans = mirrored.spans()
+        assert [s.name for s in spans if s.parent and s.parent.span_id == second.context.span_id
+                and s.name.startswith("taskgroup/")] == []
+        assert batch_tasks_by_group(spans) == dask_tasks_by_group(mirrored.cluster)
+        del held, again

@@ -129,10 +129,10 @@ class OtelSchedulerPlugin(SchedulerPlugin):
             # Many spans finished at once: go on after the loop has run other work
             IOLoop.current().add_callback(self._poll)
 
-    def update_graph(self, scheduler: Scheduler, *, tasks: Any = (), client: Any = None,
-                     **kwargs: Any) -> None:
+    def update_graph(self, scheduler: Scheduler, *, tasks: Any = (), keys: Any = (),
+                     client: Any = None, **kwargs: Any) -> None:
         if self.mirror is not None:
-            _guarded(self.mirror.observe_graph, tasks, client)
+            _guarded(self.mirror.observe_graph, tasks, keys, client)
 
     def transition(self, key: Any, start: str, finish: str, *args: Any, stimulus_id: str = "",
                    **kwargs: Any) -> None:
