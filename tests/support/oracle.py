@@ -275,7 +275,7 @@ def compare(dask: DaskRecord, exported: Exported,
             check("lost-workers", address in told,
                   f"worker {address} was lost processing tasks: no dask.worker.lost event")
     if exported.points is not None:
-        problems += _compare_metrics(dask, exported, spans, check)
+        _compare_metrics(dask, exported, spans, check)
     return problems
 
 
@@ -289,7 +289,7 @@ def _callers_remote(spans: list, dask: DaskRecord) -> list:
             for n in nodes]
 
 
-def _compare_metrics(dask: DaskRecord, exported: Exported, spans: list, check: Any) -> list[str]:
+def _compare_metrics(dask: DaskRecord, exported: Exported, spans: list, check: Any) -> None:
     # Two schedulers in one process share the MeterProvider: the resource names the
     # first, the other's points carry its address
     every = exported.points or {}
@@ -331,7 +331,6 @@ def _compare_metrics(dask: DaskRecord, exported: Exported, spans: list, check: A
                    if a.get("dask.worker.address") == address and a.get("dask.activity.name") == label]
             check("spill", _close(sum(got), value),
                   f"{address} {name} {label}: exported {got}, SpillBuffer {value}")
-    return []
 
 
 def _close(a: float, b: float) -> bool:
@@ -357,7 +356,6 @@ class Oracle:
     #: every comparison so far
     compared: set[int] = field(default_factory=set)
     problems: list[str] = field(default_factory=list)
-    runs: int = 0
 
     def waive(self, check: str, why: str, roots: Iterable[str] | None = None) -> None:
         """This test loses what ``check`` compares on purpose, for the reason ``why``:
@@ -368,10 +366,15 @@ class Oracle:
 
     def compare(self, dask: DaskRecord, exported: Exported, where: str) -> list[str]:
         """Compare, keep and return the differences found"""
-        self.runs += 1
         found = [f"{where}: {line}" for line in compare(dask, exported, self.waived)]
         self.problems += found
         return found
+
+    def compare_now(self, dask: DaskRecord, exported: Exported, where: str) -> None:
+        """Compare a cluster that just closed: its test fails here, not at its teardown"""
+        if found := self.compare(dask, exported, where):
+            self.problems = [p for p in self.problems if p not in found]
+            raise AssertionError("Dask's own record and the export differ:\n" + "\n".join(found[:40]))
 
     def receiver_for(self, env: Mapping[str, str]) -> Any:
         """The receiver the exporters configured by ``env`` send to (None: none)"""
@@ -457,10 +460,7 @@ def in_process(cluster: Any, before_close: tuple[DaskRecord, dict] | None) -> No
     dask = read_dask(scheduler)
     if before_close is not None:
         dask.fine, dask.spill = before_close[0].fine, before_close[0].spill
-    found = oracle.compare(dask, exported, f"cluster {scheduler.address}")
-    if found:  # the test fails here, not only at its teardown
-        oracle.problems = [p for p in oracle.problems if p not in found]
-        raise AssertionError("Dask's own record and the export differ:\n" + "\n".join(found[:40]))
+    oracle.compare_now(dask, exported, f"cluster {scheduler.address}")
 
 
 def read_remote(address: str) -> DaskRecord | None:
@@ -481,7 +481,4 @@ def processes_closed(dask: DaskRecord | None, env: Mapping[str, str], where: str
     if current is None or dask is None:
         return
     if (exported := current.exported_by(None, env)) is not None:
-        found = current.compare(dask, exported, where)
-        if found:
-            current.problems = [p for p in current.problems if p not in found]
-            raise AssertionError("Dask's own record and the export differ:\n" + "\n".join(found[:40]))
+        current.compare_now(dask, exported, where)
