@@ -114,8 +114,11 @@ def dask_servers(
     def spawn(name: str, *args: str) -> None:
         logs[name] = tmp_path / f"{name}.log"
         cmd = [*(OPENTELEMETRY_INSTRUMENT if name in instrumented else []), sys.executable, "-m", *args]
+        # a scratch space of its own: in the shared one, another test's workers leave
+        # lock files that a worker here reports purging ("Found stale lock file")
+        scratch = {"DASK_TEMPORARY_DIRECTORY": str(tmp_path / "scratch")}
         procs[name] = subprocess.Popen(
-            cmd, env=env, cwd=tmp_path, stdout=logs[name].open("w"), stderr=subprocess.STDOUT
+            cmd, env={**env, **scratch}, cwd=tmp_path, stdout=logs[name].open("w"), stderr=subprocess.STDOUT
         )
 
     try:
