@@ -1,22 +1,16 @@
 """Every version switch and every private surface of Dask or OpenTelemetry the
-bridge reads, calls or writes, with the versions that need it (distributed's habit:
-``distributed/compatibility.py``), each one function. What it writes:
-
-- ``distributed.Client._graph_to_futures``, wrapped (:func:`on_graph_sent`);
-- ``Span._parent`` of a Dask ``Span`` the bridge built itself (:func:`detached_span`);
-- the retry backoff's ``threading.Event`` of an OTLP exporter the bridge built,
-  opentelemetry 1.41 to 1.45.2 only (:func:`cut_retry_waits`, gated by
-  :data:`RETRY_WAIT_UP_TO`).
-
-Elsewhere the bridge writes only Dask's public surfaces; a worker's ``execute``
-is wrapped on the instance, where :func:`execute_hookable` finds its shape.
+bridge reads, calls or writes, each one function with the versions that need it
+(distributed's habit: ``distributed/compatibility.py``). It writes three:
+``distributed.Client._graph_to_futures`` (wrapped: :func:`on_graph_sent`), the
+``_parent`` of a Dask Span it built (:func:`detached_span`), and the retry backoff's
+Event of an OTLP exporter it built, in opentelemetry 1.41 to 1.45.2 only
+(:func:`cut_retry_waits`, gated by :data:`RETRY_WAIT_UP_TO`).
 
 The floor is ``pyproject.toml``'s: distributed 2024.1.0, opentelemetry 1.41.
 Nothing here serves a version below it. When the floor moves, delete what it
 makes dead; a private name a new release drops fails the tripwire tests in
 ``tests/test_compat.py``, not a user's cluster.
 """
-
 from __future__ import annotations
 
 import functools
@@ -267,7 +261,8 @@ def cut_retry_waits(exporter: Any, cut: Callable[[], bool]) -> bool:
 
 #: Each signal's encoder: module of opentelemetry.exporter.otlp.proto.common, function
 OTLP_ENCODERS = {"spans": ("trace_encoder", "encode_spans"),
-                 "metrics": ("metrics_encoder", "encode_metrics"), "logs": ("_log_encoder", "encode_logs")}
+                 "metrics": ("metrics_encoder", "encode_metrics"),
+                 "logs": ("_log_encoder", "encode_logs")}
 
 
 def otlp_encoder(signal: str, exporter: Any) -> Callable[[Any], Any] | None:

@@ -1,9 +1,7 @@
-"""Event loops blocked past Dask's limit: measured on every server by a periodic
-callback of the bridge's own (:func:`watch_loop`), a worker's told to the scheduler
-(:func:`watch_worker`), where a stall is a ``dask.event_loop.blocked`` span event on
-the Dask spans it hit and a point of its histogram (:class:`Stalls`). Every name of
-a stall is spelled here. docs/events.md "Blocked event loops", docs/metrics.md.
-"""
+"""Event loops blocked past Dask's limit, measured on every server by a callback of
+the bridge's own (:func:`watch_loop`), a worker's told to the scheduler, where each is
+a span event on the Dask spans it hit and a point of a histogram (:class:`Stalls`).
+Every name of a stall is spelled here. docs/events.md "Blocked event loops"."""
 
 from __future__ import annotations
 
@@ -64,9 +62,8 @@ def watch_loop(blocked: Callable[[float], None]) -> PeriodicCallback:
 
 
 def watch_worker(worker: Worker) -> PeriodicCallback:
-    """The scheduler's bridge gets each stall of the worker's loop, with the tasks
-    executing and their Dask spans (one per thread at most), on the stream that
-    carries the worker's events, ahead of those tasks' results"""
+    """Each stall of the worker's loop, with the tasks executing and their Dask spans,
+    to the scheduler, on the stream of the worker's events, ahead of their results"""
     def tell(seconds: float) -> None:
         executing = list(worker.state.executing)
         worker.log_event(STALL_TOPIC, {
@@ -93,13 +90,12 @@ class Stalls:
         self.histogram = of_provider(_histogram, meter_provider) if meter_provider else None
         self.watch = watch_loop(self.blocked)
 
-    def observe(self, msg: Any) -> None:
-        self.blocked(float(msg["duration"]), msg)  # a worker's report
+    def observe(self, topic: str, msg: Any) -> None:
+        self.blocked(float(msg["duration"]), msg)  # a worker's report: STALL_TOPIC
 
     def blocked(self, seconds: float, worker: Any = None) -> None:
         """An event loop blocked for ``seconds``: the scheduler's, or the one of the
-        worker whose report is ``worker``. The point is in the trace of the first
-        workflow hit."""
+        worker whose report is ``worker``; the point in the first workflow's trace"""
         kind = "scheduler" if worker is None else "worker"
         attributes: dict[str, Any] = {SERVER_KIND: kind, STALL_DURATION: seconds}
         leaves = None

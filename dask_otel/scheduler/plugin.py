@@ -158,11 +158,9 @@ class OtelSchedulerPlugin(SchedulerPlugin):
                 _guarded(self.mirror.observe_exit, msg)
             return
         # None after close: the workers' closing events would meet a shut provider
-        if topic == STALL_TOPIC:  # a worker's (dask_otel.stalls)
-            if self.stalls is not None and not self._closed:
-                _guarded(self.stalls.observe, msg)
-        elif self.events is not None and not self._closed:
-            _guarded(self.events.observe, topic, msg)
+        observed = self.stalls if topic == STALL_TOPIC else self.events
+        if observed is not None and not self._closed:
+            _guarded(observed.observe, topic, msg)
 
     def remove_client(self, scheduler: Scheduler, client: str) -> None:
         # The exits of the blocks it left last may still come: they wait
