@@ -266,9 +266,13 @@ OTLP_ENCODERS = {"spans": ("trace_encoder", "encode_spans"),
 
 
 def otlp_encoder(signal: str, exporter: Any) -> Callable[[Any], Any] | None:
-    """The encoder of ``exporter``'s requests, if it is one of the SDK's OTLP exporters"""
+    """The encoder of ``exporter``'s requests, if it is one of the SDK's OTLP exporters
+    (None: another exporter, or a release that moved it: no bytes counted)"""
     if not type(exporter).__module__.startswith("opentelemetry.exporter.otlp.proto."):
         return None
     module, name = OTLP_ENCODERS[signal]
-    return getattr(importlib.import_module(f"opentelemetry.exporter.otlp.proto.common.{module}"),
-                   name, None)
+    try:
+        module = importlib.import_module(f"opentelemetry.exporter.otlp.proto.common.{module}")
+    except ImportError:
+        return None
+    return getattr(module, name, None)
