@@ -1,18 +1,20 @@
-"""Every version switch and every private attribute of Dask or OpenTelemetry the
-bridge reads, one line each, with the version that needs it (distributed's habit:
-``distributed/compatibility.py``).
+"""Every version switch and every private surface of Dask or OpenTelemetry the
+bridge reads, calls or writes, each one function with the versions that need it
+(distributed's habit: ``distributed/compatibility.py``). It writes three:
+``distributed.Client._graph_to_futures`` (wrapped: :func:`on_graph_sent`), the
+``_parent`` of a Dask Span it built (:func:`detached_span`), and the retry backoff's
+Event of an OTLP exporter it built, in opentelemetry 1.41 to 1.45.2 only
+(:func:`cut_retry_waits`, gated by :data:`RETRY_WAIT_UP_TO`).
 
 The floor is ``pyproject.toml``'s: distributed 2024.1.0, opentelemetry 1.41.
 Nothing here serves a version below it. When the floor moves, delete what it
 makes dead; a private name a new release drops fails the tripwire tests in
 ``tests/test_compat.py``, not a user's cluster.
 """
-
 from __future__ import annotations
 
 import functools
 import importlib
-import logging
 import threading
 from collections.abc import Callable, Hashable, Iterable, Mapping
 from types import MappingProxyType
@@ -204,8 +206,8 @@ def remove_worker_lost_keys(scheduler: Any, msg: dict) -> tuple[Any, Any]:
 # their timeout, and offer no public way to stop that cycle
 # (https://github.com/open-telemetry/opentelemetry-python/issues/3815, /issues/4331).
 # In 1.41 to 1.45.2 each waits out its backoff on a threading.Event that its public
-# shutdown() sets ("Shutdown in progress, aborting retry"); the adapter gives the
-# exporter an Event whose wait() asks the policy first, so the export ends there
+# shutdown() sets ("Shutdown in progress, aborting retry"); the adapter writes, in
+# place of that Event, one whose wait() asks the policy first, so the export ends there
 # failed, and the exporter (its channel, its session) stays as it was built. Above
 # the versions tested the policy runs on what is public (the exporter's timeout,
 # FAILURE). tests/test_compat.py::test_sdk_* trips when a release changes it.
@@ -251,102 +253,26 @@ def cut_retry_waits(exporter: Any, cut: Callable[[], bool]) -> bool:
     return False
 
 
-# ---- stalls
-# A blocked event loop (dask_otel/scheduler/events.py, dask_otel/worker/bridge.py).
-# Dask's Server (scheduler and worker) runs ``_measure_tick`` from the
-# PeriodicCallback ``periodic_callbacks["tick"]`` every distributed.admin.tick.interval:
-# it sets ``_last_tick`` to now and logs "Event loop was unresponsive" when the time
-# since the last tick is above the module global ``distributed.core.tick_maximum_delay``
-# (distributed.admin.tick.limit, read once at import), the same in distributed
-# 2024.1.0 and 2026.8.0 (tests/test_compat.py::test_dask_tick_*). Hooking that tick,
-# not the log line, keeps it whatever the loggers' levels.
-
-
-def on_blocked_tick(server: Any, blocked: Callable[[float], None]) -> Callable[[], None] | None:
-    """Have ``blocked(seconds)`` called on the server's event loop when Dask's tick
-    finds the loop was blocked past Dask's limit (what it raises is logged); per
-    tick, one subtraction and one comparison more. The undo; None where this
-    Dask's tick is not as above."""
-    import distributed.core
-
-    tick = getattr(server, "periodic_callbacks", {}).get("tick")
-    measure = getattr(tick, "callback", None)
-    limit = getattr(distributed.core, "tick_maximum_delay", None)
-    if measure is None or measure != getattr(server, "_measure_tick", None) or not isinstance(
-            limit, (int, float)):
-        return None
-
-    def measure_tick() -> None:
-        last = server._last_tick
-        measure()
-        if server._last_tick - last > limit:
-            try:
-                blocked(server._last_tick - last)
-            except Exception:  # never into Dask's tick
-                logging.getLogger("dask_otel").exception(
-                    "dask_otel: could not record a blocked event loop")
-
-    tick.callback = measure_tick
-
-    def undo() -> None:
-        if tick.callback is measure_tick:
-            tick.callback = measure
-
-    return undo
-
-
 # ---- volume
-# The size of what the OTLP exporters send (docs/deploy.md, "Volume"): the
-# serialized request, before compression, read where the exporter sends it, so
-# nothing is encoded again (gRPC's request is a message: its ByteSize() costs ~1%
-# of encoding it). Checked on 1.41 to 1.45.2.
+# The size of an OTLP request (dask_otel/export/accounting.py): the SDK's OTLP
+# exporters, gRPC and HTTP, send what the signal's encoder of
+# opentelemetry-exporter-otlp-proto-common makes of the batch; the logs' is public
+# only under a private module name (1.41 to 1.45.2; tests/test_compat.py::test_sdk_*).
+
+#: Each signal's encoder: module of opentelemetry.exporter.otlp.proto.common, function
+OTLP_ENCODERS = {"spans": ("trace_encoder", "encode_spans"),
+                 "metrics": ("metrics_encoder", "encode_metrics"),
+                 "logs": ("_log_encoder", "encode_logs")}
 
 
-def count_request_sizes(exporter: Any, accepted: Callable[[int], None]) -> bool:
-    """Have ``accepted(n)`` called with the size in bytes of each request of
-    ``exporter`` (an OTLP exporter of opentelemetry 1.41 to 1.45.2) the collector
-    accepted; False if it has no such place"""
-    if sdk_version() > RETRY_WAIT_UP_TO or not type(exporter).__module__.startswith(
-            "opentelemetry.exporter.otlp.proto."):
-        return False
-    stub = getattr(exporter, "_stub", None)
-    if stub is not None:  # gRPC: _client = _stub(channel), built again on UNAVAILABLE
-        def counted_stub(channel: Any) -> Any:
-            return _counted_stub(stub(channel), accepted)
-
-        exporter._stub = counted_stub
-        if exporter._client is not None:
-            _counted_stub(exporter._client, accepted)
-        return True
-    # A failed export's sizes are dropped (ExportOutage); a failed attempt's must be
-    # where the exporter retries by calling again
-    client = getattr(exporter, "_client", None)
-    if callable(getattr(client, "export", None)):  # HTTP 1.45: _client.export(bytes), retries
-        send, owner, ok = client.export, client, lambda result: True
-    elif callable(getattr(exporter, "_export", None)):  # HTTP 1.41-1.44: _export(bytes, timeout)
-        send, owner, ok = exporter._export, exporter, lambda response: response.ok
-    else:
-        return False
-
-    def sent(data: bytes, *args: Any, **kwargs: Any) -> Any:
-        result = send(data, *args, **kwargs)
-        if ok(result):
-            accepted(len(data))
-        return result
-
-    setattr(owner, "export" if owner is client else "_export", sent)
-    return True
-
-
-def _counted_stub(client: Any, accepted: Callable[[int], None]) -> Any:
-    """A gRPC stub whose ``Export`` (it raises unless the collector accepted the
-    request) tells ``accepted`` the request's size"""
-    export = client.Export
-
-    def counted(request: Any, *args: Any, **kwargs: Any) -> Any:
-        response = export(request, *args, **kwargs)
-        accepted(request.ByteSize())
-        return response
-
-    client.Export = counted
-    return client
+def otlp_encoder(signal: str, exporter: Any) -> Callable[[Any], Any] | None:
+    """The encoder of ``exporter``'s requests, if it is one of the SDK's OTLP exporters
+    (None: another exporter, or a release that moved it: no bytes counted)"""
+    if not type(exporter).__module__.startswith("opentelemetry.exporter.otlp.proto."):
+        return None
+    module, name = OTLP_ENCODERS[signal]
+    try:
+        module = importlib.import_module(f"opentelemetry.exporter.otlp.proto.common.{module}")
+    except ImportError:
+        return None
+    return getattr(module, name, None)

@@ -42,9 +42,6 @@ ANNOTATION = "otel"
 VERSION = 2
 #: Topic of the event a client sends when it leaves a ``dask_otel.span`` block
 BLOCK_EXIT = "dask_otel.block-exit"
-#: Topic of the event a worker sends when Dask's tick found its event loop blocked:
-#: ``{"duration": seconds, "tasks": [running keys], "spans": [their Dask span ids]}``
-LOOP_BLOCKED = "dask_otel.event-loop-blocked"
 
 #: A :data:`BLOCK_EXIT` event as :func:`read_block_exit` reads it: ``(ids, tags,
 #: own, otel, exited)``

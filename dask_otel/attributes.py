@@ -1,5 +1,5 @@
 """Every attribute key (and span event name) the bridge puts on its spans, metric
-points and log records, spelled once.
+points and log records, spelled once (a blocked event loop's: :mod:`dask_otel.stalls`).
 
 The standard ones come from ``opentelemetry.semconv``'s stable attributes (the
 same names in semantic-conventions 0.62b0, which opentelemetry 1.41 pulls in, and
@@ -71,16 +71,6 @@ TASKS_LOST_COMPUTED = "dask.tasks.lost_computed"
 SPAN_TASKS_PROCESSING = "dask.span.tasks.processing"
 SPAN_TASKS_LOST_COMPUTED = "dask.span.tasks.lost_computed"
 
-# --- an event loop blocked past distributed.admin.tick.limit (dask_otel.scheduler.events):
-# the span event, its attributes and the histogram's (docs/events.md)
-
-LOOP_BLOCKED = "dask.event_loop.blocked"
-#: How long the loop was blocked, seconds, as Dask's tick measured it
-LOOP_BLOCKED_DURATION = "dask.event_loop.blocked.duration"
-#: ``scheduler`` or ``worker``: whose event loop
-SERVER_KIND = "dask.server.kind"
-#: The keys of the tasks a blocked worker was running, the first 20 (``.count``: all)
-TASKS_RUNNING = "dask.tasks.running"
 #: Dask's events as log records: ``dask.event.<field>`` for an event's scalar fields
 EVENT_PREFIX = "dask.event."
 EVENT_TOPIC = "dask.event.topic"

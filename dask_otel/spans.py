@@ -36,7 +36,7 @@ from opentelemetry.trace import Link
 
 from dask_otel._compat import detached_span, sent_annotations, span_own_metrics
 from dask_otel.annotation import entered_times, otel_of, read_span
-from dask_otel.attributes import LOOP_BLOCKED, SPAN_ID, SPAN_NAME, WORKER_LOST
+from dask_otel.attributes import SPAN_ID, SPAN_NAME
 from dask_otel.scheduler import blocks
 from dask_otel.scheduler.builder import SpanBuilder, built, dask_span, taskgroup_span
 from dask_otel.scheduler.ledger import Ledger
@@ -285,19 +285,11 @@ class SpanMirror:
     def observe_client_gone(self, client: str) -> None:
         blocks.observe_client_gone(self.ledger, client)
 
-    def observe_worker_lost(self, span_id: str, attributes: dict[str, Any], when: int) -> None:
-        """A worker working for Dask span ``span_id`` was lost at ``when`` (ns): a
-        ``dask.worker.lost`` event on it, if it is open"""
-        if (record := self.ledger.records.get(span_id)) is not None:
-            record.add_event(WORKER_LOST, attributes, when)
-
-    def observe_loop_blocked(self, leaves: Iterable[str] | None, attributes: dict[str, Any],
-                             when: int) -> SpanContext | None:
-        """An event loop was blocked, told at ``when`` (ns): a ``dask.event_loop.blocked``
-        event on each open Dask span of ``leaves`` (the spans of the tasks a worker
-        was running) and their parents up to the root; None: the scheduler's, on each
-        with tasks processing in its subtree. The sampled context of the first root
-        hit (None: none), the histogram's exemplar"""
+    def add_span_event(self, name: str, attributes: dict[str, Any], when: int,
+                       leaves: Iterable[str] | None, up: bool = True) -> SpanContext | None:
+        """A span event at ``when`` (ns) on each open Dask span of ``leaves`` (None:
+        each with tasks processing in its subtree) and, with ``up``, every span above
+        it up to the root. The sampled context of the first root hit (None: none)"""
         records = self.ledger.records
         if leaves is None:
             hit = [r.span for r in records.values() if r.span.states.get("processing")]
@@ -310,10 +302,10 @@ class SpanMirror:
             while span is not None and span.id not in seen:
                 seen.add(span.id)
                 if (record := records.get(span.id)) is not None:
-                    record.add_event(LOOP_BLOCKED, attributes, when)
+                    record.add_event(name, attributes, when)
                 if span.parent is None:
                     roots.append(span.id)
-                span = span.parent
+                span = span.parent if up else None
         return next(filter(None, map(self.context_of, roots)), None)
 
     # --- when to export ------------------------------------------------------------

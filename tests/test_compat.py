@@ -203,6 +203,44 @@ def test_sdk_otlp_exporter_waits_for_its_retry_where_cut_retry_waits_asks(
     assert seconds < 0.5, seconds  # its backoff alone is about 1 s
 
 
+def _metrics_data():
+    """What a metric exporter is handed: one collection of a counter"""
+    from opentelemetry.sdk.metrics import MeterProvider
+    from opentelemetry.sdk.metrics.export import InMemoryMetricReader
+
+    reader = InMemoryMetricReader()
+    provider = MeterProvider(metric_readers=[reader])
+    provider.get_meter("test").create_counter("one").add(1, {"n": 1})
+    try:
+        return reader.get_metrics_data()
+    finally:
+        provider.shutdown()
+
+
+@pytest.mark.parametrize("protocol", ["grpc", "http/protobuf"])
+def test_sdk_otlp_exporters_send_what_otlp_encoder_encodes(protocol, monkeypatch):
+    """Each of the SDK's OTLP exporters (three signals) sends, to the byte, the
+    request ``_compat.otlp_encoder`` makes of its batch (the logs' encoder is under a
+    private module name); another exporter has no encoder"""
+    from opentelemetry.sdk.trace.export import ConsoleSpanExporter
+
+    from dask_otel.export.exporters import _exporter
+
+    with OTLPReceiver(protocol) as receiver:
+        set_otel_env(monkeypatch, receiver.env())
+        for signal, batch in (("spans", _finished("spans")), ("metrics", _metrics_data()),
+                              ("logs", _finished("logs"))):
+            exporter = _exporter(signal, "otlp")
+            try:
+                assert exporter.export(batch).name == "SUCCESS"
+            finally:
+                exporter.shutdown()
+            (_, request), = receiver.raw_requests[-1:]
+            encode = _compat.otlp_encoder(signal, exporter)
+            assert encode(batch).ByteSize() == request.ByteSize() > 0, signal
+    assert _compat.otlp_encoder("spans", ConsoleSpanExporter()) is None
+
+
 # -- declarative --
 
 
@@ -317,28 +355,3 @@ async def test_dask_worker_execute_has_the_shape_the_task_context_hook_wraps(s, 
     """The in-task context's hook wraps ``Worker.execute(key, ...)`` on the
     instance, finding the task's annotations in ``state.tasks``"""
     assert _compat.execute_hookable(a) is None
-
-
-# ---- stalls
-
-
-@gen_cluster(nthreads=[("127.0.0.1", 1)])
-async def test_dask_tick_measures_a_blocked_loop_where_the_hook_reads_it(s, a):
-    """Dask's tick (``periodic_callbacks["tick"]`` running ``_measure_tick``, which
-    moves ``_last_tick``) measures a loop blocked past ``tick_maximum_delay`` on the
-    scheduler and the worker (one loop here), and gets its own callback back"""
-    import distributed.core
-
-    limit = distributed.core.tick_maximum_delay
-    seen: list[list[float]] = [[], []]
-    undo = [_compat.on_blocked_tick(server, got.append) for server, got in zip((s, a), seen)]
-    assert None not in undo
-    await asyncio.sleep(0.1)
-    time.sleep(limit + 0.2)
-    await asyncio.sleep(0.2)
-    for got in seen:
-        (blocked,) = got
-        assert blocked >= limit + 0.2
-    for server, give_back in zip((s, a), undo):
-        give_back()
-        assert server.periodic_callbacks["tick"].callback == server._measure_tick

@@ -318,12 +318,16 @@ def test_prometheus_names_through_a_collector():
 
     from tests.support.deploy_checks import collector_prometheus_name
 
+    from dask_otel.export.instruments import of_provider
+    from dask_otel.stalls import _histogram
+
     reader = InMemoryMetricReader()
-    outcomes = Outcomes(MeterProvider(metric_readers=[reader]), {})  # type: ignore[arg-type]
+    provider = MeterProvider(metric_readers=[reader])
+    outcomes = Outcomes(provider, {})  # type: ignore[arg-type]
     outcomes.instruments.runs.add(1)
     outcomes.instruments.duration.record(1.0)
     outcomes.worker_removed("lost")
-    outcomes.loop_blocked("worker", 2.0, None)
+    of_provider(_histogram, provider).record(2.0)  # dask_otel.stalls' histogram
     (scope,) = reader.get_metrics_data().resource_metrics[0].scope_metrics
     names = set()
     for metric in scope.metrics:

@@ -1,7 +1,7 @@
 """Event loops blocked past Dask's limit, tied to the workflows they hit
-(dask_otel.scheduler.events.DaskEvents.loop_blocked): ``dask scheduler`` and ``dask
-worker`` processes whose distributed.admin.tick.limit is set low (Dask reads it once,
-at import: only a process started with it has it), a scheduler blocked by
+(dask_otel.stalls): ``dask scheduler`` and ``dask worker`` processes whose
+distributed.admin.tick.limit is set low (Dask reads it once, at import, the bridge
+when it starts: only a process started with it has it), a scheduler blocked by
 ``run_on_scheduler(time.sleep)`` and a worker blocked by a task holding the GIL;
 spans and metric points read back from a real OTLP receiver. docs/events.md."""
 

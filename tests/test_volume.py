@@ -131,24 +131,3 @@ def test_a_refused_signal_counts_its_items_as_failed_and_no_bytes(protocol, monk
             logs = wait_until(agreed, what="status() and the receiver agree")
     assert logs["items"] == 0 and logs["bytes"] == 0 and logs["failed"] >= 1
 
-
-def test_every_otlp_exporter_tells_its_request_sizes():
-    """On the SDK versions checked, each OTLP exporter (gRPC and HTTP, three signals)
-    has the place its request sizes are read; another exporter is left alone"""
-    from opentelemetry.exporter.otlp.proto.grpc import _log_exporter as grpc_logs
-    from opentelemetry.exporter.otlp.proto.grpc import metric_exporter as grpc_metrics
-    from opentelemetry.exporter.otlp.proto.grpc import trace_exporter as grpc_traces
-    from opentelemetry.exporter.otlp.proto.http import _log_exporter as http_logs
-    from opentelemetry.exporter.otlp.proto.http import metric_exporter as http_metrics
-    from opentelemetry.exporter.otlp.proto.http import trace_exporter as http_traces
-    from opentelemetry.sdk.trace.export import ConsoleSpanExporter
-
-    from dask_otel._compat import RETRY_WAIT_UP_TO, count_request_sizes, sdk_version
-
-    exporters = [grpc_traces.OTLPSpanExporter, grpc_metrics.OTLPMetricExporter,
-                 grpc_logs.OTLPLogExporter, http_traces.OTLPSpanExporter,
-                 http_metrics.OTLPMetricExporter, http_logs.OTLPLogExporter]
-    checked = sdk_version() <= RETRY_WAIT_UP_TO
-    for exporter in exporters:
-        assert count_request_sizes(exporter(), lambda size: None) is checked, exporter
-    assert count_request_sizes(ConsoleSpanExporter(), lambda size: None) is False

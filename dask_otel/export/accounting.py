@@ -7,6 +7,7 @@ the exporter is never built again.
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import logging
 import re
@@ -16,7 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from dask_otel._compat import count_request_sizes, cut_retry_waits
+from dask_otel._compat import cut_retry_waits, otlp_encoder
 from dask_otel.export.exporters import SIGNALS
 from dask_otel.log import logger
 
@@ -79,8 +80,6 @@ class _Export:
     retrying: bool = False
     #: its last line then (the retry's announcement), if its logger let it through
     announced: str | None = None
-    #: bytes of its requests the collector accepted, before compression
-    size: int = 0
 
 
 @dataclass(slots=True)
@@ -143,12 +142,6 @@ class ExportOutage:
             export.announced = export.held[-1].getMessage() if export.held else None
         return not self.retry_during_outage
 
-    def accepted(self, size: int) -> None:
-        """Told by the exporter's request (:func:`dask_otel._compat.count_request_sizes`)"""
-        export = self.under_way
-        if export is not None:
-            export.size += size
-
     def export(self, send: Callable[[], bool], items: int) -> bool:
         """``send()`` the batch unless the outage policy drops it; True if the
         collector took it"""
@@ -176,7 +169,6 @@ class ExportOutage:
             self.under_way = None
         if ok:
             self.exported += items
-            self.sent_bytes += export.size
             if self.failing:
                 logger.warning(
                     "dask_otel: %s export recovered after %d failed exports",
@@ -238,11 +230,16 @@ class AccountedExporter:
         #: items in a batch: spans, log records, or a metric export's points
         self.items: Callable[[Any], int] = metric_points if signal == "metrics" else len
         cut_retry_waits(exporter, self.outage.retry_wait)
-        count_request_sizes(exporter, self.outage.accepted)
+        #: the OTLP request of a batch, encoded again to count its bytes (None: not OTLP)
+        self.encode = otlp_encoder(signal, exporter)
 
     def export(self, batch: Any, *args: Any, **kwargs: Any) -> Any:
         def send() -> bool:
-            return self.exporter.export(batch, *args, **kwargs) == self.result.SUCCESS
+            ok = self.exporter.export(batch, *args, **kwargs) == self.result.SUCCESS
+            if ok and self.encode is not None:
+                with contextlib.suppress(Exception):  # sent, whatever its size
+                    self.outage.sent_bytes += self.encode(batch).ByteSize()
+            return ok
 
         ok = self.outage.export(send, self.items(batch))
         return self.result.SUCCESS if ok else self.result.FAILURE

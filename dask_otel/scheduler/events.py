@@ -1,7 +1,5 @@
 """Dask's events (``SchedulerPlugin.log_event``) -> OpenTelemetry log records,
-``dask.worker.lost`` span events and each removed worker's reason; event loops
-blocked past Dask's limit (the scheduler's tick, the workers' reports) ->
-``dask.event_loop.blocked`` span events and their histogram. One table,
+``dask.worker.lost`` span events and each removed worker's reason. One table,
 :data:`DASK_EVENTS`, says what each of Dask's events becomes; users' topics are
 exported as they are. What each record holds: docs/events.md.
 """
@@ -21,7 +19,6 @@ from opentelemetry._logs import LogRecord, SeverityNumber
 
 import dask_otel.attributes as attr
 from dask_otel._compat import remove_worker_lost_keys
-from dask_otel.annotation import LOOP_BLOCKED
 from dask_otel.scheduler.outcomes import CLOSED, FAIL_HARD, LOST, MEMORY_RESTART, RETIRED
 from dask_otel.span_context import in_context
 
@@ -135,7 +132,7 @@ class DaskEvents:
     topics: Collection[str]
     #: otel.logs.level: the records' lowest level, as for Python's log records
     level: int = logging.NOTSET
-    #: Counts removed workers and blocked event loops (None: metrics are off)
+    #: Counts removed workers (None: metrics are off)
     outcomes: Outcomes | None = None
     #: The LoggerProvider's logger the records go to (None: logs are off)
     logger: Logger | None = field(init=False)
@@ -151,10 +148,6 @@ class DaskEvents:
     def observe(self, topic: Any, msg: Any) -> None:
         """The hook: every event on every topic passes here"""
         name = event_name(topic, msg)
-        if name == LOOP_BLOCKED:  # a worker's, dask_otel.worker.bridge
-            if isinstance(msg, dict):
-                self.loop_blocked(float(msg["duration"]), msg)
-            return
         if name is None:
             if isinstance(msg, dict) and msg.get("action") == "worker-status-change":
                 self._note_status(str(topic), msg.get("status"))
@@ -232,7 +225,7 @@ class DaskEvents:
                         attr.TASKS_LOST_COMPUTED: n_lost}
                 if reason:
                     lost[attr.WORKER_LOST_REASON] = reason
-                mirror.observe_worker_lost(span_id, lost, now)
+                mirror.add_span_event(attr.WORKER_LOST, lost, now, [span_id], up=False)
                 context = mirror.context_of(span_id)
             per_span = {
                 **attributes,
@@ -254,27 +247,6 @@ class DaskEvents:
                 if span_id is not None:
                     by_span.setdefault(span_id, [0, 0])[index] += 1
         return by_span
-
-    # --- an event loop blocked ------------------------------------------------------
-
-    def loop_blocked(self, seconds: float, worker: dict | None = None) -> None:
-        """Dask's tick found an event loop blocked for ``seconds``: the scheduler's,
-        or the one of the worker whose report is ``worker``"""
-        attributes: dict[str, Any] = {
-            attr.SERVER_KIND: "scheduler" if worker is None else "worker",
-            attr.LOOP_BLOCKED_DURATION: seconds,
-        }
-        leaves = None
-        if worker is not None:
-            keys = worker.get("tasks") or ()
-            attributes[attr.WORKER_ADDRESS] = str(worker.get("worker"))
-            attributes[attr.TASKS_RUNNING] = [str(k) for k in islice(keys, MAX_KEYS)]
-            attributes[attr.TASKS_RUNNING + ".count"] = len(keys)
-            leaves = [str(span_id) for span_id in worker.get("spans") or ()]
-        context = (self.mirror.observe_loop_blocked(leaves, attributes, time_ns())
-                   if self.mirror is not None else None)
-        if self.outcomes is not None:
-            self.outcomes.loop_blocked(attributes[attr.SERVER_KIND], seconds, context)
 
     # --- every other event -----------------------------------------------------------
 

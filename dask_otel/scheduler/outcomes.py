@@ -1,7 +1,6 @@
 """Workflow outcomes and removed workers as metrics: ``dask.workflow.duration``,
 ``dask.workflow.runs`` (once per root Dask span the mirror finishes, from its
-record), ``dask.worker.removed`` and ``dask.event_loop.blocked.duration`` (from
-:mod:`dask_otel.scheduler.events`).
+record) and ``dask.worker.removed`` (from :mod:`dask_otel.scheduler.events`).
 Only the instruments and the naming rule live here. What each means, its bounds
 and Prometheus names: docs/metrics.md, "Workflow outcomes and removed workers".
 """
@@ -46,13 +45,10 @@ LOST = "lost"
 #: Bucket bounds of ``dask.workflow.duration``, seconds: from a 100 ms run to a day
 DURATION_BUCKETS = (0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1800, 3600, 7200, 14400,
                     43200, 86400)
-#: Bucket bounds of ``dask.event_loop.blocked.duration``, seconds: from a limit
-#: set low to a stall that loses workers (distributed.comm.timeouts)
-BLOCKED_BUCKETS = (0.5, 1, 2, 3, 5, 10, 30, 60, 120, 300)
 
 
 class OutcomeInstruments:
-    """The four instruments on one MeterProvider (:func:`of_provider`)"""
+    """The three instruments on one MeterProvider (:func:`of_provider`)"""
 
     of = classmethod(of_provider)
 
@@ -68,11 +64,6 @@ class OutcomeInstruments:
         self.removed: Counter = meter.create_counter(
             WORKERS_REMOVED, unit="{worker}",
             description="Workers the scheduler removed, by why they left")
-        self.blocked: Histogram = meter.create_histogram(
-            attr.LOOP_BLOCKED_DURATION, unit="s",
-            description="Event loops blocked past distributed.admin.tick.limit, by server kind",
-            explicit_bucket_boundaries_advisory=list(BLOCKED_BUCKETS),
-        )
 
 
 class Outcomes:
@@ -123,9 +114,3 @@ class Outcomes:
     def worker_removed(self, reason: str) -> None:
         """A worker was removed, for ``reason`` (``dask.worker.removed.reason``)"""
         self.instruments.removed.add(1, {**self.attributes, attr.WORKER_REMOVED_REASON: reason})
-
-    def loop_blocked(self, kind: str, seconds: float, context: SpanContext | None) -> None:
-        """A ``kind`` server's event loop was blocked for ``seconds``, hitting the
-        workflow of ``context`` (None: none sampled), its exemplar"""
-        self.instruments.blocked.record(seconds, {**self.attributes, attr.SERVER_KIND: kind},
-                                        context=in_context(context) or Context())

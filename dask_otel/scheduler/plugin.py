@@ -15,7 +15,6 @@ from distributed.diagnostics.plugin import SchedulerPlugin
 from distributed.metrics import time
 from tornado.ioloop import IOLoop, PeriodicCallback
 
-from dask_otel._compat import on_blocked_tick
 from dask_otel.annotation import BLOCK_EXIT
 from dask_otel.attributes import SCHEDULER_ADDRESS
 from dask_otel.config import SCHEDULER, ConfigError
@@ -23,6 +22,7 @@ from dask_otel.export.lifecycle import release_telemetry, start_telemetry
 from dask_otel.log import logger
 from dask_otel.scheduler.blocks import CLIENT_GONE_GRACE
 from dask_otel.spans import SpanMirror
+from dask_otel.stalls import STALL_TOPIC, Stalls
 from dask_otel.worker.plugin import PLUGIN_NAME, dumps_by_value, server_status
 
 if TYPE_CHECKING:
@@ -59,8 +59,8 @@ class OtelSchedulerPlugin(SchedulerPlugin):
     #: Dask's events out as log records, span events and removed workers
     events: DaskEvents | None = None
     _poller: PeriodicCallback | None = None
-    #: Gives Dask's tick back its own callback (None: not hooked)
-    _unhook_tick: Any = None
+    #: Blocked event loops (None: traces and metrics are off)
+    stalls: Stalls | None = None
     _started = _closed = False
 
     def __init__(self, path: str = "client") -> None:
@@ -96,6 +96,7 @@ class OtelSchedulerPlugin(SchedulerPlugin):
                 self.mirror = SpanMirror(scheduler, own.span_sink, config, outcomes)
                 self._poller = PeriodicCallback(self._poll, config.poll_interval * 1000)
                 self._poller.start()
+                self.stalls = Stalls(self.mirror, provider, own.metric_attributes)
             if provider is not None:
                 traced = self.mirror if own.span_sink is not None else None
                 self.metrics = SchedulerMetrics(scheduler, own, traced)
@@ -107,7 +108,6 @@ class OtelSchedulerPlugin(SchedulerPlugin):
                     scheduler, self.mirror, logs.provider if logs is not None else None,
                     config.event_topics, config.logs_level, outcomes,
                 )
-                self._unhook_tick = on_blocked_tick(scheduler, self.events.loop_blocked)
         except ConfigError as e:  # an OTEL_* variable the SDK refused, named
             logger.error("dask_otel is off on scheduler %s: %s", scheduler.address, e)
             self.error = f"ConfigError: {e}"
@@ -158,8 +158,9 @@ class OtelSchedulerPlugin(SchedulerPlugin):
                 _guarded(self.mirror.observe_exit, msg)
             return
         # None after close: the workers' closing events would meet a shut provider
-        if self.events is not None and not self._closed:
-            _guarded(self.events.observe, topic, msg)
+        observed = self.stalls if topic == STALL_TOPIC else self.events
+        if observed is not None and not self._closed:
+            _guarded(observed.observe, topic, msg)
 
     def remove_client(self, scheduler: Scheduler, client: str) -> None:
         # The exits of the blocks it left last may still come: they wait
@@ -184,7 +185,7 @@ class OtelSchedulerPlugin(SchedulerPlugin):
         self._closed = True
         # Each step on its own: Dask's plugin.close re-raises, and one failing step
         # must not keep the others (above all the release) from running
-        for part, step in (("_unhook_tick", "__call__"), ("_poller", "stop"), ("mirror", "flush"),
+        for part, step in (("stalls", "stop"), ("_poller", "stop"), ("mirror", "flush"),
                            ("families", "close"), ("metrics", "close")):
             if (running := getattr(self, part)) is not None:
                 try:

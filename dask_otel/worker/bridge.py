@@ -1,27 +1,24 @@
 """The bridge on one worker, started by the registered plugin: the worker's share
 of its process's telemetry, the OTel context tasks run in (with task spans), the
 SpillBuffer instruments, Dask's own families, and its blocked event loop told to the
-scheduler. A feature that fails to start is logged and shown in ``status()``; the
-others run. docs/traces.md, docs/metrics.md, docs/events.md.
+scheduler (:mod:`dask_otel.stalls`). A feature that fails to start is logged and
+shown in ``status()``; the others run. docs/traces.md, docs/metrics.md, docs/events.md.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
-from functools import partial
 from typing import TYPE_CHECKING, Any
 
 from distributed.core import Status
 
-from dask_otel._compat import on_blocked_tick
-from dask_otel.annotation import LOOP_BLOCKED
 from dask_otel.attributes import SCHEDULER_ADDRESS
 from dask_otel.export.global_provider import adopt_global_tracer_provider
 from dask_otel.export.lifecycle import (release_telemetry, release_telemetry_in_background,
                                         start_telemetry)
 from dask_otel.log import logger
 from dask_otel.spill import ObservedWorker
+from dask_otel.stalls import watch_worker
 from dask_otel.worker.execute_hook import TaskContextHook
 from dask_otel.worker.task_context import TaskContexts, default_sampler
 from dask_otel.worker.task_spans import TaskRules, TaskSpans
@@ -48,8 +45,8 @@ class WorkerBridge:
     #: :class:`~dask_otel.worker.execute_hook.TaskContextHook`; None where it
     #: could not be installed
     task_context: Any = None
-    #: Gives Dask's tick back its own callback (None: not hooked)
-    unhook_tick: Callable[[], None] | None = None
+    #: :func:`~dask_otel.stalls.watch_loop`
+    stalls: Any = None
 
     def setup(self, worker: Worker) -> None:
         own, self.error = start_telemetry(
@@ -91,10 +88,10 @@ class WorkerBridge:
             self.families = DaskFamilies(worker, own)
 
     def _start_stalls(self, worker: Worker, own: ServerTelemetry) -> None:
-        self.unhook_tick = on_blocked_tick(worker, partial(_tell_blocked, worker))
+        self.stalls = watch_worker(worker)
 
     async def teardown(self, worker: Worker) -> None:
-        for part, stop in (("unhook_tick", "__call__"), ("families", "close"),
+        for part, stop in (("stalls", "stop"), ("families", "close"),
                            ("task_context", "uninstall"), ("spill", "close")):
             if (running := getattr(self, part)) is not None:
                 getattr(running, stop)()
@@ -107,14 +104,3 @@ class WorkerBridge:
             else:  # a client unregistered the plugin (no close): the worker goes on
                 await release_telemetry(telemetry)
 
-
-def _tell_blocked(worker: Worker, seconds: float) -> None:
-    """Dask's tick found the worker's loop blocked: the scheduler's bridge gets the
-    tasks executing and their Dask spans (at most one per thread) on the stream
-    that carries the worker's events, ahead of those tasks' results"""
-    executing = list(worker.state.executing)
-    worker.log_event(LOOP_BLOCKED, {
-        "duration": seconds,
-        "tasks": [str(ts.key) for ts in executing],
-        "spans": list({ts.span_id for ts in executing if ts.span_id}),
-    })
