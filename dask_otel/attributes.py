@@ -10,6 +10,8 @@ docs/traces.md. Constants only: importing this module costs one import of
 
 from __future__ import annotations
 
+import re
+
 # Re-exported (``X as X``): the stable names, as the conventions spell them
 from opentelemetry.semconv.attributes.code_attributes import (
     CODE_FUNCTION_NAME as CODE_FUNCTION_NAME,
@@ -29,6 +31,14 @@ OTHER_ERROR: str = ErrorTypeValues.OTHER.value
 THREAD_ID, THREAD_NAME = "thread.id", "thread.name"
 #: The span event of an erred task span, as the conventions name it
 EXCEPTION_EVENT = "exception"
+#: The registry every name here is in (model/manifest.yaml): each scope's schema_url
+SCHEMA_URL = "https://dask-otel.dev/schemas/1.0.0"
+
+
+def snake(part: object) -> str:
+    """A part of a name made of Dask's words (activities, states, event fields):
+    lowercase, each run of other characters one ``_`` (``thread-cpu`` -> ``thread_cpu``)"""
+    return re.sub(r"[^a-z0-9]+", "_", str(part).lower()).strip("_") or "_"
 
 # --- a Dask span: on its OTel span, its TaskGroups', its task spans, links, events
 
@@ -79,7 +89,7 @@ LOOP_BLOCKED = "dask.event_loop.blocked"
 LOOP_BLOCKED_DURATION = "dask.event_loop.blocked.duration"
 #: ``scheduler`` or ``worker``: whose event loop
 SERVER_KIND = "dask.server.kind"
-#: The keys of the tasks a blocked worker was running, the first 20 (``.count``: all)
+#: The keys of the tasks a blocked worker was running, the first 20 (``_count``: all)
 TASKS_RUNNING = "dask.tasks.running"
 #: Dask's events as log records: ``dask.event.<field>`` for an event's scalar fields
 EVENT_PREFIX = "dask.event."

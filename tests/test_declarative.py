@@ -92,7 +92,7 @@ def test_a_config_file_sends_dask_processes_spans_metrics_and_logs_where_it_says
             spans = receiver.wait_for(lambda r: r.spans(WORKFLOW) and r.spans("run/inc"), timeout=60)
             # the workers' spill instruments and the scheduler's self-metrics
             points = receiver.wait_for(
-                lambda r: r.metric_points("dask.spill.memory.count")
+                lambda r: r.metric_points("dask.spill.memory.keys")
                 and r.metric_points("dask.otel.span.mirrored"), timeout=60)
             status = dask_otel.status(client)
             address = cluster.address

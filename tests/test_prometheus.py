@@ -122,7 +122,7 @@ def test_scheduler_metrics_are_served_on_the_schedulers_endpoint():
         )
         assert "dask_scheduler_workers" in families
         # Workers are other processes: their spill metrics are on their endpoints
-        assert "dask_spill_memory_count" not in families
+        assert "dask_spill_memory_keys" not in families
 
 
 def test_collector_is_unregistered_when_the_cluster_closes():
@@ -134,8 +134,8 @@ def test_collector_is_unregistered_when_the_cluster_closes():
             chunks = client.map(make_chunk, range(2))
             wait(chunks)
             families = scrape(cluster.scheduler.http_server.port)
-            assert len(samples(families, "dask_spill_memory_count")) == 1
-            assert "dask_spill_memory_count" in served_in_this_process()
+            assert len(samples(families, "dask_spill_memory_keys")) == 1
+            assert "dask_spill_memory_keys" in served_in_this_process()
         assert served_in_this_process() == set()
 
 
