@@ -316,7 +316,7 @@ def test_a_worker_lost_holding_data_is_logged_at_its_severity(monkeypatch, lost,
             assert record.attributes["dask.event.lost_computed_tasks_count"] == 0
             assert record.attributes["dask.event.lost_scattered_tasks_count"] == 0
             continue
-        assert record.attributes[f"{field}.count"] == 25
+        assert record.attributes[f"{field}_count"] == 25
         assert len(record.attributes[field]) == 20
         assert set(record.attributes[field]) <= {str(f.key) for f in held}
 
