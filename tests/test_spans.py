@@ -161,7 +161,7 @@ def test_taskgroup_spans_of_one_prefix_sum_to_dasks_fine_metrics(cluster):
     expected: dict[str, float] = {}
     for (context, *prefix, activity, unit), value in spans[sid].cumulative_worker_metrics.items():
         if context == "execute" and prefix == ["slow"] and value:
-            expected[f"dask.metrics.execute.{activity}.{unit}".replace(" ", "_")] = value
+            expected[f"dask.metrics.execute.{activity}.{unit}".replace(" ", "_").replace("-", "_")] = value
     assert expected["dask.metrics.execute.thread_noncpu.seconds"] >= 0.05 * 13
     got: dict[str, float] = {}
     for g in groups:
@@ -335,7 +335,7 @@ def test_subtree_totals_are_dasks_own_span_properties(cluster):
     assert attrs["dask.duration"] == pytest.approx(dask_span.duration)
     expected: dict[str, float] = {}
     for (context, *_, activity, unit), value in dask_span.cumulative_worker_metrics.items():
-        name = f"dask.metrics.{context}.{activity}.{unit}".replace(" ", "_")
+        name = f"dask.metrics.{context}.{activity}.{unit}".replace(" ", "_").replace("-", "_")
         expected[name] = expected.get(name, 0) + value
     got = {k: v for k, v in attrs.items() if k.startswith("dask.metrics.")}
     # Idle is the thread time over the exported span's time that no task
