@@ -111,10 +111,17 @@ def test_every_name_a_run_emits_is_in_the_registry(monkeypatch, tmp_path):
         found += check_attributes(registry, f"metric {name!r}", {k: types[k] for k in keys},
                                   allowed)
     found += check_attributes(registry, "the resource", {k: types[k] for k in got.resource})
+    # enum values (Weaver's undefined_enum_variant)
+    for key, values in sorted(got.values.items()):
+        a = registry.attributes.get(key)
+        if a is not None and isinstance(a["type"], dict):
+            members = {m["value"] for m in a["type"]["members"]}
+            found += [f"undefined_enum_variant: {key!r} is {v!r}" for v in values - members]
     assert found == [], "\n".join(found)
     # the run had what it was for
     assert {"dask.event_loop.blocked", "dask.worker.lost", "exception"} <= set(got.span_events)
     assert {"dask.worker.removed", "dask.task.print", "dask.event"} <= set(got.logs)
+    assert "dask.event.stock_level" in got.logs["dask.event"]  # a user's field, snake_case
     assert any(n.startswith("dask.spill.disk") for n, *_ in got.metrics)
 
 

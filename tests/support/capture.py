@@ -77,6 +77,8 @@ class Emitted:
     types: dict[str, set[str]] = field(default_factory=dict)
     #: resource attribute keys
     resource: set[str] = field(default_factory=set)
+    #: attribute key -> its string values (the first 50)
+    values: dict[str, set[str]] = field(default_factory=dict)
 
 
 def _value_type(value: Any) -> str:
@@ -87,13 +89,14 @@ def _value_type(value: Any) -> str:
 
 
 def _attributes(emitted: Emitted, into: set[str], key_values: Any) -> None:
-    from opentelemetry.proto.common.v1.common_pb2 import AnyValue  # noqa: F401
-
     from tests.support.otlp_receiver import decode_attributes
 
     for key, value in decode_attributes(key_values).items():
         into.add(key)
         emitted.types.setdefault(key, set()).add(_value_type(value))
+        values = emitted.values.setdefault(key, set())
+        if isinstance(value, str) and len(values) < 50:
+            values.add(value)
 
 
 def emitted(receiver: OTLPReceiver) -> Emitted:
@@ -152,7 +155,7 @@ def workload(client: Client, marker: str) -> None:
         assert client.submit(exit_once, marker, 7, workers=[b],
                              allow_other_workers=True).result() == 7
         del chunks, held
-    client.log_event("inventory", {"sku": "a1", "count": 3})
+    client.log_event("inventory", {"sku": "a1", "count": 3, "Stock-Level": 2})
     assert CHUNK_BYTES * 4 > 0.1 * MEMORY_LIMIT  # they spill
 
 
