@@ -4,8 +4,9 @@ points and log records, spelled once.
 The standard ones come from ``opentelemetry.semconv``'s stable attributes (the
 same names in semantic-conventions 0.62b0, which opentelemetry 1.41 pulls in, and
 0.66b2); the ``dask.*`` ones are the bridge's. What each means, on which spans:
-docs/traces.md. Constants only: importing this module costs one import of
-``opentelemetry.semconv``'s small attribute modules, nothing per span.
+docs/traces.md; every name with its type and unit: the registry, model/. Constants
+and :func:`snake`: importing this module costs one import of ``opentelemetry.semconv``'s
+small attribute modules, nothing per span.
 """
 
 from __future__ import annotations
@@ -31,13 +32,12 @@ OTHER_ERROR: str = ErrorTypeValues.OTHER.value
 THREAD_ID, THREAD_NAME = "thread.id", "thread.name"
 #: The span event of an erred task span, as the conventions name it
 EXCEPTION_EVENT = "exception"
-#: The registry every name here is in (model/manifest.yaml): each scope's schema_url
+#: The registry (model/manifest.yaml): the schema_url of every scope of the bridge
 SCHEMA_URL = "https://dask-otel.dev/schemas/1.0.0"
 
 
 def snake(part: object) -> str:
-    """A part of a name made of Dask's words (activities, states, event fields):
-    lowercase, each run of other characters one ``_`` (``thread-cpu`` -> ``thread_cpu``)"""
+    """Dask's word (activity, state, event field) as a name's part: thread-cpu -> thread_cpu"""
     return re.sub(r"[^a-z0-9]+", "_", str(part).lower()).strip("_") or "_"
 
 # --- a Dask span: on its OTel span, its TaskGroups', its task spans, links, events
