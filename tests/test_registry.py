@@ -156,7 +156,7 @@ def _code(cell: str) -> list[str]:
 
 
 def test_the_docs_tables_say_what_the_registry_says():
-    """docs/metrics.md's instruments (type, unit, attributes, Prometheus name),
+    """docs/metrics.md's instruments (type, unit, attributes, Prometheus name) and enum values,
     docs/traces.md's attributes (type) and docs/events.md's event names"""
     registry = load()
     kinds = {"gauge": "gauge", "counter": "counter", "histogram": "histogram"}
@@ -187,6 +187,17 @@ def test_the_docs_tables_say_what_the_registry_says():
             if declared.startswith("template["):
                 declared = declared[len("template["):-1]
             assert types[row[1]] == declared, key
+    metrics_md = (DOCS / "metrics.md").read_text()
+    for row in _table_rows(metrics_md, "| attribute | values |"):
+        for key in _code(row[0]):
+            a = registry.attribute(key)
+            assert a is not None, key
+            if isinstance(a["type"], dict):
+                members = {m["value"] for m in a["type"]["members"]}
+                assert set(_code(row[1])) <= members, key
+    reasons = {_code(r[0])[0] for r in _table_rows(metrics_md, "| reason | when |")}
+    assert reasons == {m["value"] for m in
+                       registry.attributes["dask.worker.removed.reason"]["type"]["members"]}
     rows = _table_rows((DOCS / "events.md").read_text(),
                        "| event | `event_name` | where Dask logs it | severity | body |")
     assert {_code(r[1])[0] for r in rows} <= set(registry.events)
