@@ -4,11 +4,14 @@ points and log records, spelled once (a blocked event loop's: :mod:`dask_otel.st
 The standard ones come from ``opentelemetry.semconv``'s stable attributes (the
 same names in semantic-conventions 0.62b0, which opentelemetry 1.41 pulls in, and
 0.66b2); the ``dask.*`` ones are the bridge's. What each means, on which spans:
-docs/traces.md. Constants only: importing this module costs one import of
-``opentelemetry.semconv``'s small attribute modules, nothing per span.
+docs/traces.md; every name with its type and unit: the registry, model/. Constants
+and :func:`snake`: importing this module costs one import of ``opentelemetry.semconv``'s
+small attribute modules, nothing per span.
 """
 
 from __future__ import annotations
+
+import re
 
 # Re-exported (``X as X``): the stable names, as the conventions spell them
 from opentelemetry.semconv.attributes.code_attributes import (
@@ -29,6 +32,13 @@ OTHER_ERROR: str = ErrorTypeValues.OTHER.value
 THREAD_ID, THREAD_NAME = "thread.id", "thread.name"
 #: The span event of an erred task span, as the conventions name it
 EXCEPTION_EVENT = "exception"
+#: The registry (model/manifest.yaml): the schema_url of every scope of the bridge
+SCHEMA_URL = "https://dask-otel.dev/schemas/1.0.0"
+
+
+def snake(part: object) -> str:
+    """Dask's word (activity, state, event field) as a name's part: thread-cpu -> thread_cpu"""
+    return re.sub(r"[^a-z0-9]+", "_", str(part).lower()).strip("_") or "_"
 
 # --- a Dask span: on its OTel span, its TaskGroups', its task spans, links, events
 

@@ -86,7 +86,7 @@ def waterfall(spans: Sequence[Any], trace_id: int) -> str:
 def _key_metrics(s: Any) -> str:
     attrs = s.attributes or {}
     tasks = attrs.get("dask.tasks.total", 0)
-    cpu = attrs.get("dask.metrics.execute.thread-cpu.seconds", 0.0)
+    cpu = attrs.get("dask.metrics.execute.thread_cpu.seconds", 0.0)
     out = f"tasks={tasks} cpu={cpu * 1000:.0f}ms out={attrs.get('dask.output.bytes', 0)}B"
     if s.status.status_code.name == "ERROR":
         out += f" ERROR: {s.status.description}"

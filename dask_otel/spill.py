@@ -134,12 +134,12 @@ def _total(dask_unit: str):
 #: Every spill instrument. The Dask unit in ``_total(...)`` is the second element
 #: of the keys of ``SpillBuffer.cumulative_metrics``.
 SPILL_METRICS: tuple[MetricSpec, ...] = (
-    MetricSpec("dask.spill.memory.count", GAUGE, "{key}", "Keys held in memory by the worker",
+    MetricSpec("dask.spill.memory.keys", GAUGE, "{key}", "Keys held in memory by the worker",
                _level("memory_count")),
     MetricSpec("dask.spill.memory.size", GAUGE, "By",
                "Size in memory (sizeof) of the keys held in memory by the worker",
                _level("memory_size")),
-    MetricSpec("dask.spill.disk.count", GAUGE, "{key}", "Keys spilled to disk by the worker",
+    MetricSpec("dask.spill.disk.keys", GAUGE, "{key}", "Keys spilled to disk by the worker",
                _level("disk_count")),
     MetricSpec("dask.spill.disk.size", GAUGE, "By",
                "Bytes on disk (pickled, possibly compressed) of the keys spilled by the worker",

@@ -29,7 +29,7 @@ if TYPE_CHECKING:
 
 #: The span event; its length in seconds, also the histogram; whose loop
 #: (``scheduler``, ``worker``); the keys a blocked worker was running (the first
-#: :data:`MAX_KEYS`; ``.count``: all)
+#: :data:`MAX_KEYS`; ``_count``: all)
 STALL_EVENT, STALL_DURATION = "dask.event_loop.blocked", "dask.event_loop.blocked.duration"
 SERVER_KIND, TASKS_RUNNING, MAX_KEYS = "dask.server.kind", "dask.tasks.running", 20
 #: Topic of a worker's report (``Worker.log_event``): ``{"duration": seconds,
@@ -103,7 +103,7 @@ class Stalls:
             keys = worker.get("tasks") or ()
             attributes[WORKER_ADDRESS] = str(worker.get("worker"))
             attributes[TASKS_RUNNING] = [str(k) for k in islice(keys, MAX_KEYS)]
-            attributes[TASKS_RUNNING + ".count"] = len(keys)
+            attributes[TASKS_RUNNING + "_count"] = len(keys)
             leaves = [str(span_id) for span_id in worker.get("spans") or ()]
         context = self.mirror.add_span_event(STALL_EVENT, attributes, time_ns(), leaves)
         if self.histogram is not None:

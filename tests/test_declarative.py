@@ -38,7 +38,7 @@ def config_file(tmp_path: Path, receiver: OTLPReceiver, service: str = "from-the
     batch = f"  processors:\n    - batch: {{schedule_delay: 200, {exporter}}}\n"
     path = tmp_path / "otel.yaml"
     path.write_text(f"""\
-file_format: "1.0-rc.1"
+file_format: "1.1"
 resource:
   attributes:
     - {{name: service.name, value: {service}}}
@@ -92,7 +92,7 @@ def test_a_config_file_sends_dask_processes_spans_metrics_and_logs_where_it_says
             spans = receiver.wait_for(lambda r: r.spans(WORKFLOW) and r.spans("run/inc"), timeout=60)
             # the workers' spill instruments and the scheduler's self-metrics
             points = receiver.wait_for(
-                lambda r: r.metric_points("dask.spill.memory.count")
+                lambda r: r.metric_points("dask.spill.memory.keys")
                 and r.metric_points("dask.otel.span.mirrored"), timeout=60)
             status = dask_otel.status(client)
             address = cluster.address
@@ -185,6 +185,16 @@ def test_a_config_file_without_the_package_is_an_error_naming_the_variable_and_t
         build_resource()
 
 
+def test_files_of_the_stable_schema_and_of_its_release_candidate_are_read(tmp_path, monkeypatch):
+    """file_format 1.1 (what the docs write), 1.0 and a 1.0-rc.1 file of before"""
+    for i, version in enumerate(("1.1", "1.0", "1.0-rc.1")):
+        path = tmp_path / f"otel{i}.yaml"
+        path.write_text(f'file_format: "{version}"\nresource:\n  attributes:\n'
+                        f'    - {{name: service.name, value: v{i}}}\n')
+        monkeypatch.setenv("OTEL_CONFIG_FILE", str(path))
+        assert build_resource().attributes["service.name"] == f"v{i}", version
+
+
 def test_a_file_that_is_not_valid_is_an_error_naming_the_variable(tmp_path, monkeypatch):
     path = tmp_path / "otel.yaml"
     path.write_text("file_format: '9.0'\n")
@@ -266,7 +276,7 @@ def test_after_an_outage_spans_still_go_to_the_files_endpoint_with_its_header(
         exporter = (f"exporter: {{otlp_grpc: {{endpoint: \"{receiver.endpoint}\", "
                     "headers: [{name: x-dask-token, value: from-the-file}]}}")
         path = tmp_path / "otel.yaml"
-        path.write_text(f'file_format: "1.0-rc.1"\ntracer_provider:\n  processors:\n'
+        path.write_text(f'file_format: "1.1"\ntracer_provider:\n  processors:\n'
                         f"    - batch: {{schedule_delay: 100, {exporter}}}\n")
         with telemetry_of(monkeypatch, str(path)) as server:
             telemetry = server.telemetry
@@ -289,7 +299,7 @@ def test_under_a_file_an_outage_is_probed_at_the_files_interval(tmp_path, monkey
         monkeypatch.delenv("OTEL_METRIC_EXPORT_INTERVAL", raising=False)
         exporter = f"exporter: {{otlp_grpc: {{endpoint: \"{receiver.endpoint}\"}}}}"
         path = tmp_path / "otel.yaml"
-        path.write_text(f'file_format: "1.0-rc.1"\nmeter_provider:\n  readers:\n'
+        path.write_text(f'file_format: "1.1"\nmeter_provider:\n  readers:\n'
                         f"    - periodic: {{interval: 1000, {exporter}}}\n")
         with telemetry_of(monkeypatch, str(path)) as server:
             telemetry = server.telemetry
@@ -314,7 +324,7 @@ def test_a_file_with_logs_only_holds_the_exporters_lines(tmp_path, monkeypatch, 
     with OTLPReceiver("grpc", mode="unavailable") as receiver:
         exporter = f"exporter: {{otlp_grpc: {{endpoint: \"{receiver.endpoint}\"}}}}"
         path = tmp_path / "otel.yaml"
-        path.write_text(f'file_format: "1.0-rc.1"\nlogger_provider:\n  processors:\n'
+        path.write_text(f'file_format: "1.1"\nlogger_provider:\n  processors:\n'
                         f"    - batch: {{schedule_delay: 100, {exporter}}}\n")
         with caplog.at_level(logging.WARNING), telemetry_of(monkeypatch, str(path)) as server:
             assert server.telemetry.logs is not None and server.span_sink is None
@@ -331,7 +341,7 @@ def test_a_file_naming_an_unknown_exporter_is_one_error_naming_the_file_and_expo
     tmp_path, monkeypatch, caplog
 ):
     path = tmp_path / "otel.yaml"
-    path.write_text('file_format: "1.0-rc.1"\ntracer_provider:\n  processors:\n'
+    path.write_text('file_format: "1.1"\ntracer_provider:\n  processors:\n'
                     '    - batch: {exporter: {no_such_exporter: {}}}\n')
     monkeypatch.setenv("OTEL_CONFIG_FILE", str(path))
     with (
@@ -354,7 +364,7 @@ def test_the_files_general_attribute_limits_hold_for_the_bridges_spans(tmp_path,
     bridge's spans are cut to its length, not to the bridge's 4096"""
     with OTLPReceiver("grpc") as receiver:
         path = config_file(tmp_path, receiver, after=(
-            'file_format: "1.0-rc.1"', "attribute_limits:\n  attribute_value_length_limit: 8\n",
+            'file_format: "1.1"', "attribute_limits:\n  attribute_value_length_limit: 8\n",
         ))
         with telemetry_of(monkeypatch, path) as server:
             assert server.span_sink.limits.max_span_attribute_length == 8

@@ -783,7 +783,7 @@ def test_the_spill_dashboard_shows_spilling(scraped_run):
         written = prom.query(f'dask_spill_count_total{{{selector}, dask_activity_name="disk-write"}}',
                              time=scraped_run.end)
         assert prom.values(written)[0] > 0, f"{worker} never spilled"
-        on_disk = prom.query(f'max_over_time(dask_spill_disk_count{{{selector}}}[1h])',
+        on_disk = prom.query(f'max_over_time(dask_spill_disk_keys{{{selector}}}[1h])',
                              time=scraped_run.end)
         assert prom.values(on_disk)[0] > 0, f"{worker} never had a key on disk at a scrape"
         read = prom.query(f'dask_spill_count_total{{{selector}, dask_activity_name="disk-read"}}',

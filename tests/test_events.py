@@ -71,7 +71,7 @@ def test_a_task_that_kills_its_worker_once(monkeypatch, tmp_path):
     assert (record.trace_id, record.span_id) == ids(sid)
     assert record.severity_text == "WARNING"
     assert record.attributes["dask.worker.address"] == address
-    assert record.attributes["dask.event.processing_tasks.count"] == 1
+    assert record.attributes["dask.event.processing_tasks_count"] == 1
     assert record.attributes["dask.event.processing_tasks"][0].startswith("exit_once-")
     assert record.attributes["dask.span.tasks.processing"] == 1
     assert record.attributes["dask.span.id"] == sid
@@ -311,12 +311,12 @@ def test_a_worker_lost_holding_data_is_logged_at_its_severity(monkeypatch, lost,
     field = f"dask.event.lost_{lost}_tasks"
     for record in records:
         assert record.severity_text == severity
-        assert record.attributes["dask.event.processing_tasks.count"] == 0
+        assert record.attributes["dask.event.processing_tasks_count"] == 0
         if lost == "nothing":
-            assert record.attributes["dask.event.lost_computed_tasks.count"] == 0
-            assert record.attributes["dask.event.lost_scattered_tasks.count"] == 0
+            assert record.attributes["dask.event.lost_computed_tasks_count"] == 0
+            assert record.attributes["dask.event.lost_scattered_tasks_count"] == 0
             continue
-        assert record.attributes[f"{field}.count"] == 25
+        assert record.attributes[f"{field}_count"] == 25
         assert len(record.attributes[field]) == 20
         assert set(record.attributes[field]) <= {str(f.key) for f in held}
 
@@ -349,7 +349,7 @@ def test_a_lost_worker_is_told_to_at_most_16_spans_and_a_span_gets_at_most_16_ev
                   if g.attributes["dask.worker.address"] == first]
     assert len(one_worker) == 16
     assert len({g.attributes["dask.span.id"] for g in one_worker}) == 16
-    assert all(g.attributes["dask.event.lost_computed_tasks.count"] == 17 for g in one_worker)
+    assert all(g.attributes["dask.event.lost_computed_tasks_count"] == 17 for g in one_worker)
     assert len(lost_events(spans["shared"])) == 16
 
 

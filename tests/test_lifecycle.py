@@ -355,7 +355,7 @@ def test_a_hung_collector_behind_a_files_simple_processor_holds_neither_the_loop
     with BlackHole() as hole:
         path = tmp_path / "otel.yaml"
         exporter = f'otlp_grpc: {{endpoint: "{hole.endpoint}", timeout: 60000}}'
-        path.write_text('file_format: "1.0-rc.1"\ntracer_provider:\n  processors:\n'
+        path.write_text('file_format: "1.1"\ntracer_provider:\n  processors:\n'
                         f"    - simple: {{exporter: {{{exporter}}}}}\n")
         monkeypatch.setenv("OTEL_CONFIG_FILE", str(path))
         config = {**CONFIG, "otel.flush-timeout": f"{flush_timeout}s",

@@ -160,7 +160,7 @@ def config_file(path: Path, receiver: OTLPReceiver, signals: tuple[str, ...]) ->
     exporter = f'exporter: {{otlp_grpc: {{endpoint: "{receiver.endpoint}"}}}}'
     batch = f"  processors:\n    - batch: {{schedule_delay: 200, {exporter}}}\n"
     text = (
-        'file_format: "1.0-rc.1"\n'
+        'file_format: "1.1"\n'
         f"resource:\n  attributes:\n    - {{name: service.name, value: {SERVICE['file']}}}\n"
     )
     if "traces" in signals:

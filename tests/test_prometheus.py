@@ -122,7 +122,7 @@ def test_scheduler_metrics_are_served_on_the_schedulers_endpoint():
         )
         assert "dask_scheduler_workers" in families
         # Workers are other processes: their spill metrics are on their endpoints
-        assert "dask_spill_memory_count" not in families
+        assert "dask_spill_memory_keys" not in families
 
 
 def test_collector_is_unregistered_when_the_cluster_closes():
@@ -134,8 +134,8 @@ def test_collector_is_unregistered_when_the_cluster_closes():
             chunks = client.map(make_chunk, range(2))
             wait(chunks)
             families = scrape(cluster.scheduler.http_server.port)
-            assert len(samples(families, "dask_spill_memory_count")) == 1
-            assert "dask_spill_memory_count" in served_in_this_process()
+            assert len(samples(families, "dask_spill_memory_keys")) == 1
+            assert "dask_spill_memory_keys" in served_in_this_process()
         assert served_in_this_process() == set()
 
 
@@ -206,3 +206,45 @@ def test_worker_restart_reads_as_a_counter_reset():
             assert series["metric"]["dask_worker_address"] == f"tcp://127.0.0.1:{worker_port}"
             assert float(series["value"][1]) == 0
             assert all(v >= 0 for v in prom.values(prom.query(f"increase({written}[1m])")))
+
+
+def ours_only(text: str) -> str:
+    """The families of an exposition that the bridge's reader serves (their samples
+    carry ``otel_scope_name="dask_otel"``), and ``target_info``"""
+    families: list[list[str]] = []
+    for line in text.splitlines():
+        if line.startswith("# HELP") or not families:
+            families.append([])
+        families[-1].append(line)
+    return "".join(
+        "\n".join(lines) + "\n" for lines in families
+        if any('otel_scope_name="dask_otel"' in line for line in lines)
+        or any(line.startswith("target_info") for line in lines)
+    )
+
+
+def test_promtool_check_metrics_is_clean_on_the_bridges_pull_output():
+    """``promtool check metrics`` (Prometheus' linter: no `_count`, `_sum` or `_bucket`
+    suffix but on histograms, `_total` on counters only, base units, help text) finds
+    nothing in what the bridge serves on a worker's and the scheduler's /metrics after
+    a workflow that spilled"""
+    import subprocess
+
+    import dask_otel
+    from tests.support.backends import require_binary
+
+    promtool = require_binary("promtool")
+    with pull_cluster() as (cluster, client):
+        with dask_otel.span("lint", workflow=True):
+            chunks = chunks_on_each_worker(client, 6)
+            client.submit(sum_chunks, chunks).result()
+        ports = [*worker_ports(client).values(), cluster.scheduler.http_server.port]
+        wait_until(lambda: "dask_workflow_runs" in scrape(ports[-1]), timeout=60,
+                   what="the workflow's run on the scheduler's /metrics")
+        for port in ports:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=10) as r:
+                text = ours_only(r.read().decode())
+            assert "dask_spill_" in text or "dask_workflow_runs_total" in text
+            proc = subprocess.run([promtool, "check", "metrics"], input=text,
+                                  capture_output=True, text=True, timeout=60)
+            assert proc.returncode == 0, proc.stdout + proc.stderr

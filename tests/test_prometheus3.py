@@ -60,7 +60,7 @@ def pushed_run(tmp_path_factory) -> Iterator[ScrapedRun]:
                "OTEL_EXPORTER_OTLP_METRICS_PROTOCOL": "http/protobuf",
                **SPILL_ENV, **workload_pythonpath()}
         with dask_processes(env, worker_args=WORKER_ARGS) as cluster, cluster.client() as client:
-            prometheus.wait_for_query('count(dask_spill_memory_count{job="dask"})', timeout=60)
+            prometheus.wait_for_query('count(dask_spill_memory_keys{job="dask"})', timeout=60)
             start = time.time() - 2 * SCRAPE_INTERVAL
             run_workload(cluster, client)
             info = client.scheduler_info()
@@ -88,7 +88,7 @@ def test_job_and_instance_come_from_the_resource_as_through_a_collector(pushed_r
     """service.name is `job` (the dashboards' $cluster), service.instance.id is
     `instance`, one per Dask process; the rest of the resource is on target_info"""
     prom = pushed_run.prometheus
-    instances = prom.query('count by (instance) (dask_spill_memory_count{job="dask"})',
+    instances = prom.query('count by (instance) (dask_spill_memory_keys{job="dask"})',
                            time=pushed_run.end)
     assert len(instances) == len(pushed_run.workers)
     info = prom.query('target_info{job="dask"}', time=pushed_run.end)

@@ -20,9 +20,9 @@ from tests.support.tasks import make_chunk, sum_chunks
 pytestmark = pytest.mark.timeout(60)
 
 LEVELS = (
-    "dask.spill.memory.count",
+    "dask.spill.memory.keys",
     "dask.spill.memory.size",
-    "dask.spill.disk.count",
+    "dask.spill.disk.keys",
     "dask.spill.disk.size",
     "dask.spill.disk.memory_size",
 )
@@ -43,8 +43,8 @@ def test_spilled_bytes_are_exported():
         assert spilled.disk > 0
         assert value(points, "dask.spill.disk.size") == spilled.disk
         assert value(points, "dask.spill.disk.memory_size") == spilled.memory
-        assert value(points, "dask.spill.disk.count") == len(worker.data.slow) > 0
-        assert value(points, "dask.spill.memory.count") == len(worker.data.fast)
+        assert value(points, "dask.spill.disk.keys") == len(worker.data.slow) > 0
+        assert value(points, "dask.spill.memory.keys") == len(worker.data.fast)
         assert value(points, "dask.spill.memory.size") == worker.data.fast.total_weight
         assert value(points, "dask.spill.memory.size") <= MEMORY_LIMIT * 0.1
 
@@ -111,13 +111,13 @@ def test_each_worker_reports_its_own_series():
             assert set(by_worker(points, name)) == {a.address, b.address}, name
         names = {
             p.attributes["dask.worker.address"]: p.attributes["dask.worker.name"]
-            for p in points["dask.spill.memory.count"]
+            for p in points["dask.spill.memory.keys"]
         }
         assert names == {a.address: str(a.name), b.address: str(b.name)}
         disk = by_worker(points, "dask.spill.disk.size")
         assert disk[a.address] == a.data.spilled_total.disk > 0
         assert disk[b.address] == 0
-        assert by_worker(points, "dask.spill.memory.count") == {a.address: 2, b.address: 1}
+        assert by_worker(points, "dask.spill.memory.keys") == {a.address: 2, b.address: 1}
 
 
 def test_closed_worker_reports_once_more_then_stops():
@@ -126,7 +126,7 @@ def test_closed_worker_reports_once_more_then_stops():
         a, b = cluster.workers.values()
         chunks = client.map(make_chunk, range(6), workers=[b.address])
         wait(chunks)
-        assert set(by_worker(collect(reader), "dask.spill.memory.count")) == {
+        assert set(by_worker(collect(reader), "dask.spill.memory.keys")) == {
             a.address,
             b.address,
         }
@@ -179,9 +179,9 @@ def test_spilling_disabled_exports_levels(caplog):
             chunks = client.map(make_chunk, range(3))
             wait(chunks)
             points = collect(metric_reader(cluster))
-    assert value(points, "dask.spill.memory.count") == 3
+    assert value(points, "dask.spill.memory.keys") == 3
     assert value(points, "dask.spill.memory.size") == 3 * sizeof(make_chunk(0))
-    for name in ("dask.spill.disk.count", "dask.spill.disk.size", "dask.spill.disk.memory_size"):
+    for name in ("dask.spill.disk.keys", "dask.spill.disk.size", "dask.spill.disk.memory_size"):
         assert [p.value for p in points[name]] == [0], name
     assert "dask.spill.count" not in points
     assert not [r for r in caplog.records if r.name == "dask_otel"]
@@ -209,7 +209,7 @@ def test_a_broken_worker_is_skipped_and_the_others_still_report():
         points = collect(metric_reader(cluster))
         assert set(by_worker(points, "dask.spill.count")) == {b.address}
         # levels of the busy worker are still read
-        assert set(by_worker(points, "dask.spill.memory.count")) == {a.address, b.address}
+        assert set(by_worker(points, "dask.spill.memory.keys")) == {a.address, b.address}
 
 
 # --- a third-party buffer (ManualEvictProto, as dask-cuda's ProxifyHostFile) ----------

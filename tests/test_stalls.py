@@ -106,7 +106,7 @@ def test_a_worker_blocked_by_a_task_holding_the_gil_is_told_on_its_spans():
                             and e["dask.event_loop.blocked.duration"] >= BLOCK - CLOCK]
                 assert event["dask.server.kind"] == "worker"
                 assert event["dask.tasks.running"] == (held.key,)
-                assert event["dask.tasks.running.count"] == 1
+                assert event["dask.tasks.running_count"] == 1
                 assert event["dask.event_loop.blocked.duration"] < time.monotonic() - began
             assert not [e for e in elsewhere if e.get("dask.worker.address") == a]
             point = blocked_point(receiver, "worker", root_id)

@@ -58,7 +58,7 @@ def test_two_clusters_in_one_process_keep_their_own_address_and_export_delay(cap
 
     mirrored = {p.attributes.get(ADDRESS): p.value for p in points["dask.otel.span.mirrored"]}
     assert set(mirrored) == {None, b} and all(v >= 1 for v in mirrored.values())
-    spill_b = [p for p in points["dask.spill.memory.count"]
+    spill_b = [p for p in points["dask.spill.memory.keys"]
                if p.attributes["dask.worker.address"] == worker_b]
     assert spill_b and all(p.attributes[ADDRESS] == b for p in spill_b)
 

@@ -78,7 +78,7 @@ def test_workflow_arrives_as_one_trace_over_otlp(protocol):
     # Attributes and status
     assert by_name["taskgroup/load"].attributes["dask.tasks.total"] == 4
     assert by_name["data load"].attributes["dask.tasks.total"] == 8  # subtree
-    assert by_name["taskgroup/fit"].attributes["dask.metrics.execute.thread-noncpu.seconds"] > 0.03
+    assert by_name["taskgroup/fit"].attributes["dask.metrics.execute.thread_noncpu.seconds"] > 0.03
     assert by_name["train"].status_code == "ERROR"
     assert by_name["train"].status_message == "1 tasks erred"
     assert by_name["taskgroup/broken"].status_code == "ERROR"

@@ -22,6 +22,7 @@ from opentelemetry.sdk.metrics.view import View
 
 from dask_otel._compat import series_limit_view_options
 from dask_otel._version import __version__
+from dask_otel.attributes import SCHEMA_URL
 
 if TYPE_CHECKING:
     from opentelemetry.metrics import Meter, MeterProvider
@@ -128,7 +129,7 @@ def of_provider(cls: type, meter_provider: MeterProvider) -> Any:
     with _by_provider_lock:
         per_class = _by_provider.setdefault(meter_provider, {})
         if (instruments := per_class.get(cls)) is None:
-            meter = meter_provider.get_meter("dask_otel", __version__)
+            meter = meter_provider.get_meter("dask_otel", __version__, schema_url=SCHEMA_URL)
             instruments = per_class[cls] = cls(meter)
         return instruments
 

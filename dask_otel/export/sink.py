@@ -18,7 +18,7 @@ from opentelemetry.sdk.trace import ReadableSpan
 from opentelemetry.trace import Status, StatusCode
 
 from dask_otel._version import __version__
-from dask_otel.attributes import SPAN_ID
+from dask_otel.attributes import SCHEMA_URL, SPAN_ID
 from dask_otel.config import ConfigError
 
 if TYPE_CHECKING:
@@ -89,7 +89,7 @@ class SpanSink:
 
         if self.resource is None:
             self.resource = self.provider.resource
-        self.scope = InstrumentationScope("dask_otel", __version__)
+        self.scope = InstrumentationScope("dask_otel", __version__, SCHEMA_URL)
 
     def name(self, name: str) -> str:
         """A span name or status description cut, as attribute strings are, to the

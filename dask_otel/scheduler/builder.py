@@ -42,7 +42,7 @@ TASKGROUP_SPAN_NAME = "taskgroup/{}"
 #: counted (``SpanMirror._kept``; the SDK's batch span processor queues as many by default)
 MAX_QUEUED_SPANS = 2048
 #: ``dask.tasks.<state>`` by state: built once, not per span
-_STATE_NAMES = {state: attr.TASKS_PREFIX + state for state in ALL_TASK_STATES}
+_STATE_NAMES = {state: attr.TASKS_PREFIX + attr.snake(state) for state in ALL_TASK_STATES}
 #: Open Dask spans whose sub-spans' fine metrics the builder thread sums, at most
 #: (a span whose own export was dropped leaves its sum behind)
 MAX_FOLDED = 1 << 16
@@ -59,7 +59,7 @@ def _key_info(key: tuple[Hashable, ...]) -> tuple[str, Hashable, bool] | None:
     if len(key) < 3:
         return None
     execute = key[0] == "execute"
-    parts = (str(k).replace(" ", "_") for k in (key[0], key[-2], key[-1]))
+    parts = map(attr.snake, (key[0], key[-2], key[-1]))
     return ("dask.metrics.{}.{}.{}".format(*parts),
             key[1] if execute and len(key) >= 4 else _NO_PREFIX, execute and key[-1] == "seconds")
 
@@ -236,7 +236,7 @@ def task_counts(states: Mapping[str, int], total: int, nbytes: int, duration: fl
                 ) -> dict[str, Any]:
     """The attributes every mirrored span has of its tasks: the count of each
     state (those above 0), the total, output bytes and duration"""
-    out: dict[str, Any] = {_STATE_NAMES.get(state) or attr.TASKS_PREFIX + state: n
+    out: dict[str, Any] = {_STATE_NAMES.get(state) or attr.TASKS_PREFIX + attr.snake(state): n
                            for state, n in states.items() if n > 0}
     out.update({attr.TASKS_TOTAL: total, attr.OUTPUT_BYTES: nbytes, attr.DURATION: duration})
     return out

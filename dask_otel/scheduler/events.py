@@ -142,7 +142,7 @@ class DaskEvents:
 
     def __post_init__(self, logger_provider: LoggerProvider | None) -> None:
         self.topics = topics_to_export(self.topics)
-        self.logger = (logger_provider.get_logger("dask_otel.events")
+        self.logger = (logger_provider.get_logger("dask_otel.events", schema_url=attr.SCHEMA_URL)
                        if logger_provider is not None else None)
 
     def observe(self, topic: Any, msg: Any) -> None:
@@ -204,7 +204,7 @@ class DaskEvents:
             ("lost_scattered_tasks", scattered),
         ):
             attributes[attr.EVENT_PREFIX + name] = [str(k) for k in islice(keys, MAX_KEYS)]
-            attributes[attr.EVENT_PREFIX + name + ".count"] = len(keys)
+            attributes[attr.EVENT_PREFIX + name + "_count"] = len(keys)
         attributes[attr.WORKER_ADDRESS] = address
         if reason:
             attributes[attr.WORKER_LOST_REASON] = reason
@@ -303,7 +303,7 @@ def _fields(msg: Any) -> dict[str, Any]:
     if not isinstance(msg, dict):
         return {}
     return {
-        attr.EVENT_PREFIX + str(name).replace("-", "_"): value
+        attr.EVENT_PREFIX + attr.snake(name): value
         for name, value in msg.items()
         if isinstance(value, (str, bool, int, float))
         and name not in ("action", "worker", "exception", "traceback")

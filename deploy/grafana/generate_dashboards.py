@@ -192,9 +192,9 @@ def spill_dashboard() -> dict[str, Any]:
         "Number of keys each worker holds in memory and has spilled to disk.",
         "short",
         [
-            target(f"sum by (dask_worker_name) (dask_spill_memory_count{{{WORKER}}})",
+            target(f"sum by (dask_worker_name) (dask_spill_memory_keys{{{WORKER}}})",
                    "{{dask_worker_name}} in memory"),
-            target(f"sum by (dask_worker_name) (dask_spill_disk_count{{{WORKER}}})",
+            target(f"sum by (dask_worker_name) (dask_spill_disk_keys{{{WORKER}}})",
                    "{{dask_worker_name}} on disk"),
         ],
     )
