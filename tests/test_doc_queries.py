@@ -50,6 +50,8 @@ from tests.support.otlp_receiver import BlackHole
 from tests.support.processes import dask_processes
 from tests.support.tasks import allocate_past, fail, inc
 
+#: The queries share one run: in one test process (pytest-xdist's loadgroup)
+ON_THE_RUN = pytest.mark.xdist_group("doc-queries-run")
 ROOT = Path(__file__).parents[1]
 DOCUMENTS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 BLOCK = re.compile(r"^```promql\n(.*?)^```", re.S | re.M)
@@ -145,6 +147,7 @@ def problem(result: list[dict], expr: str) -> str | None:
     return f"series without the labels grouped by: {missing}" if missing else None
 
 
+@ON_THE_RUN
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize(
     "doc, expr",
