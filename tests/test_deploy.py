@@ -347,6 +347,21 @@ def test_compose_files_it_names_exist():
                         assert (context / source).exists(), f"Dockerfile: COPY {source}"
 
 
+def test_files_named_in_deploy_comments_exist():
+    """A YAML file a comment in deploy/ names (relative to its own directory, the
+    repository or deploy/) exists"""
+    missing = []
+    for path in sorted(DEPLOY.rglob("*")):
+        if path.suffix not in (".yml", ".yaml", ".py") and path.name != "Dockerfile":
+            continue
+        for line in path.read_text().splitlines():
+            comment = line.partition("#")[2]
+            for name in re.findall(r"[\w./-]+\.ya?ml\b", comment):
+                if not any((base / name).exists() for base in (path.parent, REPO, DEPLOY)):
+                    missing.append(f"{path.relative_to(REPO)}: {name}")
+    assert not missing, missing
+
+
 def test_no_secrets_in_deploy_files():
     """No password, token or key is written in a file we ship (Grafana runs with
     anonymous access on 127.0.0.1 instead of an admin password)"""

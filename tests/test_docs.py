@@ -390,10 +390,12 @@ def test_the_readmes_healthy_status_is_what_a_healthy_cluster_answers():
 
 @pytest.mark.timeout(180)
 def test_the_readmes_one_trace_runs_as_pasted(tmp_path):
-    """README, "One trace from the request to the task": the block, with the test
-    cluster's address for the placeholder, in an application whose global
-    TracerProvider exports to the receiver: ``POST /reports`` > ``nightly report`` >
-    each task's ``score``, one trace"""
+    """README, "One trace from the request to the task": the block as it is, with
+    the test cluster's address for the placeholder, run with the command its comment
+    gives (``opentelemetry-instrument python app.py``: the application's SDK; plain
+    ``python`` has no TracerProvider), its exporters pointed at the receiver:
+    ``POST /reports`` > ``nightly report`` > each task's ``score``, one trace"""
+    import shutil
     import subprocess
     import sys
 
@@ -404,26 +406,21 @@ def test_the_readmes_one_trace_runs_as_pasted(tmp_path):
     block = readme_block("one-trace")
     assert '"tcp://scheduler:8786"' in block
     app = tmp_path / "app.py"
+    command = re.search(r"#[^\n]*?: ((?:[\w-]+ )*)python app\.py$", block, re.M).group(1).split()
+    launcher = [*(shutil.which(word) or word for word in command), sys.executable]
     with OTLPReceiver("grpc") as receiver:
         with dask_processes(receiver.env(), n_workers=1) as cluster:
-            app.write_text(
-                "from opentelemetry import trace\n"
-                "from opentelemetry.sdk.trace import TracerProvider\n"
-                "from opentelemetry.sdk.trace.export import SimpleSpanProcessor\n"
-                "from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter\n"
-                "provider = TracerProvider()\n"
-                "provider.add_span_processor(SimpleSpanProcessor(OTLPSpanExporter()))\n"
-                "trace.set_tracer_provider(provider)\n"
-                + block.replace('"tcp://scheduler:8786"', repr(cluster.address))
-                + "client.close()\n"
-            )
-            run = subprocess.run([sys.executable, str(app)], env=cluster.env, cwd=tmp_path,
+            app.write_text(block.replace('"tcp://scheduler:8786"', repr(cluster.address))
+                           + "client.close()\n")
+            run = subprocess.run([*launcher, str(app)], env=cluster.env, cwd=tmp_path,
                                  capture_output=True, text=True, timeout=120)
             assert run.returncode == 0, run.stderr
             (report,) = receiver.wait_for(lambda r: r.spans("nightly report"))
             # one per partition, in its task (Dask may call it once more on the client)
             scores = receiver.wait_for(lambda r: len(s := r.spans("score")) >= 4 and s)
-        (request,) = receiver.spans("POST /reports")
+        requests = receiver.spans("POST /reports")
+    assert len(requests) == 1, f"no POST /reports span from {launcher}: {run.stderr[-2000:]}"
+    (request,) = requests
     assert report.parent_span_id == request.span_id and report.trace_id == request.trace_id
     assert {(s.trace_id, s.parent_span_id) for s in scores} == {(report.trace_id, report.span_id)}
 
@@ -447,3 +444,43 @@ def test_a_collector_sees_trace_flags_0_on_every_span(monkeypatch):
              for span in scope.spans]
     assert flags and all(f & 0xFF == 0 for f in flags), sorted(set(flags))
     assert all(f & 0x100 for f in flags)  # the is-remote bits are what it sends
+
+
+#: The README's one-trace shape, with a LocalCluster, printing what dask-expr warns
+EXPR_SHAPE = """
+import warnings
+import dask, dask.dataframe as dd, distributed
+import dask_otel
+
+warnings.simplefilter("error")
+with dask.config.set({"distributed.scheduler.preload": ["dask_otel"],
+                      "otel.traces.exporter": "none", "otel.metrics.exporter": "none"}):
+    with distributed.LocalCluster(n_workers=1, processes=False, dashboard_address=None) as cluster, \\
+            distributed.Client(cluster):
+        df = dd.from_dict({"x": range(100)}, npartitions=4)
+        try:
+            with SPAN("nightly report"):
+                df.map_partitions(lambda part: part.x * 2, meta=("x", "int64")).sum().compute()
+        except UserWarning as warning:
+            print(str(warning).split(" detected. ", 1)[1])
+        else:
+            print("no warning")
+"""
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("span_", ["distributed.span", "dask_otel.span"])
+def test_dask_expr_warns_of_daskss_own_span_annotation_the_same_with_the_bridge(span_):
+    """docs/traces.md, "A dask_otel.span block": dask-expr warns that annotations are
+    ignored when a collection is built in any Dask span, ``distributed.span`` alone
+    too (its ``span`` annotation), once per process; ``dask_otel.span`` gives the same
+    warning, no other (the spans are right: test_the_readmes_one_trace_runs_as_pasted).
+    Run under ``warnings.simplefilter("error")``, in a fresh process each"""
+    import subprocess
+    import sys
+
+    pytest.importorskip("dask.dataframe")
+    run = subprocess.run([sys.executable, "-c", EXPR_SHAPE.replace("SPAN", span_)],
+                         capture_output=True, text=True, timeout=100, cwd=ROOT)
+    assert run.returncode == 0, run.stderr
+    assert run.stdout.splitlines()[-1] == "Annotations will be ignored when using query-planning."

@@ -524,3 +524,27 @@ def test_tls_collector_with_self_signed_certificate(protocol):
             (s,) = receiver.wait_for(lambda r: r.spans("encrypted"), timeout=30)
     assert receiver.endpoint.startswith("https://")
     assert s.attributes["dask.span.id"] == sid
+
+
+def test_a_hung_collector_is_an_outage_at_the_exporters_timeout(monkeypatch, caplog):
+    """docs/deploy.md, "When telemetry fails": a collector that takes the connection
+    and never answers fails the export at ``OTEL_EXPORTER_OTLP_TIMEOUT`` (4 s here):
+    the outage's WARNING and its counts come then, not after the 1 s a close waits"""
+    oracle.waive("every-span", "the collector is hung: the spans' export fails")
+    oracle.waive("every-task", "the collector is hung: the batches' export fails")
+    timeout = 4
+    with BlackHole() as hole:
+        set_env(monkeypatch, {**hole.env(protocol="grpc"),
+                              "OTEL_EXPORTER_OTLP_TIMEOUT": str(timeout)})
+        with caplog.at_level(logging.WARNING), otel_cluster(OTLP_CONFIG, n_workers=1) as (
+            client, _,
+        ):
+            run_spans(client, 1, prefix="hung")
+            wait_until(lambda: hole.connections >= 1, timeout=30)  # the export is sent
+            sent = time.time()
+            wait_until(lambda: dask_otel.status(client)["scheduler"]["spans_failed"] >= 2,
+                       timeout=30)
+            counted = time.time()
+            (warned,) = [r.created for r in caplog.records if "cannot export spans" in r.getMessage()]
+    # the connection comes before the request, whose deadline the export waits for
+    assert counted - sent > 2 and warned - sent > 2, (counted - sent, warned - sent)

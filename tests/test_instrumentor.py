@@ -322,6 +322,7 @@ def test_opentelemetry_instrument_dask_scheduler_and_workers(tmp_path, preload_v
                 with span("zero-code") as sid:
                     client.gather(client.map(user_work, range(4), pure=False))
                 status = dask_otel.status(client)
+                executable = client.run_on_scheduler(lambda: sys.executable)
                 check_received_once_with_one_service(receiver, sid, 4)
             for worker in ("nanny", "no-nanny"):
                 assert "has no dask_otel bridge" not in logs[worker].read_text()
@@ -338,6 +339,13 @@ def test_opentelemetry_instrument_dask_scheduler_and_workers(tmp_path, preload_v
             else "the global TracerProvider" if distro_installed() else "default"
         )
         assert {w["service_name"]["name"] for w in status["workers"].values()} == {service["name"]}
+        if service["from"] == "the global TracerProvider":
+            # docs/zero-code.md: the SDK's default (the process detector is on here)
+            from packaging.version import Version
+
+            new_sdk = Version(version("opentelemetry-sdk")) >= Version("1.45")
+            assert service["name"] == "unknown_service:" + (
+                os.path.basename(executable) if new_sdk else executable)
 
         dask_spans = [s for s in receiver.spans() if "dask.span.id" in s.attributes]
         assert dask_spans

@@ -15,6 +15,7 @@ import os
 import re
 import subprocess
 import sys
+import urllib.request
 from collections.abc import Iterator
 
 import pytest
@@ -216,3 +217,26 @@ def test_the_demos_printed_trace_id_is_found_in_jaeger(jaeger):
     # What the demo printed is what Jaeger stored, name for name
     printed = [m.group(1).strip() for m in re.finditer(r"^( *\S.*?)\s+[\d.]+ ms \|", out.stdout, re.M)]
     assert sorted(printed) == sorted(s["name"] for s in spans)
+    check_the_documented_curls(jaeger, "dask-otel-demo", trace_id)
+
+
+def check_the_documented_curls(jaeger: JaegerServer, service: str, trace_id: str) -> None:
+    """docs/deploy.md: the Jaeger .ci/install-backends builds serves a placeholder for
+    its UI, and the two ``curl`` lines it gives find the trace, as written but for the
+    port, the service and the trace id"""
+    from tests.support.processes import REPO
+
+    with urllib.request.urlopen(jaeger.url + "/", timeout=10) as page:
+        assert "This is not the Jaeger UI you are looking for" in page.read().decode()
+    doc = (REPO / "docs" / "deploy.md").read_text().split("to look at a trace without Docker", 1)[1]
+    block = doc.split("```bash\n", 1)[1].split("```", 1)[0]
+    lines = [line.split("  #", 1)[0].strip() for line in block.splitlines()]
+    assert len(lines) == 2 and all(line.startswith("curl -s ") for line in lines), lines
+    port = jaeger.url.rsplit(":", 1)[1]
+    found = []
+    for line in lines:
+        line = (line.replace("127.0.0.1:16686", f"127.0.0.1:{port}")
+                .replace("service=dask&", f"service={service}&").replace("TRACE_ID", trace_id))
+        run = subprocess.run(["bash", "-c", line], capture_output=True, text=True, timeout=30)
+        found.append({int(t["traceID"], 16) for t in json.loads(run.stdout)["data"]})
+    assert all(int(trace_id, 16) in ids for ids in found), found

@@ -11,11 +11,13 @@ import pytest
 from distributed import span, wait
 from opentelemetry.trace import StatusCode
 
+import dask_otel
+
 from tests.support.callers import caller_carrier
 from tests.support.cluster import otel_cluster, wait_until
 from tests.support.otlp_receiver import OTLPReceiver, set_otel_env
 from tests.support.span_tree import assert_span_tree
-from tests.support.tasks import current_span_id, die_once, fail, nap, total
+from tests.support.tasks import broken, current_span_id, die_once, fail, nap, total
 
 TASK_SPANS = {"otel.tasks.spans": True}
 
@@ -136,6 +138,22 @@ def test_erred_tasks_are_exported_with_the_exception():
         assert exported.parent.span_id == dask_span.context.span_id
         # Dask's Span.stop ignores erred tasks: only ids and parents are checked
         assert_span_tree(mirrored.spans(), ends="anywhere")
+
+
+def test_erred_rule_exports_nothing_with_task_spans_off():
+    """README's config table: ``otel.tasks.erred: true`` (a default) exports erred
+    tasks only with ``otel.tasks.spans`` on; with it off (a default) no task span,
+    erred or not; a block's ``tasks={"spans": True}`` turns it on for its tasks"""
+    with otel_cluster({"otel.tasks.erred": True}) as (client, mirrored):
+        with span("doomed, no task spans") as off:
+            wait([client.submit(fail, 9)])
+        with dask_otel.span("doomed, task spans", tasks={"spans": True, "sample-ratio": 0}) as on:
+            bad = client.submit(broken, 10)  # another prefix: its own TaskGroup
+            wait([bad])
+        mirrored.by_dask_id(off), mirrored.by_dask_id(on)
+        wait_until(lambda: task_spans(mirrored))
+        time.sleep(0.3)
+        assert [s.attributes["dask.task.key"] for s in task_spans(mirrored)] == [str(bad.key)]
 
 
 def test_erred_rule_off_exports_no_erred_task():
