@@ -273,7 +273,7 @@ def test_after_an_outage_spans_still_go_to_the_files_endpoint_with_its_header(
             (accounted,) = telemetry.accounted_of("spans")
             receiver.stop()
             emit_span(telemetry, "while down")
-            wait_until(lambda: accounted.outage.failing, what="the refused export")
+            wait_until(lambda: accounted.health.failing, what="the refused export")
             receiver.start()
             emit_span(telemetry, "when back")
             receiver.wait_for(lambda r: r.spans("when back"), timeout=30)
@@ -295,13 +295,13 @@ def test_under_a_file_an_outage_is_probed_at_the_files_interval(tmp_path, monkey
             telemetry = server.telemetry
             telemetry.meter_provider.get_meter("test").create_counter("probed").add(1)
             (accounted,) = telemetry.accounted_of("metrics")
-            assert accounted.outage.interval == 1.0
+            assert accounted.health.interval == 1.0
             wait_until(lambda: receiver.rejected >= 2, what="two refused exports")
             receiver.mode = "ok"
             receiver.wait_for(lambda r: r.metric_points("probed"), timeout=30)
             # a probe per scheduled export: none dropped without a request (at the
             # OTEL_* interval, 47 of the next 48 would be)
-            assert accounted.outage.skipped == 0
+            assert accounted.health.skipped == 0
 
 
 def test_a_file_with_logs_only_holds_the_exporters_lines(tmp_path, monkeypatch, caplog):
@@ -321,7 +321,7 @@ def test_a_file_with_logs_only_holds_the_exporters_lines(tmp_path, monkeypatch, 
             logging.getLogger("distributed.scheduler").warning("a line to export")
             wait_until(lambda: receiver.rejected >= 1, what="the refused export")
             (accounted,) = server.telemetry.accounted_of("logs")
-            wait_until(lambda: accounted.outage.failing, what="the failed export counted")
+            wait_until(lambda: accounted.health.failing, what="the failed export counted")
     sdk = [r.getMessage() for r in caplog.records if r.name.startswith("opentelemetry.exporter")]
     assert sdk == []
     assert [r for r in caplog.records if "cannot export logs" in r.getMessage()]
