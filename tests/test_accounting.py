@@ -241,10 +241,10 @@ def test_a_refused_connection_is_an_outage_at_once(protocol, monkeypatch):
         exporter.shutdown()
 
 
-def test_retry_during_outage_gives_the_sdk_its_retries_back(monkeypatch):
+def test_retry_during_outage_gives_the_sdk_its_retries_back(monkeypatch, caplog):
     """otel.export.retry-during-outage: true: the SDK retries the batch until its
     timeout (1 s here) has no room for the next backoff (0.4 s, set by the
-    collector), and every batch is sent"""
+    collector), and every batch is sent; the outage WARNING says so"""
     spans = finished_spans(1)
     with OTLPReceiver("grpc", mode="unavailable") as receiver:
         receiver.retry_after = 0.4  # the SDK's backoff, set by the collector
@@ -264,6 +264,8 @@ def test_retry_during_outage_gives_the_sdk_its_retries_back(monkeypatch):
             assert receiver.requests > before
         finally:
             exporter.shutdown()
+    (warning,) = [m for m in dask_otel_messages(caplog) if "cannot export spans" in m]
+    assert "retrying each batch" in warning and "dropping them until" not in warning
 
 
 def test_a_wrapped_metric_exporter_keeps_the_exporters_temporality(monkeypatch):

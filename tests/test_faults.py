@@ -410,6 +410,19 @@ def test_malformed_otel_variable(variable, value, outcome, complaint, monkeypatc
         assert "s3cret-token" not in repr(status)
 
 
+def test_a_malformed_headers_variable_is_one_warning_per_process(monkeypatch, caplog):
+    """Three exporters (spans, metrics, logs) read OTEL_EXPORTER_OTLP_HEADERS when the
+    process's providers are built: its WARNING comes once"""
+    with OTLPReceiver("grpc") as receiver:
+        set_env(monkeypatch, {**receiver.env(),
+                              "OTEL_EXPORTER_OTLP_HEADERS": f"bad-header-{os.getpid()}-{time.time()}"})
+        config = {**OTLP_CONFIG, "otel.metrics.exporter": "otlp", "otel.logs.exporter": "otlp"}
+        with caplog.at_level(logging.INFO), otel_cluster(config) as (client, _):
+            assert client.submit(inc, 1).result() == 2
+    warnings = [r.getMessage() for r in caplog.records if "is malformed" in r.getMessage()]
+    assert len(warnings) == 1, warnings
+
+
 def test_a_failing_close_step_never_raises_into_dask_and_the_rest_still_runs(
     monkeypatch, caplog
 ):

@@ -72,12 +72,13 @@ def _redacted(text: str) -> str:
 class _HeaderWarningNamed(logging.Filter):
     """While an exporter is built, replaces the SDK's "Header format invalid! ...:
     <the header>" warning, which quotes a credential, with one that names the
-    variables instead (once per exporter, however many parts are malformed)"""
+    variables instead: once per process and values, however many exporters read
+    them and parts are malformed"""
 
-    warned = False
+    #: the header variables' values warned about
+    warned: frozenset = frozenset()
 
     def __enter__(self) -> None:
-        self.warned = False
         logging.getLogger("opentelemetry.util.re").addFilter(self)
 
     def __exit__(self, *exc: object) -> None:
@@ -86,9 +87,10 @@ class _HeaderWarningNamed(logging.Filter):
     def filter(self, record: logging.LogRecord) -> bool:
         if "Header format invalid" not in str(record.msg):
             return True
-        if self.warned:
+        values = frozenset((k, os.environ[k]) for k in _secret_variables())
+        if self.warned == values:
             return False
-        self.warned = True
+        self.warned = values
         logger.warning(
             "dask_otel: %s is malformed (expected comma-separated name=value pairs, "
             "URL-encoded); the OpenTelemetry SDK ignores the malformed part. %s",
