@@ -283,15 +283,16 @@ def test_after_an_outage_spans_still_go_to_the_files_endpoint_with_its_header(
 
 def test_under_a_file_the_sdks_own_metrics_go_to_the_bridges_meter_provider(tmp_path, monkeypatch):
     """With OTEL_PYTHON_SDK_INTERNAL_METRICS_ENABLED=true, the file's batch span
-    processor reports the SDK's own instruments (``otel.sdk.processor.span.*``) to the
+    processor and its metric exporter report the SDK's own instruments
+    (``otel.sdk.processor.span.*``, ``otel.sdk.exporter.metric_data_point.*``) to the
     bridge's MeterProvider, as under the OTEL_* variables"""
+    wanted = {"otel.sdk.processor.span.processed", "otel.sdk.exporter.metric_data_point.exported"}
     with OTLPReceiver("grpc") as receiver:
         monkeypatch.setenv("OTEL_PYTHON_SDK_INTERNAL_METRICS_ENABLED", "true")
         with telemetry_of(monkeypatch, config_file(tmp_path, receiver)) as server:
             emit_span(server.telemetry, "counted by the SDK")
-            receiver.wait_for(lambda r: [p for p in r.metric_points()
-                                         if p.name == "otel.sdk.processor.span.processed"
-                                         and p.value >= 1], timeout=30)
+            receiver.wait_for(lambda r: wanted <= {p.name for p in r.metric_points() if p.value},
+                              timeout=30)
 
 
 def test_under_a_file_an_outage_is_probed_at_the_files_interval(tmp_path, monkeypatch):

@@ -153,6 +153,8 @@ class Telemetry:
             )
             self.health = ExportHealth({}, telemetry=self)
             ExportInstruments.of(self.meter_provider).attach(self.health)
+            for accounted in self.accounted:  # a metric exporter's own SDK metrics (OTLP's)
+                getattr(accounted.exporter, "set_meter_provider", lambda _: None)(self.meter_provider)
         if "spans" in signals:
             self.tracer_provider, limits = built.tracer_provider(
                 self.resource, DEFAULT_ATTRIBUTE_LENGTH)
