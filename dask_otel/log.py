@@ -104,5 +104,15 @@ def follow_distributed_logging(ours: logging.Logger = logger) -> None:
     ours.propagate = theirs.propagate
 
 
+def sdk_lines_in_dask_format(sdk: logging.Logger = logging.getLogger("opentelemetry")) -> None:
+    """The SDK's own lines (a malformed ``OTEL_*`` variable's fallback) on Dask's console
+    handlers, in its format, rather than bare on stderr (Python's last resort), when
+    nothing else would print them; their level stays the root's"""
+    if not (logging.getLogger().handlers or sdk.handlers or sdk.level or not sdk.propagate):
+        for handler in logging.getLogger("distributed").handlers:
+            sdk.addHandler(handler)
+
+
 keep_dask_console()
 follow_distributed_logging()
+sdk_lines_in_dask_format()

@@ -62,11 +62,14 @@ def test_a_signal_the_collector_does_not_serve_is_reported_once_with_the_setting
                 for i in range(3):  # three batches of logs, three refusals
                     logging.getLogger("an.application").warning("line %d", i)
                     wait_until(lambda: receiver.rejected > i, what=f"{signal} refused")
-                status = wait_until(
-                    lambda: (s := dask_otel.status(client)["scheduler"])["spans_delivered"] >= 2
-                    and s
+                export = wait_until(
+                    lambda: (e := dask_otel.status(client)["scheduler"]["export"])["spans"]["items"]
+                    >= 2 and e[signal]["failures"] >= 3 and e
                 )
-    assert status["spans_failed"] == 0
+                rejected = receiver.rejected
+    assert export["spans"]["dropped"] == 0
+    # the refused signal's failed requests are the scheduler's process's, in status()
+    assert export[signal]["failures"] <= rejected and export[signal]["items"] == 0
     assert not (receiver.metric_points() if signal == "metrics" else receiver.logs())
     messages = dask_otel_messages(caplog)
     refused = [m for m in messages if f"does not accept {signal}" in m]
@@ -154,7 +157,7 @@ def accounted_otlp_exporter(env: dict, monkeypatch, retry_during_outage: bool = 
     PROCESSORS.extend(EnvRecipe(otel_config(traces_exporters=("otlp",))).span_processors(account, None))
     HELD_EXPORTER_LOGS.attach()
     (exporter,) = built
-    assert exporter.outage.interval == export_interval("spans")
+    assert exporter.health.interval == export_interval("spans")
     return exporter
 
 
@@ -187,14 +190,14 @@ def test_an_unavailable_collector_is_an_outage_at_once_probed_once_per_interval(
                 assert not ok
                 assert seconds < 0.5  # the SDK alone: retries after ~1 s, ~2 s, ~4 s
                 assert receiver.requests == 1
-                assert in_outage(exporter.outage)
+                assert in_outage(exporter.health)
                 # Between probes: dropped and counted without a request
                 for _ in range(5):
                     ok, seconds = timed_export(exporter, spans)
                     assert not ok and seconds < 0.05
                 assert receiver.requests == 1
-                assert exporter.outage.failed == 6 * 3
-                assert exporter.outage.export_failures == 1
+                assert exporter.health.dropped == 6 * 3
+                assert exporter.health.failures == 1
                 # A probe once the interval has passed, still failing
                 time.sleep(0.3)
                 assert timed_export(exporter, spans)[0] is False
@@ -205,12 +208,12 @@ def test_an_unavailable_collector_is_an_outage_at_once_probed_once_per_interval(
                 time.sleep(0.3)
                 assert timed_export(exporter, spans)[0] is True
                 assert timed_export(exporter, spans)[0] is True  # no wait after recovery
-                assert not in_outage(exporter.outage)
+                assert not in_outage(exporter.health)
             finally:
                 exporter.shutdown()
     assert receiver.requests == 4
     assert len(receiver.spans()) == 2 * 3
-    assert exporter.outage.exported == 2 * 3
+    assert exporter.health.items == 2 * 3
     messages = dask_otel_messages(caplog)
     (warning,) = [m for m in messages if "cannot export spans" in m]
     assert "unavailable" in warning.lower(), warning  # gRPC's code, HTTP's reason
@@ -232,16 +235,16 @@ def test_a_refused_connection_is_an_outage_at_once(protocol, monkeypatch):
     try:
         ok, seconds = timed_export(exporter, spans)
         assert not ok and seconds < 0.5, seconds
-        assert in_outage(exporter.outage)
-        assert exporter.outage.failed == 2
+        assert in_outage(exporter.health)
+        assert exporter.health.dropped == 2
     finally:
         exporter.shutdown()
 
 
-def test_retry_during_outage_gives_the_sdk_its_retries_back(monkeypatch):
+def test_retry_during_outage_gives_the_sdk_its_retries_back(monkeypatch, caplog):
     """otel.export.retry-during-outage: true: the SDK retries the batch until its
     timeout (1 s here) has no room for the next backoff (0.4 s, set by the
-    collector), and every batch is sent"""
+    collector), and every batch is sent; the outage WARNING says so"""
     spans = finished_spans(1)
     with OTLPReceiver("grpc", mode="unavailable") as receiver:
         receiver.retry_after = 0.4  # the SDK's backoff, set by the collector
@@ -261,6 +264,8 @@ def test_retry_during_outage_gives_the_sdk_its_retries_back(monkeypatch):
             assert receiver.requests > before
         finally:
             exporter.shutdown()
+    (warning,) = [m for m in dask_otel_messages(caplog) if "cannot export spans" in m]
+    assert "retrying each batch" in warning and "dropping them until" not in warning
 
 
 def test_a_wrapped_metric_exporter_keeps_the_exporters_temporality(monkeypatch):
@@ -293,7 +298,7 @@ def test_a_wrapped_metric_exporter_keeps_the_exporters_temporality(monkeypatch):
         finally:
             provider.shutdown()
     assert point.temporality == "delta"
-    assert accounted and accounted[0].outage.exported >= 1  # 1.41: one more at shutdown
+    assert accounted and accounted[0].health.items >= 1  # 1.41: one more at shutdown
 
 
 @pytest.mark.parametrize("protocol", ["grpc", "http/protobuf"])
@@ -315,7 +320,7 @@ def test_the_retry_cut_holds_with_opentelemetrys_loggers_at_error(protocol, monk
                 ok, seconds = timed_export(exporter, spans)
                 assert not ok and seconds < 0.5, seconds
                 assert receiver.requests == 1
-                assert in_outage(exporter.outage)
+                assert in_outage(exporter.health)
                 receiver.mode = "ok"
                 time.sleep(0.3)  # the probe interval (240 ms)
                 assert timed_export(exporter, spans)[0] is True

@@ -283,12 +283,26 @@ def test_after_an_outage_spans_still_go_to_the_files_endpoint_with_its_header(
             (accounted,) = telemetry.accounted_of("spans")
             receiver.stop()
             emit_span(telemetry, "while down")
-            wait_until(lambda: accounted.outage.failing, what="the refused export")
+            wait_until(lambda: accounted.health.failing, what="the refused export")
             receiver.start()
             emit_span(telemetry, "when back")
             receiver.wait_for(lambda r: r.spans("when back"), timeout=30)
     assert {h.get("x-dask-token") for h in receiver.headers} == {"from-the-file"}
     assert elsewhere.requests == 0
+
+
+def test_under_a_file_the_sdks_own_metrics_go_to_the_bridges_meter_provider(tmp_path, monkeypatch):
+    """With OTEL_PYTHON_SDK_INTERNAL_METRICS_ENABLED=true, the file's batch span
+    processor and its metric exporter report the SDK's own instruments
+    (``otel.sdk.processor.span.*``, ``otel.sdk.exporter.metric_data_point.*``) to the
+    bridge's MeterProvider, as under the OTEL_* variables"""
+    wanted = {"otel.sdk.processor.span.processed", "otel.sdk.exporter.metric_data_point.exported"}
+    with OTLPReceiver("grpc") as receiver:
+        monkeypatch.setenv("OTEL_PYTHON_SDK_INTERNAL_METRICS_ENABLED", "true")
+        with telemetry_of(monkeypatch, config_file(tmp_path, receiver)) as server:
+            emit_span(server.telemetry, "counted by the SDK")
+            receiver.wait_for(lambda r: wanted <= {p.name for p in r.metric_points() if p.value},
+                              timeout=30)
 
 
 def test_under_a_file_an_outage_is_probed_at_the_files_interval(tmp_path, monkeypatch):
@@ -305,13 +319,13 @@ def test_under_a_file_an_outage_is_probed_at_the_files_interval(tmp_path, monkey
             telemetry = server.telemetry
             telemetry.meter_provider.get_meter("test").create_counter("probed").add(1)
             (accounted,) = telemetry.accounted_of("metrics")
-            assert accounted.outage.interval == 1.0
+            assert accounted.health.interval == 1.0
             wait_until(lambda: receiver.rejected >= 2, what="two refused exports")
             receiver.mode = "ok"
             receiver.wait_for(lambda r: r.metric_points("probed"), timeout=30)
             # a probe per scheduled export: none dropped without a request (at the
             # OTEL_* interval, 47 of the next 48 would be)
-            assert accounted.outage.skipped == 0
+            assert accounted.health.skipped == 0
 
 
 def test_a_file_with_logs_only_holds_the_exporters_lines(tmp_path, monkeypatch, caplog):
@@ -331,7 +345,7 @@ def test_a_file_with_logs_only_holds_the_exporters_lines(tmp_path, monkeypatch, 
             logging.getLogger("distributed.scheduler").warning("a line to export")
             wait_until(lambda: receiver.rejected >= 1, what="the refused export")
             (accounted,) = server.telemetry.accounted_of("logs")
-            wait_until(lambda: accounted.outage.failing, what="the failed export counted")
+            wait_until(lambda: accounted.health.failing, what="the failed export counted")
     sdk = [r.getMessage() for r in caplog.records if r.name.startswith("opentelemetry.exporter")]
     assert sdk == []
     assert [r for r in caplog.records if "cannot export logs" in r.getMessage()]

@@ -748,6 +748,19 @@ def scraped_run(tmp_path_factory) -> Iterator[ScrapedRun]:
 
 
 @ON_THE_SCRAPED_RUN
+def test_the_undelivered_spans_query_of_metrics_md_returns_the_schedulers_series(scraped_run):
+    """docs/metrics.md's query of the mirrored spans not yet delivered returns one series,
+    the scheduler's: the workers publish their export health too, and have no mirror"""
+    text = (REPO / "docs" / "metrics.md").read_text()
+    (query,) = [q for q in re.findall(r"```promql\n(.*?)```", text, re.S)
+                if "dask_otel_span_mirrored_total" in q]
+    result = wait_until(lambda: scraped_run.prometheus.query(query), timeout=30,
+                        message="the query's series")
+    assert len(result) == 1, result
+    assert float(result[0]["value"][1]) >= 0
+
+
+@ON_THE_SCRAPED_RUN
 def test_every_dashboard_query_returns_data_from_a_spilling_cluster(scraped_run):
     """Each expression, with the template variables substituted (each worker, each
     task prefix, and All), has data over the run; so does each selector in it,

@@ -151,10 +151,7 @@ def problem(result: list[dict], expr: str) -> str | None:
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize(
     "doc, expr",
-    [pytest.param(doc, expr, marks=pytest.mark.xfail(
-        reason="export-health rename: dask_otel_span_exported_total is being renamed", strict=False))
-     if "dask_otel_span_exported_total" in expr else (doc, expr)
-     for doc, expr in documented_queries()],
+    documented_queries(),
     ids=[f"{doc}:{i}" for i, (doc, _) in enumerate(documented_queries())],
 )
 def test_every_documented_query_returns_a_series(prometheus, doc, expr):

@@ -75,11 +75,12 @@ def test_collector_down_from_the_start(monkeypatch, caplog):
             run_spans(client, 10)
             # 10 Dask spans + 10 TaskGroups, all lost and counted
             status = wait_until(
-                lambda: (s := dask_otel.status(client)["scheduler"])["spans_failed"] >= 20 and s,
+                lambda: (s := dask_otel.status(client)["scheduler"])["export"]["spans"]["dropped"]
+                >= 20 and s,
                 timeout=30,
             )
-    assert status["spans_failed"] == status["mirrored_spans"] == 20
-    assert status["spans_delivered"] == 0
+    assert status["export"]["spans"]["dropped"] == status["mirrored_spans"] == 20
+    assert status["export"]["spans"]["items"] == 0
     assert status["error"] is None
     assert len(outage_warnings(caplog)) == 1, outage_warnings(caplog)
     assert not sdk_records(caplog)  # the SDK's per-batch warnings were held back
@@ -97,7 +98,7 @@ def test_collector_answers_unavailable_then_recovers(protocol, monkeypatch, capl
         with caplog.at_level(logging.INFO):
             with otel_cluster(OTLP_CONFIG) as (client, mirrored):
                 run_spans(client, 5, "before")
-                wait_until(lambda: dask_otel.status(client)["scheduler"]["spans_failed"] > 0,
+                wait_until(lambda: dask_otel.status(client)["scheduler"]["export"]["spans"]["dropped"] > 0,
                            timeout=30)
                 assert receiver.rejected > 0
                 receiver.mode = "ok"
@@ -128,7 +129,7 @@ def test_collector_killed_mid_run_and_restarted(monkeypatch, caplog):
                 receiver.wait_for(lambda r: len(r.spans()) >= 6, timeout=30)
                 receiver.stop()
                 run_spans(client, 5, "during")
-                wait_until(lambda: dask_otel.status(client)["scheduler"]["spans_failed"] > 0,
+                wait_until(lambda: dask_otel.status(client)["scheduler"]["export"]["spans"]["dropped"] > 0,
                            timeout=30)
                 receiver.start()  # same port
                 last = run_spans(client, 3, "last")
@@ -163,7 +164,7 @@ def test_collector_restarted_spans_made_after_arrive_within_export_and_probe_int
             receiver.stop()
             run_spans(client, 3, "during")
             # Counted at once: not after the SDK's retries for up to 10 s
-            wait_until(lambda: dask_otel.status(client)["scheduler"]["spans_failed"] > 0,
+            wait_until(lambda: dask_otel.status(client)["scheduler"]["export"]["spans"]["dropped"] > 0,
                        timeout=interval + 2)
             receiver.start()  # same port
             last = run_spans(client, 3, "last")
@@ -409,6 +410,19 @@ def test_malformed_otel_variable(variable, value, outcome, complaint, monkeypatc
         assert "s3cret-token" not in repr(status)
 
 
+def test_a_malformed_headers_variable_is_one_warning_per_process(monkeypatch, caplog):
+    """Three exporters (spans, metrics, logs) read OTEL_EXPORTER_OTLP_HEADERS when the
+    process's providers are built: its WARNING comes once"""
+    with OTLPReceiver("grpc") as receiver:
+        set_env(monkeypatch, {**receiver.env(),
+                              "OTEL_EXPORTER_OTLP_HEADERS": f"bad-header-{os.getpid()}-{time.time()}"})
+        config = {**OTLP_CONFIG, "otel.metrics.exporter": "otlp", "otel.logs.exporter": "otlp"}
+        with caplog.at_level(logging.INFO), otel_cluster(config) as (client, _):
+            assert client.submit(inc, 1).result() == 2
+    warnings = [r.getMessage() for r in caplog.records if "is malformed" in r.getMessage()]
+    assert len(warnings) == 1, warnings
+
+
 def test_a_failing_close_step_never_raises_into_dask_and_the_rest_still_runs(
     monkeypatch, caplog
 ):
@@ -500,7 +514,7 @@ def test_auth_headers_never_reach_logs_or_attributes():
             with cluster.client() as client:
                 with span("lost in the outage"):
                     client.submit(inc, 1).result()
-                wait_until(lambda: dask_otel.status(client)["scheduler"]["spans_failed"] > 0,
+                wait_until(lambda: dask_otel.status(client)["scheduler"]["export"]["spans"]["dropped"] > 0,
                            timeout=30)
                 receiver.mode = "ok"
                 with span("authorized"):

@@ -15,7 +15,7 @@ import pytest
 from distributed import Client
 
 from tests.support.cluster import wait_until
-from tests.support.processes import dask_processes
+from tests.support.processes import REPO, dask_processes
 
 #: Dask's default ``distributed.admin.log-format``: time, logger name, level
 DASK_LINE = r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3} - dask_otel - "
@@ -110,6 +110,27 @@ def test_a_local_cluster_script_logs_the_bridges_lines_as_dasks(processes, tmp_p
     assert run.returncode == 0, run.stderr
     line = dask_line("ERROR", r"dask_otel is off on scheduler \S+: otel\.spans\.export-delay")
     assert line.search(run.stderr), run.stderr
+
+
+def test_the_sdks_fallback_lines_print_in_dasks_format(tmp_path):
+    """A malformed OTEL_* variable the SDK falls back from (its WARNING, one with a
+    traceback): in a script with no logging set up, on Dask's console in its format,
+    not bare on stderr (Python's last resort)"""
+    script = tmp_path / "script.py"
+    script.write_text(SCRIPT.format(processes=False, host={}).replace(
+        '"otel.traces.exporter": "none"', '"otel.traces.exporter": "console"').replace(
+        '"otel.spans.export-delay": "soon"', '"otel.spans.export-delay": "1s"'))
+    env = {**os.environ, "OTEL_BSP_SCHEDULE_DELAY": "soon", "OTEL_RESOURCE_ATTRIBUTES": "=,novalue",
+           "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))}
+    run = subprocess.run([sys.executable, str(script)], env=env, cwd=tmp_path,
+                         capture_output=True, text=True, timeout=120)
+    assert run.returncode == 0, run.stderr
+    sdk = r"^\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3} - opentelemetry\.[\w.]+ - (WARNING|ERROR) - "
+    assert re.search(sdk + "Unable to parse value for OTEL_BSP_SCHEDULE_DELAY", run.stderr,
+                     re.MULTILINE), run.stderr
+    assert re.search(sdk + "Invalid key value resource attribute pair novalue", run.stderr,
+                     re.MULTILINE), run.stderr
+    assert not re.search(r"^(Unable to parse|Invalid key value)", run.stderr, re.MULTILINE)
 
 
 # --- Dask's console beside an OpenTelemetry handler on the root logger --------------

@@ -273,15 +273,16 @@ def test_self_metrics_count_spans_exported_and_lost(monkeypatch):
             delivered = len(receiver.spans())
             points = wait_until(
                 lambda: (p := collect(reader))
-                and value(p, "dask.otel.span.exported") == delivered
+                and value(p, "dask.otel.export.items", dask_otel_signal="spans") == delivered
                 and p,
                 what="the exported count to match what the receiver got",
             )
             assert value(points, "dask.otel.span.mirrored") >= delivered
-            assert value(points, "dask.otel.span.dropped") == 0
+            assert value(points, "dask.otel.export.dropped", dask_otel_signal="spans") == 0
             assert value(points, "dask.otel.export.failures") == 0
-            (exported,) = points["dask.otel.span.exported"]
-            assert exported.attributes == {"dask.otel.exporter": "OTLPSpanExporter"}
+            (exported,) = points["dask.otel.export.items"]
+            assert exported.attributes == {"dask.otel.exporter": "OTLPSpanExporter",
+                                           "dask.otel.signal": "spans"}
 
             receiver.mode = "reject"  # not retried: the batch is lost at once
             with span("rejected"):
@@ -290,14 +291,14 @@ def test_self_metrics_count_spans_exported_and_lost(monkeypatch):
                 lambda: (p := collect(reader)) and value(p, "dask.otel.export.failures") and p,
                 what="an export failure to be counted",
             )
-            assert value(points, "dask.otel.span.dropped") >= 1
-            assert value(points, "dask.otel.span.exported") == delivered
+            assert value(points, "dask.otel.export.dropped", dask_otel_signal="spans") >= 1
+            assert value(points, "dask.otel.export.items", dask_otel_signal="spans") == delivered
 
 
-def test_span_dropped_counts_the_spans_of_a_refused_request_not_the_request(monkeypatch):
+def test_export_dropped_counts_the_spans_of_a_refused_request_not_the_request(monkeypatch):
     """A collector that refuses every request (not retried): a Dask span of ten
     TaskGroups, eleven spans, handed to the SDK by one poll, in one request or two
-    (the second then dropped without a request: an outage). dask.otel.span.dropped
+    (the second then dropped without a request: an outage). dask.otel.export.dropped
     says 11, the spans; dask.otel.export.failures counts the requests."""
     with OTLPReceiver("grpc", mode="reject") as receiver:
         set_otel_env(monkeypatch, {**receiver.env(), "OTEL_BSP_SCHEDULE_DELAY": "500"})
@@ -309,16 +310,16 @@ def test_span_dropped_counts_the_spans_of_a_refused_request_not_the_request(monk
             with span("refused"):
                 client.gather([client.submit(inc, i, key=f"refused{i}-0") for i in range(10)])
             (accounted,) = plugin.telemetry.accounted_of("spans")
-            wait_until(lambda: accounted.outage.failed == 11, what="the 11 spans refused")
+            wait_until(lambda: accounted.health.dropped == 11, what="the 11 spans refused")
             points = collect(reader)
             assert receiver.rejected < 11
-    assert value(points, "dask.otel.span.dropped") == 11
+    assert value(points, "dask.otel.export.dropped", dask_otel_signal="spans") == 11
     assert value(points, "dask.otel.export.failures") == receiver.rejected
 
 
 def test_spans_past_the_builders_queue_count_as_dropped(monkeypatch):
     """A poll's spans that do not fit the builder thread's queue are lost before any
-    exporter sees them: ``dask.otel.span.dropped`` counts them with
+    exporter sees them: ``dask.otel.export.dropped`` counts them with
     ``error.type=queue_full``, so that the alert on it (docs/metrics.md) sees every
     span lost. A queue of one here, and a Dask span of ten TaskGroups that finish
     together: a poll hands several over at once."""
@@ -337,11 +338,11 @@ def test_spans_past_the_builders_queue_count_as_dropped(monkeypatch):
             wait_until(lambda: builder.dropped, what="a poll's spans past the queue")
             points = wait_until(
                 lambda: (p := collect(reader))
-                and value(p, "dask.otel.span.dropped", error_type="queue_full") == builder.dropped
+                and value(p, "dask.otel.export.dropped", error_type="queue_full") == builder.dropped
                 and p,
                 what="the queue-full drops to be counted",
             )
-            assert value(points, "dask.otel.span.dropped") == builder.dropped  # nothing else lost
+            assert value(points, "dask.otel.export.dropped", dask_otel_signal="spans") == builder.dropped  # nothing else lost
 
 
 def test_self_metrics_add_up_under_a_sampler(monkeypatch):
@@ -468,7 +469,7 @@ def test_every_emitted_metric_is_documented_and_every_documented_one_emitted(mon
             client.retire_workers([list(cluster.workers.values())[-1].address])
             reader = metric_reader(cluster)
             points = wait_until(
-                lambda: (p := collect(reader)) and "dask.otel.span.exported" in p
+                lambda: (p := collect(reader)) and "dask.otel.export.items" in p
                 and "dask.worker.removed" in p and p,
                 what="the self-metrics",
             )

@@ -505,7 +505,7 @@ def test_a_full_builder_queue_drops_children_first_and_never_orphans_what_it_kee
     that poll or a later one. A full queue drops TaskGroups and Dask spans, but keeps,
     past its capacity, every Dask span below which a span was kept: each span that
     arrives has its parent; each one dropped is counted, in status() and in
-    dask.otel.span.dropped with error.type=queue_full"""
+    dask.otel.export.dropped with error.type=queue_full"""
     oracle.waive("every-task", "a queue of 2 drops batches on purpose, counted")
     oracle.waive("every-span", "a queue of 2 drops spans on purpose, counted")
     config = {"otel.metrics.exporter": "memory", "otel.spans.export-delay": "300ms"}
@@ -525,7 +525,7 @@ def test_a_full_builder_queue_drops_children_first_and_never_orphans_what_it_kee
         assert builder.dropped == made - len(spans) > 0, (builder.dropped, len(spans))
         assert dask_otel.status(client)["scheduler"]["queue_full_dropped_spans"] == builder.dropped
         points = collect(metric_reader(mirrored.cluster))
-        assert value(points, "dask.otel.span.dropped", error_type="queue_full") == builder.dropped
+        assert value(points, "dask.otel.export.dropped", error_type="queue_full") == builder.dropped
 
 
 def test_instrument_a_running_cluster():

@@ -46,15 +46,54 @@ def received_from(receiver: OTLPReceiver, pid: int) -> dict[str, dict[str, int]]
                 if a.key == "process.pid"}
         if pids != {pid}:
             continue
-        row = out.setdefault(name, {"items": 0, "bytes": 0, "failed": 0, "failed_requests": 0})
+        row = out.setdefault(name, {"items": 0, "size": 0, "dropped": 0, "failures": 0})
         row["items"] += sum(_items(part) for part in parts)
-        row["bytes"] += request.ByteSize()
+        row["size"] += request.ByteSize()
     return out
 
 
 def sent_by(server: dict) -> dict[str, dict[str, int]]:
     """A server's status()["export"], without the signals it has not sent yet"""
-    return {signal: row for signal, row in server["export"].items() if any(row.values())}
+    return {signal: row for signal, row in server["export"].items() if row and any(row.values())}
+
+
+def published_by(receiver: OTLPReceiver, pid: int) -> dict[str, dict[str, int]]:
+    """The latest ``dask.otel.export.*`` points the receiver got from process ``pid``,
+    by signal, keyed as status()["export"] is"""
+    out: dict[str, dict[str, int]] = {}
+    for p in receiver.metric_points():
+        if p.name.startswith("dask.otel.export.") and p.resource.get("process.pid") == pid:
+            out.setdefault(p.attributes["dask.otel.signal"], {})[p.name.rpartition(".")[2]] = p.value
+    return out
+
+
+def test_each_worker_process_publishes_its_export_health(monkeypatch):
+    """A worker process's task spans and metrics pass the same export accounting as
+    the scheduler's: each worker process exports ``dask.otel.export.*`` of its own
+    exporters, under its own resource, and they are what its status() says"""
+    with OTLPReceiver("grpc") as receiver:
+        for key in [k for k in os.environ if k.startswith("OTEL_EXPORTER_OTLP")]:
+            monkeypatch.delenv(key)
+        for key, value in {**receiver.env(), **FAST_EXPORT_ENV}.items():
+            monkeypatch.setenv(key, value)
+        config = {**OTLP_CONFIG, "otel.tasks.spans": True, "otel.logs.exporter": "none"}
+        with otel_cluster(config, processes=True, n_workers=2) as (client, mirrored):
+            with span("tasks"):
+                assert client.gather(client.map(inc, range(4), key=[f"t-{i}" for i in range(4)]))
+            pids = client.run(os.getpid)
+
+            def published():
+                workers = dask_otel.status(client)["workers"]
+                both = [(published_by(receiver, pid), workers[w]["export"])
+                        for w, pid in pids.items()]
+                # the four task spans, each exported by the worker that ran it
+                return sum(status["spans"]["items"] for _, status in both) == 4 and all(
+                    got.get("metrics", {}).get("items", 0) > 0
+                    and got.get("spans", {}).get("items") == status["spans"]["items"]
+                    and got["spans"].get("dropped") == 0 and status["logs"] is None
+                    for got, status in both)
+
+            wait_until(published, what="each worker process's export health")
 
 
 @pytest.mark.parametrize("protocol,compression", [("grpc", None), ("http/protobuf", "gzip")])
@@ -99,14 +138,14 @@ def test_status_and_self_metrics_tell_what_each_signal_sent(protocol, compressio
                           if p.name in ("dask.otel.export.items", "dask.otel.export.size")
                           and p.attributes.get("dask.otel.signal") == "spans"}
                 return points == {"dask.otel.export.items": sent["items"],
-                                  "dask.otel.export.size": sent["bytes"]} and sent
+                                  "dask.otel.export.size": sent["size"]} and sent
 
             spans = wait_until(reported, what="the self-metrics report the spans sent")
-    assert spans["items"] >= 2 and spans["bytes"] > 100 * spans["items"]
+    assert spans["items"] >= 2 and spans["size"] > 100 * spans["items"]
 
 
 @pytest.mark.parametrize("protocol", ["grpc", "http/protobuf"])
-def test_a_refused_signal_counts_its_items_as_failed_and_no_bytes(protocol, monkeypatch):
+def test_a_refused_signal_counts_its_items_as_dropped_and_no_bytes(protocol, monkeypatch):
     """A collector that refuses logs: their records are ``failed``, with no items and
     no bytes sent, while the spans' and metrics' counts still match the receiver"""
     with OTLPReceiver(protocol) as receiver:
@@ -126,8 +165,8 @@ def test_a_refused_signal_counts_its_items_as_failed_and_no_bytes(protocol, monk
                 got = received_from(receiver, os.getpid())
                 logs = sent.pop("logs")
                 return (sent == got and set(got) == {"spans", "metrics"}
-                        and logs["failed"] and logs)
+                        and logs["dropped"] and logs)
 
             logs = wait_until(agreed, what="status() and the receiver agree")
-    assert logs["items"] == 0 and logs["bytes"] == 0 and logs["failed"] >= 1
+    assert logs["items"] == 0 and logs["size"] == 0 and logs["dropped"] >= 1
 

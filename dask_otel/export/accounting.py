@@ -1,8 +1,9 @@
 """Export accounting and the outage policy, one engine for the three signals
 (docs/deploy.md, "Volume" and "When telemetry fails"): :class:`AccountedExporter`
 wraps the SDK's exporter in the SDK's export thread and counts every item handed to
-it once, as exported or failed; batching, queues and timeouts stay the SDK's, and
-the exporter is never built again.
+it once, as exported or dropped; batching, queues and timeouts stay the SDK's, and
+the exporter is never built again. :class:`ExportInstruments` publishes the counts
+of every process with a bridge, scheduler or worker (docs/metrics.md).
 """
 
 from __future__ import annotations
@@ -18,7 +19,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from dask_otel._compat import cut_retry_waits, otlp_encoder
+from dask_otel.attributes import ERROR_TYPE, OTEL_EXPORTER, OTEL_SIGNAL
 from dask_otel.export.exporters import SIGNALS
+from dask_otel.export.instruments import (COUNTER, Attached, MetricSpec, ProcessInstruments,
+                                          Reading)
 from dask_otel.log import logger
 
 #: Seconds without an answer after which an export counts as an outage: a healthy
@@ -39,7 +43,7 @@ RESULTS = {
 
 class _HeldExporterLogs(logging.Filter):
     """Holds back what the SDK's exporters log while an accounted export runs in
-    this thread (lines per failed batch and retry): :class:`ExportOutage` logs once
+    this thread (lines per failed batch and retry): :class:`ExporterHealth` logs once
     per outage, with their reason. Shown, never decided on (the levels are the
     user's: a logger drops a record below its level before its filters run)."""
 
@@ -83,8 +87,9 @@ class _Export:
 
 
 @dataclass(slots=True)
-class ExportOutage:
-    """Counts what one exporter shipped and lost, and logs an outage once (one at
+class ExporterHealth:
+    """What one exporter shipped and lost (:data:`COUNTS`, as ``status()`` and
+    :class:`ExportInstruments` name them) and its outage, logged once (one line at
     recovery). Runs in the SDK's export thread; read from others."""
 
     #: ``spans``, ``metrics`` or ``logs``
@@ -96,14 +101,14 @@ class ExportOutage:
     #: ``otel.export.retry-during-outage``: the SDK's retries for every batch, no probes
     retry_during_outage: bool = False
     #: items the collector accepted: spans, metric points, log records
-    exported: int = 0
+    items: int = 0
     #: bytes of the OTLP requests the collector accepted: the serialized request,
     #: before compression (0 for an exporter that is not OTLP's)
-    sent_bytes: int = 0
+    size: int = 0
     #: items lost because an export failed, or was not tried during an outage
-    failed: int = 0
+    dropped: int = 0
     #: failed export calls (requests, probes included)
-    export_failures: int = 0
+    failures: int = 0
     #: batches dropped without a request during an outage
     skipped: int = 0
     #: failed export calls since the last success
@@ -146,14 +151,14 @@ class ExportOutage:
         """``send()`` the batch unless the outage policy drops it; True if the
         collector took it"""
         if self.closed:
-            self.failed += items
+            self.dropped += items
             return False
         now = time.monotonic()
         if self.failing and not self.retry_during_outage and (
             self.closing or now - self.last_request < PROBE_AFTER * self.interval
         ):
             # A known outage, and not yet time for the next probe: no request
-            self.failed += items
+            self.dropped += items
             self.skipped += 1
             return False
         self.last_request = now
@@ -168,7 +173,7 @@ class ExportOutage:
             HELD_EXPORTER_LOGS.local.held = None
             self.under_way = None
         if ok:
-            self.exported += items
+            self.items += items
             if self.failing:
                 logger.warning(
                     "dask_otel: %s export recovered after %d failed exports",
@@ -176,10 +181,10 @@ class ExportOutage:
                 )
                 self.failing = 0
             return True
-        self.failed += items
+        self.dropped += items
         if self.closed:  # cut short by the bridge's own shutdown: no outage
             return False
-        self.export_failures += 1
+        self.failures += 1
         reason = error or _reason(export)
         logger.debug("dask_otel: %s export failed: %s", self.signal, reason)
         if not self.failing:
@@ -188,11 +193,12 @@ class ExportOutage:
             otlp = SIGNALS[self.signal][1]  # TRACES, METRICS, LOGS
             variable, key = f"OTEL_{otlp}_EXPORTER", f"otel.{otlp.lower()}.exporter"
             logger.warning(
-                "dask_otel: cannot export %s (%s); dropping them until the collector "
-                "answers again (counted in the self-metrics, logged once per outage). "
-                "A collector that does not accept %s refuses them for good: to stop "
-                "sending them, set %s=none (or %s: none)",
-                self.signal, reason, self.signal, variable, key,
+                "dask_otel: cannot export %s (%s); %s until the collector answers again "
+                "(counted in dask.otel.export.dropped, logged once per outage). A collector "
+                "that does not accept %s refuses them for good: to stop sending them, set "
+                "%s=none (or %s: none)", self.signal, reason,
+                "retrying each batch, dropping those the SDK's retries do not deliver,"
+                if self.retry_during_outage else "dropping them", self.signal, variable, key,
             )
         self.failing += 1
         return False
@@ -215,7 +221,7 @@ def metric_points(data: Any) -> int:
 
 
 class AccountedExporter:
-    """An SDK exporter of any signal with :class:`ExportOutage` accounting and the
+    """An SDK exporter of any signal with :class:`ExporterHealth` accounting and the
     outage policy: ``export``, ``force_flush`` and ``shutdown`` go through it, the
     rest (a metric exporter's temporality) is the exporter's, as it was built."""
 
@@ -223,13 +229,13 @@ class AccountedExporter:
                  retry_during_outage: bool = False):
         #: the SDK exporter, built once
         self.exporter = exporter
-        self.outage = ExportOutage(signal, interval, retry_during_outage)
+        self.health = ExporterHealth(signal, interval, retry_during_outage)
         module, name = RESULTS[signal]
         #: the signal's export result: ``SUCCESS``, ``FAILURE``
         self.result = getattr(importlib.import_module(module), name)
         #: items in a batch: spans, log records, or a metric export's points
         self.items: Callable[[Any], int] = metric_points if signal == "metrics" else len
-        cut_retry_waits(exporter, self.outage.retry_wait)
+        cut_retry_waits(exporter, self.health.retry_wait)
         #: the OTLP request of a batch, encoded again to count its bytes (None: not OTLP)
         self.encode = otlp_encoder(signal, exporter)
 
@@ -238,10 +244,10 @@ class AccountedExporter:
             ok = self.exporter.export(batch, *args, **kwargs) == self.result.SUCCESS
             if ok and self.encode is not None:
                 with contextlib.suppress(Exception):  # sent, whatever its size
-                    self.outage.sent_bytes += self.encode(batch).ByteSize()
+                    self.health.size += self.encode(batch).ByteSize()
             return ok
 
-        ok = self.outage.export(send, self.items(batch))
+        ok = self.health.export(send, self.items(batch))
         return self.result.SUCCESS if ok else self.result.FAILURE
 
     def force_flush(self, timeout_millis: float = 30_000, **kwargs: Any) -> bool:
@@ -250,8 +256,8 @@ class AccountedExporter:
     def shutdown(self, *args: Any, **kwargs: Any) -> None:
         # Called by the bridge first (to interrupt a waiting export), then by the
         # SDK's processor or reader: once is enough (a second call warns)
-        if not self.outage.closed:
-            self.outage.closed = True
+        if not self.health.closed:
+            self.health.closed = True
             self.exporter.shutdown()
 
     def __getattr__(self, name: str) -> Any:
@@ -260,3 +266,56 @@ class AccountedExporter:
         if name == "exporter":  # not set yet
             raise AttributeError(name)
         return getattr(self.exporter, name)
+
+
+#: Each exporter's counts, by these names in ``status()`` and :class:`ExportInstruments`
+COUNTS = ("items", "size", "dropped", "failures")
+#: ``dask.otel.export.dropped`` of the spans a scheduler's poll handed over past its
+#: builder thread's queue (the SDK's own instruments name a full queue so too)
+QUEUE_FULL = {OTEL_SIGNAL: "spans", ERROR_TYPE: "queue_full"}
+
+
+@dataclass(eq=False)
+class ExportHealth(Attached):
+    """A process's export health, attached once by its Telemetry (every process
+    with a bridge, scheduler or worker): its accounted exporters' counts"""
+
+    #: the process's :class:`~dask_otel.export.telemetry.Telemetry`
+    telemetry: Any = None
+    #: the span builders of the process's schedulers (a closed one's drops stay
+    #: counted: the counter never goes down while the process lives)
+    builders: list = field(default_factory=list)
+
+
+def _counted(count: str):
+    """``count`` of each accounted exporter, by exporter and signal; ``dropped`` with
+    the schedulers' queue-full drops, from 0 on (an alert's ``increase()`` needs the
+    series before the first drop)"""
+    def read(health: ExportHealth) -> Reading:
+        out = [(getattr(e.health, count), {OTEL_EXPORTER: type(e.exporter).__name__,
+                                           OTEL_SIGNAL: e.health.signal})
+               for e in list(health.telemetry.accounted)]
+        if count == "dropped" and health.builders:
+            out.append((sum(b.dropped for b in list(health.builders)), QUEUE_FULL))
+        return out
+
+    return read
+
+
+class ExportInstruments(ProcessInstruments):
+    """The only place the ``dask.otel.export.*`` names are spelled"""
+
+    table = (
+        MetricSpec("dask.otel.export.items", COUNTER, "{item}",
+                   "Spans, metric points and log records the collector accepted",
+                   _counted("items")),
+        MetricSpec("dask.otel.export.size", COUNTER, "By",
+                   "Bytes of the OTLP requests the collector accepted, before compression",
+                   _counted("size")),
+        MetricSpec("dask.otel.export.dropped", COUNTER, "{item}",
+                   "Items lost: their export failed, or was not tried during an outage, "
+                   "or (spans) a scheduler's builder queue was full", _counted("dropped")),
+        MetricSpec("dask.otel.export.failures", COUNTER, "{request}",
+                   "Export requests that failed (an outage's probes included)",
+                   _counted("failures")),
+    )

@@ -92,10 +92,12 @@ class ConfigFile:
         return provider, declared_span_limits(limits, global_limits)
 
     def span_processors(self, account: Account, meter_provider: Any = None) -> list:
+        """Batch processors report their SDK metrics to ``meter_provider``"""
         from opentelemetry.sdk.trace.export import BatchSpanProcessor, SimpleSpanProcessor
 
         return self._processors("spans", "tracer_provider", declared_span_exporter, account,
-                                BatchSpanProcessor, SimpleSpanProcessor)
+                                BatchSpanProcessor, SimpleSpanProcessor,
+                                {"meter_provider": meter_provider} if meter_provider else {})
 
     def metric_readers(self, account: Account) -> list:
         """A pull reader serves on Dask's ``/metrics`` (the Prometheus exporter's)"""
@@ -143,7 +145,7 @@ class ConfigFile:
                                 BatchLogRecordProcessor, SimpleLogRecordProcessor)
 
     def _processors(self, signal: str, section: str, build: Any, account: Account,
-                    batch: type, simple: type) -> list:
+                    batch: type, simple: type, sdk_metrics: dict | None = None) -> list:
         """The processors of a provider ``section`` of the file, each exporter passed
         through ``account``; a batch's settings the file's, else the spec's defaults"""
         out = []
@@ -161,7 +163,7 @@ class ConfigFile:
             out.append(batch(
                 exporter, schedule_delay_millis=float(delay),
                 export_timeout_millis=float(_or_default(b.export_timeout, "timeout")),
-                **{k: v for k, v in options.items() if v is not None},
+                **{k: v for k, v in options.items() if v is not None}, **(sdk_metrics or {}),
             ))
         return out
 

@@ -30,13 +30,12 @@ def _build_exporter(group: str, name: str, **kwargs: Any) -> Any:
     ep = installed_entry_points(group)[name]
     try:
         cls = ep.load()
-        with _HEADER_WARNING:
-            try:
-                exporter = cls(**kwargs)
-            except TypeError:
-                if not kwargs:
-                    raise
-                exporter = cls()  # an exporter without SDK metrics (older, third-party)
+        try:
+            exporter = cls(**kwargs)
+        except TypeError:
+            if not kwargs:
+                raise
+            exporter = cls()  # an exporter without SDK metrics (older, third-party)
     except Exception as e:
         text = _redacted(f"{type(e).__name__}: {e}")
         culprits = [k for k, v in otel_environment().items() if v.strip() and v.strip() in str(e)]
@@ -70,25 +69,20 @@ def _redacted(text: str) -> str:
 
 
 class _HeaderWarningNamed(logging.Filter):
-    """While an exporter is built, replaces the SDK's "Header format invalid! ...:
-    <the header>" warning, which quotes a credential, with one that names the
-    variables instead (once per exporter, however many parts are malformed)"""
+    """Replaces the SDK's "Header format invalid! ...: <the header>" warning, which
+    quotes a credential, with one that names the variables instead: once per process
+    and values, however many exporters read them and parts are malformed"""
 
-    warned = False
-
-    def __enter__(self) -> None:
-        self.warned = False
-        logging.getLogger("opentelemetry.util.re").addFilter(self)
-
-    def __exit__(self, *exc: object) -> None:
-        logging.getLogger("opentelemetry.util.re").removeFilter(self)
+    #: the header variables' values warned about
+    warned: frozenset = frozenset()
 
     def filter(self, record: logging.LogRecord) -> bool:
         if "Header format invalid" not in str(record.msg):
             return True
-        if self.warned:
+        values = frozenset((k, os.environ[k]) for k in _secret_variables())
+        if self.warned == values:
             return False
-        self.warned = True
+        self.warned = values
         logger.warning(
             "dask_otel: %s is malformed (expected comma-separated name=value pairs, "
             "URL-encoded); the OpenTelemetry SDK ignores the malformed part. %s",
@@ -98,7 +92,7 @@ class _HeaderWarningNamed(logging.Filter):
         return False
 
 
-_HEADER_WARNING = _HeaderWarningNamed()
+logging.getLogger("opentelemetry.util.re").addFilter(_HeaderWarningNamed())
 
 
 #: Each signal's exporters: entry point group, ``OTEL_EXPORTER_OTLP_<signal>_*``,

@@ -53,9 +53,6 @@ class MetricSpec:
     description: str
     #: What one attached server contributes, given its :class:`Attached` handle
     read: Callable[[Any], Reading]
-    #: Read from one attached server only: the value belongs to the process (the
-    #: Telemetry), not to a server, and must not be counted once per server
-    per_process: bool = False
 
 
 @dataclass(eq=False)
@@ -199,8 +196,6 @@ class ProcessInstruments:
                         server.last_round.discard(spec.name)
                         if not server.last_round:
                             self._attached.pop(server, None)
-            if spec.per_process:
-                reporting = reporting[:1]
             out = []
             for server in reporting:
                 out.extend(self._observe(spec, server))

@@ -19,9 +19,10 @@ from typing import TYPE_CHECKING, Any
 
 from dask_otel.attributes import SCHEDULER_ADDRESS
 from dask_otel.config import OtelConfig
-from dask_otel.export.accounting import HELD_EXPORTER_LOGS, AccountedExporter
+from dask_otel.export.accounting import (COUNTS, HELD_EXPORTER_LOGS, AccountedExporter,
+                                         ExportHealth, ExportInstruments)
 from dask_otel.export.declarative import ConfigFile, config_file
-from dask_otel.export.exporters import EnvRecipe, otel_environment
+from dask_otel.export.exporters import SIGNALS, EnvRecipe, otel_environment
 from dask_otel.export.instruments import EXEMPLAR_VIEWS
 from dask_otel.export.sink import DEFAULT_ATTRIBUTE_LENGTH, SpanSink
 from dask_otel.log import logger
@@ -35,11 +36,6 @@ DEFAULT_SERVICE_NAME = "dask"
 #: process, the first server's
 PROCESS_WIDE = ("traces_exporters", "metrics_exporters", "logs_exporters", "logs_level",
                 "flush_timeout")
-
-
-#: ``status()``'s ``export`` row of a signal: key -> ``ExportOutage`` field
-EXPORT_STATUS = {"items": "exported", "bytes": "sent_bytes", "failed": "failed",
-                 "failed_requests": "export_failures"}
 
 
 def recipe(config: OtelConfig | None = None) -> ConfigFile | EnvRecipe:
@@ -114,6 +110,8 @@ class Telemetry:
     meter_provider: Any
     #: :class:`dask_otel.export.logs.LogExport`
     logs: Any
+    #: What the export-health instruments read (None without a MeterProvider)
+    health: ExportHealth | None
 
     #: The first server's resource: the MeterProvider's and the LoggerProvider's
     resource: Any
@@ -139,7 +137,7 @@ class Telemetry:
         self.warned: set[str] = set()
         self.exporters = {"spans": [], "metrics": [], "logs": []}
         self.accounted = []
-        self.tracer_provider = self.span_sink = self.meter_provider = self.logs = None
+        self.tracer_provider = self.span_sink = self.meter_provider = self.logs = self.health = None
         self._shut_down = False
         signals = built.signals
         self.metric_readers = built.metric_readers(self.account) if "metrics" in signals else []
@@ -153,6 +151,10 @@ class Telemetry:
                 views=[*EXEMPLAR_VIEWS, *options.pop("views")],
                 **options,
             )
+            self.health = ExportHealth({}, telemetry=self)
+            ExportInstruments.of(self.meter_provider).attach(self.health)
+            for accounted in self.accounted:  # a metric exporter's own SDK metrics (OTLP's)
+                getattr(accounted.exporter, "set_meter_provider", lambda _: None)(self.meter_provider)
         if "spans" in signals:
             self.tracer_provider, limits = built.tracer_provider(
                 self.resource, DEFAULT_ATTRIBUTE_LENGTH)
@@ -178,18 +180,16 @@ class Telemetry:
         return accounted
 
     def accounted_of(self, signal: str) -> list[AccountedExporter]:
-        return [e for e in self.accounted if e.outage.signal == signal]
+        return [e for e in self.accounted if e.health.signal == signal]
 
-    def export_status(self) -> dict[str, dict[str, int]]:
-        """``status()``'s ``export``: per signal, the items (spans, metric points,
-        log records) and bytes (before compression) the collector accepted, and
-        the items lost and the requests that failed (docs/deploy.md, "Volume")"""
-        out: dict[str, dict[str, int]] = {}
+    def export_status(self) -> dict[str, dict[str, int] | None]:
+        """``status()``'s ``export``: per signal, the :data:`COUNTS` of its batched
+        exporters, summed (docs/deploy.md, "Volume"); None: none exports it"""
+        out: dict[str, dict[str, int] | None] = dict.fromkeys(SIGNALS)
         for exporter in self.accounted:
-            outage = exporter.outage
-            row = out.setdefault(outage.signal, dict.fromkeys(EXPORT_STATUS, 0))
-            for key, field in EXPORT_STATUS.items():
-                row[key] += getattr(outage, field)
+            row = out[exporter.health.signal] = out[exporter.health.signal] or dict.fromkeys(COUNTS, 0)
+            for key in COUNTS:
+                row[key] += getattr(exporter.health, key)
         return out
 
     # What tests and the demo read
@@ -247,14 +247,14 @@ class Telemetry:
     @property
     def outage(self) -> bool:
         """True while some exporter waits on a collector that is not answering
-        (``ExportOutage.stalled``): flushing would only wait"""
-        return any(e.outage.stalled for e in self.accounted)
+        (``ExporterHealth.stalled``): flushing would only wait"""
+        return any(e.health.stalled for e in self.accounted)
 
     def force_flush(self) -> None:
         """Export what is queued (a failing exporter's is dropped and counted, not
         probed); blocks while a collector hangs: :meth:`shutdown` ends it"""
         for exporter in self.accounted:
-            exporter.outage.closing = True
+            exporter.health.closing = True
         timeout_ms = int(self.config.flush_timeout * 1000)
         # A provider whose every exporter is failing has nothing to flush to (and a
         # metric collection would cost CPU for nothing)
@@ -262,7 +262,7 @@ class Telemetry:
                                  ("metrics", self.meter_provider),
                                  ("logs", self.logs and self.logs.provider)):
             accounted = self.accounted_of(signal)
-            if provider and not (accounted and all(e.outage.failing for e in accounted)):
+            if provider and not (accounted and all(e.health.failing for e in accounted)):
                 provider.force_flush(timeout_ms)
 
     def shutdown(self) -> None:

@@ -1,6 +1,7 @@
 """The scheduler's metrics: Dask's fine performance metrics
 (``Scheduler.cumulative_worker_metrics``, as observable counters, at most
-:data:`MAX_SERIES` series each) and the bridge's own (``dask.otel.*``).
+:data:`MAX_SERIES` series each) and the span mirror's (``dask.otel.span.*``; the
+export health: :mod:`dask_otel.export.accounting`).
 :data:`SCHEDULER_METRICS` is the only place they are named; what each means:
 docs/metrics.md.
 """
@@ -24,7 +25,7 @@ if TYPE_CHECKING:
     from distributed import Scheduler
     from opentelemetry.context import Context
 
-    from dask_otel.export.telemetry import ServerTelemetry, Telemetry
+    from dask_otel.export.telemetry import ServerTelemetry
     from dask_otel.spans import SpanMirror
 
 
@@ -112,34 +113,6 @@ def _mirror_count(field: str):
     return read
 
 
-#: ``dask.otel.span.dropped`` of the spans a poll handed over past the builder
-#: thread's queue (the SDK's own instruments name a full queue so too)
-QUEUE_FULL = {attr.ERROR_TYPE: "queue_full"}
-
-
-def _dropped(observed: SchedulerMetrics) -> Reading:
-    """Spans lost: each span exporter's failed ones, and the builder's queue-full
-    drops (this scheduler's: the row is read once per process, which runs one),
-    from 0 on, as the exporters' are: an alert's ``increase()`` needs the series
-    before the first drop"""
-    readings = _exported("failed", "spans")(observed)
-    mirror = observed.mirror
-    if mirror is not None and mirror.builder is not None:
-        readings.append((mirror.builder.dropped, QUEUE_FULL))
-    return readings
-
-
-def _exported(field: str, signal: str | None = None):
-    """``field`` of the process's accounted exporters (``ExportOutage``), by signal;
-    of ``signal``'s only, when given"""
-    def read(observed: SchedulerMetrics) -> Reading:
-        return [(getattr(e.outage, field), {attr.OTEL_EXPORTER: type(e.exporter).__name__,
-                                            **({} if signal else {attr.OTEL_SIGNAL: e.outage.signal})})
-                for e in list(observed.telemetry.accounted) if signal in (None, e.outage.signal)]
-
-    return read
-
-
 #: Every scheduler instrument. The Dask unit in ``_fine_metrics(...)`` is the last
 #: element of the keys of ``Scheduler.cumulative_worker_metrics``.
 SCHEDULER_METRICS: tuple[MetricSpec, ...] = (
@@ -164,21 +137,6 @@ SCHEDULER_METRICS: tuple[MetricSpec, ...] = (
     MetricSpec("dask.otel.span.sampled_out", COUNTER, "{span}",
                "Dask spans and TaskGroups the sampler (OTEL_TRACES_SAMPLER) dropped",
                _mirror_count("sampled_out")),
-    MetricSpec("dask.otel.span.exported", COUNTER, "{span}", "Spans the exporter delivered",
-               _exported("exported", "spans"), per_process=True),
-    MetricSpec("dask.otel.span.dropped", COUNTER, "{span}",
-               "Spans lost because their export failed, or was not tried during an outage, "
-               "or the builder thread's queue was full",
-               _dropped, per_process=True),
-    MetricSpec("dask.otel.export.items", COUNTER, "{item}",
-               "Spans, metric points and log records the collector accepted, by signal",
-               _exported("exported"), per_process=True),
-    MetricSpec("dask.otel.export.size", COUNTER, "By",
-               "Bytes of the OTLP requests the collector accepted, by signal, before compression",
-               _exported("sent_bytes"), per_process=True),
-    MetricSpec("dask.otel.export.failures", COUNTER, "{request}",
-               "Export requests that failed (an outage's probes included), by signal",
-               _exported("export_failures"), per_process=True),
 )
 
 
@@ -197,10 +155,10 @@ class SchedulerMetrics(Attached):
         # metric_attributes: a second scheduler in the process has the first's resource
         super().__init__(dict(own.metric_attributes))
         self.scheduler = scheduler
-        #: The process's Telemetry: its accounted exporters' counts
-        self.telemetry: Telemetry = own.telemetry
         #: The span mirror (None: traces are off): its counters and exemplars
         self.mirror = mirror
+        if mirror is not None and mirror.builder is not None:  # its queue-full drops
+            own.telemetry.health.builders.append(mirror.builder)  # type: ignore[union-attr]
         #: otel.metrics.span-label
         self.span_label = own.config.span_label
         #: Dask unit -> (Dask's mappings at the previous read, that reading, each
@@ -214,8 +172,7 @@ class SchedulerMetrics(Attached):
         #: keys of that mapping were read, and which of them are the unit's series
         #: (:meth:`series_keys`)
         self.unit_keys: dict[str, dict[str | None, tuple[int, list[tuple]]]] = {}
-        assert self.telemetry.meter_provider is not None
-        SchedulerInstruments.of(self.telemetry.meter_provider).attach(self)
+        SchedulerInstruments.of(own.telemetry.meter_provider).attach(self)
 
     def fine_copy(self, metrics: Mapping[Hashable, float]) -> dict[Hashable, float]:
         """A copy of ``metrics`` without the keys known to be no fine metrics"""

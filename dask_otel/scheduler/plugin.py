@@ -201,8 +201,6 @@ class OtelSchedulerPlugin(SchedulerPlugin):
     def status(self) -> dict[str, Any]:
         """What :func:`dask_otel.status` reports for the scheduler"""
         mirror = self.mirror
-        telemetry = self.telemetry
-        spans = (telemetry.export_status() if telemetry else {}).get("spans", {})
         return server_status(
             self.error, self.server_telemetry, SCHEDULER,
             # who turned it on (first), and who asked again and found it there
@@ -214,9 +212,6 @@ class OtelSchedulerPlugin(SchedulerPlugin):
             mirrored_spans=mirror.mirrored if mirror else 0,
             sampled_out_spans=mirror.sampled_out if mirror else 0,
             queue_full_dropped_spans=mirror.builder.dropped if mirror and mirror.builder else 0,
-            spans_delivered=spans.get("items", 0),
-            spans_failed=spans.get("failed", 0),
-            export_failures=spans.get("failed_requests", 0),
         )
 
 

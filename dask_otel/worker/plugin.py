@@ -93,8 +93,8 @@ def server_status(error: str | None, telemetry: Any, process: str, **features: A
         # in one process), None when they are its own
         "shared_with": shared_with,
         **features,
-        # per signal, the items and bytes (before compression) the collector
-        # accepted and the items lost, by all of this process's exporters
+        # per signal (None: not exported), what this process's exporters shipped
+        # and lost: items, size (bytes, before compression), dropped, failures
         "export": export,
         # the otel.* keys this kind of server reads, as it uses them (None: off)
         "config": config,

@@ -32,6 +32,8 @@ JAEGER = {"type": "jaeger", "uid": "${jaeger}"}
 #: Label selector of one worker's series on the spill dashboard
 WORKER = 'job="$cluster", dask_worker_name=~"$worker"'
 CLUSTER = 'job="$cluster"'
+#: The export-health series of spans (dask.otel.export.*, with dask.otel.signal)
+SPANS = ', dask_otel_signal="spans"'
 
 
 # --- building blocks ------------------------------------------------------------
@@ -361,10 +363,11 @@ def spans_dashboard() -> dict[str, Any]:
         [
             target(f"sum({rate('dask_otel_span_mirrored_total', CLUSTER)})", "mirrored"),
             target(f"sum({rate('dask_otel_span_sampled_out_total', CLUSTER)})", "sampled out"),
-            target(f"sum by (dask_otel_exporter) ({rate('dask_otel_span_exported_total', CLUSTER)})",
+            target(f"sum by (dask_otel_exporter) "
+                   f"({rate('dask_otel_export_items_total', CLUSTER + SPANS)})",
                    "exported by {{dask_otel_exporter}}"),
             target(f"sum by (dask_otel_exporter, error_type) "
-                   f"({rate('dask_otel_span_dropped_total', CLUSTER)})",
+                   f"({rate('dask_otel_export_dropped_total', CLUSTER + SPANS)})",
                    "dropped by {{dask_otel_exporter}}{{error_type}}"),
             target(f"sum by (dask_otel_exporter) ({rate('dask_otel_export_failures_total', CLUSTER)})",
                    "failed requests of {{dask_otel_exporter}}"),
@@ -375,17 +378,21 @@ def spans_dashboard() -> dict[str, Any]:
         "Spans handed to the SDK that an exporter has neither delivered nor given up "
         "on: queued in the batch processor, or dropped because its queue was full.",
         "short",
+        # the scheduler's process only (on its instance): the workers' task spans
+        # pass their own exporters
         [target(
-            f"scalar(sum(dask_otel_span_mirrored_total{{{CLUSTER}}}))"
-            f" - sum by (dask_otel_exporter) (dask_otel_span_exported_total{{{CLUSTER}}})"
-            f" - sum by (dask_otel_exporter) (dask_otel_span_dropped_total{{{CLUSTER}}})",
+            f"sum by (dask_otel_exporter) (sum by (instance) (dask_otel_span_mirrored_total{{{CLUSTER}}})"
+            f" - on (instance) group_right sum by (instance, dask_otel_exporter)"
+            f" (dask_otel_export_items_total{{{CLUSTER + SPANS}}})"
+            f" - on (instance, dask_otel_exporter) sum by (instance, dask_otel_exporter)"
+            f" (dask_otel_export_dropped_total{{{CLUSTER + SPANS}}}))",
             "{{dask_otel_exporter}}")],
     )
     volume = timeseries(
         "Export volume",
         "Per second, by signal: bytes of the OTLP requests the collector accepted "
         "(before compression), and the spans, metric points and log records in them, "
-        "of every exporter of the scheduler's process (docs/deploy.md, Volume).",
+        "of every exporter of every process of the cluster (docs/deploy.md, Volume).",
         "Bps",
         [target(f"sum by (dask_otel_signal) ({rate('dask_otel_export_size_bytes_total', CLUSTER)})",
                 "{{dask_otel_signal}} bytes"),

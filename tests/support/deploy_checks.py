@@ -395,7 +395,7 @@ WORKER_ARGS = ("--memory-limit", "500MB")
 ROUNDS = 3
 #: Metrics that stay at 0 in a healthy run: panels with them need data, not a
 #: non-zero value
-ZERO_WHEN_HEALTHY = {"dask_otel_span_dropped_total", "dask_otel_export_failures_total",
+ZERO_WHEN_HEALTHY = {"dask_otel_export_dropped_total", "dask_otel_export_failures_total",
                      # zero unless OTEL_TRACES_SAMPLER drops traces; the run keeps all
                      "dask_otel_span_sampled_out_total"}
 
