@@ -10,6 +10,7 @@ from time import monotonic, time_ns
 from typing import TYPE_CHECKING, Any
 
 import dask.config
+import distributed.core
 from dask.utils import parse_timedelta
 from opentelemetry.context import Context
 from tornado.ioloop import PeriodicCallback
@@ -44,8 +45,9 @@ def watch_loop(blocked: Callable[[float], None]) -> PeriodicCallback:
     """Dask's own measurement, by a callback of the bridge's: ``blocked(seconds)``
     when a run of it comes later than ``distributed.admin.tick.limit`` after the one
     before, every ``distributed.admin.tick.interval``, on the current event loop"""
-    tick = dask.config.get("distributed.admin.tick")
-    limit, last = parse_timedelta(tick["limit"], default="ms"), [monotonic()]
+    # Dask's limit as distributed read it at import (a Nanny's worker gets its config
+    # later): a stall here is one Dask logs as "Event loop was unresponsive"
+    limit, last = distributed.core.tick_maximum_delay, [monotonic()]
 
     def measure() -> None:
         now = monotonic()
@@ -56,7 +58,8 @@ def watch_loop(blocked: Callable[[float], None]) -> PeriodicCallback:
             except Exception:  # never into the loop
                 logger.exception("dask_otel: could not record a blocked event loop")
 
-    callback = PeriodicCallback(measure, parse_timedelta(tick["interval"], "ms") * 1000)
+    interval = parse_timedelta(dask.config.get("distributed.admin.tick.interval"), "ms")
+    callback = PeriodicCallback(measure, interval * 1000)
     callback.start()
     return callback
 
