@@ -9,14 +9,15 @@ of the path once (``tests/test_layout.py``)::
       -> SpanMirror.observe_* / poll / flush     here: what to open, when to export
         -> Ledger                                  dask_otel.scheduler.ledger
         -> SpanRecord, GroupBatch, SpanHead        dask_otel.scheduler.record
-        -> totals over Dask's objects              dask_otel.scheduler.totals
         -> dask_span_context (ids, sampling)       dask_otel.span_context
-        -> SpanBuilder.hand_over: a poll's numbers  dask_otel.scheduler.builder
+        -> SpanReading, GroupReading, handed over  dask_otel.scheduler.builder
     ~~~ the builder thread, off the event loop ~~~
-          builder: numbers -> ReadableSpan           dask_otel.scheduler.builder
+          SpanBuilder: the subtree ledger, readings -> ReadableSpan
+          -> Totals, SpanMetrics (both sides count with them)  dask_otel.scheduler.totals
           -> SpanSink.emit -> the SDK's processors  dask_otel.export.sink
 
-On the loop only what reads Dask's live state, as plain values. The mapping and
+On the loop only what reads Dask's live state, as plain values, in two frozen
+readings handed to the builder thread whole. The mapping and
 when a span is exported: docs/traces.md; costs: benchmarks/README.md.
 """
 
@@ -25,7 +26,7 @@ from __future__ import annotations
 import logging
 import random
 from collections import Counter
-from collections.abc import Hashable, Iterable
+from collections.abc import Callable, Hashable, Iterable
 from operator import attrgetter
 from time import perf_counter
 from typing import TYPE_CHECKING, Any
@@ -38,12 +39,11 @@ from dask_otel._compat import detached_span, sent_annotations, span_own_metrics
 from dask_otel.annotation import entered_times, otel_of, read_span
 from dask_otel.attributes import LOOP_BLOCKED, SPAN_ID, SPAN_NAME, WORKER_LOST
 from dask_otel.scheduler import blocks
-from dask_otel.scheduler.builder import SpanBuilder, built, dask_span, taskgroup_span
+from dask_otel.scheduler.builder import GroupReading, Handed, SpanBuilder, SpanReading
 from dask_otel.scheduler.ledger import Ledger
 from dask_otel.scheduler.links import producer_links
 from dask_otel.scheduler.record import GroupBatch, SpanHead, SpanRecord
-from dask_otel.scheduler.totals import (Totals, active_cpu_seconds, error_type, failure_time,
-                                        group_done, observed, span_code)
+from dask_otel.scheduler.totals import Failure, Totals, active_cpu_seconds, group_done, span_code
 from dask_otel.span_context import child_context, dask_span_context, root_span
 
 if TYPE_CHECKING:
@@ -52,6 +52,9 @@ if TYPE_CHECKING:
     from distributed.spans import Span
     from opentelemetry.trace import SpanContext
 
+    from opentelemetry.sdk.trace import ReadableSpan
+
+    from dask_otel.annotation import BlockExit
     from dask_otel.config import OtelConfig
     from dask_otel.export.sink import SpanSink
     from dask_otel.scheduler.outcomes import Outcomes
@@ -77,15 +80,17 @@ class SpanMirror:
                  outcomes: Outcomes | None = None):
         #: The scheduler whose ``extensions["spans"]`` is mirrored
         self.scheduler = scheduler
-        #: Where the built spans go (None: traces are off; nothing is built), and
-        #: the thread that builds them
-        self.sink = sink
-        self.builder = SpanBuilder(sink) if sink is not None else None
         self.config = config
         #: Where each finished root goes as a workflow run (None: metrics are off)
         self.outcomes = outcomes
-        #: What is open, a record per Dask span and a batch per TaskGroup
+        #: What is open, a record per Dask span and a batch per TaskGroup (opened
+        #: now if instrumented while running)
         self.ledger = Ledger()
+        before = self.ledger.follow_running(self.dask_spans)
+        #: Where the built spans go (None: traces are off; nothing is built), and
+        #: the thread that builds them, its subtree ledger seeded with what finished before
+        self.sink = sink
+        self.builder = SpanBuilder(sink, before) if sink is not None else None
         #: Spans and TaskGroup batches dropped by the sampler (self-metrics,
         #: dask_otel.scheduler.metrics)
         self.sampled_out = 0
@@ -98,11 +103,10 @@ class SpanMirror:
         #: of, and the spans it hands to the builder thread at its end
         self._metrics: dict[str, dict[tuple[Hashable, ...], float]] = {}
         self._heads: dict[str, SpanHead] = {}
-        self._batch: list[tuple[Any, tuple]] = []
+        self._batch: list[Handed] = []
         self._random = random.Random()
         #: The computation the last graph joined and its ``span`` annotation then
         self._sent: tuple[Any, Any] = (None, None)
-        self.ledger.follow_running(self.dask_spans)  # instrumented while running
 
     @property
     def mirrored(self) -> int:
@@ -234,34 +238,12 @@ class SpanMirror:
             record.links = links or None
 
     def observe_erred(self, key: Hashable, startstops: Any) -> None:
-        """A task erred: count it for its open group and spans (Dask's state counts
-        forget it once the future is released), which end no earlier than it
-        failed; its root's run erred"""
-        ts = self.scheduler.tasks.get(key)
-        if ts is None:
-            return
-        # A task that ran and failed: the worker sent its startstops
-        started, failed = failure_time(startstops)
-        tg = ts.group
-        kind = error_type(ts, self.scheduler.allowed_failures)
-        if (batch := self.ledger.groups.get(tg)) is not None:
-            batch.observe_erred(kind, failed, started)
-        # The span its batch is exported under, else the group's
-        span = batch.span if batch is not None else self.dask_spans.get(tg.span_id)
-        records = self.ledger.records
-        if span is not None and (record := records.get(span.id)) is not None:
-            sent = batch.sent if batch is not None else 0.0
-            record.end_no_earlier(observed(failed, sent, time()))
-        subtree = self.config.span_totals == "subtree"
-        counted = False
-        while span is not None:
-            record = records.get(span.id)
-            if record is not None and (subtree or not counted):
-                record.count_erred(kind)
-            counted = True
-            if span.parent is None and record is not None:
-                record.run_erred = True
-            span = span.parent
+        """A task erred (``startstops``: as the worker sent them): one failure
+        record, for the ledger (:meth:`Ledger.observe_failure`)"""
+        if (ts := self.scheduler.tasks.get(key)) is not None:
+            failure = Failure.of(ts, startstops, self.scheduler.allowed_failures)
+            self.ledger.observe_failure(ts.group, failure, self.dask_spans,
+                                        self.config.span_totals == "subtree")
 
     def observe_processing(self, key: Hashable, sent: bool) -> None:
         """The scheduler sends a task to a worker (``sent``: the first of its batch
@@ -402,10 +384,11 @@ class SpanMirror:
             parent.child_kept = True
         return True
 
-    def _export(self, export: Any, *args: Any, **kwargs: Any) -> None:
-        """Read what a span's export needs with ``export`` (``(build, args)`` for
-        the builder thread); one that cannot be mirrored is logged and dropped
-        (never raises into the scheduler)"""
+    def _export(self, export: Callable[..., Handed | bool | None], *args: Any, **kwargs: Any
+                ) -> None:
+        """Read what a span's export needs with ``export`` (a reading, for the builder
+        thread; False: sampled out); one that cannot be mirrored is logged and
+        dropped (never raises into the scheduler)"""
         try:
             item = export(*args, **kwargs)
             if item is False:
@@ -417,16 +400,15 @@ class SpanMirror:
 
     # --- what to export ------------------------------------------------------------
 
-    def _empty_block(self, span_id: str, block: Any) -> tuple[Any, tuple] | bool | None:
+    def _empty_block(self, span_id: str, block: BlockExit) -> ReadableSpan | bool | None:
         span = blocks.empty_block_span(self.ledger, self.sink, span_id, block)
-        return span if span is False else (built, (span,)) if self._kept(False, None) else None
+        return span if span is False or self._kept(False, None) else None
 
     def span_of(self, record: SpanRecord, stop: float, unfinished: bool = False
-                ) -> tuple[Any, tuple] | bool | None:
+                ) -> SpanReading | bool | None:
         """Take an open Dask span's record, end its parent no earlier, record a
         root's run, and read what its OTel span needs (for the builder thread);
-        False if the sampler drops its trace, None if traces are off or a full
-        queue drops it. Keeps nothing."""
+        False if the sampler drops its trace, None if traces are off. Keeps nothing."""
         span = record.span
         head = self._head(span)  # before the record goes: the root's caller
         ledger = self.ledger
@@ -434,33 +416,25 @@ class SpanMirror:
         end = max(stop, record.end, head.start)
         parent = span.parent
         parent_record = ledger.records.get(parent.id) if parent is not None else None
+        if parent_record is not None:
+            parent_record.end_no_earlier(end)
         if parent is None and self.outcomes is not None:  # dask.workflow.*
             self.outcomes.record_run(record, head.context, head.start, end, unfinished)
         if head.context is None:
-            if parent_record is not None:
-                parent_record.end_no_earlier(end)
             return None if self.sink is None else False
-        own = Totals.own(span)
-        subtree = own
-        if record.folded is not None:  # sub-spans exported before, summed
-            subtree = record.folded
-            subtree.add(own)
-        if parent_record is not None:
-            parent_record.fold(subtree, end)
-        parent_context = self._head(parent).context if parent is not None else record.remote_parent
         config = self.config
         sums = config.span_totals == "subtree"
         code = span_code(span) if config.export_code else None
         if code is not None and not code and not self.told_no_code:
             self.told_no_code = _tell_no_code(span.name[-1])
-        if not self._kept(record.child_kept, parent_record):
-            return None
-        return dask_span, (record, head, parent_context, parent.id if parent is not None else None,
-                           end, subtree if sums else own, self._span_metrics(span),
-                           active_cpu_seconds(span, end), sums, code, subtree.start, unfinished)
+        parent_context = self._head(parent).context if parent is not None else record.remote_parent
+        return SpanReading(record, head, parent_context, parent.id if parent else None, end,
+                           Totals.own(span), self._span_metrics(span),
+                           active_cpu_seconds(span, end), sums, code, unfinished,
+                           self._kept(record.child_kept, parent_record))
 
     def group_span_of(self, tg: TaskGroup, batch: GroupBatch, held: int = 0
-                      ) -> tuple[Any, tuple] | bool | None:
+                      ) -> GroupReading | bool | None:
         """Read what the OTel span of a batch of a TaskGroup needs (for the builder
         thread): a child of its Dask span's (which then ends no earlier), from its
         first task's start (a later batch: its graph's arrival) to its last task's
@@ -490,9 +464,9 @@ class SpanMirror:
             latest[prefix] = context  # the exemplar of the prefix's fine metrics
         # The Dask span Dask attached it to, which has its tasks' fine metrics
         own = self.dask_spans.get(tg.span_id, span)
-        open_id = own.id if own.id in self.ledger.records else None
-        return taskgroup_span, ((str(tg.name), str(prefix), own.id, tuple(own.name)), batch, head,
-                                context, figures, self._span_metrics(own), open_id, start, end)
+        return GroupReading(str(tg.name), str(prefix), own.id, tuple(own.name), batch, head,
+                            context, figures, self._span_metrics(own),
+                            own.id if own.id in self.ledger.records else None, start, end)
 
     def _unname(self, prefix: str, batch: GroupBatch) -> None:
         """The batch named at open (:meth:`_open`) is not exported: its prefix's

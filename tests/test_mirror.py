@@ -26,7 +26,7 @@ from opentelemetry.trace import SpanContext, TraceFlags
 
 from dask_otel.config import read_config
 from dask_otel.export.sink import SpanSink, span_limits
-from dask_otel.scheduler.builder import IDLE_EXIT, SpanBuilder, built
+from dask_otel.scheduler.builder import IDLE_EXIT, SpanBuilder
 from dask_otel.scheduler.plugin import OtelSchedulerPlugin
 from dask_otel.span_context import otel_span_id
 from dask_otel.spans import SpanMirror
@@ -131,7 +131,7 @@ def test_in_a_forked_child_the_builder_builds():
     def one(name: str) -> list:
         context = SpanContext(1, int.from_bytes(name.encode(), "big"), False,
                               TraceFlags(TraceFlags.SAMPLED))
-        return [(built, (sink.span(name, context, None, time.time(), time.time(), {}),))]
+        return [sink.span(name, context, None, time.time(), time.time(), {})]
 
     builder.hand_over(one("parent"))
     deadline = time.monotonic() + 20

@@ -13,8 +13,10 @@ from typing import TYPE_CHECKING, Any
 
 from dask_otel.annotation import (announces_exits, entered_times, forced_sampling, names_workflow,
                                   remote_parent, root_carrier, workflow_named)
+from distributed.metrics import time
+
 from dask_otel.scheduler.record import GroupBatch, SpanRecord
-from dask_otel.scheduler.totals import group_done, subtree_totals
+from dask_otel.scheduler.totals import Totals, group_done, observed
 
 if TYPE_CHECKING:
     from distributed.scheduler import TaskGroup
@@ -22,6 +24,7 @@ if TYPE_CHECKING:
     from opentelemetry.trace import SpanContext
 
     from dask_otel.annotation import BlockExit
+    from dask_otel.scheduler.totals import Failure
 
 #: Roots remembered with their caller's span after their export, for work that
 #: comes under them later (each a few hundred bytes)
@@ -80,8 +83,10 @@ class Ledger:
                     record.span = span  # begun when the mirror made it
                     record.observe_entered(made.enqueued, False, None)
 
-    def follow_running(self, spans: dict[str, Span]) -> None:
-        """A cluster instrumented while running: open what is still in flight"""
+    def follow_running(self, spans: dict[str, Span]) -> dict[str, Totals]:
+        """A cluster instrumented while running: open what is still in flight. The
+        subtree totals, by open span id, of its sub-spans that finished before
+        (walked once, now): the builder's subtree ledger starts with them"""
         self.spans_seen = len(spans)
         for span in spans.values():
             if not span.done:  # Dask's own walk, once
@@ -89,11 +94,13 @@ class Ledger:
                 for tg in span.groups:
                     if not group_done(tg):
                         self.open_group(tg, GroupBatch(span))
-        # Steps that finished before: walked once, now
+        before: dict[str, Totals] = {}
         for record in list(self.records.values()):
             for child in record.span.children:
                 if child.id not in self.records:
-                    record.fold(subtree_totals(child), child.stop)
+                    record.end_no_earlier(child.stop)
+                    before.setdefault(record.span.id, Totals()).add(Totals.of_subtree(child))
+        return before
 
     # --- spans ---------------------------------------------------------------------
 
@@ -126,6 +133,27 @@ class Ledger:
             parent_record.open_children -= 1
             if parent_record.leaf:
                 self.leaves[parent.id] = parent_record
+
+    def observe_failure(self, tg: TaskGroup, failure: Failure, spans: Mapping[str, Span],
+                        subtree: bool) -> None:
+        """A task of ``tg`` erred: counted for its open batch and the open spans above
+        it (its own alone unless ``subtree``: Dask's state counts forget it once its
+        future is released), which end no earlier than it failed; its root's run erred"""
+        if (batch := self.groups.get(tg)) is not None:
+            batch.observe_erred(failure)
+        # The span its batch is exported under, else the group's
+        span = batch.span if batch is not None else spans.get(tg.span_id)
+        if span is not None and (record := self.records.get(span.id)) is not None:
+            record.end_no_earlier(observed(failure.failed, batch.sent if batch else 0.0, time()))
+        counted = False
+        while span is not None:
+            if (record := self.records.get(span.id)) is not None:
+                if subtree or not counted:
+                    record.count_erred(failure.kind)
+                if span.parent is None:
+                    record.run_erred = True
+            counted = True
+            span = span.parent
 
     # --- TaskGroup batches ---------------------------------------------------------
 

@@ -18,6 +18,7 @@ import dask_otel.attributes as attr
 from dask_otel._compat import span_own_metrics
 from dask_otel.export.instruments import (COUNTER, Attached, MetricSpec, ProcessInstruments,
                                           Reading, copy_mapping)
+from dask_otel.scheduler.totals import fine_key
 from dask_otel.span_context import in_context
 
 if TYPE_CHECKING:
@@ -38,18 +39,16 @@ OVERFLOW = {"otel.metric.overflow": True}
 
 @lru_cache(maxsize=4 * MAX_SERIES)  # only the first MAX_SERIES keys of a unit are exported
 def fine_metric_attributes(key: Hashable) -> tuple[str, dict[str, Any]] | None:
-    """``(dask unit, attributes)`` of a fine-metrics key ``(context, [prefix or
-    where...], activity, unit)``, built once; None for other keys (``"latency"``...)"""
-    if not isinstance(key, tuple) or len(key) < 3:
+    """``(dask unit, attributes)`` of a fine-metrics key (:func:`fine_key`), built
+    once; None for other keys (``"latency"``...)"""
+    if (fk := fine_key(key)) is None:
         return None
-    context, *middle, activity, unit = key
-    attributes = {attr.ACTIVITY_CONTEXT: str(context), attr.ACTIVITY: str(activity)}
-    if middle:
-        if context == "execute":
-            attributes[attr.TASK_PREFIX] = str(middle[0])
-        else:
-            attributes[attr.ACTIVITY_WHERE] = " ".join(map(str, middle))
-    return str(unit), attributes
+    attributes = {attr.ACTIVITY_CONTEXT: fk.context, attr.ACTIVITY: fk.activity}
+    if fk.prefix is not None:
+        attributes[attr.TASK_PREFIX] = fk.prefix
+    elif fk.where is not None:
+        attributes[attr.ACTIVITY_WHERE] = fk.where
+    return fk.unit, attributes
 
 
 #: One fine-metrics reading before its attributes are built: value, Dask key, and
@@ -240,7 +239,7 @@ class SchedulerMetrics(Attached):
             if not isinstance(key, tuple):
                 self.not_fine.add(key)
                 del metrics[key]
-            elif len(key) >= 3 and key[-1] == unit and key[0] not in skip:
+            elif (fk := fine_key(key)) is not None and fk.unit == unit and fk.context not in skip:
                 keys.append(key)
         return len(metrics), keys
 

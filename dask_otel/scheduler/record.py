@@ -13,11 +13,12 @@ from typing import TYPE_CHECKING, Any
 from distributed.metrics import time
 
 from dask_otel._compat import span_own_metrics
-from dask_otel.scheduler.builder import SpanMetrics
-from dask_otel.scheduler.totals import Totals, group_done, groups_stop, observed
+from dask_otel.scheduler.totals import SpanMetrics, group_done, groups_stop, observed
 
 if TYPE_CHECKING:
     from distributed.scheduler import TaskGroup
+
+    from dask_otel.scheduler.totals import Failure
     from distributed.spans import Span
     from opentelemetry.trace import Link, SpanContext
 
@@ -77,8 +78,6 @@ class SpanRecord:
     #: Links to the Dask spans of other traces whose data its tasks consume, by
     #: producer Dask span id (:mod:`dask_otel.scheduler.links`)
     links: dict[str, Link] | None = None
-    #: The subtree totals of its sub-spans exported so far, summed as they go
-    folded: Totals | None = None
     #: Something below it went to the builder's queue: a full queue keeps it
     child_kept: bool = False
     #: Span events to export with it, ``(name, attributes, time in ns)``, at most
@@ -114,14 +113,6 @@ class SpanRecord:
 
     def end_no_earlier(self, end: float) -> None:
         self.end = max(self.end, end)
-
-    def fold(self, totals: Totals, end: float) -> None:
-        """An exported sub-span's end and subtree totals: the span then lies
-        around it and sums it"""
-        self.end_no_earlier(end)
-        if self.folded is None:
-            self.folded = Totals()
-        self.folded.add(totals)
 
     def count_erred(self, error_type: str) -> None:
         """A task of its subtree (or its own) erred with ``error_type``"""
@@ -248,14 +239,13 @@ class GroupBatch:
             return False
         return True
 
-    def observe_erred(self, error_type: str, failed: float, started: float) -> None:
-        """A task of the batch erred with ``error_type`` at ``failed``, having
-        started to run at ``started`` (0: it did not run)"""
+    def observe_erred(self, failure: Failure) -> None:
+        """A task of the batch erred (started to run at ``failure.started``, 0: it did not)"""
         self.erred += 1
-        self.error_type = self.error_type or error_type
-        self.failed = max(self.failed, failed)
-        if started and (not self.started or started < self.started):
-            self.started = started
+        self.error_type = self.error_type or failure.kind
+        self.failed = max(self.failed, failure.failed)
+        if failure.started and (not self.started or failure.started < self.started):
+            self.started = failure.started
 
     def figures(self, tg: TaskGroup, held: int = 0) -> tuple[dict[str, int], int, float] | None:
         """The group's states, output bytes and duration now, less ``held`` released
