@@ -167,6 +167,18 @@ class SpanBuilder:
             logger.warning("dask_otel: %d mirrored spans not handed to the SDK within %.3gs; "
                            "they may miss the flush", self.queued - self.built, timeout)
 
+    def admit(self, child_kept: bool, waiting: int, parent: SpanRecord | None) -> bool:
+        """On the loop: whether the queue takes one more span of a poll holding
+        ``waiting``, else it is dropped and counted. Past capacity, only the parent of
+        a span kept (a poll hands children over first; its ``parent`` record is told):
+        a full queue never orphans what it keeps"""
+        if not child_kept and self.queued - self.built + waiting >= self.capacity:
+            self.dropped += 1
+            return False
+        if parent is not None:
+            parent.child_kept = True
+        return True
+
     def named(self, metrics: FineMetrics) -> SpanMetrics:
         """:class:`SpanMetrics` of the loop's copy of a Dask span's metrics, named
         once for the span and its TaskGroups"""

@@ -111,6 +111,14 @@ class SpanRecord:
         # started; the others' bounded ends are in ``end``
         return max(self.end or stop, self.exited, self.span.enqueued)
 
+    def due(self, now: float, heard: float, delay: float, timeout: float) -> float | None:
+        """When it finished, if it may be exported ``now`` (as ``GroupBatch.ready``);
+        else None"""
+        if (stop := self.finished_at()) is None:
+            return None
+        waited = now - stop
+        return stop if waited >= delay and (heard > stop or waited >= timeout) else None
+
     def end_no_earlier(self, end: float) -> None:
         self.end = max(self.end, end)
 
@@ -221,6 +229,12 @@ class GroupBatch:
         end = max(tg.stop, self.failed)
         return observed(end, self.sent, self.received) if end else 0.0
 
+    def bounds(self, tg: TaskGroup, no_earlier: float) -> tuple[float, float]:
+        """Its span's start (no earlier than ``no_earlier``, its Dask span's) and end
+        (now if the group is not done)"""
+        start = max(self.start(tg) or self.span.enqueued, no_earlier)
+        return start, max(self.end(tg) if group_done(tg) else time(), start)
+
     def ready(self, tg: TaskGroup, now: float, heard: float, delay: float, timeout: float) -> bool:
         """Whether the batch may be exported ``now``: its last task finished
         ``delay`` ago, every worker has sent a heartbeat since (``heard``: the
@@ -246,6 +260,14 @@ class GroupBatch:
         self.failed = max(self.failed, failure.failed)
         if failure.started and (not self.started or failure.started < self.started):
             self.started = failure.started
+
+    def observe_processing(self, sent: bool) -> None:
+        """The scheduler sent a task of it (the first bounds its start), or heard one
+        finish or fail (the last bounds its end)"""
+        if not sent:
+            self.received = time()
+        elif not self.sent:
+            self.sent = time()
 
     def figures(self, tg: TaskGroup, held: int = 0) -> tuple[dict[str, int], int, float] | None:
         """The group's states, output bytes and duration now, less ``held`` released
