@@ -189,9 +189,9 @@ def read_block_exit(msg: Any) -> Block | None:
     shape (never trusted: any client may log on the topic)"""
     if not isinstance(msg, Mapping):
         return None
-    span, own, exited, sender = msg.get("span"), msg.get("own"), msg.get("exited"), msg.get("client")
-    if not ((names := read_span(span)) and isinstance(own, int) and 0 < own <= len(names[0])
-            and isinstance(exited, (int, float))):
+    own, exited, sender = msg.get("own"), msg.get("exited"), msg.get("client")
+    if not ((names := read_span(msg.get("span"))) and isinstance(own, int)
+            and 0 < own <= len(names[0]) and isinstance(exited, (int, float))):
         return None
     return read_block(msg.get("otel"), names[0], sender if isinstance(sender, str) else None,
                       names[1], own, float(exited))

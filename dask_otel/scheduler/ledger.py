@@ -280,8 +280,9 @@ class Ledger:
         if sampler is None:
             return None
         root = root_span(span)
-        context = dask_span_context(root.id, span.id, str(root.name[0]), self.remote_parent(root.id),
-                                    sampler, is_remote=False, forced=self.forced(root.id))
+        context = dask_span_context(root.id, span.id, str(root.name[0]),
+                                    self.remote_parent(root.id), sampler, is_remote=False,
+                                    forced=self.forced(root.id))
         return context if context.trace_flags.sampled else None
 
     def forced(self, root_id: str, block: Block | None = None) -> bool | None:

@@ -8,6 +8,7 @@ docs/metrics.md.
 from __future__ import annotations
 
 from collections.abc import Collection, Hashable, Mapping
+from dataclasses import dataclass
 from functools import lru_cache
 from itertools import islice, repeat
 from typing import TYPE_CHECKING, Any
@@ -56,37 +57,51 @@ def fine_metric_attributes(key: Hashable) -> tuple[str, dict[str, Any]] | None:
 _Raw = tuple[float, tuple, Mapping[str, Any] | None]
 
 
+@dataclass(slots=True)
+class UnitRead:
+    """What a read of one Dask unit's fine metrics leaves for the next"""
+
+    #: Dask's mappings read, copied: ``(Dask span id or None, attributes to add,
+    #: metrics)``; the reading made of them; each series' value (one that grew
+    #: since carries an exemplar); whether the reading has exemplars
+    state: list[tuple[str | None, Mapping[str, Any] | None, dict]]
+    reading: Reading
+    values: dict[tuple, float]
+    exemplars: bool
+    #: By mapping (its Dask span id; None: the scheduler's): how many keys were
+    #: read, and which of them are the unit's series (:meth:`SchedulerMetrics.series_keys`)
+    keys: dict[str | None, tuple[int, list[tuple]]]
+
+
 def _fine_metrics(dask_unit: str):
     def read(observed: SchedulerMetrics) -> Reading:
         scheduler = observed.scheduler
         spans = observed.span_label and scheduler.extensions.get("spans")
-        # Dask's mappings, copied: [(Dask span id or None, attributes to add,
-        # metrics)]. With span-label, what can be attributed to spans is read from them
-        state = [(None, None, observed.fine_copy(scheduler.cumulative_worker_metrics))]
+        # With span-label, what can be attributed to spans is read from them
+        state: list = [(None, None, observed.fine_copy(scheduler.cumulative_worker_metrics))]
         if spans:
             for span in list(spans.spans.values()):
                 own = span_own_metrics(span)
                 if own:
                     state.append((span.id, {attr.SPAN_NAME: tuple(span.name)},
                                   observed.fine_copy(own)))
-        previous = observed.previous.get(dask_unit)
-        if previous is not None and previous[0] == state:
+        last = observed.reads.get(dask_unit)
+        if last is not None and last.state == state:
             # Nothing changed since the last read (the usual case at a short
             # interval): the same reading, whose observations are reused; no
             # series grew, so without exemplars
-            if previous[3]:
-                previous = observed.previous[dask_unit] = (
-                    state, [r[:2] for r in previous[1]], previous[2], False)
-            return previous[1]
+            if last.exemplars:
+                last.reading, last.exemplars = [r[:2] for r in last.reading], False
+            return last.reading
         skip = CONTEXTS_WITH_SPAN_ID if spans else ()
-        known = observed.unit_keys.get(dask_unit, {})
-        keys_now = {}  # of the mappings read now only
+        keys_now: dict[str | None, tuple[int, list[tuple]]] = {}  # of the mappings read now only
         out: list[_Raw] = []
         overflow: float | None = None
         for span_id, extra, metrics in state:
             # a span's own mapping holds just the contexts skipped in the scheduler's: all kept
             _, keys = keys_now[span_id] = observed.series_keys(
-                dask_unit, metrics, known.get(span_id), () if extra is not None else skip)
+                dask_unit, metrics, last and last.keys.get(span_id),
+                () if extra is not None else skip)
             # The first MAX_SERIES series in Dask's order (each keeps its place as
             # more come), the rest summed in C
             room = max(MAX_SERIES - len(out), 0)
@@ -94,10 +109,9 @@ def _fine_metrics(dask_unit: str):
             out += zip(map(metrics.__getitem__, head), head, repeat(extra))
             if len(keys) > room:
                 overflow = (overflow or 0.0) + sum(map(metrics.__getitem__, keys[room:]))
-        observed.unit_keys[dask_unit] = keys_now
         reading, values, exemplars = observed.with_exemplars(
-            out, overflow, previous[2] if previous is not None else {})
-        observed.previous[dask_unit] = (state, reading, values, exemplars)
+            out, overflow, last.values if last is not None else {})
+        observed.reads[dask_unit] = UnitRead(state, reading, values, exemplars, keys_now)
         return reading
 
     return read
@@ -202,17 +216,11 @@ class SchedulerMetrics(Attached):
         self.mirror = mirror
         #: otel.metrics.span-label
         self.span_label = own.config.span_label
-        #: Dask unit -> (Dask's mappings at the previous read, that reading, each
-        #: series' value then (one that grew since carries an exemplar), whether
-        #: the reading has exemplars)
-        self.previous: dict[str, tuple[list, Reading, dict[tuple, float], bool]] = {}
+        #: By Dask unit, what its last read left for the next
+        self.reads: dict[str, UnitRead] = {}
         #: Keys of Dask's mappings that are no fine metrics, seen so far
         #: (``latency``, ``tick-duration``: they change at every heartbeat)
         self.not_fine: set[Hashable] = set()
-        #: Dask unit -> Dask span id (None: the scheduler's mapping) -> how many
-        #: keys of that mapping were read, and which of them are the unit's series
-        #: (:meth:`series_keys`)
-        self.unit_keys: dict[str, dict[str | None, tuple[int, list[tuple]]]] = {}
         assert self.telemetry.meter_provider is not None
         SchedulerInstruments.of(self.telemetry.meter_provider).attach(self)
 

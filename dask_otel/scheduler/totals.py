@@ -217,8 +217,6 @@ class Totals:
     duration: float = 0.0
     #: when the first task started (0: none has), as ``Span.start``
     start: float = 0.0
-    #: when the last task finished, as ``Span.stop`` of a finished span
-    stop: float = 0.0
     #: fine metrics (``total`` and execute seconds; ``by_prefix``, in the subtree
     #: ledger: what its exported TaskGroup spans carried of its own)
     fine: SpanMetrics = field(default_factory=SpanMetrics)
@@ -236,7 +234,6 @@ class Totals:
             totals.duration += tg.duration
             if tg.start and (not totals.start or tg.start < totals.start):
                 totals.start = tg.start
-            totals.stop = max(totals.stop, tg.stop)
         return totals
 
     @classmethod
@@ -256,5 +253,4 @@ class Totals:
         self.duration += other.duration
         if other.start and (not self.start or other.start < self.start):
             self.start = other.start
-        self.stop = max(self.stop, other.stop)
         return self
