@@ -83,11 +83,12 @@ class Block:
 
 def read_block(otel: Any, ids: Any, client: str | None = None, tags: Any = (), own: int = 0,
                exited: float = 0.0) -> Block | None:
-    """The :class:`Block` of Dask span ``ids`` that ``otel`` annotates (None: another
-    shape, or none)"""
-    entered = otel.get("entered") if isinstance(otel, Mapping) else None
-    if not isinstance(entered, Mapping) or not ids:
+    """The :class:`Block` of Dask span ``ids`` that ``otel`` annotates (None: none,
+    or another shape; one without ``entered``, as none entered)"""
+    if not isinstance(otel, Mapping) or not ids:
         return None
+    if not isinstance(entered := otel.get("entered"), Mapping):
+        entered = {}
     root = _of_root(otel, ids[0])
     carrier, sampled = root.get("carrier"), root.get("sampled")
     return Block(tuple(ids), tuple(tags),
@@ -189,11 +190,12 @@ def read_block_exit(msg: Any) -> Block | None:
     shape (never trusted: any client may log on the topic)"""
     if not isinstance(msg, Mapping):
         return None
-    own, exited, sender = msg.get("own"), msg.get("exited"), msg.get("client")
+    own, exited, otel, sender = (msg.get(k) for k in ("own", "exited", "otel", "client"))
     if not ((names := read_span(msg.get("span"))) and isinstance(own, int)
-            and 0 < own <= len(names[0]) and isinstance(exited, (int, float))):
+            and 0 < own <= len(names[0]) and isinstance(exited, (int, float))
+            and isinstance(otel, Mapping) and isinstance(otel.get("entered"), Mapping)):
         return None
-    return read_block(msg.get("otel"), names[0], sender if isinstance(sender, str) else None,
+    return read_block(otel, names[0], sender if isinstance(sender, str) else None,
                       names[1], own, float(exited))
 
 
