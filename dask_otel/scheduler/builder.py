@@ -37,10 +37,10 @@ logger = logging.getLogger("dask_otel")
 #: UI lists TaskGroups apart from Dask spans and tasks (docs/traces.md "Span names")
 TASKGROUP_SPAN_NAME = "taskgroup/{}"
 #: Spans handed over and not yet built: past it spans are dropped, children first, and
-#: counted (``SpanMirror._kept``; the SDK's batch span processor queues as many by default)
+#: counted (:meth:`SpanBuilder.admit`; the SDK's batch span processor queues as many)
 MAX_QUEUED_SPANS = 2048
 #: Open Dask spans whose sub-spans' totals the builder thread sums, at most (a
-#: span whose own export failed leaves its sum behind)
+#: span whose own build failed leaves its sum behind)
 MAX_FOLDED = 1 << 16
 
 #: A Dask span's own fine metrics, as the loop copied them (``Span._cumulative_worker_metrics``)

@@ -17,10 +17,10 @@ from dask_otel.scheduler.totals import SpanMetrics, group_done, groups_stop, obs
 
 if TYPE_CHECKING:
     from distributed.scheduler import TaskGroup
-
-    from dask_otel.scheduler.totals import Failure
     from distributed.spans import Span
     from opentelemetry.trace import Link, SpanContext
+
+    from dask_otel.scheduler.totals import Failure
 
 #: Span events kept per Dask span (``dask.worker.lost``): a span whose workers keep
 #: dying would otherwise grow without bound
@@ -55,7 +55,7 @@ class SpanRecord:
     #: Tasks that erred in its subtree (its own with ``otel.spans.totals: own``):
     #: Dask's state counts forget one once its future is released
     erred: int = 0
-    #: ``error.type`` of the first of them (:func:`~dask_otel.scheduler.totals.error_type`)
+    #: ``error.type`` of the first of them (:attr:`~dask_otel.scheduler.totals.Failure.kind`)
     error_type: str | None = None
     #: The latest end of its exported children and failure of its own tasks: its
     #: own end is no earlier (Dask's ``Span.stop`` knows neither)
@@ -214,14 +214,6 @@ class GroupBatch:
             tg.duration, SpanMetrics.of(span_own_metrics(own)).by_prefix.get(tg.prefix.name, {}),
         )
 
-    def start(self, tg: TaskGroup) -> float:
-        """When the batch started: a later batch when its graph arrived, a first
-        one when its first task started (0: none did), bounded by the scheduler's
-        clock"""
-        if self.since:
-            return self.since
-        start = min(filter(None, (tg.start, self.started)), default=0.0)  # the earlier of those known
-        return observed(start, self.sent, self.received) if start else 0.0
 
     def end(self, tg: TaskGroup) -> float:
         """When the group's last task finished or failed (0: none did yet),
@@ -230,9 +222,13 @@ class GroupBatch:
         return observed(end, self.sent, self.received) if end else 0.0
 
     def bounds(self, tg: TaskGroup, no_earlier: float) -> tuple[float, float]:
-        """Its span's start (no earlier than ``no_earlier``, its Dask span's) and end
-        (now if the group is not done)"""
-        start = max(self.start(tg) or self.span.enqueued, no_earlier)
+        """Its span's start and end, bounded by the scheduler's clock: a later batch
+        starts when its graph arrived, a first one when its first task started (else
+        its Dask span was enqueued), no earlier than ``no_earlier`` (its Dask span's
+        start); it ends when the group's last task did (now if it is not done)"""
+        first = min(filter(None, (tg.start, self.started)), default=0.0)  # the earlier known
+        start = self.since or (observed(first, self.sent, self.received) if first else 0.0)
+        start = max(start or self.span.enqueued, no_earlier)
         return start, max(self.end(tg) if group_done(tg) else time(), start)
 
     def ready(self, tg: TaskGroup, now: float, heard: float, delay: float, timeout: float) -> bool:
