@@ -352,7 +352,7 @@ class SpanMirror:
         if code is not None and not code and not self.told_no_code:
             self.told_no_code = _tell_no_code(span.name[-1])
         parent_context = self._head(parent).context if parent is not None else record.remote_parent
-        return SpanReading(record, head, parent_context, parent.id if parent else None, end,
+        return SpanReading(record, head, parent_context, parent.id if parent_record else None, end,
                            Totals.own(span), self._span_metrics(span),
                            active_cpu_seconds(span, end), sums, code, unfinished,
                            self._kept(record.child_kept, parent_record))

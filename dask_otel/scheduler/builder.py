@@ -54,7 +54,8 @@ class SpanReading:
 
     record: SpanRecord
     head: SpanHead
-    #: Its parent's OTel SpanContext (or the caller's), and its parent's Dask span id
+    #: Its parent's OTel SpanContext (or the caller's); its parent's Dask span id while
+    #: that is open (its subtree sums go there)
     parent: SpanContext | None
     parent_id: str | None
     end: float
