@@ -187,8 +187,8 @@ class SpanMirror:
                                      self.sink.sampler if self.sink else None)
 
     def _open(self, tg: TaskGroup, batch: GroupBatch, ts: TaskState, client: str | None) -> None:
-        """Open a batch (it runs tasks), read its first task's annotation; name its OTel
-        span: its prefix's exemplar from the first heartbeat on (docs/metrics.md)"""
+        """Open a batch (it runs tasks), read its first task's block; name its OTel span
+        its prefix's exemplar from the first heartbeat on (docs/metrics.md)"""
         ledger, span, latest = self.ledger, batch.span, self.latest_by_prefix
         ledger.open_group(tg, batch)
         if (block := read_block(otel_of(ts.annotations), (span.annotation or {}).get("ids"),
@@ -262,9 +262,8 @@ class SpanMirror:
                     if perf_counter() > deadline:
                         return True
             self._export_empty_blocks(now - delay)
-            # Spans: only those with nothing open below them. A parent becomes a
-            # leaf when its last sub-span is exported, and is looked at next, so
-            # that its subtree totals and end include the sub-span's.
+            # Spans with nothing open below them; a parent is looked at when its last
+            # sub-span goes, so that its end and subtree sums include the sub-span's
             pending = list(ledger.leaves.values())
             while pending:
                 record = pending.pop()
@@ -385,8 +384,9 @@ class SpanMirror:
         # The Dask span Dask attached it to, which has its tasks' fine metrics
         own = self.dask_spans.get(tg.span_id, span)
         open_id = own.id if own.id in self.ledger.records else None
+        (states, nbytes, duration), metrics = figures, self._span_metrics(own)
         return GroupReading(str(tg.name), str(prefix), own.id, tuple(own.name), batch, head,
-                            context, figures, self._span_metrics(own), open_id, start, end)
+                            context, states, nbytes, duration, metrics, open_id, start, end)
 
     def _unname(self, prefix: str, batch: GroupBatch) -> None:
         """The batch named at open is not exported: no exemplar until the next"""

@@ -87,7 +87,9 @@ class GroupReading:
     head: SpanHead
     context: SpanContext
     #: The group's states, output bytes and duration when read (``GroupBatch.figures``)
-    figures: tuple[dict[str, int], int, float]
+    states: dict[str, int]
+    nbytes: int
+    duration: float
     metrics: FineMetrics
     #: That Dask span's id while it is open: what the prefix carried is in its ledger
     open_id: str | None
@@ -279,7 +281,7 @@ class SpanBuilder:
         metrics = self.named(reading.metrics).by_prefix.get(prefix, {})
         carried = (self.folded_of(reading.open_id).fine.by_prefix.setdefault(prefix, {})
                    if reading.open_id else batch.metrics)
-        states, nbytes, duration = reading.figures
+        states, nbytes, duration = reading.states, reading.nbytes, reading.duration
         attributes = {attr.SPAN_ID: reading.span_id, attr.SPAN_NAME: reading.tags,
                       attr.TASKGROUP_NAME: reading.name, attr.TASKGROUP_PREFIX: prefix}
         if (base := batch.states) is None:

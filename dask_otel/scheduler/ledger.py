@@ -1,7 +1,9 @@
 """The ledger of what is open: the Dask spans and TaskGroup batches the mirror has
-seen and not yet exported, and which of them may be ready (:attr:`Ledger.leaves`).
-Nothing is kept about what was exported but bounded tables of roots' callers and
-block exits. docs/traces.md, "When a span is exported".
+seen and not yet exported, and which of them may be ready (:attr:`Ledger.leaves`);
+what the hooks learn of them (a block's controls, a failure, the spans Dask made none
+of) and the one sampling decision of a Dask span (:meth:`Ledger.context`). Nothing is
+kept about what was exported but bounded tables of roots' callers, forced sampling,
+made spans and block exits. docs/traces.md, "When a span is exported".
 """
 
 from __future__ import annotations
