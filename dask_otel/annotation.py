@@ -27,6 +27,7 @@ as none. Needs opentelemetry-api only.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from opentelemetry import context as otel_context
@@ -43,9 +44,56 @@ VERSION = 2
 #: Topic of the event a client sends when it leaves a ``dask_otel.span`` block
 BLOCK_EXIT = "dask_otel.block-exit"
 
-#: A :data:`BLOCK_EXIT` event as :func:`read_block_exit` reads it: ``(ids, tags,
-#: own, otel, exited)``
-BlockExit = tuple[list[str], list[Any], int, Mapping[str, Any], float]
+
+@dataclass(frozen=True, slots=True)
+class Block:
+    """A block's controls as the scheduler reads them, once, from the ``otel``
+    annotation of a graph's tasks or of a :data:`BLOCK_EXIT` event, with one
+    precedence: the caller and ``sampled`` are the root block's (:func:`_of_root`)"""
+
+    #: Dask span ids and tags, root first (Dask's ``span`` annotation; tags: of an exit)
+    ids: tuple[str, ...]
+    tags: tuple[Any, ...]
+    #: When the client entered its blocks and the enclosing ones (numbers only), by id
+    entered: Mapping[str, float]
+    #: Of a graph, its client if it announces the blocks' exits; of an exit, its sender
+    client: str | None
+    #: The root block's: the caller's carrier and ``dask_otel.span(sampled=...)``
+    carrier: Mapping[str, str] | None
+    sampled: bool | None
+    #: Opened with ``workflow=True`` (that block only)
+    workflow: bool
+    #: Of an exit: the last ``own`` ids are the spans the block opened, left at
+    #: ``exited`` (client time)
+    own: int = 0
+    exited: float = 0.0
+
+    @property
+    def caller(self) -> SpanContext | None:
+        """The caller's span its root continues (None: none)"""
+        return remote_parent(self.carrier)
+
+    def names_workflow(self, span_id: str) -> bool:
+        """Whether it opened root ``span_id`` with ``workflow=True``"""
+        return self.workflow and self.ids[0] == span_id
+
+
+def read_block(otel: Any, ids: Any, client: str | None = None, tags: Any = (), own: int = 0,
+               exited: float = 0.0) -> Block | None:
+    """The :class:`Block` of Dask span ``ids`` that ``otel`` annotates (None: none,
+    or another shape; one without ``entered``, as none entered)"""
+    if not isinstance(otel, Mapping) or not ids:
+        return None
+    if not isinstance(entered := otel.get("entered"), Mapping):
+        entered = {}
+    root = _of_root(otel, ids[0])
+    carrier, sampled = root.get("carrier"), root.get("sampled")
+    return Block(tuple(ids), tuple(tags),
+                 {i: t for i, t in entered.items() if isinstance(t, (int, float))},
+                 client if own or otel.get("exits") is True else None,
+                 carrier if isinstance(carrier, Mapping) else None,
+                 sampled if isinstance(sampled, bool) else None,
+                 otel.get("workflow") is True, own, exited)
 
 
 def otel_of(annotations: Mapping[str, Any] | None) -> Any:
@@ -117,24 +165,12 @@ def task_rules(otel: Any) -> dict[str, Any] | None:
     return (parse_task_rules(given, strict=False) or None) if given else None
 
 
-def entered_times(otel: Any) -> Mapping[str, Any] | None:
-    """When the client entered the annotation's blocks, by Dask span id (values of
-    any type: the caller takes the numbers); None for another shape"""
-    times = otel.get("entered") if isinstance(otel, Mapping) else None
-    return times if isinstance(times, Mapping) else None
-
-
 def entered_at(otel: Any, span_id: str) -> float:
     """When the client entered the block of Dask span ``span_id``, by the
     annotation; 0 if it does not say (or says it in another shape)"""
-    times = entered_times(otel)
-    t = times.get(span_id) if times is not None else None
+    entered = otel.get("entered") if isinstance(otel, Mapping) else None
+    t = entered.get(span_id) if isinstance(entered, Mapping) else None
     return t if isinstance(t, (int, float)) else 0.0
-
-
-def announces_exits(otel: Any) -> bool:
-    """Whether the client announces the exits of the annotation's blocks"""
-    return isinstance(otel, Mapping) and otel.get("exits") is True
 
 
 def block_exit(
@@ -146,25 +182,18 @@ def block_exit(
     return {"span": span, "own": own, "otel": otel, "exited": exited}
 
 
-def exit_sender(msg: Mapping[str, Any]) -> str | None:
-    """The id of the client that sent a :data:`BLOCK_EXIT` event (None: not said)"""
-    sender = msg.get("client")
-    return sender if isinstance(sender, str) else None
-
-
-def read_block_exit(msg: Any) -> BlockExit | None:
-    """``(ids, tags, own, otel, exited)`` of a :data:`BLOCK_EXIT` event, or None
-    for one of another shape (never trusted: any client may log on the topic)"""
+def read_block_exit(msg: Any) -> Block | None:
+    """The :class:`Block` of a :data:`BLOCK_EXIT` event, or None for one of another
+    shape (never trusted: any client may log on the topic)"""
     if not isinstance(msg, Mapping):
         return None
-    span, own, otel, exited = msg.get("span"), msg.get("own"), msg.get("otel"), msg.get("exited")
-    if not (
-        (block := read_span(span)) and isinstance(own, int) and isinstance(otel, Mapping)
-        and isinstance(exited, (int, float)) and entered_times(otel) is not None
-        and 0 < own <= len(block[0])
-    ):
+    own, exited, otel, sender = (msg.get(k) for k in ("own", "exited", "otel", "client"))
+    if not ((names := read_span(msg.get("span"))) and isinstance(own, int)
+            and 0 < own <= len(names[0]) and isinstance(exited, (int, float))
+            and isinstance(otel, Mapping) and isinstance(otel.get("entered"), Mapping)):
         return None
-    return *block, own, otel, float(exited)
+    return read_block(otel, names[0], sender if isinstance(sender, str) else None,
+                      names[1], own, float(exited))
 
 
 def read_span(span: Any) -> tuple[list[str], list[Any]] | None:
@@ -194,13 +223,3 @@ def remote_parent(carrier: Mapping[str, Any] | None) -> SpanContext | None:
     """The caller's span context in a carrier, or None"""
     return extract_caller(carrier)[1]
 
-
-def workflow_named(otel: Any) -> bool:
-    """Whether the block that wrote ``otel`` was opened with ``workflow=True``"""
-    return isinstance(otel, Mapping) and otel.get("workflow") is True
-
-
-def names_workflow(block: BlockExit, span_id: str) -> bool:
-    """Whether the exit ``block`` is of a block that opened root ``span_id`` with
-    ``workflow=True``"""
-    return block[0][0] == span_id and workflow_named(block[3])

@@ -123,9 +123,9 @@ CORRIDOR = (
     "dask_otel.spans",
     "dask_otel.scheduler.ledger",
     "dask_otel.scheduler.record",
-    "dask_otel.scheduler.totals",
     "dask_otel.span_context",
     "dask_otel.scheduler.builder",
+    "dask_otel.scheduler.totals",
     "dask_otel.export.sink",
 )
 

@@ -26,8 +26,9 @@ from opentelemetry.trace import SpanContext, TraceFlags
 
 from dask_otel.config import read_config
 from dask_otel.export.sink import SpanSink, span_limits
-from dask_otel.scheduler.builder import IDLE_EXIT, SpanBuilder, built
+from dask_otel.scheduler.builder import IDLE_EXIT, SpanBuilder
 from dask_otel.scheduler.plugin import OtelSchedulerPlugin
+from dask_otel.scheduler.totals import SpanMetrics
 from dask_otel.span_context import otel_span_id
 from dask_otel.spans import SpanMirror
 from tests.support.span_tree import assert_span_tree
@@ -131,7 +132,7 @@ def test_in_a_forked_child_the_builder_builds():
     def one(name: str) -> list:
         context = SpanContext(1, int.from_bytes(name.encode(), "big"), False,
                               TraceFlags(TraceFlags.SAMPLED))
-        return [(built, (sink.span(name, context, None, time.time(), time.time(), {}),))]
+        return [sink.span(name, context, None, time.time(), time.time(), {})]
 
     builder.hand_over(one("parent"))
     deadline = time.monotonic() + 20
@@ -336,3 +337,31 @@ async def test_task_times_are_bounded_by_what_the_scheduler_saw(c, s, a, skew):
     assert before * 1e9 <= group.start_time <= group.end_time <= after * 1e9
     assert dask_span.start_time <= group.start_time and group.end_time <= dask_span.end_time
     assert dask_span.end_time <= after * 1e9
+
+
+@gen_cluster(client=True)
+async def test_a_span_a_full_queue_drops_still_counts_in_its_parents_subtree(c, s, a, b):
+    """A full builder queue drops a span (counted), never its part of its parent's
+    subtree: the parent's fine metrics are Dask's for the whole subtree. A queue of
+    one; two steps, each with a TaskGroup of its own, finished before one poll: the
+    first step's group is kept, the second's group and span are dropped, the first
+    step and the parent are kept (their children were)"""
+    mirror, exporter = mirror_on(s, **NOW)
+    mirror.builder.capacity = 1
+    with span("parent") as parent_id:
+        for step in ("kept", "dropped"):
+            with span(step):
+                await c.gather(c.map(inc, range(3), key=[f"{step}-{i}" for i in range(3)]))
+    await asyncio.gather(a.heartbeat(), b.heartbeat())  # the fine metrics, to Dask's spans
+    dask_parent = s.extensions["spans"].spans[parent_id]
+    # Dask's own less its "idle or other spans", which the bridge works out itself
+    expected = {k: v for k, v in SpanMetrics.of(dask_parent.cumulative_worker_metrics).total.items()
+                if "idle" not in k}
+    assert len(expected) >= 2 and all(expected.values()), expected
+    await poll_until_open(mirror)
+    spans = by_name(exporter)
+    assert "dropped" not in spans and mirror.builder.dropped == 2, (set(spans), mirror.builder.dropped)
+    got = {k: v for k, v in spans["parent"].attributes.items()
+           if k.startswith("dask.metrics.") and "idle" not in k}
+    assert got == pytest.approx(expected, rel=1e-9)
+    assert spans["parent"].attributes["dask.tasks.total"] == 6

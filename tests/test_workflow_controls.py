@@ -15,7 +15,7 @@ from opentelemetry import trace
 from opentelemetry.trace import NonRecordingSpan, SpanContext, TraceFlags
 
 import dask_otel
-from dask_otel.annotation import task_rules, workflow_named
+from dask_otel.annotation import read_block, task_rules
 from dask_otel.worker.task_spans import key_chosen
 from tests.support.cluster import UNINSTRUMENTED_CONFIG, cluster_kwargs, otel_cluster
 from tests.support.otlp_receiver import OTLPReceiver, set_otel_env
@@ -207,12 +207,13 @@ def test_the_controls_travel_in_the_versioned_annotation():
         with dask_otel.span("stage", tasks={"sample-ratio": 0.1}):
             nested = dask.get_annotations()["otel"]
     assert root["v"] == nested["v"] == 2
-    assert workflow_named(root) and not workflow_named(nested)
+    ids = list(root["entered"])
+    assert read_block(root, ids).workflow and not read_block(nested, ids).workflow
     assert task_rules(root) == {"slower-than": 0.5}
     assert task_rules(nested) == {"slower-than": 0.5, "sample-ratio": 0.1}
     # what clients before version 2 wrote reads as no controls
     assert task_rules({"entered": {}, "exits": True}) is None
-    assert not workflow_named({"entered": {}, "exits": True})
+    assert not read_block({"entered": {}, "exits": True}, ["x"]).workflow
     # and a hand-made annotation with values of the wrong type, as none
     assert task_rules({"tasks": {"spans": "yes", "sample-ratio": 7}}) is None
 

@@ -9,9 +9,10 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
+from distributed.metrics import time
+
 import dask_otel.attributes as attr
-from dask_otel.annotation import (entered_at, exit_sender, forced_sampling, names_workflow,
-                                  read_block_exit, remote_parent, root_carrier)
+from dask_otel.annotation import read_block_exit
 from dask_otel.span_context import dask_span_context, root_span
 
 if TYPE_CHECKING:
@@ -19,7 +20,7 @@ if TYPE_CHECKING:
     from opentelemetry.sdk.trace import ReadableSpan
     from opentelemetry.trace import SpanContext
 
-    from dask_otel.annotation import BlockExit
+    from dask_otel.annotation import Block
     from dask_otel.export.sink import SpanSink
     from dask_otel.scheduler.ledger import Ledger
     from dask_otel.scheduler.record import SpanRecord
@@ -31,18 +32,17 @@ if TYPE_CHECKING:
 CLIENT_GONE_GRACE = 1.0
 
 
-def observe_exit(ledger: Ledger, spans: Mapping[str, Span], msg: Any, now: float) -> None:
+def observe_exit(ledger: Ledger, spans: Mapping[str, Span], msg: Any) -> None:
     """A client left a block: its open spans may finish; the exit of a span not
     seen yet is kept until its graph comes, or exported as an empty block"""
     if (block := read_block_exit(msg)) is None:
         return
-    ids, _, own, otel, exited = block
-    sender = exit_sender(msg)
-    for span_id in ids[-own:]:
+    ledger.open_new_spans(spans)
+    for span_id in block.ids[-block.own:]:
         if (record := ledger.records.get(span_id)) is not None:
-            record.left_block(exited, sender, names_workflow(block, span_id))
+            record.left_block(block.exited, block.client, block.names_workflow(span_id))
         elif span_id not in spans and span_id not in ledger.made:
-            ledger.pend_exit(span_id, now, block)
+            ledger.pend_exit(span_id, time(), block)
 
 
 def left_by(record: SpanRecord, client: str) -> bool:
@@ -74,7 +74,7 @@ def observe_client_gone(ledger: Ledger, client: str) -> None:
 
 
 def due_empty_blocks(ledger: Ledger, spans: Mapping[str, Span], heard_before: float
-                     ) -> list[tuple[str, BlockExit]]:
+                     ) -> list[tuple[str, Block]]:
     """Take the blocks whose exit was heard before ``heard_before`` and whose Dask
     span never came: they ran no task"""
     pending = ledger.pending_exits
@@ -88,19 +88,14 @@ def due_empty_blocks(ledger: Ledger, spans: Mapping[str, Span], heard_before: fl
     return due
 
 
-def empty_block_span(ledger: Ledger, sink: SpanSink, span_id: str, block: BlockExit
+def empty_block_span(ledger: Ledger, sink: SpanSink, span_id: str, block: Block
                      ) -> ReadableSpan | bool:
     """The OTel span of a block that ran no task, from its entry to its exit, a
     child of its enclosing span or the caller's; False if sampled out"""
-    ids, tags, _, otel, exited = block
+    ids, tags, exited = block.ids, block.tags, block.exited
     i = ids.index(span_id)
     root = ids[0]
-    caller = (
-        ledger.remote_parent(root) if root in ledger.records else None
-    ) or remote_parent(root_carrier(otel, root))
-    forced = ledger.forced(root)
-    if forced is None:
-        forced = forced_sampling(otel, root)
+    caller, forced = ledger.remote_parent(root, block), ledger.forced(root, block)
 
     def context_of(dask_id: str) -> SpanContext:
         return dask_span_context(root, dask_id, str(tags[0]), caller, sink.sampler,
@@ -110,7 +105,7 @@ def empty_block_span(ledger: Ledger, sink: SpanSink, span_id: str, block: BlockE
     if not context.trace_flags.sampled:
         return False
     parent = context_of(ids[i - 1]) if i else caller
-    start = entered_at(otel, span_id) or exited
+    start = block.entered.get(span_id) or exited
     if i and (parent_record := ledger.records.get(ids[i - 1])) is not None:
         parent_record.end_no_earlier(exited)  # the enclosing span covers it
         parent_record.child_kept = True  # and a full builder queue keeps it

@@ -1,7 +1,10 @@
 """What the mirror read on the event loop -> finished OpenTelemetry spans, on the
-bridge's own thread (:meth:`SpanBuilder.hand_over`, a bounded queue: the mirror
-drops and counts past it): the corridor's last stop (:mod:`dask_otel.spans`), whose
-only way out is the sink. docs/traces.md; costs: benchmarks/README.md.
+bridge's own thread: two frozen readings (:class:`SpanReading` of a Dask span,
+:class:`GroupReading` of a TaskGroup batch) handed over whole, a poll at a time
+(:meth:`SpanBuilder.hand_over`, a bounded queue: the mirror drops and counts past
+it). The thread keeps the one subtree ledger (:attr:`SpanBuilder.folded`) and counts
+with :mod:`dask_otel.scheduler.totals`; its only way out is the sink.
+docs/traces.md; costs: benchmarks/README.md.
 """
 
 from __future__ import annotations
@@ -11,27 +14,22 @@ import os
 import threading
 import weakref
 from collections.abc import Hashable, Mapping
-from dataclasses import dataclass, field
-from functools import lru_cache
+from dataclasses import dataclass
 from queue import Empty, SimpleQueue
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
-from distributed.scheduler import ALL_TASK_STATES
-from opentelemetry.sdk.trace import Event
-from opentelemetry.trace import Link, Status, StatusCode
+from opentelemetry.sdk.trace import Event, ReadableSpan
+from opentelemetry.trace import Link
 
 import dask_otel.attributes as attr
 from dask_otel.export.sink import NO_ATTRIBUTES
+from dask_otel.scheduler.totals import SpanMetrics, Totals, erred_status, task_counts
 
 if TYPE_CHECKING:
-    from opentelemetry.sdk.trace import ReadableSpan
     from opentelemetry.trace import SpanContext
 
     from dask_otel.export.sink import SpanSink
-
-#: What the loop hands over: the ledger's records (no hook writes one once taken)
-#: and the totals it summed. Not imported: those modules come before this one.
-SpanRecord = GroupBatch = SpanHead = Totals = Any
+    from dask_otel.scheduler.record import GroupBatch, SpanHead, SpanRecord
 
 logger = logging.getLogger("dask_otel")
 
@@ -39,72 +37,69 @@ logger = logging.getLogger("dask_otel")
 #: UI lists TaskGroups apart from Dask spans and tasks (docs/traces.md "Span names")
 TASKGROUP_SPAN_NAME = "taskgroup/{}"
 #: Spans handed over and not yet built: past it spans are dropped, children first, and
-#: counted (``SpanMirror._kept``; the SDK's batch span processor queues as many by default)
+#: counted (:meth:`SpanBuilder.admit`; the SDK's batch span processor queues as many)
 MAX_QUEUED_SPANS = 2048
-#: ``dask.tasks.<state>`` by state: built once, not per span
-_STATE_NAMES = {state: attr.TASKS_PREFIX + attr.snake(state) for state in ALL_TASK_STATES}
-#: Open Dask spans whose sub-spans' fine metrics the builder thread sums, at most
-#: (a span whose own export was dropped leaves its sum behind)
+#: Open Dask spans whose sub-spans' totals the builder thread sums, at most (a
+#: span whose own build failed leaves its sum behind)
 MAX_FOLDED = 1 << 16
 
-
-_NO_PREFIX = object()
-
-
-@lru_cache(maxsize=1 << 16)  # unbounded task prefixes: stay bounded
-def _key_info(key: tuple[Hashable, ...]) -> tuple[str, Hashable, bool] | None:
-    """A fine-metric key ``(context, [prefix,] ..., activity, unit)`` -> its attribute
-    name, its task prefix (``_NO_PREFIX`` unless an ``execute`` metric of one) and
-    whether it is seconds of ``execute``"""
-    if len(key) < 3:
-        return None
-    execute = key[0] == "execute"
-    parts = map(attr.snake, (key[0], key[-2], key[-1]))
-    return ("dask.metrics.{}.{}.{}".format(*parts),
-            key[1] if execute and len(key) >= 4 else _NO_PREFIX, execute and key[-1] == "seconds")
+#: A Dask span's own fine metrics, as the loop copied them (``Span._cumulative_worker_metrics``)
+FineMetrics = Mapping[tuple[Hashable, ...], float]
 
 
-@dataclass(slots=True)
-class SpanMetrics:
-    """The fine performance metrics of one Dask span (its own, not its
-    sub-spans'), as attributes, in one pass: summed over task prefixes for the
-    span, and by task prefix for its TaskGroups. Named on the builder thread from
-    the loop's copy (and on the loop for a later batch's starting point)."""
+@dataclass(frozen=True, slots=True)
+class SpanReading:
+    """What a Dask span's OTel span needs, read on the loop: its ``record``, taken
+    from the ledger (no hook writes it any more), from ``head.start`` to ``end``"""
 
-    #: ``dask.metrics.<context>.<activity>.<unit>``, summed over prefixes
-    total: dict[str, float] = field(default_factory=dict)
-    #: the same by task prefix, ``execute`` context only
-    by_prefix: dict[Hashable, dict[str, float]] = field(default_factory=dict)
-    #: seconds of the execute context, for "idle or other spans"
-    execute_seconds: float = 0.0
+    record: SpanRecord
+    head: SpanHead
+    #: Its parent's OTel SpanContext (or the caller's); its parent's Dask span id while
+    #: that is open (its subtree sums go there)
+    parent: SpanContext | None
+    parent_id: str | None
+    end: float
+    #: Its own TaskGroups' totals and fine metrics: the builder folds its subtree's
+    own: Totals
+    metrics: FineMetrics
+    active: float
+    #: ``otel.spans.totals: subtree``
+    subtree: bool
+    #: Its code (None: not asked); exported open, as the scheduler closed
+    code: tuple[str, ...] | None
+    unfinished: bool
+    #: False: a full queue dropped it (counted); only summed into its parent's subtree
+    kept: bool = True
 
-    @classmethod
-    def of(cls, metrics: Mapping[tuple[Hashable, ...], float]) -> SpanMetrics:
-        """Of a Dask span's own metrics (``Span._cumulative_worker_metrics``, or
-        the copy the loop took of them)"""
-        out = cls()
-        total, by_prefix = out.total, out.by_prefix
-        for key, value in metrics.items():
-            if not value or (info := _key_info(key)) is None:
-                continue
-            name, prefix, execute_seconds = info
-            total[name] = total.get(name, 0) + value
-            if prefix is not _NO_PREFIX:
-                attrs = by_prefix.get(prefix)
-                if attrs is None:
-                    attrs = by_prefix[prefix] = {}
-                attrs[name] = attrs.get(name, 0) + value
-            if execute_seconds:
-                out.execute_seconds += value
-        return out
 
-    def add(self, other: SpanMetrics) -> SpanMetrics:
-        """Sum ``other``'s totals and execute seconds into these"""
-        total = self.total
-        for name, value in other.total.items():
-            total[name] = total.get(name, 0) + value
-        self.execute_seconds += other.execute_seconds
-        return self
+@dataclass(frozen=True, slots=True)
+class GroupReading:
+    """What the OTel span of one ``batch`` of a TaskGroup needs, read on the loop:
+    ``context``, a child of ``head``'s, from ``start`` to ``end``"""
+
+    #: The group's name and prefix, and the id and tags of the Dask span Dask
+    #: attached it to, whose fine metrics (the loop's copy) hold its prefix's
+    name: str
+    prefix: str
+    span_id: str
+    tags: tuple[str, ...]
+    batch: GroupBatch
+    head: SpanHead
+    context: SpanContext
+    #: The group's states, output bytes and duration when read (``GroupBatch.figures``)
+    states: dict[str, int]
+    nbytes: int
+    duration: float
+    metrics: FineMetrics
+    #: That Dask span's id while it is open: what the prefix carried is in its ledger
+    open_id: str | None
+    start: float
+    end: float
+
+
+#: What a poll hands over: readings, and the span of a block that ran no task
+#: (built on the loop, from the block's exit alone: rare)
+Handed = SpanReading | GroupReading | ReadableSpan
 
 
 #: Seconds the builder thread waits for spans before it ends (the next spans start
@@ -116,28 +111,31 @@ IDLE_EXIT = 2.0
 class SpanBuilder:
     """The bridge's builder thread and its bounded queue. The event loop writes
     ``queued`` and ``dropped``, the thread ``built`` and ``emitted``: each counter
-    has one writer. The thread starts with spans handed over (in a forked child too,
-    as the SDK's BatchProcessor) and ends when idle."""
+    has one writer. As the SDK's BatchProcessor, the thread is reset in a forked
+    child and joined off the loop (:meth:`drain`); it starts with spans handed
+    over and ends when idle."""
 
-    def __init__(self, sink: SpanSink, capacity: int = MAX_QUEUED_SPANS):
+    def __init__(self, sink: SpanSink, folded: dict[str, Totals] | None = None,
+                 capacity: int = MAX_QUEUED_SPANS):
         self.sink = sink
         self.capacity = capacity
         #: Spans handed over, and dropped because the queue was full (the loop)
         self.queued = self.dropped = 0
         #: Spans taken off the queue, and of them handed to the SDK (the thread)
         self.built = self.emitted = 0
-        self._queue: SimpleQueue[list[tuple[Any, tuple]] | None] = SimpleQueue()
+        self._queue: SimpleQueue[list[Handed] | None] = SimpleQueue()
         self._thread: threading.Thread | None = None
         #: Held to start the thread and, by the thread, to end it idle: no spans
         #: are left on a queue with no thread
         self._lock = threading.Lock()
-        #: The thread's own: by open Dask span id, its exported sub-spans' subtree
-        #: fine metrics (``otel.spans.totals: subtree``) and, ``by_prefix``, what its
-        #: exported TaskGroup spans carried of its own; and the last copy of a
-        #: Dask span's metrics it named, with its names (a span's TaskGroups come
-        #: together, with one copy)
-        self.folded: dict[str, SpanMetrics] = {}
-        self._named: tuple[Any, SpanMetrics | None] = (None, None)
+        #: The one subtree ledger, the thread's own (seeded before it starts with
+        #: the sub-spans that finished before the bridge did): by open Dask span
+        #: id, its built sub-spans' subtree totals, and in ``fine.by_prefix``
+        #: what its TaskGroup spans carried of its own
+        self.folded: dict[str, Totals] = folded or {}
+        #: The last copy of a Dask span's metrics it named, with its names (a
+        #: span's TaskGroups come together, with one copy)
+        self._named: tuple[FineMetrics | None, SpanMetrics] = (None, SpanMetrics())
         if hasattr(os, "register_at_fork"):
             forked = weakref.WeakMethod(self._forked)
             os.register_at_fork(after_in_child=lambda: (reset := forked()) and reset())
@@ -147,9 +145,8 @@ class SpanBuilder:
         self._lock, self._queue, self._thread, self.queued = (threading.Lock(), SimpleQueue(),
                                                               None, self.built)
 
-    def hand_over(self, batch: list[tuple[Any, tuple]]) -> None:
-        """Queue a poll's spans, each ``(build, args)``: ``build(self, *args)`` makes
-        its ``ReadableSpan``. The loop never waits."""
+    def hand_over(self, batch: list[Handed]) -> None:
+        """Queue a poll's readings (and spans built on the loop). The loop never waits."""
         if not batch:
             return
         self.queued += len(batch)
@@ -173,30 +170,33 @@ class SpanBuilder:
             logger.warning("dask_otel: %d mirrored spans not handed to the SDK within %.3gs; "
                            "they may miss the flush", self.queued - self.built, timeout)
 
-    def named(self, metrics: Mapping[tuple[Hashable, ...], float]) -> SpanMetrics:
+    def admit(self, child_kept: bool, waiting: int, parent: SpanRecord | None) -> bool:
+        """On the loop: whether the queue takes one more span of a poll holding
+        ``waiting``, else it is dropped and counted. Past capacity, only the parent of
+        a span kept (a poll hands children over first; its ``parent`` record is told):
+        a full queue never orphans what it keeps"""
+        if not child_kept and self.queued - self.built + waiting >= self.capacity:
+            self.dropped += 1
+            return False
+        if parent is not None:
+            parent.child_kept = True
+        return True
+
+    def named(self, metrics: FineMetrics) -> SpanMetrics:
         """:class:`SpanMetrics` of the loop's copy of a Dask span's metrics, named
         once for the span and its TaskGroups"""
         last, named = self._named
-        if last is not metrics or named is None:
+        if last is not metrics:
             named = SpanMetrics.of(metrics)
             self._named = (metrics, named)
         return named
 
-    def fold(self, span_id: str, parent_id: str | None, metrics: SpanMetrics) -> SpanMetrics:
-        """A Dask span's own fine metrics (``total`` and execute seconds) plus its
-        exported sub-spans' (taken), added to its parent's"""
-        if (below := self.folded.pop(span_id, None)) is not None:
-            metrics.add(below)
-        if parent_id is not None:
-            self.folded_of(parent_id).add(metrics)
-        return metrics
-
-    def folded_of(self, span_id: str) -> SpanMetrics:
-        """``folded`` of an open Dask span, made if need be (bounded)"""
+    def folded_of(self, span_id: str) -> Totals:
+        """The subtree ledger's entry of an open Dask span, made if need be (bounded)"""
         if (folded := self.folded.get(span_id)) is None:
             if len(self.folded) >= MAX_FOLDED:
                 del self.folded[next(iter(self.folded))]
-            folded = self.folded[span_id] = SpanMetrics()
+            folded = self.folded[span_id] = Totals()
         return folded
 
     def _run(self) -> None:
@@ -217,123 +217,85 @@ class SpanBuilder:
                     if self._thread is me:
                         self._thread = None
                 return
-            for build, args in batch:
+            for item in batch:
                 try:
-                    span = build(self, *args)
-                    self.emitted += 1  # before: a reader that sees the span sees it counted
-                    sink.emit(span)
+                    span = (self.dask_span(item) if isinstance(item, SpanReading) else
+                            self.taskgroup_span(item) if isinstance(item, GroupReading) else item)
+                    if span is not None:
+                        self.emitted += 1  # before: a reader that sees the span sees it counted
+                        sink.emit(span)
                 except Exception:
-                    logger.exception("dask_otel: could not mirror %r; dropped", args[0])
+                    logger.exception("dask_otel: could not mirror %r; dropped", item)
                 self.built += 1
 
+    def dask_span(self, reading: SpanReading) -> ReadableSpan | None:
+        """The OTel span of a Dask span: its own totals (its fine metrics named) or,
+        ``subtree``, those plus its sub-spans' (folded here, then into its parent's),
+        the thread time no task accounts for, its ``code``, and a
+        ``dask.first_task_start`` event at its subtree's first task (None: not kept)"""
+        sink, record, head, own = self.sink, reading.record, reading.head, reading.own
+        own.fine.add(self.named(reading.metrics))
+        subtree = self.folded.pop(record.span.id, None) or Totals()
+        subtree.add(own)
+        if reading.parent_id is not None:
+            self.folded_of(reading.parent_id).add(subtree)
+        if not reading.kept:
+            return None
+        start, end, active = head.start, reading.end, reading.active
+        totals = subtree if reading.subtree else own
+        attributes = {attr.SPAN_ID: record.span.id, attr.SPAN_NAME: head.tags}
+        attributes.update(task_counts(totals.states, sum(totals.states.values()), totals.nbytes,
+                                      totals.duration))
+        attributes[attr.ACTIVE_CPU_SECONDS] = active
+        attributes.update(totals.fine.total)
+        if reading.subtree and (idle := active - totals.fine.execute_seconds) > 0:
+            attributes[attr.IDLE] = idle
+        if (code := reading.code) is not None:
+            attributes[attr.SPAN_CODE] = code
+        if reading.unfinished:
+            attributes[attr.SPAN_UNFINISHED] = True
+        if record.collided:
+            attributes[attr.SPAN_COLLIDED] = True
+        status = erred_status(attributes, record.erred, record.error_type)
+        first_task = subtree.start and min(max(subtree.start, start), end)
+        events = ((Event(attr.FIRST_TASK_START, NO_ATTRIBUTES, int(first_task * 1e9)),)
+                  if first_task else ())
+        if record.events:  # dask.worker.lost (dask_otel.scheduler.events), bounded there
+            count = sink.limits.max_event_attributes
+            events += tuple(
+                Event(name, sink.event_attributes(dict(values), count), timestamp)
+                for name, values, timestamp in record.events
+            )
+        count = sink.limits.max_link_attributes  # links to other traces: within the SDK's limits
+        links = tuple(Link(link.context, sink.event_attributes(dict(link.attributes), count))
+                      for link in (record.links or {}).values())
+        return sink.span(record.span.name[-1], head.context, reading.parent, start, end,
+                         attributes, status, events, links)
 
-def built(builder: SpanBuilder, span: ReadableSpan) -> ReadableSpan:
-    """A span the loop had to build itself (a block that ran no task: rare)"""
-    return span
-
-
-def task_counts(states: Mapping[str, int], total: int, nbytes: int, duration: float
-                ) -> dict[str, Any]:
-    """The attributes every mirrored span has of its tasks: the count of each
-    state (those above 0), the total, output bytes and duration"""
-    out: dict[str, Any] = {_STATE_NAMES.get(state) or attr.TASKS_PREFIX + attr.snake(state): n
-                           for state, n in states.items() if n > 0}
-    out.update({attr.TASKS_TOTAL: total, attr.OUTPUT_BYTES: nbytes, attr.DURATION: duration})
-    return out
-
-
-def erred_status(attributes: dict[str, Any], erred: int, error_type: str | None = None
-                 ) -> Status | None:
-    """Record the erred count (the transitions the mirror saw, or the state
-    count) and ``error.type`` in ``attributes`` and return the ERROR status, if
-    any task erred"""
-    erred = max(erred, attributes.get(attr.TASKS_ERRED, 0))
-    if not erred:
-        return None
-    attributes[attr.TASKS_ERRED] = erred
-    attributes[attr.ERROR_TYPE] = error_type or attr.OTHER_ERROR
-    if error_type == "KilledWorker":  # say why: no exception of the task's own
-        return Status(StatusCode.ERROR, f"{erred} tasks erred: KilledWorker, the workers "
-                      f"running them died (see the {attr.WORKER_LOST} span events)")
-    return Status(StatusCode.ERROR, f"{erred} tasks erred")
-
-
-def dask_span(builder: SpanBuilder, record: SpanRecord, head: SpanHead,
-              parent: SpanContext | None, parent_id: str | None, end: float, totals: Totals,
-              own_metrics: Mapping[tuple[Hashable, ...], float], active: float, subtree: bool,
-              code: tuple[str, ...] | None, first_task: float, unfinished: bool = False
-              ) -> ReadableSpan:
-    """The OTel span of a Dask span's ``record`` (sampled, taken from the ledger:
-    no hook writes it any more), from ``head.start`` to ``end``: ``totals``' task
-    counts, its ``own_metrics`` (the loop's copy) named, with ``subtree`` totals
-    its sub-spans' summed (:meth:`SpanBuilder.fold`) and the thread time no task
-    accounts for, ``active`` CPU seconds, its ``code`` (None: not asked), and a
-    ``dask.first_task_start`` event at ``first_task`` (0: no task started)"""
-    sink = builder.sink
-    start = head.start
-    attributes = {attr.SPAN_ID: record.span.id, attr.SPAN_NAME: head.tags}
-    attributes.update(task_counts(totals.states, sum(totals.states.values()), totals.nbytes,
-                                  totals.duration))
-    attributes[attr.ACTIVE_CPU_SECONDS] = active
-    metrics = SpanMetrics().add(builder.named(own_metrics))
-    builder.fold(record.span.id, parent_id if subtree else None, metrics)
-    metrics.add(totals.fine)  # sub-spans done before the bridge started
-    attributes.update(metrics.total)
-    if subtree and (idle := active - metrics.execute_seconds) > 0:
-        attributes[attr.IDLE] = idle
-    if code is not None:
-        attributes[attr.SPAN_CODE] = code
-    if unfinished:
-        attributes[attr.SPAN_UNFINISHED] = True
-    if record.collided:
-        attributes[attr.SPAN_COLLIDED] = True
-    status = erred_status(attributes, record.erred, record.error_type)
-    first_task = first_task and min(max(first_task, start), end)
-    events = ((Event(attr.FIRST_TASK_START, NO_ATTRIBUTES, int(first_task * 1e9)),)
-              if first_task else ())
-    if record.events:  # dask.worker.lost (dask_otel.scheduler.events), bounded there
-        count = sink.limits.max_event_attributes
-        events += tuple(
-            Event(name, sink.event_attributes(dict(values), count), timestamp)
-            for name, values, timestamp in record.events
-        )
-    count = sink.limits.max_link_attributes  # links to other traces: within the SDK's limits
-    links = tuple(Link(link.context, sink.event_attributes(dict(link.attributes), count))
-                  for link in (record.links or {}).values())
-    return sink.span(record.span.name[-1], head.context, parent, start, end, attributes, status,
-                     events, links)
-
-
-def taskgroup_span(builder: SpanBuilder, names: tuple[str, str, str, tuple[str, ...]],
-                   batch: GroupBatch, head: SpanHead, context: SpanContext,
-                   figures: tuple[dict[str, int], int, float],
-                   span_metrics: Mapping[tuple[Hashable, ...], float], open_id: str | None,
-                   start: float, end: float) -> ReadableSpan:
-    """The OTel span of one ``batch`` of a TaskGroup (``names``: its name, prefix, and
-    the id and tags of the span Dask attached it to), with ``context``, a child of
-    ``head``'s: its task counts, bytes, duration (``figures``: the group's when
-    exported) and fine metrics (its prefix's in ``span_metrics``, the loop's copy of
-    that span's), less what earlier batches counted; fine metrics, while that span is
-    open (``open_id``), less what any group of the prefix carried: Dask keys them by prefix"""
-    sink = builder.sink
-    name, prefix, span_id, tags = names
-    metrics = builder.named(span_metrics).by_prefix.get(prefix, {})
-    carried = (builder.folded_of(open_id).by_prefix.setdefault(prefix, {}) if open_id
-               else batch.metrics)
-    states, nbytes, duration = figures
-    attributes = {attr.SPAN_ID: span_id, attr.SPAN_NAME: tags,
-                  attr.TASKGROUP_NAME: name, attr.TASKGROUP_PREFIX: prefix}
-    if (base := batch.states) is None:
-        attributes.update(task_counts(states, sum(states.values()), nbytes, duration))
-    else:
-        attributes.update(task_counts(
-            {state: n - base.get(state, 0) for state, n in states.items()},
-            sum(states.values()) - batch.total, max(nbytes - batch.nbytes, 0),
-            max(duration - batch.duration, 0.0),
-        ))
-    for key, value in metrics.items():
-        if (delta := value - carried.get(key, 0)) > 0:
-            attributes[key], carried[key] = delta, value
-    status = erred_status(attributes, batch.erred, batch.error_type)
-    return sink.span(TASKGROUP_SPAN_NAME.format(prefix), context, head.context, start, end,
-                     attributes, status)
+    def taskgroup_span(self, reading: GroupReading) -> ReadableSpan:
+        """The OTel span of one batch of a TaskGroup: its task counts, bytes,
+        duration and fine metrics (its prefix's), less what earlier batches
+        counted; fine metrics, while its Dask span is open (``open_id``), less what
+        any group of the prefix carried: Dask keys them by prefix"""
+        sink, batch, prefix, head = self.sink, reading.batch, reading.prefix, reading.head
+        metrics = self.named(reading.metrics).by_prefix.get(prefix, {})
+        carried = (self.folded_of(reading.open_id).fine.by_prefix.setdefault(prefix, {})
+                   if reading.open_id else batch.metrics)
+        states, nbytes, duration = reading.states, reading.nbytes, reading.duration
+        attributes = {attr.SPAN_ID: reading.span_id, attr.SPAN_NAME: reading.tags,
+                      attr.TASKGROUP_NAME: reading.name, attr.TASKGROUP_PREFIX: prefix}
+        if (base := batch.states) is None:
+            attributes.update(task_counts(states, sum(states.values()), nbytes, duration))
+        else:
+            attributes.update(task_counts(
+                {state: n - base.get(state, 0) for state, n in states.items()},
+                sum(states.values()) - batch.total, max(nbytes - batch.nbytes, 0),
+                max(duration - batch.duration, 0.0),
+            ))
+        for key, value in metrics.items():
+            if (delta := value - carried.get(key, 0)) > 0:
+                attributes[key], carried[key] = delta, value
+        status = erred_status(attributes, batch.erred, batch.error_type)
+        start, end, context = reading.start, reading.end, reading.context
+        return sink.span(TASKGROUP_SPAN_NAME.format(prefix), context, head.context, start, end,
+                         attributes, status)

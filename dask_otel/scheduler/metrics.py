@@ -9,6 +9,7 @@ docs/metrics.md.
 from __future__ import annotations
 
 from collections.abc import Collection, Hashable, Mapping
+from dataclasses import dataclass
 from functools import lru_cache
 from itertools import islice, repeat
 from typing import TYPE_CHECKING, Any
@@ -19,6 +20,7 @@ import dask_otel.attributes as attr
 from dask_otel._compat import span_own_metrics
 from dask_otel.export.instruments import (COUNTER, Attached, MetricSpec, ProcessInstruments,
                                           Reading, copy_mapping)
+from dask_otel.scheduler.totals import fine_key
 from dask_otel.span_context import in_context
 
 if TYPE_CHECKING:
@@ -39,18 +41,16 @@ OVERFLOW = {"otel.metric.overflow": True}
 
 @lru_cache(maxsize=4 * MAX_SERIES)  # only the first MAX_SERIES keys of a unit are exported
 def fine_metric_attributes(key: Hashable) -> tuple[str, dict[str, Any]] | None:
-    """``(dask unit, attributes)`` of a fine-metrics key ``(context, [prefix or
-    where...], activity, unit)``, built once; None for other keys (``"latency"``...)"""
-    if not isinstance(key, tuple) or len(key) < 3:
+    """``(dask unit, attributes)`` of a fine-metrics key (:func:`fine_key`), built
+    once; None for other keys (``"latency"``...)"""
+    if (fk := fine_key(key)) is None:
         return None
-    context, *middle, activity, unit = key
-    attributes = {attr.ACTIVITY_CONTEXT: str(context), attr.ACTIVITY: str(activity)}
-    if middle:
-        if context == "execute":
-            attributes[attr.TASK_PREFIX] = str(middle[0])
-        else:
-            attributes[attr.ACTIVITY_WHERE] = " ".join(map(str, middle))
-    return str(unit), attributes
+    attributes = {attr.ACTIVITY_CONTEXT: fk.context, attr.ACTIVITY: fk.activity}
+    if fk.prefix is not None:
+        attributes[attr.TASK_PREFIX] = fk.prefix
+    elif fk.where is not None:
+        attributes[attr.ACTIVITY_WHERE] = fk.where
+    return fk.unit, attributes
 
 
 #: One fine-metrics reading before its attributes are built: value, Dask key, and
@@ -58,37 +58,51 @@ def fine_metric_attributes(key: Hashable) -> tuple[str, dict[str, Any]] | None:
 _Raw = tuple[float, tuple, Mapping[str, Any] | None]
 
 
+@dataclass(slots=True)
+class UnitRead:
+    """What a read of one Dask unit's fine metrics leaves for the next"""
+
+    #: Dask's mappings read, copied: ``(Dask span id or None, attributes to add,
+    #: metrics)``; the reading made of them; each series' value (one that grew
+    #: since carries an exemplar); whether the reading has exemplars
+    state: list[tuple[str | None, Mapping[str, Any] | None, dict]]
+    reading: Reading
+    values: dict[tuple, float]
+    exemplars: bool
+    #: By mapping (its Dask span id; None: the scheduler's): how many keys were
+    #: read, and which of them are the unit's series (:meth:`SchedulerMetrics.series_keys`)
+    keys: dict[str | None, tuple[int, list[tuple]]]
+
+
 def _fine_metrics(dask_unit: str):
     def read(observed: SchedulerMetrics) -> Reading:
         scheduler = observed.scheduler
         spans = observed.span_label and scheduler.extensions.get("spans")
-        # Dask's mappings, copied: [(Dask span id or None, attributes to add,
-        # metrics)]. With span-label, what can be attributed to spans is read from them
-        state = [(None, None, observed.fine_copy(scheduler.cumulative_worker_metrics))]
+        # With span-label, what can be attributed to spans is read from them
+        state: list = [(None, None, observed.fine_copy(scheduler.cumulative_worker_metrics))]
         if spans:
             for span in list(spans.spans.values()):
                 own = span_own_metrics(span)
                 if own:
                     state.append((span.id, {attr.SPAN_NAME: tuple(span.name)},
                                   observed.fine_copy(own)))
-        previous = observed.previous.get(dask_unit)
-        if previous is not None and previous[0] == state:
+        last = observed.reads.get(dask_unit)
+        if last is not None and last.state == state:
             # Nothing changed since the last read (the usual case at a short
             # interval): the same reading, whose observations are reused; no
             # series grew, so without exemplars
-            if previous[3]:
-                previous = observed.previous[dask_unit] = (
-                    state, [r[:2] for r in previous[1]], previous[2], False)
-            return previous[1]
+            if last.exemplars:
+                last.reading, last.exemplars = [r[:2] for r in last.reading], False
+            return last.reading
         skip = CONTEXTS_WITH_SPAN_ID if spans else ()
-        known = observed.unit_keys.get(dask_unit, {})
-        keys_now = {}  # of the mappings read now only
+        keys_now: dict[str | None, tuple[int, list[tuple]]] = {}  # of the mappings read now only
         out: list[_Raw] = []
         overflow: float | None = None
         for span_id, extra, metrics in state:
             # a span's own mapping holds just the contexts skipped in the scheduler's: all kept
             _, keys = keys_now[span_id] = observed.series_keys(
-                dask_unit, metrics, known.get(span_id), () if extra is not None else skip)
+                dask_unit, metrics, last and last.keys.get(span_id),
+                () if extra is not None else skip)
             # The first MAX_SERIES series in Dask's order (each keeps its place as
             # more come), the rest summed in C
             room = max(MAX_SERIES - len(out), 0)
@@ -96,10 +110,9 @@ def _fine_metrics(dask_unit: str):
             out += zip(map(metrics.__getitem__, head), head, repeat(extra))
             if len(keys) > room:
                 overflow = (overflow or 0.0) + sum(map(metrics.__getitem__, keys[room:]))
-        observed.unit_keys[dask_unit] = keys_now
         reading, values, exemplars = observed.with_exemplars(
-            out, overflow, previous[2] if previous is not None else {})
-        observed.previous[dask_unit] = (state, reading, values, exemplars)
+            out, overflow, last.values if last is not None else {})
+        observed.reads[dask_unit] = UnitRead(state, reading, values, exemplars, keys_now)
         return reading
 
     return read
@@ -161,17 +174,11 @@ class SchedulerMetrics(Attached):
             own.telemetry.health.builders.append(mirror.builder)  # type: ignore[union-attr]
         #: otel.metrics.span-label
         self.span_label = own.config.span_label
-        #: Dask unit -> (Dask's mappings at the previous read, that reading, each
-        #: series' value then (one that grew since carries an exemplar), whether
-        #: the reading has exemplars)
-        self.previous: dict[str, tuple[list, Reading, dict[tuple, float], bool]] = {}
+        #: By Dask unit, what its last read left for the next
+        self.reads: dict[str, UnitRead] = {}
         #: Keys of Dask's mappings that are no fine metrics, seen so far
         #: (``latency``, ``tick-duration``: they change at every heartbeat)
         self.not_fine: set[Hashable] = set()
-        #: Dask unit -> Dask span id (None: the scheduler's mapping) -> how many
-        #: keys of that mapping were read, and which of them are the unit's series
-        #: (:meth:`series_keys`)
-        self.unit_keys: dict[str, dict[str | None, tuple[int, list[tuple]]]] = {}
         SchedulerInstruments.of(own.telemetry.meter_provider).attach(self)
 
     def fine_copy(self, metrics: Mapping[Hashable, float]) -> dict[Hashable, float]:
@@ -197,7 +204,7 @@ class SchedulerMetrics(Attached):
             if not isinstance(key, tuple):
                 self.not_fine.add(key)
                 del metrics[key]
-            elif len(key) >= 3 and key[-1] == unit and key[0] not in skip:
+            elif (fk := fine_key(key)) is not None and fk.unit == unit and fk.context not in skip:
                 keys.append(key)
         return len(metrics), keys
 

@@ -20,6 +20,7 @@ from dask_otel.attributes import SCHEDULER_ADDRESS
 from dask_otel.config import SCHEDULER, ConfigError
 from dask_otel.export.lifecycle import release_telemetry, start_telemetry
 from dask_otel.log import logger
+from dask_otel.scheduler import blocks
 from dask_otel.scheduler.blocks import CLIENT_GONE_GRACE
 from dask_otel.spans import SpanMirror
 from dask_otel.stalls import STALL_TOPIC, Stalls
@@ -155,7 +156,7 @@ class OtelSchedulerPlugin(SchedulerPlugin):
         # A client left a dask_otel.span block (dask_otel.client)
         if topic == BLOCK_EXIT:
             if self.mirror is not None:
-                _guarded(self.mirror.observe_exit, msg)
+                _guarded(blocks.observe_exit, self.mirror.ledger, self.mirror.dask_spans, msg)
             return
         # None after close: the workers' closing events would meet a shut provider
         observed = self.stalls if topic == STALL_TOPIC else self.events
@@ -167,7 +168,7 @@ class OtelSchedulerPlugin(SchedulerPlugin):
         # (blocks.CLIENT_GONE_GRACE), then those still open are over
         if self.mirror is None or self._closed:
             return
-        _guarded(self.mirror.observe_client_leaving, client, time())
+        _guarded(blocks.observe_client_leaving, self.mirror.ledger, client, time())
         try:
             IOLoop.current().call_later(CLIENT_GONE_GRACE, self._client_gone, client)
         except Exception:  # no event loop to wait on: at once
@@ -176,7 +177,7 @@ class OtelSchedulerPlugin(SchedulerPlugin):
     def _client_gone(self, client: str) -> None:
         if self.mirror is None or self._closed:
             return  # closing exports what is open, unfinished
-        _guarded(self.mirror.observe_client_gone, client)
+        _guarded(blocks.observe_client_gone, self.mirror.ledger, client)
 
     async def close(self) -> None:
         """Export what is still open and flush, within otel.flush-timeout"""

@@ -13,13 +13,14 @@ from typing import TYPE_CHECKING, Any
 from distributed.metrics import time
 
 from dask_otel._compat import span_own_metrics
-from dask_otel.scheduler.builder import SpanMetrics
-from dask_otel.scheduler.totals import Totals, group_done, groups_stop, observed
+from dask_otel.scheduler.totals import SpanMetrics, group_done, groups_stop, observed
 
 if TYPE_CHECKING:
     from distributed.scheduler import TaskGroup
     from distributed.spans import Span
     from opentelemetry.trace import Link, SpanContext
+
+    from dask_otel.scheduler.totals import Failure
 
 #: Span events kept per Dask span (``dask.worker.lost``): a span whose workers keep
 #: dying would otherwise grow without bound
@@ -54,7 +55,7 @@ class SpanRecord:
     #: Tasks that erred in its subtree (its own with ``otel.spans.totals: own``):
     #: Dask's state counts forget one once its future is released
     erred: int = 0
-    #: ``error.type`` of the first of them (:func:`~dask_otel.scheduler.totals.error_type`)
+    #: ``error.type`` of the first of them (:attr:`~dask_otel.scheduler.totals.Failure.kind`)
     error_type: str | None = None
     #: The latest end of its exported children and failure of its own tasks: its
     #: own end is no earlier (Dask's ``Span.stop`` knows neither)
@@ -77,8 +78,6 @@ class SpanRecord:
     #: Links to the Dask spans of other traces whose data its tasks consume, by
     #: producer Dask span id (:mod:`dask_otel.scheduler.links`)
     links: dict[str, Link] | None = None
-    #: The subtree totals of its sub-spans exported so far, summed as they go
-    folded: Totals | None = None
     #: Something below it went to the builder's queue: a full queue keeps it
     child_kept: bool = False
     #: Span events to export with it, ``(name, attributes, time in ns)``, at most
@@ -112,16 +111,16 @@ class SpanRecord:
         # started; the others' bounded ends are in ``end``
         return max(self.end or stop, self.exited, self.span.enqueued)
 
+    def due(self, now: float, heard: float, delay: float, timeout: float) -> float | None:
+        """When it finished, if it may be exported ``now`` (as ``GroupBatch.ready``);
+        else None"""
+        if (stop := self.finished_at()) is None:
+            return None
+        waited = now - stop
+        return stop if waited >= delay and (heard > stop or waited >= timeout) else None
+
     def end_no_earlier(self, end: float) -> None:
         self.end = max(self.end, end)
-
-    def fold(self, totals: Totals, end: float) -> None:
-        """An exported sub-span's end and subtree totals: the span then lies
-        around it and sums it"""
-        self.end_no_earlier(end)
-        if self.folded is None:
-            self.folded = Totals()
-        self.folded.add(totals)
 
     def count_erred(self, error_type: str) -> None:
         """A task of its subtree (or its own) erred with ``error_type``"""
@@ -215,20 +214,22 @@ class GroupBatch:
             tg.duration, SpanMetrics.of(span_own_metrics(own)).by_prefix.get(tg.prefix.name, {}),
         )
 
-    def start(self, tg: TaskGroup) -> float:
-        """When the batch started: a later batch when its graph arrived, a first
-        one when its first task started (0: none did), bounded by the scheduler's
-        clock"""
-        if self.since:
-            return self.since
-        start = min(filter(None, (tg.start, self.started)), default=0.0)  # the earlier of those known
-        return observed(start, self.sent, self.received) if start else 0.0
 
     def end(self, tg: TaskGroup) -> float:
         """When the group's last task finished or failed (0: none did yet),
         bounded by the scheduler's clock"""
         end = max(tg.stop, self.failed)
         return observed(end, self.sent, self.received) if end else 0.0
+
+    def bounds(self, tg: TaskGroup, no_earlier: float) -> tuple[float, float]:
+        """Its span's start and end, bounded by the scheduler's clock: a later batch
+        starts when its graph arrived, a first one when its first task started (else
+        its Dask span was enqueued), no earlier than ``no_earlier`` (its Dask span's
+        start); it ends when the group's last task did (now if it is not done)"""
+        first = min(filter(None, (tg.start, self.started)), default=0.0)  # the earlier known
+        start = self.since or (observed(first, self.sent, self.received) if first else 0.0)
+        start = max(start or self.span.enqueued, no_earlier)
+        return start, max(self.end(tg) if group_done(tg) else time(), start)
 
     def ready(self, tg: TaskGroup, now: float, heard: float, delay: float, timeout: float) -> bool:
         """Whether the batch may be exported ``now``: its last task finished
@@ -248,14 +249,21 @@ class GroupBatch:
             return False
         return True
 
-    def observe_erred(self, error_type: str, failed: float, started: float) -> None:
-        """A task of the batch erred with ``error_type`` at ``failed``, having
-        started to run at ``started`` (0: it did not run)"""
+    def observe_erred(self, failure: Failure) -> None:
+        """A task of the batch erred (started to run at ``failure.started``, 0: it did not)"""
         self.erred += 1
-        self.error_type = self.error_type or error_type
-        self.failed = max(self.failed, failed)
-        if started and (not self.started or started < self.started):
-            self.started = started
+        self.error_type = self.error_type or failure.kind
+        self.failed = max(self.failed, failure.failed)
+        if failure.started and (not self.started or failure.started < self.started):
+            self.started = failure.started
+
+    def observe_processing(self, sent: bool) -> None:
+        """The scheduler sent a task of it (the first bounds its start), or heard one
+        finish or fail (the last bounds its end)"""
+        if not sent:
+            self.received = time()
+        elif not self.sent:
+            self.sent = time()
 
     def figures(self, tg: TaskGroup, held: int = 0) -> tuple[dict[str, int], int, float] | None:
         """The group's states, output bytes and duration now, less ``held`` released
