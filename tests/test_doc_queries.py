@@ -57,18 +57,26 @@ DOCUMENTS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
 BLOCK = re.compile(r"^```promql\n(.*?)^```", re.S | re.M)
 
 
-def documented_queries() -> list[tuple[str, str]]:
-    """``(document, expression)`` of every expression in a ``promql`` block"""
+#: A query's comment that says it is 0 on a healthy cluster (the run is one)
+HEALTHY_ZERO = "0 when healthy"
+
+
+def documented_queries() -> list[tuple[str, str, bool]]:
+    """``(document, expression, whether its comment says it is 0 when healthy)`` of
+    every expression in a ``promql`` block"""
     queries = []
     for doc in DOCUMENTS:
         for block in BLOCK.findall(doc.read_text()):
             lines: list[str] = []
+            comment = ""
             for line in [*block.splitlines(), ""]:
                 if line.strip() and not line.lstrip().startswith("#"):
                     lines.append(line)
-                elif lines:
-                    queries.append((doc.name, "\n".join(lines)))
-                    lines = []
+                    continue
+                if lines:
+                    queries.append((doc.name, "\n".join(lines), HEALTHY_ZERO in comment))
+                    lines, comment = [], ""
+                comment += line
     return queries
 
 
@@ -136,12 +144,12 @@ def grouping_labels(expr: str) -> set[str]:
             for label in group.split(",")} - {"le", ""}
 
 
-def problem(result: list[dict], expr: str) -> str | None:
+def problem(result: list[dict], expr: str, healthy_zero: bool = False) -> str | None:
     values = [float(r["value"][1]) for r in result]
     finite = [v for v in values if math.isfinite(v)]
     if not finite:
         return f"no series with a finite value: {result}"
-    if not any(finite) and not ZERO_WHEN_HEALTHY & set(metric_names(expr)):
+    if not any(finite) and not healthy_zero and not ZERO_WHEN_HEALTHY & set(metric_names(expr)):
         return f"only zeros: {result}"
     missing = {label for r in result for label in grouping_labels(expr) - set(r["metric"])}
     return f"series without the labels grouped by: {missing}" if missing else None
@@ -150,13 +158,13 @@ def problem(result: list[dict], expr: str) -> str | None:
 @ON_THE_RUN
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize(
-    "doc, expr",
+    "doc, expr, healthy_zero",
     documented_queries(),
-    ids=[f"{doc}:{i}" for i, (doc, _) in enumerate(documented_queries())],
+    ids=[f"{doc}:{i}" for i, (doc, *_) in enumerate(documented_queries())],
 )
-def test_every_documented_query_returns_a_series(prometheus, doc, expr):
+def test_every_documented_query_returns_a_series(prometheus, doc, expr, healthy_zero):
     query = alert_as_series(expr)
     deadline = time.monotonic() + 60
-    while (found := problem(prometheus.query(query), query)) and time.monotonic() < deadline:
+    while (found := problem(prometheus.query(query), query, healthy_zero)) and time.monotonic() < deadline:
         time.sleep(1)
     assert found is None, f"{doc}: {query}\n{found}"
