@@ -10,7 +10,7 @@ import time
 import dask
 import distributed
 import pytest
-from distributed import Client, span
+from distributed import Client, Event, span
 from opentelemetry.sdk.metrics import MeterProvider
 from packaging.version import Version
 
@@ -20,7 +20,7 @@ from dask_otel.config import ConfigError, read_config
 from dask_otel.scheduler.outcomes import MAX_WORKFLOW_NAMES, OTHER, Outcomes
 from tests.support.cluster import otel_cluster, wait_until
 from tests.support.otlp_receiver import OTLPReceiver, set_otel_env
-from tests.support.tasks import allocate_past, fail, fail_hard, inc, slow
+from tests.support.tasks import allocate_past, fail, fail_hard, inc, slow, wait_for_event
 from tests.test_metrics import EXEMPLARS_CONFIG, EXEMPLARS_ENV
 
 #: Metrics collected every 300 ms and spans sent every 100 ms, over OTLP
@@ -360,3 +360,73 @@ def test_workflow_patterns_take_a_list_or_a_comma_separated_string():
         assert read_config().workflows == {"nightly-*", "hourly-?"}
     with dask.config.set({"otel.metrics.workflows": ["etl"]}):
         assert read_config().workflows == {"etl"}
+
+
+# --- runs watched while they run (issue 39) -------------------------------------------
+
+#: Logs through the bridge, exported 100 ms after they are emitted
+LOGS = {"otel.logs.exporter": "otlp"}
+FAST_LOGS = {"OTEL_BLRP_SCHEDULE_DELAY": "100"}
+
+
+def gauge_after(receiver: OTLPReceiver, name: str, after: float, **attributes) -> dict:
+    """The values of the first collection of gauge ``name`` after ``after`` whose
+    points include ``attributes`` (keyword ``a_b`` means ``a.b``), by
+    ``dask.task.state`` (None for ``dask.workflow.active``); {} if none yet"""
+    wanted = {k.replace("_", "."): v for k, v in attributes.items()}
+    points = [p for p in receiver.metric_points(name) if p.time > after
+              and all(p.attributes.get(k) == v for k, v in wanted.items())]
+    first = min((p.time for p in points), default=None)
+    return {p.attributes.get("dask.task.state"): p.value for p in points if p.time == first}
+
+
+def started(receiver: OTLPReceiver, dask_id: str) -> list:
+    return [g for g in receiver.logs() if g.attributes.get("dask.event.topic") == "workflow-started"
+            and g.attributes.get("dask.span.id") == dask_id]
+
+
+def test_a_run_is_watched_while_it_runs(monkeypatch):
+    """Worker processes; a run held open by tasks blocked on a distributed.Event: while
+    it runs, dask.workflow.active is 1 for its workflow and dask.workflow.tasks has
+    the counts Dask's Span.states gives then; a "run started" record came with the
+    trace and span ids of the root span that arrives at the end. After it, 0s."""
+    config = {**CONFIG, **LOGS, "otel.metrics.workflows": ["nightly-*"]}
+    with OTLPReceiver("grpc") as receiver:
+        set_otel_env(monkeypatch, {**receiver.env(), **ENV, **FAST_LOGS})
+        with otel_cluster(config, processes=True, n_workers=1) as (client, _):
+            with span("nightly-etl") as run_id:
+                assert client.submit(inc, 1).result() == 2
+                held = client.map(wait_for_event, ["hold"] * 3, pure=False)
+                after = client.submit(len, held)
+
+                def states():
+                    return client.run_on_scheduler(
+                        lambda dask_scheduler, i=run_id: dict(
+                            dask_scheduler.extensions["spans"].spans[i].states))
+
+                now = wait_until(lambda: (s := states())["processing"] and s["waiting"] and s, 30)
+                time.sleep(0.5)  # the worker took what it takes: nothing moves until the Event
+                assert states() == now, now
+                read = time.time()
+                assert receiver.wait_for(
+                    lambda r: gauge_after(r, "dask.workflow.active", read,
+                                          dask_workflow_name="nightly-etl")) == {None: 1}
+                by_state = receiver.wait_for(
+                    lambda r: gauge_after(r, "dask.workflow.tasks", read,
+                                          dask_workflow_name="nightly-etl"))
+                assert by_state == now and states() == now, (by_state, now)
+                (record,) = receiver.wait_for(lambda r: started(r, run_id), timeout=10)
+                assert not receiver.spans("nightly-etl")  # the root is still to come
+                Event("hold", client=client).set()
+                after.result()
+            (root,) = receiver.wait_for(lambda r: r.spans("nightly-etl"), timeout=30)
+            ended = time.time()
+            assert receiver.wait_for(
+                lambda r: gauge_after(r, "dask.workflow.active", ended,
+                                      dask_workflow_name="nightly-etl")) == {None: 0}
+            tasks = receiver.wait_for(lambda r: gauge_after(r, "dask.workflow.tasks", ended,
+                                                            dask_workflow_name="nightly-etl"))
+    assert (record.trace_id, record.span_id) == (root.trace_id, root.span_id)
+    assert root.trace_id == run_id.replace("-", "") and root.parent_span_id is None
+    assert record.body == "run of 'nightly-etl' started" and record.severity_text == "INFO"
+    assert set(tasks.values()) == {0} and set(tasks) == set(now)

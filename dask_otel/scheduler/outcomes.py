@@ -1,6 +1,8 @@
 """Workflow outcomes and removed workers as metrics: ``dask.workflow.duration``,
 ``dask.workflow.runs`` (once per root Dask span the mirror finishes, from its
-record), ``dask.worker.removed`` and ``dask.event_loop.blocked.duration`` (from
+record), the runs open now and their tasks (``dask.workflow.active``, ``.tasks``,
+read from the open records: :data:`~dask_otel.scheduler.metrics.SCHEDULER_METRICS`),
+``dask.worker.removed`` and ``dask.event_loop.blocked.duration`` (from
 :mod:`dask_otel.scheduler.events`).
 Only the instruments and the naming rule live here. What each means, its bounds
 and Prometheus names: docs/metrics.md, "Workflow outcomes and removed workers".
@@ -9,10 +11,12 @@ and Prometheus names: docs/metrics.md, "Workflow outcomes and removed workers".
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
+from collections import Counter
+from collections.abc import Iterable, Mapping
 from fnmatch import fnmatchcase
 from typing import TYPE_CHECKING, Any
 
+from distributed.scheduler import ALL_TASK_STATES
 from opentelemetry.context import Context
 
 import dask_otel.attributes as attr
@@ -88,6 +92,8 @@ class Outcomes:
         self.patterns = tuple(patterns)
         #: The workflow names given so far, at most :data:`MAX_WORKFLOW_NAMES`
         self.names: set[str] = set()
+        #: The workflow names of the runs seen open (a bounded name each)
+        self.watched: set[str] = set()
 
     def record_run(self, record: SpanRecord, context: SpanContext | None, start: float, end: float,
                    unfinished: bool = False) -> None:
@@ -119,6 +125,21 @@ class Outcomes:
             return OTHER
         self.names.add(name)
         return name
+
+    def open_runs(self, records: Iterable[SpanRecord], by_state: bool) -> list[tuple[int, dict]]:
+        """``dask.workflow.active`` now (``by_state``: ``dask.workflow.tasks``): the open
+        runs among the open ``records``, or their tasks by state as Dask's ``Span.states``
+        counts them, by workflow; 0 for a workflow seen open before (its series ends at 0)"""
+        counts: dict[str, Counter] = {name: Counter() for name in self.watched}
+        for record in records:
+            if (span := record.span).parent is None:
+                name = self.workflow_name(str(span.name[0]), record.workflow)
+                self.watched.add(name)
+                counts.setdefault(name, Counter()).update(span.states if by_state else {"": 1})
+        if not by_state:
+            return [(c[""], {attr.WORKFLOW_NAME: name}) for name, c in counts.items()]
+        return [(c[state], {attr.WORKFLOW_NAME: name, attr.TASK_STATE: state})
+                for name, c in counts.items() for state in sorted(ALL_TASK_STATES)]
 
     def worker_removed(self, reason: str) -> None:
         """A worker was removed, for ``reason`` (``dask.worker.removed.reason``)"""
