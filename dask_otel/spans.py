@@ -26,7 +26,6 @@ import logging
 import random
 from collections import Counter
 from collections.abc import Hashable, Iterable
-from itertools import islice
 from operator import attrgetter
 from time import perf_counter
 from typing import TYPE_CHECKING, Any
@@ -122,19 +121,16 @@ class SpanMirror:
         """Open the Dask spans created since the last look"""
         self.ledger.open_new_spans(self.dask_spans)
 
-    def observe_graph(self, keys: Iterable[Hashable], wanted: Any, client: str | None = None
-                      ) -> list[Span] | None:
+    def observe_graph(self, keys: Iterable[Hashable], wanted: Any, client: str | None = None) -> None:
         """Open the TaskGroups of a graph asked for ``wanted`` that just reached the
         scheduler (``update_graph``: Dask attached its tasks to their spans; new ones
         are still ``released``). A group exported before opens again as a new batch,
         under the Dask span its tasks were submitted in (the TaskGroup collision
         keeps them on the group's first span), exported only if some task runs;
         so does an open group's, done, if its new tasks were sent from another
-        block: its batch so far is exported at once, without them. Returns the
-        root Dask spans it opened (their runs started)."""
+        block: its batch so far is exported at once, without them."""
         if not (spans := self.dask_spans):
-            return None
-        known = self.ledger.spans_seen
+            return
         self.observe_new_spans()
         ledger = self.ledger
         # The block the client sent the graph in (Dask rewrote its tasks'); None: it
@@ -189,7 +185,6 @@ class SpanMirror:
                 self._export(self.group_span_of, tg, ledger.take_group(tg), rerun[tg])
                 self._end_poll()
             self._open(tg, GroupBatch.reopened(tg, span, own, rerun[tg]), ts, client)
-        return [s for s in islice(reversed(spans.values()), len(spans) - known) if s.parent is None]
 
     def _submitted_in(self, ts: TaskState, own: Span, fresh: Span | None,
                       told: tuple[list[str], list[Any]] | None) -> Span | None:

@@ -112,16 +112,6 @@ def _mirror_count(field: str):
     return read
 
 
-def _open_runs(by_state: bool):
-    def read(observed: SchedulerMetrics) -> Reading:
-        mirror = observed.runs
-        if mirror is None or mirror.outcomes is None:
-            return []
-        return mirror.outcomes.open_runs(list(mirror.ledger.records.values()), by_state)
-
-    return read
-
-
 #: ``dask.otel.span.dropped`` of the spans a poll handed over past the builder
 #: thread's queue (the SDK's own instruments name a full queue so too)
 QUEUE_FULL = {attr.ERROR_TYPE: "queue_full"}
@@ -168,10 +158,11 @@ SCHEDULER_METRICS: tuple[MetricSpec, ...] = (
         "Operations workers performed, by context, task prefix and activity "
         "(Dask's fine performance metrics)", _fine_metrics("count"),
     ),
-    MetricSpec("dask.workflow.active", GAUGE, "{run}",
-               "Workflow runs (root Dask spans) open now, by name", _open_runs(False)),
-    MetricSpec("dask.workflow.tasks", GAUGE, "{task}",
-               "Tasks of the open runs of each workflow, by state", _open_runs(True)),
+    # With metrics on, the mirror runs and has its outcomes
+    MetricSpec("dask.workflow.active", GAUGE, "{run}", "Workflow runs (root Dask spans) open now, "
+               "by name", lambda m: m.mirror.outcomes.open_runs(m.mirror.ledger, False)),
+    MetricSpec("dask.workflow.tasks", GAUGE, "{task}", "Tasks of the open runs of each workflow, "
+               "by state", lambda m: m.mirror.outcomes.open_runs(m.mirror.ledger, True)),
     MetricSpec("dask.otel.span.mirrored", COUNTER, "{span}",
                "Dask spans and TaskGroups the bridge handed to the OpenTelemetry SDK",
                _mirror_count("mirrored")),
@@ -207,17 +198,14 @@ class SchedulerMetrics(Attached):
     """Exports one scheduler's fine performance metrics and the bridge's
     self-metrics, from now until :meth:`close`"""
 
-    def __init__(self, scheduler: Scheduler, own: ServerTelemetry, mirror: SpanMirror | None,
-                 runs: SpanMirror | None = None):
+    def __init__(self, scheduler: Scheduler, own: ServerTelemetry, mirror: SpanMirror | None):
         # metric_attributes: a second scheduler in the process has the first's resource
         super().__init__(dict(own.metric_attributes))
         self.scheduler = scheduler
         #: The process's Telemetry: its accounted exporters' counts
         self.telemetry: Telemetry = own.telemetry
-        #: The span mirror (None: traces are off): its counters and exemplars
+        #: The span mirror (traces on or off): its counters, exemplars and open runs
         self.mirror = mirror
-        #: The span mirror whatever the traces: its open runs (``dask.workflow.active``)
-        self.runs = runs
         #: otel.metrics.span-label
         self.span_label = own.config.span_label
         #: Dask unit -> (Dask's mappings at the previous read, that reading, each

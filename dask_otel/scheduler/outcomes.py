@@ -1,9 +1,7 @@
 """Workflow outcomes and removed workers as metrics: ``dask.workflow.duration``,
 ``dask.workflow.runs`` (once per root Dask span the mirror finishes, from its
-record), the runs open now and their tasks (``dask.workflow.active``, ``.tasks``,
-read from the open records: :data:`~dask_otel.scheduler.metrics.SCHEDULER_METRICS`),
-``dask.worker.removed`` and ``dask.event_loop.blocked.duration`` (from
-:mod:`dask_otel.scheduler.events`).
+record; the open ones: ``.active``, ``.tasks``), ``dask.worker.removed`` and
+``dask.event_loop.blocked.duration`` (from :mod:`dask_otel.scheduler.events`).
 Only the instruments and the naming rule live here. What each means, its bounds
 and Prometheus names: docs/metrics.md, "Workflow outcomes and removed workers".
 """
@@ -12,7 +10,7 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from fnmatch import fnmatchcase
 from typing import TYPE_CHECKING, Any
 
@@ -29,6 +27,7 @@ if TYPE_CHECKING:
     from opentelemetry.metrics import Counter, Histogram, Meter, MeterProvider
     from opentelemetry.trace import SpanContext
 
+    from dask_otel.scheduler.ledger import Ledger
     from dask_otel.scheduler.record import SpanRecord
 
 logger = logging.getLogger("dask_otel")
@@ -126,12 +125,12 @@ class Outcomes:
         self.names.add(name)
         return name
 
-    def open_runs(self, records: Iterable[SpanRecord], by_state: bool) -> list[tuple[int, dict]]:
+    def open_runs(self, ledger: Ledger, by_state: bool) -> list[tuple[int, dict]]:
         """``dask.workflow.active`` now (``by_state``: ``dask.workflow.tasks``): the open
-        runs among the open ``records``, or their tasks by state as Dask's ``Span.states``
+        runs of the mirror's ``ledger``, or their tasks by state as Dask's ``Span.states``
         counts them, by workflow; 0 for a workflow seen open before (its series ends at 0)"""
         counts: dict[str, Counter] = {name: Counter() for name in self.watched}
-        for record in records:
+        for record in list(ledger.records.values()):  # in C: the loop changes it
             if (span := record.span).parent is None:
                 name = self.workflow_name(str(span.name[0]), record.workflow)
                 self.watched.add(name)

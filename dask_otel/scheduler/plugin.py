@@ -98,8 +98,7 @@ class OtelSchedulerPlugin(SchedulerPlugin):
                 self._poller = PeriodicCallback(self._poll, config.poll_interval * 1000)
                 self._poller.start()
             if provider is not None:
-                traced = self.mirror if own.span_sink is not None else None
-                self.metrics = SchedulerMetrics(scheduler, own, traced, self.mirror)
+                self.metrics = SchedulerMetrics(scheduler, own, self.mirror)
             if logs is not None or self.mirror is not None:
                 from dask_otel.scheduler.events import DaskEvents
 
@@ -131,10 +130,11 @@ class OtelSchedulerPlugin(SchedulerPlugin):
 
     def update_graph(self, scheduler: Scheduler, *, tasks: Any = (), keys: Any = (),
                      client: Any = None, **kwargs: Any) -> None:
-        if self.mirror is not None:
-            roots = _guarded(self.mirror.observe_graph, tasks, keys, client)
-            if roots and self.events is not None:
-                _guarded(self.events.runs_started, roots)
+        if (mirror := self.mirror) is not None:
+            known = mirror.ledger.spans_seen  # the Dask spans past it are the graph's new ones
+            _guarded(mirror.observe_graph, tasks, keys, client)
+            if self.events is not None and mirror.ledger.spans_seen > known:
+                _guarded(self.events.runs_started, known)
 
     def transition(self, key: Any, start: str, finish: str, *args: Any, stimulus_id: str = "",
                    **kwargs: Any) -> None:
