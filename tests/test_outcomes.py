@@ -18,6 +18,7 @@ import dask_otel
 from dask_otel.annotation import BLOCK_EXIT
 from dask_otel.config import ConfigError, read_config
 from dask_otel.scheduler.outcomes import MAX_WORKFLOW_NAMES, OTHER, Outcomes
+from tests.support.callers import app_tracer
 from tests.support.cluster import otel_cluster, wait_until
 from tests.support.otlp_receiver import OTLPReceiver, set_otel_env
 from tests.support.tasks import allocate_past, fail, fail_hard, inc, slow, wait_for_event
@@ -380,24 +381,30 @@ def gauge_after(receiver: OTLPReceiver, name: str, after: float, **attributes) -
     return {p.attributes.get("dask.task.state"): p.value for p in points if p.time == first}
 
 
-def started(receiver: OTLPReceiver, dask_id: str) -> list:
+def started(receiver: OTLPReceiver, dask_id: str | None) -> list:
+    """The workflow-started records of root ``dask_id`` (None: all)"""
     return [g for g in receiver.logs() if g.attributes.get("dask.event.topic") == "workflow-started"
-            and g.attributes.get("dask.span.id") == dask_id]
+            and dask_id in (None, g.attributes.get("dask.span.id"))]
 
 
 def test_a_run_is_watched_while_it_runs(monkeypatch):
-    """Worker processes; a run held open by tasks blocked on a distributed.Event: while
-    it runs, dask.workflow.active is 1 for its workflow and dask.workflow.tasks has
-    the counts Dask's Span.states gives then; a "run started" record came with the
-    trace and span ids of the root span that arrives at the end. After it, 0s."""
+    """Worker processes; a run under a caller's span, held open by tasks of a sub-span
+    blocked on a distributed.Event: while it runs, dask.workflow.active is 1 for its
+    workflow (a sub-span is no run) and dask.workflow.tasks has the counts Dask's
+    Span.states of its root gives then (its whole tree); one "run started" record came
+    with the trace and span ids of the root span that arrives at the end (the
+    caller's trace). After it, 0s."""
     config = {**CONFIG, **LOGS, "otel.metrics.workflows": ["nightly-*"]}
+    _, tracer = app_tracer()
     with OTLPReceiver("grpc") as receiver:
         set_otel_env(monkeypatch, {**receiver.env(), **ENV, **FAST_LOGS})
         with otel_cluster(config, processes=True, n_workers=1) as (client, _):
-            with span("nightly-etl") as run_id:
+            with tracer.start_as_current_span("request") as request, \
+                    dask_otel.span("nightly-etl") as run_id:
                 assert client.submit(inc, 1).result() == 2
-                held = client.map(wait_for_event, ["hold"] * 3, pure=False)
-                after = client.submit(len, held)
+                with span("hold"):
+                    held = client.map(wait_for_event, ["hold"] * 3, pure=False)
+                    after = client.submit(len, held)
 
                 def states():
                     return client.run_on_scheduler(
@@ -427,6 +434,7 @@ def test_a_run_is_watched_while_it_runs(monkeypatch):
             tasks = receiver.wait_for(lambda r: gauge_after(r, "dask.workflow.tasks", ended,
                                                             dask_workflow_name="nightly-etl"))
     assert (record.trace_id, record.span_id) == (root.trace_id, root.span_id)
-    assert root.trace_id == run_id.replace("-", "") and root.parent_span_id is None
+    assert root.trace_id == f"{request.get_span_context().trace_id:032x}" != run_id.replace("-", "")
     assert record.body == "run of 'nightly-etl' started" and record.severity_text == "INFO"
+    assert len(started(receiver, None)) == 1  # the sub-span opened no run
     assert set(tasks.values()) == {0} and set(tasks) == set(now)
