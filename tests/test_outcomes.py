@@ -6,6 +6,7 @@ spans and metrics read back from a real OTLP receiver."""
 from __future__ import annotations
 
 import time
+from collections import Counter
 
 import dask
 import distributed
@@ -438,3 +439,41 @@ def test_a_run_is_watched_while_it_runs(monkeypatch):
     assert record.body == "run of 'nightly-etl' started" and record.severity_text == "INFO"
     assert len(started(receiver, None)) == 1  # the sub-span opened no run
     assert set(tasks.values()) == {0} and set(tasks) == set(now)
+
+
+def test_the_open_runs_of_a_workflow_are_summed(monkeypatch):
+    """Two runs of one workflow open at once, and one of another: 2 and 1 open runs,
+    and each workflow's tasks by state the sum of its runs' Span.states"""
+    config = {**CONFIG, "otel.metrics.workflows": ["nightly-*"]}
+    with OTLPReceiver("grpc") as receiver:
+        set_otel_env(monkeypatch, {**receiver.env(), **ENV})
+        with otel_cluster(config, n_workers=1) as (client, _):
+            runs_by_name: dict[str, list[str]] = {"nightly-etl": [], "nightly-score": []}
+            held = []
+            for name, prefix in (("nightly-etl", "a"), ("nightly-etl", "b"), ("nightly-score", "c")):
+                with span(name) as run_id:  # a prefix each: no TaskGroup collision
+                    held.append(client.submit(wait_for_event, "summed", key=f"hold_{prefix}-0"))
+                    runs_by_name[name].append(run_id)
+
+            def states() -> dict[str, dict]:
+                def read(dask_scheduler, ids=runs_by_name):
+                    spans = dask_scheduler.extensions["spans"].spans
+                    if not all(i in spans for run_ids in ids.values() for i in run_ids):
+                        return {}  # a graph still on its way
+                    return {name: dict(sum((Counter(spans[i].states) for i in run_ids),
+                                           Counter())) for name, run_ids in ids.items()}
+                return client.run_on_scheduler(read)
+
+            now = wait_until(lambda: (s := states()) and sum(
+                s[n].get("processing", 0) + s[n].get("queued", 0) for n in s) == 3 and s, 30)
+            time.sleep(0.5)
+            assert states() == now, now
+            read = time.time()
+            for name, n in (("nightly-etl", 2), ("nightly-score", 1)):
+                assert receiver.wait_for(lambda r, name=name: gauge_after(
+                    r, "dask.workflow.active", read, dask_workflow_name=name)) == {None: n}
+                by_state = receiver.wait_for(lambda r, name=name: gauge_after(
+                    r, "dask.workflow.tasks", read, dask_workflow_name=name))
+                assert {s: v for s, v in by_state.items() if v} == now[name], (name, by_state)
+            Event("summed", client=client).set()
+            client.gather(held)
