@@ -16,8 +16,8 @@ from distributed.spans import CONTEXTS_WITH_SPAN_ID
 
 import dask_otel.attributes as attr
 from dask_otel._compat import span_own_metrics
-from dask_otel.export.instruments import (COUNTER, GAUGE, Attached, MetricSpec, ProcessInstruments,
-                                          Reading, copy_mapping)
+from dask_otel.export.instruments import (COUNTER, GAUGE, Attached, MetricSpec,
+                                          ProcessInstruments, Reading, copy_mapping)
 from dask_otel.span_context import in_context
 
 if TYPE_CHECKING:
