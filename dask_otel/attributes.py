@@ -105,6 +105,8 @@ OTEL_SIGNAL = "dask.otel.signal"
 
 #: The root Dask span's first tag where the user says it is bounded, else ``other``
 WORKFLOW_NAME = "dask.workflow.name"
+#: A state of Dask's tasks (``TaskState.state``), on ``dask.workflow.tasks``
+TASK_STATE = "dask.task.state"
 #: How a workflow run ended: ``ok``, ``erred`` or ``cancelled``
 WORKFLOW_RESULT = "dask.workflow.result"
 #: Why a worker left: ``memory_restart``, ``fail_hard``, ``retired``, ``closed``, ``lost``

@@ -177,6 +177,11 @@ def test_the_workflows_dashboard_shows_runs_by_result_durations_and_removed_work
                for q in quantiles)
     (removed,) = exprs["Workers removed, by reason"]
     assert "by (dask_worker_removed_reason)" in removed
+    # Issue 39: what runs now, and its tasks by state, per workflow
+    (active,) = exprs["Runs open now"]
+    assert "by (dask_workflow_name) (dask_workflow_active{" in active
+    (tasks,) = exprs["Tasks of the open runs, by state"]
+    assert "by (dask_workflow_name, dask_task_state) (dask_workflow_tasks{" in tasks
 
 
 @pytest.mark.parametrize("name", sorted(p.name for p in DASHBOARDS.glob("*.json")))

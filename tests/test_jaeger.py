@@ -19,7 +19,7 @@ import urllib.request
 from collections.abc import Iterator
 
 import pytest
-from distributed import wait
+from distributed import Event, wait
 from opentelemetry.exporter.otlp.proto.grpc.trace_exporter import OTLPSpanExporter
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import TracerProvider
@@ -31,7 +31,7 @@ from tests.support.cluster import otel_cluster
 from tests.support.otlp_receiver import set_otel_env
 from tests.support.processes import dask_processes
 from tests.support.span_tree import assert_span_tree
-from tests.support.tasks import broken, exit_once, inc, load, total, user_work
+from tests.support.tasks import broken, exit_once, inc, load, total, user_work, wait_for_event
 
 #: The names of docs/traces.md "Span names": a Dask span is its tag, a TaskGroup
 #: span and a task span carry their task prefix behind their own word
@@ -240,3 +240,34 @@ def check_the_documented_curls(jaeger: JaegerServer, service: str, trace_id: str
         run = subprocess.run(["bash", "-c", line], capture_output=True, text=True, timeout=30)
         found.append({int(t["traceID"], 16) for t in json.loads(run.stdout)["data"]})
     assert all(int(trace_id, 16) in ids for ids in found), found
+
+
+@pytest.mark.timeout(300)
+def test_before_its_root_arrives_a_running_trace_shows_its_finished_parts(jaeger, monkeypatch):
+    """processes=True, a run held open by a task blocked on a distributed.Event
+    (docs/traces.md "While a run runs"): its finished sub-span and TaskGroup are in
+    Jaeger, the root is not; Jaeger's API (what its UI reads) gives the sub-span its
+    missing parent's id, with the warning "invalid parent span IDs". Once the run
+    ends the root arrives and the trace is whole, without that warning."""
+    service = "dask-jaeger-running"
+    set_otel_env(monkeypatch, jaeger_env(jaeger, service))
+    config = {"otel.traces.exporter": "otlp", "otel.metrics.exporter": "none"}
+    with otel_cluster(config, processes=True, n_workers=1) as (client, _):
+        with dask_otel.span("long run") as run_id:
+            trace_id, root_id = run_id.replace("-", ""), run_id.replace("-", "")[-16:]
+            with dask_otel.span("load"):
+                client.gather(client.map(inc, range(2)))
+            held = client.submit(wait_for_event, "jaeger-running", pure=False)
+            spans = jaeger.wait_for_trace(trace_id, count=2, timeout=60)
+            assert sorted(s["name"] for s in spans) == ["load", TASKGROUP.format("inc")]
+            assert one(spans, "load")["parent_id"] == root_id
+            (raw,) = jaeger._get(f"/api/traces/{trace_id}")
+            (load,) = [s for s in raw["spans"] if s["operationName"] == "load"]
+            assert f"invalid parent span IDs={root_id}" in " ".join(load.get("warnings") or [])
+            Event("jaeger-running", client=client).set()
+            held.result()
+        spans = jaeger.wait_for_trace(trace_id, count=4, timeout=60)
+    assert_span_tree(spans, one_trace=True)
+    assert one(spans, "long run")["span_id"] == root_id
+    (raw,) = jaeger._get(f"/api/traces/{trace_id}")
+    assert not any("invalid parent" in w for s in raw["spans"] for w in s.get("warnings") or [])

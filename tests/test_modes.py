@@ -101,9 +101,11 @@ CAPABILITIES = {
     "spill": "metrics",
     "Dask's families": "metrics",
     "workflow outcomes": "metrics",
+    "open runs": "metrics",
     "removed workers": "metrics",
     "Dask's log lines and task logs": "logs",
     "events": "logs",
+    "run started": "logs",
 }
 
 #: Seconds within which data flows again once the collector is back: one probe per
@@ -239,6 +241,7 @@ def run_workload(client: Client) -> Ran:
         # 16 MB on one worker whose target is 10 MB
         chunks = client.map(make_chunk, range(4), workers=[spiller])
         wait(chunks)
+        time.sleep(1.2)  # the run stays open (its block) over two metric collections
     with dask_otel.span(PLAIN) as plain:
         assert client.submit(double, 1).result() == 2
     spilled = client.run(
@@ -330,6 +333,27 @@ def workflow_outcomes(r: OTLPReceiver, ran: Ran, cell: Cell) -> None:
                                 dask_workflow_result="ok") == 1, timeout=5)
 
 
+def open_runs(r: OTLPReceiver, ran: Ran, cell: Cell) -> None:
+    """The run was seen open while its block was, then not"""
+    def active(r: OTLPReceiver) -> list:
+        return [p.value for p in r.metric_points("dask.workflow.active")
+                if p.attributes.get("dask.workflow.name") == WORKFLOW]
+
+    r.wait_for(lambda r: 1 in active(r) and active(r)[-1] == 0, timeout=20)
+    states = {p.attributes["dask.task.state"] for p in r.metric_points("dask.workflow.tasks")
+              if p.attributes.get("dask.workflow.name") == WORKFLOW}
+    assert {"memory", "processing", "released"} <= states, states
+
+
+def run_started(r: OTLPReceiver, ran: Ran, cell: Cell) -> None:
+    """A record when the run opened, in its trace where traces are on"""
+    (record,) = r.wait_for(lambda r: [x for x in r.logs()
+                                      if x.attributes.get("dask.event.topic") == "workflow-started"
+                                      and x.attributes.get("dask.span.id") == ran.run])
+    ids = hex_of(ran.run) if "traces" in cell.exported else (None, None)
+    assert (record.trace_id, record.span_id) == ids, record
+
+
 def removed_workers(r: OTLPReceiver, ran: Ran, cell: Cell) -> None:
     r.wait_for(lambda r: latest(r, "dask.worker.removed",
                                 dask_worker_removed_reason="retired") == 1)
@@ -362,9 +386,11 @@ CHECKS: dict[str, Callable[[OTLPReceiver, Ran, Cell], None]] = {
     "spill": spill,
     "Dask's families": dask_families,
     "workflow outcomes": workflow_outcomes,
+    "open runs": open_runs,
     "removed workers": removed_workers,
     "Dask's log lines and task logs": log_lines,
     "events": events,
+    "run started": run_started,
 }
 
 

@@ -6,11 +6,12 @@ spans and metrics read back from a real OTLP receiver."""
 from __future__ import annotations
 
 import time
+from collections import Counter
 
 import dask
 import distributed
 import pytest
-from distributed import Client, span
+from distributed import Client, Event, span
 from opentelemetry.sdk.metrics import MeterProvider
 from packaging.version import Version
 
@@ -18,9 +19,10 @@ import dask_otel
 from dask_otel.annotation import BLOCK_EXIT
 from dask_otel.config import ConfigError, read_config
 from dask_otel.scheduler.outcomes import MAX_WORKFLOW_NAMES, OTHER, Outcomes
+from tests.support.callers import app_tracer
 from tests.support.cluster import otel_cluster, wait_until
 from tests.support.otlp_receiver import OTLPReceiver, set_otel_env
-from tests.support.tasks import allocate_past, fail, fail_hard, inc, slow
+from tests.support.tasks import allocate_past, fail, fail_hard, inc, slow, wait_for_event
 from tests.test_metrics import EXEMPLARS_CONFIG, EXEMPLARS_ENV
 
 #: Metrics collected every 300 ms and spans sent every 100 ms, over OTLP
@@ -364,3 +366,118 @@ def test_workflow_patterns_take_a_list_or_a_comma_separated_string():
         assert read_config().workflows == {"nightly-*", "hourly-?"}
     with dask.config.set({"otel.metrics.workflows": ["etl"]}):
         assert read_config().workflows == {"etl"}
+
+
+# --- runs watched while they run (issue 39) -------------------------------------------
+
+#: Logs through the bridge, exported 100 ms after they are emitted
+LOGS = {"otel.logs.exporter": "otlp"}
+FAST_LOGS = {"OTEL_BLRP_SCHEDULE_DELAY": "100"}
+
+
+def gauge_after(receiver: OTLPReceiver, name: str, after: float, **attributes) -> dict:
+    """The values of the first collection of gauge ``name`` after ``after`` whose
+    points include ``attributes`` (keyword ``a_b`` means ``a.b``), by
+    ``dask.task.state`` (None for ``dask.workflow.active``); {} if none yet"""
+    wanted = {k.replace("_", "."): v for k, v in attributes.items()}
+    points = [p for p in receiver.metric_points(name) if p.time > after
+              and all(p.attributes.get(k) == v for k, v in wanted.items())]
+    first = min((p.time for p in points), default=None)
+    return {p.attributes.get("dask.task.state"): p.value for p in points if p.time == first}
+
+
+def started(receiver: OTLPReceiver, dask_id: str | None) -> list:
+    """The workflow-started records of root ``dask_id`` (None: all)"""
+    return [g for g in receiver.logs() if g.attributes.get("dask.event.topic") == "workflow-started"
+            and dask_id in (None, g.attributes.get("dask.span.id"))]
+
+
+def test_a_run_is_watched_while_it_runs(monkeypatch):
+    """Worker processes; a run under a caller's span, held open by tasks of a sub-span
+    blocked on a distributed.Event: while it runs, dask.workflow.active is 1 for its
+    workflow (a sub-span is no run) and dask.workflow.tasks has the counts Dask's
+    Span.states of its root gives then (its whole tree); one "run started" record came
+    with the trace and span ids of the root span that arrives at the end (the
+    caller's trace). After it, 0s."""
+    config = {**CONFIG, **LOGS, "otel.metrics.workflows": ["nightly-*"]}
+    _, tracer = app_tracer()
+    with OTLPReceiver("grpc") as receiver:
+        set_otel_env(monkeypatch, {**receiver.env(), **ENV, **FAST_LOGS})
+        with otel_cluster(config, processes=True, n_workers=1) as (client, _):
+            with tracer.start_as_current_span("request") as request, \
+                    dask_otel.span("nightly-etl") as run_id:
+                assert client.submit(inc, 1).result() == 2
+                with span("hold"):
+                    held = client.map(wait_for_event, ["hold"] * 3, pure=False)
+                    after = client.submit(len, held)
+
+                def states():
+                    return client.run_on_scheduler(
+                        lambda dask_scheduler, i=run_id: dict(
+                            dask_scheduler.extensions["spans"].spans[i].states))
+
+                now = wait_until(lambda: (s := states())["processing"] and s["waiting"] and s, 30)
+                time.sleep(0.5)  # the worker took what it takes: nothing moves until the Event
+                assert states() == now, now
+                read = time.time()
+                assert receiver.wait_for(
+                    lambda r: gauge_after(r, "dask.workflow.active", read,
+                                          dask_workflow_name="nightly-etl")) == {None: 1}
+                by_state = receiver.wait_for(
+                    lambda r: gauge_after(r, "dask.workflow.tasks", read,
+                                          dask_workflow_name="nightly-etl"))
+                assert by_state == now and states() == now, (by_state, now)
+                (record,) = receiver.wait_for(lambda r: started(r, run_id), timeout=10)
+                assert not receiver.spans("nightly-etl")  # the root is still to come
+                Event("hold", client=client).set()
+                after.result()
+            (root,) = receiver.wait_for(lambda r: r.spans("nightly-etl"), timeout=30)
+            ended = time.time()
+            assert receiver.wait_for(
+                lambda r: gauge_after(r, "dask.workflow.active", ended,
+                                      dask_workflow_name="nightly-etl")) == {None: 0}
+            tasks = receiver.wait_for(lambda r: gauge_after(r, "dask.workflow.tasks", ended,
+                                                            dask_workflow_name="nightly-etl"))
+    assert (record.trace_id, record.span_id) == (root.trace_id, root.span_id)
+    assert root.trace_id == f"{request.get_span_context().trace_id:032x}" != run_id.replace("-", "")
+    assert record.body == "run of 'nightly-etl' started" and record.severity_text == "INFO"
+    assert len(started(receiver, None)) == 1  # the sub-span opened no run
+    assert set(tasks.values()) == {0} and set(tasks) == set(now)
+
+
+def test_the_open_runs_of_a_workflow_are_summed(monkeypatch):
+    """Two runs of one workflow open at once, and one of another: 2 and 1 open runs,
+    and each workflow's tasks by state the sum of its runs' Span.states"""
+    config = {**CONFIG, "otel.metrics.workflows": ["nightly-*"]}
+    with OTLPReceiver("grpc") as receiver:
+        set_otel_env(monkeypatch, {**receiver.env(), **ENV})
+        with otel_cluster(config, n_workers=1) as (client, _):
+            runs_by_name: dict[str, list[str]] = {"nightly-etl": [], "nightly-score": []}
+            held = []
+            for name, prefix in (("nightly-etl", "a"), ("nightly-etl", "b"), ("nightly-score", "c")):
+                with span(name) as run_id:  # a prefix each: no TaskGroup collision
+                    held.append(client.submit(wait_for_event, "summed", key=f"hold_{prefix}-0"))
+                    runs_by_name[name].append(run_id)
+
+            def states() -> dict[str, dict]:
+                def read(dask_scheduler, ids=runs_by_name):
+                    spans = dask_scheduler.extensions["spans"].spans
+                    if not all(i in spans for run_ids in ids.values() for i in run_ids):
+                        return {}  # a graph still on its way
+                    return {name: dict(sum((Counter(spans[i].states) for i in run_ids),
+                                           Counter())) for name, run_ids in ids.items()}
+                return client.run_on_scheduler(read)
+
+            now = wait_until(lambda: (s := states()) and sum(
+                s[n].get("processing", 0) + s[n].get("queued", 0) for n in s) == 3 and s, 30)
+            time.sleep(0.5)
+            assert states() == now, now
+            read = time.time()
+            for name, n in (("nightly-etl", 2), ("nightly-score", 1)):
+                assert receiver.wait_for(lambda r, name=name: gauge_after(
+                    r, "dask.workflow.active", read, dask_workflow_name=name)) == {None: n}
+                by_state = receiver.wait_for(lambda r, name=name: gauge_after(
+                    r, "dask.workflow.tasks", read, dask_workflow_name=name))
+                assert {s: v for s, v in by_state.items() if v} == now[name], (name, by_state)
+            Event("summed", client=client).set()
+            client.gather(held)

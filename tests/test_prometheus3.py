@@ -16,6 +16,7 @@ import time
 from collections.abc import Iterator
 
 import pytest
+from distributed import Event, span
 
 from tests.support.backends import (
     PROMETHEUS3_OTLP,
@@ -32,13 +33,17 @@ from tests.support.deploy_checks import (
     dashboards,
     every_dashboard_problem,
     exemplar_problems,
+    panel_queries,
     resolve_variables,
     rule_problems,
     run_workload,
     shipped_scrape_config,
+    substitute,
+    variables,
     workload_pythonpath,
 )
 from tests.support.processes import dask_processes
+from tests.support.tasks import wait_for_event
 
 ON_THE_PUSHED_RUN = pytest.mark.xdist_group("prometheus3-pushed-run")
 
@@ -66,7 +71,7 @@ def pushed_run(tmp_path_factory) -> Iterator[ScrapedRun]:
             info = client.scheduler_info()
             run = ScrapedRun(prometheus, job="dask", start=start, end=time.time(),
                              workers=sorted(w["name"] for w in info["workers"].values()))
-            run.jaeger = jaeger
+            run.jaeger, run.client = jaeger, client
             yield run
 
 
@@ -100,3 +105,32 @@ def test_job_and_instance_come_from_the_resource_as_through_a_collector(pushed_r
 def test_exemplars_pushed_over_otlp_lead_to_traces_in_jaeger(pushed_run):
     problems = exemplar_problems(pushed_run, lambda t: bool(pushed_run.jaeger.trace(t)))
     assert not problems, "\n".join(problems)
+
+
+#: The panels of a run that is open now (issue 39)
+RUNNING_NOW = ("Runs open now", "Tasks of the open runs, by state")
+
+
+@ON_THE_PUSHED_RUN
+def test_the_running_now_panels_show_a_run_while_it_is_open(pushed_run):
+    """A run held open by a task blocked on a distributed.Event: each query of the
+    "Running now" panels (every variable "All") returns a series with a non-zero value
+    at a moment while it is open, its workflow among them, and the open run counted"""
+    board = dashboards()["dask-workflows.json"]
+    queries = [q for q in panel_queries("dask-workflows.json", board) if q.panel in RUNNING_NOW]
+    assert len(queries) == len(RUNNING_NOW)
+    setting = {"cluster": ["dask"], "workflow": ["$__all"], **pushed_run.builtins()}
+    client, prom = pushed_run.client, pushed_run.prometheus
+    with span("held run"):  # no name declared bounded: the workflow "other"
+        held = client.submit(wait_for_event, "prometheus3-held", pure=False)
+        for query in queries:
+            expr = substitute(query.expr, setting, variables(board))
+            result = prom.wait_for_query(expr, lambda r: any(
+                float(s["value"][1]) > 0 and s["metric"].get("dask_workflow_name") == "other"
+                for s in r), timeout=60)
+            assert result, (str(query), expr)
+        assert held.status == "pending"  # the run was open all along
+        (active,) = prom.query('sum(dask_workflow_active{job="dask"})')
+        assert float(active["value"][1]) >= 1
+        Event("prometheus3-held", client=client).set()
+        held.result()

@@ -85,6 +85,7 @@ DASK_EVENTS: dict[str, DaskEvent] = {
         "dask.worker.fail_hard", logging.ERROR, FAIL_HARD,
         lambda m: f"worker failed hard: {m.get('exception_text', '')}",
     ),
+    "workflow-started": DaskEvent("dask.workflow.started", logging.INFO, None, str),
     "print": DaskEvent("dask.task.print", logging.INFO, None, _printed),
     "warn": DaskEvent("dask.task.warn", logging.WARNING, None, _warning),
 }
@@ -191,6 +192,16 @@ class DaskEvents:
 
     def _retired(self, address: str) -> bool:
         return self.reasons.get(address, ("",))[0] == RETIRED
+
+    def runs_started(self, known: int) -> None:
+        """The root Dask spans the mirror opened past its first ``known``: a record each,
+        after their graph's annotation was read, in their trace (sampled, traces on)"""
+        spans = self.mirror.dask_spans  # type: ignore[union-attr]  # the plugin's, running
+        for span in islice(reversed(spans.values()), len(spans) - known):
+            if span.parent is None and "workflow-started" in self.topics:
+                self._emit("workflow-started", logging.INFO, f"run of {span.name[0]!r} started",
+                           {attr.SPAN_ID: span.id, attr.SPAN_NAME: tuple(span.name)},
+                           self.mirror.context_of(span.id))  # type: ignore[union-attr]
 
     # --- a worker removed ----------------------------------------------------------
 

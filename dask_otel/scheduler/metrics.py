@@ -18,8 +18,8 @@ from distributed.spans import CONTEXTS_WITH_SPAN_ID
 
 import dask_otel.attributes as attr
 from dask_otel._compat import span_own_metrics
-from dask_otel.export.instruments import (COUNTER, Attached, MetricSpec, ProcessInstruments,
-                                          Reading, copy_mapping)
+from dask_otel.export.instruments import (COUNTER, GAUGE, Attached, MetricSpec,
+                                          ProcessInstruments, Reading, copy_mapping)
 from dask_otel.scheduler.totals import fine_key
 from dask_otel.span_context import in_context
 
@@ -144,6 +144,11 @@ SCHEDULER_METRICS: tuple[MetricSpec, ...] = (
         "Operations workers performed, by context, task prefix and activity "
         "(Dask's fine performance metrics)", _fine_metrics("count"),
     ),
+    # With metrics on, the mirror runs and has its outcomes
+    MetricSpec("dask.workflow.active", GAUGE, "{run}", "Workflow runs (root Dask spans) open now, "
+               "by name", lambda m: m.mirror.outcomes.open_runs(m.mirror.ledger, False)),
+    MetricSpec("dask.workflow.tasks", GAUGE, "{task}", "Tasks of the open runs of each workflow, "
+               "by state", lambda m: m.mirror.outcomes.open_runs(m.mirror.ledger, True)),
     MetricSpec("dask.otel.span.mirrored", COUNTER, "{span}",
                "Dask spans and TaskGroups the bridge handed to the OpenTelemetry SDK",
                _mirror_count("mirrored")),
@@ -168,7 +173,7 @@ class SchedulerMetrics(Attached):
         # metric_attributes: a second scheduler in the process has the first's resource
         super().__init__(dict(own.metric_attributes))
         self.scheduler = scheduler
-        #: The span mirror (None: traces are off): its counters and exemplars
+        #: The span mirror (traces on or off): its counters, exemplars and open runs
         self.mirror = mirror
         if mirror is not None and mirror.builder is not None:  # its queue-full drops
             own.telemetry.health.builders.append(mirror.builder)  # type: ignore[union-attr]

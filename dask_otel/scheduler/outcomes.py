@@ -1,6 +1,7 @@
 """Workflow outcomes and removed workers as metrics: ``dask.workflow.duration``,
 ``dask.workflow.runs`` (once per root Dask span the mirror finishes, from its
-record) and ``dask.worker.removed`` (from :mod:`dask_otel.scheduler.events`).
+record; the open ones: ``.active``, ``.tasks``) and ``dask.worker.removed`` (from
+:mod:`dask_otel.scheduler.events`).
 Only the instruments and the naming rule live here. What each means, its bounds
 and Prometheus names: docs/metrics.md, "Workflow outcomes and removed workers".
 """
@@ -8,10 +9,12 @@ and Prometheus names: docs/metrics.md, "Workflow outcomes and removed workers".
 from __future__ import annotations
 
 import logging
+from collections import Counter
 from collections.abc import Mapping
 from fnmatch import fnmatchcase
 from typing import TYPE_CHECKING, Any
 
+from distributed.scheduler import ALL_TASK_STATES
 from opentelemetry.context import Context
 
 import dask_otel.attributes as attr
@@ -24,6 +27,7 @@ if TYPE_CHECKING:
     from opentelemetry.metrics import Counter, Histogram, Meter, MeterProvider
     from opentelemetry.trace import SpanContext
 
+    from dask_otel.scheduler.ledger import Ledger
     from dask_otel.scheduler.record import SpanRecord
 
 logger = logging.getLogger("dask_otel")
@@ -79,6 +83,8 @@ class Outcomes:
         self.patterns = tuple(patterns)
         #: The workflow names given so far, at most :data:`MAX_WORKFLOW_NAMES`
         self.names: set[str] = set()
+        #: The workflow names of the runs seen open (a bounded name each)
+        self.watched: set[str] = set()
 
     def record_run(self, record: SpanRecord, context: SpanContext | None, start: float, end: float,
                    unfinished: bool = False) -> None:
@@ -110,6 +116,21 @@ class Outcomes:
             return OTHER
         self.names.add(name)
         return name
+
+    def open_runs(self, ledger: Ledger, by_state: bool) -> list[tuple[int, dict]]:
+        """``dask.workflow.active`` now (``by_state``: ``dask.workflow.tasks``): the open
+        runs of the mirror's ``ledger``, or their tasks by state as Dask's ``Span.states``
+        counts them, by workflow; 0 for a workflow seen open before (its series ends at 0)"""
+        counts: dict[str, Counter] = {name: Counter() for name in self.watched}
+        for record in list(ledger.records.values()):  # in C: the loop changes it
+            if (span := record.span).parent is None:
+                name = self.workflow_name(str(span.name[0]), record.workflow)
+                self.watched.add(name)
+                counts.setdefault(name, Counter()).update(span.states if by_state else {"": 1})
+        if not by_state:
+            return [(c[""], {attr.WORKFLOW_NAME: name}) for name, c in counts.items()]
+        return [(c[state], {attr.WORKFLOW_NAME: name, attr.TASK_STATE: state})
+                for name, c in counts.items() for state in sorted(ALL_TASK_STATES)]
 
     def worker_removed(self, reason: str) -> None:
         """A worker was removed, for ``reason`` (``dask.worker.removed.reason``)"""

@@ -92,16 +92,15 @@ class OtelSchedulerPlugin(SchedulerPlugin):
                 outcomes = Outcomes(provider, own.metric_attributes, config.workflows)
                 if families_wanted(own):
                     self.families = DaskFamilies(scheduler, own)
-            if own.span_sink is not None or outcomes is not None:
-                # Traces, or the workflow outcomes made of its records
+            logs = own.telemetry.logs
+            if own.span_sink is not None or outcomes is not None or logs is not None:
+                # Traces, the workflow outcomes made of its records, the runs started
                 self.mirror = SpanMirror(scheduler, own.span_sink, config, outcomes)
                 self._poller = PeriodicCallback(self._poll, config.poll_interval * 1000)
                 self._poller.start()
                 self.stalls = Stalls(self.mirror, provider, own.metric_attributes)
             if provider is not None:
-                traced = self.mirror if own.span_sink is not None else None
-                self.metrics = SchedulerMetrics(scheduler, own, traced)
-            logs = own.telemetry.logs
+                self.metrics = SchedulerMetrics(scheduler, own, self.mirror)
             if logs is not None or self.mirror is not None:
                 from dask_otel.scheduler.events import DaskEvents
 
@@ -132,8 +131,11 @@ class OtelSchedulerPlugin(SchedulerPlugin):
 
     def update_graph(self, scheduler: Scheduler, *, tasks: Any = (), keys: Any = (),
                      client: Any = None, **kwargs: Any) -> None:
-        if self.mirror is not None:
-            _guarded(self.mirror.observe_graph, tasks, keys, client)
+        if (mirror := self.mirror) is not None:
+            known = mirror.ledger.spans_seen  # the Dask spans past it are the graph's new ones
+            _guarded(mirror.observe_graph, tasks, keys, client)
+            if self.events is not None and mirror.ledger.spans_seen > known:
+                _guarded(self.events.runs_started, known)
 
     def transition(self, key: Any, start: str, finish: str, *args: Any, stimulus_id: str = "",
                    **kwargs: Any) -> None:

@@ -463,6 +463,26 @@ DURATION_WINDOW = "1h"
 
 
 def workflows_dashboard() -> dict[str, Any]:
+    active = timeseries(
+        "Runs open now",
+        "Runs of each workflow open now: from their first graph until their root span "
+        "is finished (the export delay after their last task). A run's trace opens from "
+        "its \"run started\" log record before its root span arrives.",
+        "short",
+        [target(f"sum by (dask_workflow_name) (dask_workflow_active{{{WORKFLOW}}})",
+                "{{dask_workflow_name}}")],
+        stack=True,
+    )
+    tasks = timeseries(
+        "Tasks of the open runs, by state",
+        "Dask's progress bar per workflow: the tasks of its open runs in each state "
+        "(waiting, queued, processing, memory, erred, released, forgotten...), as Dask's "
+        "Span.states counts them over each run's span tree.",
+        "short",
+        [target(f"sum by (dask_workflow_name, dask_task_state) (dask_workflow_tasks{{{WORKFLOW}}})",
+                "{{dask_workflow_name}} {{dask_task_state}}")],
+        stack=True,
+    )
     runs = timeseries(
         "Runs by result",
         "Runs of each workflow that ended in each interval, by result: ok, erred, "
@@ -527,8 +547,8 @@ def workflows_dashboard() -> dict[str, Any]:
     )
     return dashboard(
         "dask-otel-workflows", "Dask workflows",
-        "Did each workflow run, did it fail, is it slow, and which workers left: "
-        "outcomes recorded by dask_otel once per run",
+        "What runs now, did each workflow run, did it fail, is it slow, and which "
+        "workers left: recorded by dask_otel while a run is open and once it ends",
         [
             datasource_variable("datasource", "prometheus", "Prometheus"),
             # The scheduler's own series: every cluster with the bridge has them,
@@ -539,6 +559,8 @@ def workflows_dashboard() -> dict[str, Any]:
                            multi=True),
         ],
         [
+            (row("Running now"), 24, 1),
+            (active, 8, 8), (tasks, 16, 8),
             (row("Runs"), 24, 1),
             (runs, 16, 8), (runs_in_range, 8, 8),
             (durations, 12, 8), (mean_duration, 12, 8),
