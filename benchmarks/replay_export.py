@@ -124,7 +124,8 @@ def saved_ledger(ledger: Any) -> Any:
     out = copy.copy(ledger)
     out.records = {span_id: copy.copy(record) for span_id, record in ledger.records.items()}
     for record in out.records.values():
-        record.folded = copy.deepcopy(record.folded)
+        if hasattr(record, "folded"):  # before issue 38 (now the builder thread's)
+            record.folded = copy.deepcopy(record.folded)
         record.links = dict(record.links) if record.links else record.links
     out.leaves = {span_id: out.records[span_id] for span_id in ledger.leaves}
     out.groups = {tg: saved_batch(batch) for tg, batch in ledger.groups.items()}
