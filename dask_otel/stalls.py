@@ -1,17 +1,25 @@
 """Event loops blocked past Dask's limit, measured on every server by a callback of
-the bridge's own (:func:`watch_loop`), a worker's told to the scheduler, where each is
-a span event on the Dask spans it hit and a point of a histogram (:class:`Stalls`).
-Every name of a stall is spelled here. docs/events.md "Blocked event loops"."""
+the bridge's own (:class:`LoopWatch`), with their cause: the loop thread's stack, read
+by a watchdog thread while a tick is overdue, and the garbage collector's share; a
+worker's told to the scheduler, where each is a span event on the Dask spans it hit,
+a log record and a point of a histogram (:class:`Stalls`). Every name of a stall is
+spelled here. docs/events.md "Blocked event loops"."""
 
 from __future__ import annotations
 
+import gc
+import logging
+import sys
+import threading
 from itertools import islice
 from time import monotonic, time_ns
+from traceback import format_stack
 from typing import TYPE_CHECKING, Any
 
 import dask.config
 from dask.utils import parse_timedelta
 from opentelemetry.context import Context
+from opentelemetry.semconv.attributes.code_attributes import CODE_STACKTRACE
 from tornado.ioloop import PeriodicCallback
 
 from dask_otel.attributes import WORKER_ADDRESS
@@ -29,50 +37,101 @@ if TYPE_CHECKING:
 
 #: The span event; its length in seconds, also the histogram; whose loop
 #: (``scheduler``, ``worker``); the keys a blocked worker was running (the first
-#: :data:`MAX_KEYS`; ``.count``: all)
+#: :data:`MAX_KEYS`; ``.count``: all); the share of its length the garbage
+#: collector's pauses took (0 to 1); the loop thread's stack (``code.stacktrace``),
+#: its innermost :data:`MAX_FRAMES` frames as ``traceback`` prints them
 STALL_EVENT, STALL_DURATION = "dask.event_loop.blocked", "dask.event_loop.blocked.duration"
 SERVER_KIND, TASKS_RUNNING, MAX_KEYS = "dask.server.kind", "dask.tasks.running", 20
+GC_SHARE, MAX_FRAMES = "dask.event_loop.blocked.gc_share", 16
 #: Topic of a worker's report (``Worker.log_event``): ``{"duration": seconds,
-#: "tasks": [running keys], "spans": [their Dask span ids]}``
+#: "tasks": [running keys], "spans": [their Dask span ids], "cause": {GC_SHARE:
+#: share, CODE_STACKTRACE: stack}}``; of the log record of a stall
 STALL_TOPIC = "dask_otel.event-loop-blocked"
 #: The histogram's bucket bounds, seconds: from a limit set low to a stall that
 #: loses workers (distributed.comm.timeouts)
 BUCKETS = (0.5, 1, 2, 3, 5, 10, 30, 60, 120, 300)
 
 
-def watch_loop(blocked: Callable[[float], None]) -> PeriodicCallback:
-    """Dask's own measurement, by a callback of the bridge's: ``blocked(seconds)``
-    when a run of it comes later than ``distributed.admin.tick.limit`` after the one
-    before, every ``distributed.admin.tick.interval``, on the current event loop"""
-    tick = dask.config.get("distributed.admin.tick")
-    limit, last = parse_timedelta(tick["limit"], default="ms"), [monotonic()]
+class LoopWatch(PeriodicCallback):
+    """Dask's own measurement, by a callback of the bridge's: ``blocked(seconds,
+    cause)`` when a run of it comes later than ``distributed.admin.tick.limit`` after
+    the one before, every ``distributed.admin.tick.interval``, on the current event
+    loop. The cause: the stack the loop's thread was in most often, read by a
+    watchdog thread asleep until a tick is overdue, then again each time the stall
+    has grown by a quarter; and the share of the garbage collector's pauses, which a
+    ``gc.callbacks`` entry times (a pause past the limit on the loop's thread gives
+    the stack it began in: no other thread runs then). Nothing more on the loop."""
 
-    def measure() -> None:
+    def __init__(self, blocked: Callable[[float, dict[str, Any]], None]):
+        tick = dask.config.get("distributed.admin.tick")
+        self.limit, self.last = parse_timedelta(tick["limit"], default="ms"), monotonic()
+        self.blocked, self.thread, self.done = blocked, threading.get_ident(), threading.Event()
+        self.stacks: list[tuple[float, str]] = []  # (the tick the stall came after, stack)
+        self.gc_began = self.gc_ended = self.gc_seconds = 0.0
+        super().__init__(self.measure, parse_timedelta(tick["interval"], "ms") * 1000)
+        gc.callbacks.append(self.timed)
+        threading.Thread(target=self.watch, name="dask_otel-stalls", daemon=True).start()
+        self.start()
+
+    def measure(self) -> None:
         now = monotonic()
-        late, last[0] = now - last[0], now
-        if late > limit:
+        began, self.last = self.last, now
+        if now - began > self.limit:
             try:
-                blocked(late)
+                self.blocked(now - began, self.cause(began, now))
             except Exception:  # never into the loop
                 logger.exception("dask_otel: could not record a blocked event loop")
 
-    callback = PeriodicCallback(measure, parse_timedelta(tick["interval"], "ms") * 1000)
-    callback.start()
-    return callback
+    def cause(self, began: float, now: float) -> dict[str, Any]:
+        stacks, self.stacks = [s for at, s in self.stacks if at == began], []
+        paused = self.gc_seconds if self.gc_ended > began else 0.0
+        cause: dict[str, Any] = {GC_SHARE: round(min(paused / (now - began), 1.0), 3)}
+        if stacks:
+            cause[CODE_STACKTRACE] = max(stacks, key=stacks.count)
+        return cause
+
+    def watch(self) -> None:
+        while True:
+            began, now = self.last, monotonic()
+            if self.done.wait(max(began + self.limit - now, (now - began) / 4)):
+                return
+            frame = sys._current_frames().get(self.thread)
+            if frame is not None and self.last == began and monotonic() - began > self.limit:
+                self.stacks.append((began, "".join(format_stack(frame, MAX_FRAMES))))
+
+    def timed(self, phase: str, info: dict) -> None:
+        now = monotonic()
+        if phase == "start":
+            self.gc_began = now
+            return
+        if self.gc_ended < self.last:  # the first pause since the last tick
+            self.gc_seconds = 0.0
+        self.gc_seconds += now - max(self.gc_began, self.last)
+        self.gc_ended = now
+        if now - self.gc_began > self.limit and threading.get_ident() == self.thread:
+            self.stacks.append((self.last, "".join(format_stack(sys._getframe(1), MAX_FRAMES))))
+
+    def stop(self) -> None:
+        super().stop()
+        self.done.set()
+        if self.timed in gc.callbacks:
+            gc.callbacks.remove(self.timed)
 
 
-def watch_worker(worker: Worker) -> PeriodicCallback:
-    """Each stall of the worker's loop, with the tasks executing and their Dask spans,
-    to the scheduler, on the stream of the worker's events, ahead of their results"""
-    def tell(seconds: float) -> None:
+def watch_worker(worker: Worker) -> LoopWatch:
+    """Each stall of the worker's loop, with the tasks executing, their Dask spans
+    and its cause, to the scheduler, on the stream of the worker's events, ahead
+    of their results"""
+    def tell(seconds: float, cause: dict[str, Any]) -> None:
         executing = list(worker.state.executing)
         worker.log_event(STALL_TOPIC, {
             "duration": seconds,
             "tasks": [str(ts.key) for ts in executing],
             "spans": list({ts.span_id for ts in executing if ts.span_id}),
+            "cause": cause,
         })
 
-    return watch_loop(tell)
+    return LoopWatch(tell)
 
 
 def _histogram(meter: Meter) -> Histogram:
@@ -84,28 +143,33 @@ def _histogram(meter: Meter) -> Histogram:
 class Stalls:
     """One scheduler's stalls, its own and its workers', until :meth:`stop`"""
 
-    def __init__(self, mirror: SpanMirror, meter_provider: MeterProvider | None,
-                 attributes: Mapping[str, Any]):
+    def __init__(self, mirror: SpanMirror | None, meter_provider: MeterProvider | None,
+                 attributes: Mapping[str, Any], events: Any):
         self.mirror, self.attributes = mirror, dict(attributes)  # the servers' metric attributes
         self.histogram = of_provider(_histogram, meter_provider) if meter_provider else None
-        self.watch = watch_loop(self.blocked)
+        self.events, self.watch = events, LoopWatch(self.blocked)
 
     def observe(self, topic: str, msg: Any) -> None:
-        self.blocked(float(msg["duration"]), msg)  # a worker's report: STALL_TOPIC
+        self.blocked(float(msg["duration"]), msg.get("cause") or {}, msg)  # STALL_TOPIC
 
-    def blocked(self, seconds: float, worker: Any = None) -> None:
+    def blocked(self, seconds: float, cause: Mapping[str, Any], worker: Any = None) -> None:
         """An event loop blocked for ``seconds``: the scheduler's, or the one of the
         worker whose report is ``worker``; the point in the first workflow's trace"""
         kind = "scheduler" if worker is None else "worker"
-        attributes: dict[str, Any] = {SERVER_KIND: kind, STALL_DURATION: seconds}
-        leaves = None
+        attributes: dict[str, Any] = {SERVER_KIND: kind, STALL_DURATION: seconds, **cause}
+        leaves, context = None, None
         if worker is not None:
             keys = worker.get("tasks") or ()
             attributes[WORKER_ADDRESS] = str(worker.get("worker"))
             attributes[TASKS_RUNNING] = [str(k) for k in islice(keys, MAX_KEYS)]
             attributes[TASKS_RUNNING + ".count"] = len(keys)
             leaves = [str(span_id) for span_id in worker.get("spans") or ()]
-        context = self.mirror.add_span_event(STALL_EVENT, attributes, time_ns(), leaves)
+        if self.mirror is not None:
+            context = self.mirror.add_span_event(STALL_EVENT, attributes, time_ns(), leaves)
+        if STALL_TOPIC in self.events.topics:
+            self.events.emit(STALL_TOPIC, logging.WARNING,
+                             f"{kind} event loop blocked for {seconds:.2f} s", {**attributes},
+                             context)
         if self.histogram is not None:
             self.histogram.record(seconds, {**self.attributes, SERVER_KIND: kind},
                                   context=in_context(context) or Context())
