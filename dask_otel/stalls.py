@@ -1,9 +1,7 @@
-"""Event loops blocked past Dask's limit, measured on every server by a callback of
-the bridge's own (:class:`LoopWatch`), with their cause: the loop thread's stack, read
-by a watchdog thread while a tick is overdue, and the garbage collector's share; a
-worker's told to the scheduler, where each is a span event on the Dask spans it hit,
-a log record and a point of a histogram (:class:`Stalls`). Every name of a stall is
-spelled here. docs/events.md "Blocked event loops"."""
+"""Event loops blocked past Dask's limit and their cause, measured on every server
+(:class:`LoopWatch`), a worker's told to the scheduler, where each is a span event on
+the Dask spans it hit, a log record and a point of a histogram (:class:`Stalls`).
+Every name of a stall is spelled here. docs/events.md "Blocked event loops"."""
 
 from __future__ import annotations
 
@@ -37,9 +35,8 @@ if TYPE_CHECKING:
 
 #: The span event; its length in seconds, also the histogram; whose loop
 #: (``scheduler``, ``worker``); the keys a blocked worker was running (the first
-#: :data:`MAX_KEYS`; ``.count``: all); the share of its length the garbage
-#: collector's pauses took (0 to 1); the loop thread's stack (``code.stacktrace``),
-#: its innermost :data:`MAX_FRAMES` frames as ``traceback`` prints them
+#: :data:`MAX_KEYS`; ``.count``: all); the collector's pauses' share of it; the
+#: loop thread's stack (``code.stacktrace``): its innermost :data:`MAX_FRAMES` frames
 STALL_EVENT, STALL_DURATION = "dask.event_loop.blocked", "dask.event_loop.blocked.duration"
 SERVER_KIND, TASKS_RUNNING, MAX_KEYS = "dask.server.kind", "dask.tasks.running", 20
 GC_SHARE, MAX_FRAMES = "dask.event_loop.blocked.gc_share", 16
@@ -55,12 +52,11 @@ BUCKETS = (0.5, 1, 2, 3, 5, 10, 30, 60, 120, 300)
 class LoopWatch(PeriodicCallback):
     """Dask's own measurement, by a callback of the bridge's: ``blocked(seconds,
     cause)`` when a run of it comes later than ``distributed.admin.tick.limit`` after
-    the one before, every ``distributed.admin.tick.interval``, on the current event
-    loop. The cause: the stack the loop's thread was in most often, read by a
-    watchdog thread asleep until a tick is overdue, then again each time the stall
-    has grown by a quarter; and the share of the garbage collector's pauses, which a
-    ``gc.callbacks`` entry times (a pause past the limit on the loop's thread gives
-    the stack it began in: no other thread runs then). Nothing more on the loop."""
+    the one before, every ``distributed.admin.tick.interval``, on the current loop.
+    The cause: the loop thread's most frequent stack, read by a watchdog thread asleep
+    until a tick is overdue, then each time the stall grew by a quarter (or where a
+    collection past the limit ran on the loop's thread); the collector's pauses'
+    share, timed by a ``gc.callbacks`` entry. Nothing more on the loop."""
 
     def __init__(self, blocked: Callable[[float, dict[str, Any]], None]):
         tick = dask.config.get("distributed.admin.tick")
@@ -77,18 +73,13 @@ class LoopWatch(PeriodicCallback):
         now = monotonic()
         began, self.last = self.last, now
         if now - began > self.limit:
+            stacks, self.stacks = [s for at, s in self.stacks if at == began], []
+            paused = self.gc_seconds if self.gc_ended > began else 0.0
             try:
-                self.blocked(now - began, self.cause(began, now))
+                self.blocked(now - began, {GC_SHARE: round(min(paused / (now - began), 1), 3), **(
+                    {CODE_STACKTRACE: max(stacks, key=stacks.count)} if stacks else {})})
             except Exception:  # never into the loop
                 logger.exception("dask_otel: could not record a blocked event loop")
-
-    def cause(self, began: float, now: float) -> dict[str, Any]:
-        stacks, self.stacks = [s for at, s in self.stacks if at == began], []
-        paused = self.gc_seconds if self.gc_ended > began else 0.0
-        cause: dict[str, Any] = {GC_SHARE: round(min(paused / (now - began), 1.0), 3)}
-        if stacks:
-            cause[CODE_STACKTRACE] = max(stacks, key=stacks.count)
-        return cause
 
     def watch(self) -> None:
         while True:
@@ -104,10 +95,8 @@ class LoopWatch(PeriodicCallback):
         if phase == "start":
             self.gc_began = now
             return
-        if self.gc_ended < self.last:  # the first pause since the last tick
-            self.gc_seconds = 0.0
-        self.gc_seconds += now - max(self.gc_began, self.last)
-        self.gc_ended = now
+        since = self.gc_seconds if self.gc_ended >= self.last else 0.0  # since the last tick
+        self.gc_seconds, self.gc_ended = since + now - max(self.gc_began, self.last), now
         if now - self.gc_began > self.limit and threading.get_ident() == self.thread:
             self.stacks.append((self.last, "".join(format_stack(sys._getframe(1), MAX_FRAMES))))
 
@@ -119,9 +108,8 @@ class LoopWatch(PeriodicCallback):
 
 
 def watch_worker(worker: Worker) -> LoopWatch:
-    """Each stall of the worker's loop, with the tasks executing, their Dask spans
-    and its cause, to the scheduler, on the stream of the worker's events, ahead
-    of their results"""
+    """Each stall of the worker's loop, its cause, the tasks executing and their Dask
+    spans, to the scheduler, on the stream of the worker's events, ahead of their results"""
     def tell(seconds: float, cause: dict[str, Any]) -> None:
         executing = list(worker.state.executing)
         worker.log_event(STALL_TOPIC, {
@@ -157,19 +145,17 @@ class Stalls:
         worker whose report is ``worker``; the point in the first workflow's trace"""
         kind = "scheduler" if worker is None else "worker"
         attributes: dict[str, Any] = {SERVER_KIND: kind, STALL_DURATION: seconds, **cause}
-        leaves, context = None, None
+        leaves, mirror = None, self.mirror
         if worker is not None:
             keys = worker.get("tasks") or ()
             attributes[WORKER_ADDRESS] = str(worker.get("worker"))
             attributes[TASKS_RUNNING] = [str(k) for k in islice(keys, MAX_KEYS)]
             attributes[TASKS_RUNNING + ".count"] = len(keys)
             leaves = [str(span_id) for span_id in worker.get("spans") or ()]
-        if self.mirror is not None:
-            context = self.mirror.add_span_event(STALL_EVENT, attributes, time_ns(), leaves)
-        if STALL_TOPIC in self.events.topics:
-            self.events.emit(STALL_TOPIC, logging.WARNING,
-                             f"{kind} event loop blocked for {seconds:.2f} s", {**attributes},
-                             context)
+        context = mirror and mirror.add_span_event(STALL_EVENT, attributes, time_ns(), leaves)
+        if STALL_TOPIC in self.events.topics:  # a log record
+            self.events.emit(STALL_TOPIC, logging.WARNING, f"{kind} event loop blocked for "
+                             f"{seconds:.2f} s", {**attributes}, context)
         if self.histogram is not None:
             self.histogram.record(seconds, {**self.attributes, SERVER_KIND: kind},
                                   context=in_context(context) or Context())

@@ -106,6 +106,47 @@ def test_a_blocked_scheduler_is_told_on_the_spans_with_tasks_in_flight():
             assert record.severity_text == "WARNING"
 
 
+def test_a_worker_blocked_by_a_task_holding_the_gil_is_told_on_its_spans():
+    """A task holding the GIL on worker A inside span "hold" (under root "gil job")
+    while workflow "elsewhere" runs a task on worker B: hold and its root get the
+    event naming A and the task, elsewhere gets none from A; the histogram's
+    worker point has the gil job's trace as exemplar. The block's length is in
+    seconds: at least the hold, and less than the test has lasted. The report carries
+    its cause: a user's function sleeping on A's loop (``Client.run``) is on the
+    stack of the log record of A's stall"""
+    began = time.monotonic()
+    with OTLPReceiver("grpc") as receiver, \
+            dask_processes({**receiver.env(), **ENV, **LOGS}) as cluster:
+        with cluster.client() as client:
+            a, b = sorted(client.scheduler_info()["workers"])
+            with dask_otel.span("elsewhere") as elsewhere_id:
+                running = client.submit(nap, BLOCK + 3, workers=[b])
+            with dask_otel.span("gil job") as root_id, dask_otel.span("hold") as leaf_id:
+                held = client.submit(hold_gil, BLOCK, workers=[a])
+                assert held.result() == BLOCK
+            assert running.result() == BLOCK + 3
+            root = blocked_events(receiver, root_id, "gil job")
+            leaf = blocked_events(receiver, leaf_id, "hold")
+            elsewhere = blocked_events(receiver, elsewhere_id, "elsewhere")
+            for events in (root, leaf):
+                (event,) = [e for e in events if e.get("dask.worker.address") == a
+                            and e["dask.event_loop.blocked.duration"] >= BLOCK - CLOCK]
+                assert event["dask.server.kind"] == "worker"
+                assert event["dask.tasks.running"] == (held.key,)
+                assert event["dask.tasks.running.count"] == 1
+                assert event["dask.event_loop.blocked.duration"] < time.monotonic() - began
+            assert not [e for e in elsewhere if e.get("dask.worker.address") == a]
+            point = blocked_point(receiver, "worker", root_id)
+            assert BLOCK - CLOCK <= point.max < time.monotonic() - began
+            assert all(0 <= e[GC_SHARE] < 0.5 for e in root)
+            client.run(sleep_on_loop, BLOCK, workers=[a])
+            (record, *_) = [g.attributes for g in blocked_records(
+                receiver, lambda x: x.get("dask.worker.address") == a and STACK in x)
+                if g.attributes.get("dask.worker.address") == a and STACK in g.attributes]
+            assert "in sleep_on_loop\n    time.sleep(seconds)\n" in record[STACK], record
+            assert record["dask.server.kind"] == "worker" and record[GC_SHARE] < 0.5
+
+
 #: Pairs of lists in cycles: their full collection blocks the loop past the limit
 CYCLES = 5_000_000
 #: Tasks of the huge graph: its submission alone blocks the scheduler's loop past
