@@ -40,9 +40,8 @@ if TYPE_CHECKING:
 STALL_EVENT, STALL_DURATION = "dask.event_loop.blocked", "dask.event_loop.blocked.duration"
 SERVER_KIND, TASKS_RUNNING, MAX_KEYS = "dask.server.kind", "dask.tasks.running", 20
 GC_SHARE, MAX_FRAMES = "dask.event_loop.blocked.gc_share", 16
-#: Topic of a worker's report (``Worker.log_event``): ``{"duration": seconds,
-#: "tasks": [running keys], "spans": [their Dask span ids], "cause": {GC_SHARE:
-#: share, CODE_STACKTRACE: stack}}``; of the log record of a stall
+#: Topic of a worker's report (``Worker.log_event``) and of a stall's log record:
+#: ``{"duration": seconds, "tasks": [keys], "spans": [their span ids], "cause": {...}}``
 STALL_TOPIC = "dask_otel.event-loop-blocked"
 #: The histogram's bucket bounds, seconds: from a limit set low to a stall that
 #: loses workers (distributed.comm.timeouts)
@@ -50,19 +49,18 @@ BUCKETS = (0.5, 1, 2, 3, 5, 10, 30, 60, 120, 300)
 
 
 class LoopWatch(PeriodicCallback):
-    """Dask's own measurement, by a callback of the bridge's: ``blocked(seconds,
-    cause)`` when a run of it comes later than ``distributed.admin.tick.limit`` after
-    the one before, every ``distributed.admin.tick.interval``, on the current loop.
-    The cause: the loop thread's most frequent stack, read by a watchdog thread asleep
-    until a tick is overdue, then each time the stall grew by a quarter (or where a
-    collection past the limit ran on the loop's thread); the collector's pauses'
-    share, timed by a ``gc.callbacks`` entry. Nothing more on the loop."""
+    """Dask's own measurement, by a callback of the bridge's every tick interval on the
+    current loop: ``blocked(seconds, cause)`` when one comes past the tick limit after
+    the one before. The cause: the loop thread's longest-lasting stack, read by a
+    watchdog thread asleep until a tick is overdue, then each time the stall grew by a
+    quarter (or where a collection past the limit ran on the loop's thread), and the
+    collector's pauses' share (a ``gc.callbacks`` entry). Nothing more on the loop."""
 
     def __init__(self, blocked: Callable[[float, dict[str, Any]], None]):
         tick = dask.config.get("distributed.admin.tick")
         self.limit, self.last = parse_timedelta(tick["limit"], default="ms"), monotonic()
         self.blocked, self.thread, self.done = blocked, threading.get_ident(), threading.Event()
-        self.stacks: list[tuple[float, str]] = []  # (the tick the stall came after, stack)
+        self.stacks: list[tuple[float, str, float]] = []  # (the tick before, stack, seconds)
         self.gc_began = self.gc_ended = self.gc_seconds = 0.0
         super().__init__(self.measure, parse_timedelta(tick["interval"], "ms") * 1000)
         gc.callbacks.append(self.timed)
@@ -73,11 +71,14 @@ class LoopWatch(PeriodicCallback):
         now = monotonic()
         began, self.last = self.last, now
         if now - began > self.limit:
-            stacks, self.stacks = [s for at, s in self.stacks if at == began], []
+            weights: dict[str, float] = {}  # stack -> the seconds it stands for
+            for at, stack, seconds in self.stacks:
+                weights[stack] = weights.get(stack, 0.0) + seconds * (at == began)
+            self.stacks, stack = [], max(weights, key=weights.__getitem__, default="")
             paused = self.gc_seconds if self.gc_ended > began else 0.0
             try:
                 self.blocked(now - began, {GC_SHARE: round(min(paused / (now - began), 1), 3), **(
-                    {CODE_STACKTRACE: max(stacks, key=stacks.count)} if stacks else {})})
+                    {CODE_STACKTRACE: stack} if weights.get(stack) else {})})
             except Exception:  # never into the loop
                 logger.exception("dask_otel: could not record a blocked event loop")
 
@@ -88,7 +89,8 @@ class LoopWatch(PeriodicCallback):
                 return
             frame = sys._current_frames().get(self.thread)
             if frame is not None and self.last == began and monotonic() - began > self.limit:
-                self.stacks.append((began, "".join(format_stack(frame, MAX_FRAMES))))
+                self.stacks.append((began, "".join(format_stack(frame, MAX_FRAMES)),
+                                    (monotonic() - began) / 4))  # till the next read
 
     def timed(self, phase: str, info: dict) -> None:
         now = monotonic()
@@ -98,13 +100,13 @@ class LoopWatch(PeriodicCallback):
         since = self.gc_seconds if self.gc_ended >= self.last else 0.0  # since the last tick
         self.gc_seconds, self.gc_ended = since + now - max(self.gc_began, self.last), now
         if now - self.gc_began > self.limit and threading.get_ident() == self.thread:
-            self.stacks.append((self.last, "".join(format_stack(sys._getframe(1), MAX_FRAMES))))
+            stack = "".join(format_stack(sys._getframe(1), MAX_FRAMES))
+            self.stacks.append((self.last, stack, now - self.gc_began))
 
     def stop(self) -> None:
         super().stop()
         self.done.set()
-        if self.timed in gc.callbacks:
-            gc.callbacks.remove(self.timed)
+        gc.callbacks[:] = [c for c in gc.callbacks if c != self.timed]
 
 
 def watch_worker(worker: Worker) -> LoopWatch:
