@@ -45,7 +45,7 @@ class WorkerBridge:
     #: :class:`~dask_otel.worker.execute_hook.TaskContextHook`; None where it
     #: could not be installed
     task_context: Any = None
-    #: :func:`~dask_otel.stalls.watch_loop`
+    #: :class:`~dask_otel.stalls.LoopWatch`
     stalls: Any = None
 
     def setup(self, worker: Worker) -> None:
