@@ -85,7 +85,7 @@ def _check_controls(outer: Mapping[str, Any], sampled: Any, tasks: Any, workflow
         if sampled is not inherited:
             raise ValueError(f"sampled={sampled!r}: a nested block is in its root's trace, which "
                              f"the root block decides (it said {inherited!r})")
-    return None if tasks is None else parse_task_rules(tasks, "tasks")
+    return None if tasks is None else parse_task_rules(tasks)
 
 
 def _graph_sent(client: distributed.Client) -> None:
