@@ -17,7 +17,6 @@ import functools
 import importlib
 import threading
 from collections.abc import Callable, Hashable, Iterable, Mapping
-from types import MappingProxyType
 from typing import Any
 
 import distributed
@@ -27,8 +26,6 @@ from packaging.version import Version
 
 
 # --- distributed: versions ------------------------------------------------------
-
-# The span mirror, its events and the task spans
 
 #: ``remove-worker`` events list the keys lost with the worker (:func:`remove_worker_lost_keys`)
 REMOVE_WORKER_LISTS_LOST_KEYS = Version(distributed.__version__) >= Version("2024.3.0")
@@ -53,14 +50,12 @@ def task_function(run_spec: Any) -> Callable | None:
 
 # The span mirror and the scheduler's fine metrics (tests/test_compat.py::test_dask_*)
 
-_NO_METRICS: Mapping[tuple[Hashable, ...], float] = MappingProxyType({})
-
 
 def span_own_metrics(span: Span) -> Mapping[tuple[Hashable, ...], float]:
     """``Span._cumulative_worker_metrics``: a Dask span's own fine performance
     metrics (the public ``cumulative_worker_metrics`` walks and sums its subtree);
     empty if this Dask has none"""
-    return getattr(span, "_cumulative_worker_metrics", _NO_METRICS)
+    return getattr(span, "_cumulative_worker_metrics", {})
 
 
 def span_nthreads_history(span: Span) -> tuple[list[tuple[float, int]], int] | None:
@@ -112,7 +107,16 @@ def detached_span(name: tuple[str, ...], span_id: str, parent: Span | None, sche
     return span
 
 
-# -- limits --
+# --- opentelemetry-sdk: versions --------------------------------------------------
+
+
+@functools.cache
+def sdk_version() -> Version:
+    from opentelemetry.sdk.version import __version__
+
+    return Version(__version__)
+
+
 # The series limits of the bridge's metric streams (dask_otel/export/instruments.py;
 # tests/test_compat.py::test_limits_*). opentelemetry-sdk 1.45.2, a patch release,
 # folds every attribute set past 2,000 per metric stream into one
@@ -126,11 +130,7 @@ SERIES_LIMIT_SINCE = Version("1.45.2")
 
 def series_limit_view_options(limit: int) -> dict[str, int]:
     """The keyword of a View that sets its streams' series limit to ``limit``, if any"""
-    from opentelemetry.sdk.version import __version__
-
-    if Version(__version__) < SERIES_LIMIT_SINCE:
-        return {}
-    return {"aggregation_cardinality_limit": limit}
+    return {} if sdk_version() < SERIES_LIMIT_SINCE else {"aggregation_cardinality_limit": limit}
 
 
 # --- opentelemetry-configuration (declarative) ------------------------------------
@@ -213,15 +213,8 @@ def remove_worker_lost_keys(scheduler: Any, msg: dict) -> tuple[Any, Any]:
 # FAILURE). tests/test_compat.py::test_sdk_* trips when a release changes it.
 
 
-@functools.cache
-def sdk_version() -> tuple[int, ...]:
-    from opentelemetry.sdk.version import __version__
-
-    return tuple(int(part) for part in __version__.split(".")[:2] if part.isdigit())
-
-
-#: The SDK versions whose exporters wait as above (the floor to 1.45.2)
-RETRY_WAIT_UP_TO = (1, 45)
+#: The last SDK release whose exporters wait as above (from the floor)
+RETRY_WAIT_UP_TO = Version("1.45.2")
 #: Where the OTLP exporters keep that Event: gRPC, and HTTP spans and metrics up to
 #: 1.44; HTTP logs 1.41-1.44; HTTP from 1.45 (opentelemetry-exporter-otlp-common)
 RETRY_WAITS = ("_shutdown_in_progress", "_shutdown_is_occuring", "_client._shutdown_event")
