@@ -16,7 +16,9 @@ from hashlib import blake2b
 from typing import TYPE_CHECKING, Any
 
 from dask.utils import key_split
+from distributed.comm import get_address_host
 from distributed.metrics import time
+from distributed.protocol import pickle
 from distributed.worker_state_machine import ExecuteFailureEvent, ExecuteSuccessEvent
 from opentelemetry.sdk.trace import Event
 from opentelemetry.trace import Status, StatusCode
@@ -73,9 +75,8 @@ class TaskRules:
 
     def of_span(self, block: Mapping[str, Any] | None, sampled: bool) -> TaskRules | None:
         """The rules of one Dask span's tasks: these with its client block's values
-        over them, key by key (``block``: :func:`dask_otel.annotation.task_rules`);
-        None when none of its tasks can get a span (its trace is dropped, or
-        ``spans`` is off): the decision, per Dask span"""
+        (:func:`dask_otel.annotation.task_rules`) over them, key by key; None when
+        none of its tasks can get a span (its trace is dropped, or ``spans`` is off)"""
         if not sampled:
             return None
         given = {k.replace("-", "_"): v for k, v in (block or {}).items()}
@@ -83,11 +84,10 @@ class TaskRules:
         return rules if rules.spans else None
 
     def decide(self, key: Key, erred: bool | None = None, duration: float = 0.0) -> bool | None:
-        """Whether a run of ``key`` gets a task span: the decision, per run, for
-        rules :meth:`of_span` returned. Before the run (``erred`` None): True if
-        its key is chosen (its span is then the current span while it runs), None
-        if only the ``erred`` and ``slower-than`` rules can tell, after it, False
-        if neither can. After it: whether they do."""
+        """Whether a run of ``key`` gets a task span. Before the run (``erred``
+        None): True if its key is chosen (its span is then current while it runs),
+        None if only the ``erred`` and ``slower-than`` rules can tell, after it,
+        False if neither can. After it: whether they do."""
         if erred is None:
             if key_chosen(key, self.sample_ratio):
                 return True
@@ -176,8 +176,6 @@ class TaskSpans:
         same clock: Dask's estimated offset is only error)"""
         if self._same_clock is None:
             try:
-                from distributed.comm import get_address_host
-
                 scheduler = self.worker.scheduler.address
                 self._same_clock = scheduler.startswith("inproc://") or (
                     get_address_host(scheduler) == get_address_host(self.worker.address)
@@ -255,8 +253,6 @@ def _exception_type_and_message(event: ExecuteFailureEvent) -> tuple[str, str]:
     """The exception's type name (as the SDK's ``record_exception`` writes it) and
     message, from the pickled exception the event holds, else from its ``repr``"""
     try:
-        from distributed.protocol import pickle
-
         exc = pickle.loads(event.exception.data)
         if isinstance(exc, BaseException):
             return type(exc).__qualname__, str(exc)
