@@ -185,20 +185,17 @@ class OtelConfig:
     enabled: bool = _key("otel.enabled", _bool, CLIENT, SCHEDULER, WORKERS)
     flush_timeout: float = _key("otel.flush-timeout", _seconds, SCHEDULER, WORKERS)
     #: the SDK's retries for every batch during an outage, instead of probes
-    retry_during_outage: bool = _key(
-        "otel.export.retry-during-outage", _bool, SCHEDULER, WORKERS
-    )
+    retry_during_outage: bool = _key("otel.export.retry-during-outage", _bool, SCHEDULER,
+                                     WORKERS)
     #: resolved against OTEL_TRACES_EXPORTER
     traces_exporters: tuple[str, ...] = _key("otel.traces.exporter", _exporters, SCHEDULER,
                                              WORKERS)
-    poll_interval: float = _key(
-        "otel.spans.poll-interval", partial(_seconds, positive=True), SCHEDULER
-    )
+    poll_interval: float = _key("otel.spans.poll-interval", partial(_seconds, positive=True),
+                                SCHEDULER)
     export_delay: float = _key("otel.spans.export-delay", _seconds, SCHEDULER)
     metrics_timeout: float = _key("otel.spans.metrics-timeout", _seconds, SCHEDULER)
-    span_totals: str = _key(
-        "otel.spans.totals", partial(_choice, choices=("subtree", "own")), SCHEDULER
-    )
+    span_totals: str = _key("otel.spans.totals", partial(_choice, choices=("subtree", "own")),
+                            SCHEDULER)
     export_code: bool = _key("otel.spans.code", _bool, SCHEDULER)
     #: resolved against OTEL_METRICS_EXPORTER
     metrics_exporters: tuple[str, ...] = _key("otel.metrics.exporter", _exporters, SCHEDULER,
@@ -209,15 +206,13 @@ class OtelConfig:
     #: root span names that ``dask.workflow.*`` count by name
     #: (:mod:`dask_otel.scheduler.outcomes`)
     workflows: frozenset[str] = _key(
-        "otel.metrics.workflows",
-        partial(_names, what="a list of fnmatch patterns of span names"), SCHEDULER,
-    )
+        "otel.metrics.workflows", partial(_names, what="a list of fnmatch patterns of span names"),
+        SCHEDULER)
     task_spans: bool = _key("otel.tasks.spans", _bool, WORKERS)
     task_sample_ratio: float = _key("otel.tasks.sample-ratio", _ratio, WORKERS)
     #: seconds; None: no such rule
-    task_slower_than: float | None = _key(
-        "otel.tasks.slower-than", partial(_seconds, optional=True), WORKERS
-    )
+    task_slower_than: float | None = _key("otel.tasks.slower-than",
+                                          partial(_seconds, optional=True), WORKERS)
     task_erred: bool = _key("otel.tasks.erred", _bool, WORKERS)
     #: resolved against OTEL_LOGS_EXPORTER (default none)
     logs_exporters: tuple[str, ...] = _key("otel.logs.exporter", _exporters, SCHEDULER, WORKERS)

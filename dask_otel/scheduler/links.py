@@ -39,11 +39,8 @@ def producer_links(
         if (producer_root := root_span(producer)) is root:
             continue
         otel, root_id = otel_of(dep.annotations), producer_root.id
-        context = dask_span_context(
-            root_id, producer.id, str(producer_root.name[0]),
-            remote_parent(root_carrier(otel, root_id)), sampler, is_remote=False,
-            forced=forced_sampling(otel, root_id),
-        )
-        links[span_id] = Link(
-            context, {attr.SPAN_ID: producer.id, attr.SPAN_NAME: tuple(producer.name)}
-        )
+        context = dask_span_context(root_id, producer.id, str(producer_root.name[0]),
+                                    remote_parent(root_carrier(otel, root_id)), sampler,
+                                    is_remote=False, forced=forced_sampling(otel, root_id))
+        links[span_id] = Link(context, {attr.SPAN_ID: producer.id,
+                                        attr.SPAN_NAME: tuple(producer.name)})

@@ -49,10 +49,8 @@ class WorkerBridge:
     stalls: Any = None
 
     def setup(self, worker: Worker) -> None:
-        own, self.error = start_telemetry(
-            f"worker {worker.address}",
-            **{SCHEDULER_ADDRESS: worker.scheduler.address},
-        )
+        own, self.error = start_telemetry(f"worker {worker.address}",
+                                          **{SCHEDULER_ADDRESS: worker.scheduler.address})
         if own is None:
             return
         self.server_telemetry, self.telemetry = own, own.telemetry

@@ -32,11 +32,9 @@ class OtelWorkerPlugin(WorkerPlugin):
         try:
             from dask_otel.worker.bridge import WorkerBridge
         except ImportError as e:
-            self.error = (
-                f"dask_otel is not installed on worker {worker.address} ({e}); this "
-                "worker exports no telemetry. Install dask-otel in the workers' "
-                "environment."
-            )
+            self.error = (f"dask_otel is not installed on worker {worker.address} ({e}); this "
+                          "worker exports no telemetry. Install dask-otel in the workers' "
+                          "environment.")
             logging.getLogger("dask_otel").error(self.error)
             return None
         self.bridge = WorkerBridge()

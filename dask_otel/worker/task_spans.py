@@ -165,8 +165,7 @@ class TaskSpans:
         # the Dask span starts no later than the client entered its block
         start = max(start, entered_at(run.otel, run.dask_span.dask_id))
         stop = max(stop, start)
-        rules: TaskRules = run.dask_span.rules
-        if not (run.chosen or rules.decide(run.key, erred, duration)):
+        if not (run.chosen or run.dask_span.rules.decide(run.key, erred, duration)):
             return
         self.sink.emit(self._span(run, event, start, stop, duration, erred))
         self.exported += 1
