@@ -123,8 +123,7 @@ def child_context(parent: SpanContext, span_id: int) -> SpanContext:
     return SpanContext(
         parent.trace_id, span_id, is_remote=False,
         trace_flags=TraceFlags(parent.trace_flags | TraceFlags.SAMPLED),
-        trace_state=parent.trace_state,
-    )
+        trace_state=parent.trace_state)
 
 
 def in_context(span_context: SpanContext | None, base: Context | None = None

@@ -75,15 +75,13 @@ class TaskContexts:
             cached = self._cache[key] = self._build(ids, span["name"], carrier, otel)
         return cached
 
-    def _build(
-        self, ids: tuple[str, ...], name: tuple[str, ...], carrier: Mapping | None, otel: Any
-    ) -> DaskSpanContext:
+    def _build(self, ids: tuple[str, ...], name: tuple[str, ...], carrier: Mapping | None,
+               otel: Any) -> DaskSpanContext:
         base, remote = extract_caller(carrier)
         # is_remote: the Dask span is made by the scheduler, in another process
         span_context = dask_span_context(
             ids[0], ids[-1], str(name[0]) if name else "default", remote, self.sampler,
-            is_remote=True, forced=forced_sampling(otel, ids[0]),
-        )
+            is_remote=True, forced=forced_sampling(otel, ids[0]))
         return DaskSpanContext(
             span_context, in_context(span_context, base), str(ids[-1]), otel,
             self.rules and self.rules.of_span(task_rules(otel), span_context.trace_flags.sampled),

@@ -177,8 +177,7 @@ class TaskSpans:
             try:
                 scheduler = self.worker.scheduler.address
                 self._same_clock = scheduler.startswith("inproc://") or (
-                    get_address_host(scheduler) == get_address_host(self.worker.address)
-                )
+                    get_address_host(scheduler) == get_address_host(self.worker.address))
             except Exception:
                 self._same_clock = False
         return self._same_clock
