@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import functools
 import importlib
+import inspect
 import threading
 from collections.abc import Callable, Hashable, Iterable, Mapping
 from typing import Any
@@ -118,11 +119,10 @@ def sdk_version() -> Version:
 
 
 # The series limits of the bridge's metric streams (dask_otel/export/instruments.py;
-# tests/test_compat.py::test_limits_*). opentelemetry-sdk 1.45.2, a patch release,
-# folds every attribute set past 2,000 per metric stream into one
-# `otel.metric.overflow` point unless a View sets the limit
-# (`aggregation_cardinality_limit`, new in the same release); 1.41 to 1.45.1 have
-# no limit, and their View refuses the argument.
+# tests/test_compat.py::test_limits_*): opentelemetry-sdk 1.45.2, a patch release, folds
+# every attribute set past 2,000 per stream into one `otel.metric.overflow` point unless a
+# View's `aggregation_cardinality_limit` (new there) sets the limit; 1.41 to 1.45.1 have
+# none, and their View refuses the argument.
 
 #: The first SDK release whose metric streams have a series limit
 SERIES_LIMIT_SINCE = Version("1.45.2")
@@ -172,8 +172,6 @@ declared_log_exporter = _declared("_logger_provider", "_create_log_record_export
 
 def execute_hookable(worker: Any) -> str | None:
     """Why ``worker.execute`` cannot carry the in-task context, or None if it can"""
-    import inspect
-
     execute = getattr(type(worker), "execute", None)
     if execute is None or not inspect.iscoroutinefunction(execute):
         return "Worker.execute is not a coroutine function"
@@ -202,15 +200,14 @@ def remove_worker_lost_keys(scheduler: Any, msg: dict) -> tuple[Any, Any]:
 
 # ---- export
 # The outage policy's one adapter (dask_otel/export/accounting.py). The SDK's OTLP
-# exporters (gRPC and HTTP) retry a failed export inside export() with backoff until
-# their timeout, and offer no public way to stop that cycle
+# exporters (gRPC and HTTP) retry a failed export inside export() with backoff until their
+# timeout, and offer no public way to stop that cycle
 # (https://github.com/open-telemetry/opentelemetry-python/issues/3815, /issues/4331).
 # In 1.41 to 1.45.2 each waits out its backoff on a threading.Event that its public
-# shutdown() sets ("Shutdown in progress, aborting retry"); the adapter writes, in
-# place of that Event, one whose wait() asks the policy first, so the export ends there
-# failed, and the exporter (its channel, its session) stays as it was built. Above
-# the versions tested the policy runs on what is public (the exporter's timeout,
-# FAILURE). tests/test_compat.py::test_sdk_* trips when a release changes it.
+# shutdown() sets; the adapter writes, in place of that Event, one whose wait() asks the
+# policy first, so the export ends there failed, and the exporter (its channel, its
+# session) stays as it was built. Above those versions the policy runs on what is public
+# (the exporter's timeout, FAILURE). tests/test_compat.py::test_sdk_* trips on a change.
 
 
 #: The last SDK release whose exporters wait as above (from the floor)

@@ -42,8 +42,7 @@ class ConfigError(ValueError):
     use; the message names the key and the value at fault"""
 
     def __init__(self, key: str, value: Any, expected: str):
-        self.key = key
-        self.value = value
+        self.key, self.value = key, value
         super().__init__(f"{key}: expected {expected}, got {value!r}")
 
 
@@ -187,7 +186,6 @@ class OtelConfig:
     #: the SDK's retries for every batch during an outage, instead of probes
     retry_during_outage: bool = _key("otel.export.retry-during-outage", _bool, SCHEDULER,
                                      WORKERS)
-    #: resolved against OTEL_TRACES_EXPORTER
     traces_exporters: tuple[str, ...] = _key("otel.traces.exporter", _exporters, SCHEDULER,
                                              WORKERS)
     poll_interval: float = _key("otel.spans.poll-interval", partial(_seconds, positive=True),
@@ -197,7 +195,6 @@ class OtelConfig:
     span_totals: str = _key("otel.spans.totals", partial(_choice, choices=("subtree", "own")),
                             SCHEDULER)
     export_code: bool = _key("otel.spans.code", _bool, SCHEDULER)
-    #: resolved against OTEL_METRICS_EXPORTER
     metrics_exporters: tuple[str, ...] = _key("otel.metrics.exporter", _exporters, SCHEDULER,
                                               WORKERS)
     span_label: bool = _key("otel.metrics.span-label", _bool, SCHEDULER)
@@ -214,7 +211,6 @@ class OtelConfig:
     task_slower_than: float | None = _key("otel.tasks.slower-than",
                                           partial(_seconds, optional=True), WORKERS)
     task_erred: bool = _key("otel.tasks.erred", _bool, WORKERS)
-    #: resolved against OTEL_LOGS_EXPORTER (default none)
     logs_exporters: tuple[str, ...] = _key("otel.logs.exporter", _exporters, SCHEDULER, WORKERS)
     logs_level: int = _key("otel.logs.level", _level, SCHEDULER, WORKERS)
     #: the Dask events exported as log records (dask_otel.scheduler.events)

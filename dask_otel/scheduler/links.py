@@ -23,10 +23,8 @@ if TYPE_CHECKING:
 MAX_LINKS = 16
 
 
-def producer_links(
-    ts: TaskState, root: Span, spans: dict[str, Span], links: dict[str, Link],
-    sampler: Sampler,
-) -> None:
+def producer_links(ts: TaskState, root: Span, spans: dict[str, Span], links: dict[str, Link],
+                   sampler: Sampler) -> None:
     """Add to ``links`` a link to each Dask span in another trace than ``root``'s
     that produced an input of task ``ts``, with the context the mirror exports
     it with"""
