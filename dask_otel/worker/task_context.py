@@ -62,7 +62,8 @@ class TaskContexts:
         if not span:
             return None
         ids, otel = span["ids"], otel_of(annotations)
-        # None for most tasks: a distributed.span, no caller; as the scheduler reads it
+        # most tasks have no otel annotation (a distributed.span, no caller); the carrier
+        # is read as the scheduler reads it
         carrier = None if otel is None else root_carrier(otel, ids[0])
         key: tuple = (ids[-1], ids[0], tuple(carrier.items()) if carrier else None)
         if type(otel) is dict and ("sampled" in otel or "tasks" in otel):  # rare, no ABC check
