@@ -53,8 +53,7 @@ class ObservedWorker(Attached):
 
     @property
     def active(self) -> bool:
-        status = getattr(self.worker.status, "name", "")
-        return status not in ("closing", "closed", "failed")
+        return getattr(self.worker.status, "name", "") not in ("closing", "closed", "failed")
 
 
 def spill_levels(worker: Worker) -> dict[str, float]:

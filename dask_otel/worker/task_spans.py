@@ -215,11 +215,8 @@ class TaskSpans:
             exc_type, message = _exception_type_and_message(event)
             status = Status(StatusCode.ERROR, sink.name(f"{exc_type}: {message}"))
             attributes[attr.ERROR_TYPE] = exc_type
-            exception = {
-                attr.EXCEPTION_TYPE: exc_type,
-                attr.EXCEPTION_MESSAGE: message,
-                attr.EXCEPTION_STACKTRACE: event.traceback_text or "",
-            }
+            exception = {attr.EXCEPTION_TYPE: exc_type, attr.EXCEPTION_MESSAGE: message,
+                         attr.EXCEPTION_STACKTRACE: event.traceback_text or ""}
             limited = sink.event_attributes(exception, count=sink.limits.max_event_attributes)
             events = (Event(attr.EXCEPTION_EVENT, limited, int(stop * 1e9)),)
         else:
