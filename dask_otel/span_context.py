@@ -126,8 +126,7 @@ def child_context(parent: SpanContext, span_id: int) -> SpanContext:
         trace_state=parent.trace_state)
 
 
-def in_context(span_context: SpanContext | None, base: Context | None = None
-               ) -> Context | None:
+def in_context(span_context: SpanContext | None, base: Context | None = None) -> Context | None:
     """``base`` (None: the current context) with ``span_context`` as its current
     span, not recording: what a task, an exemplar or a log record is tied to a
     trace by; None for None"""
