@@ -134,12 +134,11 @@ def series_limit_view_options(limit: int) -> dict[str, int]:
 
 
 # --- opentelemetry-configuration (declarative) ------------------------------------
-# opentelemetry-configuration 0.66b2 (experimental; it pins opentelemetry-sdk
-# 1.45.2) builds whole providers publicly (create_tracer_provider, ...) but a
-# processor's or reader's exporter only privately: the bridge builds the processors
-# itself, to wrap each exporter in its export accounting
-# (dask_otel/export/declarative.py). tests/test_compat.py::test_declarative_* trips
-# when a release renames them.
+# opentelemetry-configuration 0.66b2 (experimental; it pins opentelemetry-sdk 1.45.2)
+# builds whole providers publicly (create_tracer_provider, ...) but a processor's or
+# reader's exporter only privately: the bridge builds the processors itself, to wrap each
+# exporter in its export accounting (dask_otel/export/declarative.py).
+# tests/test_compat.py::test_declarative_* trips when a release renames them.
 
 
 def _declared(module: str, name: str) -> Callable[..., Any]:

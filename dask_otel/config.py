@@ -66,7 +66,6 @@ def _warn_unknown_keys(given: Any, defaults: dict, prefix: str) -> None:
 
 # The parsers: each validates ``value``, given for dask config ``key`` (or, by
 # parse_task_rules, for a block's argument), as the bridge uses it
-
 def _bool(key: str, value: Any) -> bool:
     # DASK_OTEL__ENABLED=false: dask 2024.1's collect_env keeps 'false' a string
     # (later dask reads YAML's true/false from the environment as booleans)

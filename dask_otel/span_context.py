@@ -1,9 +1,8 @@
-"""A Dask span's OpenTelemetry identity, computable in any process without a
-message: :func:`dask_span_context` composes the ``SpanContext`` of a Dask span
-(ids, sampling decision, trace flags and state) for the client, the scheduler's
-mirror, the workers and links alike; :func:`child_context` that of a span a process
-makes under it. docs/traces.md, "How the trace id is chosen" and "Sampling".
-Needs only ``opentelemetry-api``.
+"""A Dask span's OpenTelemetry identity, computable in any process without a message:
+:func:`dask_span_context` composes the ``SpanContext`` of a Dask span (ids, sampling
+decision, trace flags and state) for the client, the scheduler's mirror, the workers and
+links alike; :func:`child_context` that of a span a process makes under it. docs/traces.md,
+"How the trace id is chosen" and "Sampling". Needs only ``opentelemetry-api``.
 """
 
 from __future__ import annotations
@@ -97,12 +96,11 @@ def trace_decision(sampler: Sampler | None, trace_id: int, root_tag: str,
 def dask_span_context(root_id: str, span_id: str, root_tag: str, remote_parent: SpanContext | None,
                       sampler: Sampler | None, *, is_remote: bool, forced: bool | None = None
                       ) -> SpanContext:
-    """The OTel SpanContext of Dask span ``span_id`` in the tree of root ``root_id``
-    (first tag ``root_tag``), continuing ``remote_parent`` if the root does.
-    ``is_remote``: False only in the process that makes the span (the scheduler).
-    ``forced``: the client's ``sampled=`` (None: the sampler decides). Flags are the
-    caller's (or :func:`root_flags`) with the sampled bit decided here; the trace
-    state the sampler's, else the caller's."""
+    """The OTel SpanContext of Dask span ``span_id`` in the tree of root ``root_id`` (first
+    tag ``root_tag``), continuing ``remote_parent`` if the root does. ``is_remote``: False
+    only in the process that makes the span (the scheduler). ``forced``: the client's
+    ``sampled=`` (None: the sampler decides). Flags are the caller's (or :func:`root_flags`)
+    with the sampled bit decided here; the trace state the sampler's, else the caller's."""
     trace_id = remote_parent.trace_id if remote_parent is not None else dask_uuid(root_id)
     if forced is None:
         sampled, state = trace_decision(sampler, trace_id, root_tag, remote_parent)
@@ -127,7 +125,6 @@ def child_context(parent: SpanContext, span_id: int) -> SpanContext:
 
 
 def in_context(span_context: SpanContext | None, base: Context | None = None) -> Context | None:
-    """``base`` (None: the current context) with ``span_context`` as its current
-    span, not recording: what a task, an exemplar or a log record is tied to a
-    trace by; None for None"""
+    """``base`` (None: the current context) with ``span_context`` as its current span, not
+    recording: what a task, an exemplar or a log record is tied to a trace by; None for None"""
     return set_span_in_context(NonRecordingSpan(span_context), base) if span_context else None

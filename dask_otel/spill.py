@@ -60,8 +60,7 @@ def spill_levels(worker: Worker) -> dict[str, float]:
     """What the worker's data holds now; what this kind of ``data`` cannot tell
     is missing"""
     data = worker.data
-    fast = getattr(data, "fast", None)
-    slow = getattr(data, "slow", None)
+    fast, slow = getattr(data, "fast", None), getattr(data, "slow", None)
     spilled = getattr(data, "spilled_total", None)  # SpilledSize(memory, disk)
     out: dict[str, float] = {}
     if fast is None and slow is None:

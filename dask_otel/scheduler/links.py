@@ -1,7 +1,6 @@
-"""Span links across workflows: the OTel span of a Dask span whose tasks consume
-data another trace produced links to each producing Dask span's (at most
-:data:`MAX_LINKS`, found in ``update_graph`` from one task of each new TaskGroup).
-docs/traces.md, "Links".
+"""Span links across workflows: the OTel span of a Dask span whose tasks consume data
+another trace produced links to each producing Dask span's (at most :data:`MAX_LINKS`, found
+in ``update_graph`` from one task of each new TaskGroup). docs/traces.md, "Links".
 """
 
 from __future__ import annotations
@@ -25,9 +24,8 @@ MAX_LINKS = 16
 
 def producer_links(ts: TaskState, root: Span, spans: dict[str, Span], links: dict[str, Link],
                    sampler: Sampler) -> None:
-    """Add to ``links`` a link to each Dask span in another trace than ``root``'s
-    that produced an input of task ``ts``, with the context the mirror exports
-    it with"""
+    """Add to ``links`` a link to each Dask span in another trace than ``root``'s that
+    produced an input of task ``ts``, with the context the mirror exports it with"""
     for dep in ts.dependencies:
         if len(links) >= MAX_LINKS:
             return

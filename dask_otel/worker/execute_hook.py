@@ -1,10 +1,9 @@
-"""The hook around a worker instance's ``execute`` that runs every task in its OTel
-context (:mod:`~dask_otel.worker.task_context`) and tells the task spans
+"""The hook around a worker instance's ``execute`` that runs every task in its OTel context
+(:mod:`~dask_otel.worker.task_context`) and tells the task spans
 (:mod:`~dask_otel.worker.task_spans`) before and after each run: docs/traces.md,
-"Inside tasks". ``Worker.execute`` runs sync tasks with
-``run_in_executor_with_context`` (contextvars reach the executor thread) and
-coroutine tasks on the event loop. An error while building a context runs the task
-without one. Cost: ``benchmarks/task_context.py``.
+"Inside tasks". ``Worker.execute`` runs sync tasks with ``run_in_executor_with_context``
+(contextvars reach the executor thread) and coroutine tasks on the event loop. An error
+while building a context runs the task without one. Cost: ``benchmarks/task_context.py``.
 """
 
 from __future__ import annotations

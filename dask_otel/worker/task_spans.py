@@ -138,9 +138,8 @@ class TaskSpans:
     _thread_names: dict[int, str] = field(default_factory=dict)
 
     def start(self, key: Key, dask_span: DaskSpanContext) -> TaskRun | DaskSpanContext:
-        """The run of a task whose Dask span's tasks may get spans
-        (``dask_span.rules``): in its task span's context if its key is chosen,
-        else in its Dask span's"""
+        """The run of a task whose Dask span's tasks may get spans (``dask_span.rules``): in
+        its task span's context if its key is chosen, else in its Dask span's"""
         chosen = dask_span.rules.decide(key)  # type: ignore[union-attr]
         if chosen is False:
             return dask_span  # runs as if there were no task spans
