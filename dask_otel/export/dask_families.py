@@ -1,9 +1,8 @@
 """Dask's own Prometheus families as OpenTelemetry instruments (``otel.metrics.dask``):
 an adapter over the collectors Dask serves its ``/metrics`` from, naming no family.
-Each collection runs each attached server's collectors once, on a view of the
-server that leaves Dask's own scrapes unchanged, and every family they yield
-becomes an observable instrument by one rule (:func:`family_spec`). The rule, what
-is left out and why: docs/metrics.md#dasks-own-families.
+Each collection runs each attached server's collectors once, and every family they
+yield becomes an observable instrument by one rule (:func:`family_spec`; what is
+left out and why: docs/metrics.md#dasks-own-families).
 """
 
 from __future__ import annotations
@@ -70,16 +69,14 @@ def family_spec(family: Metric, prefix: str, beside_gauge: bool) -> MetricSpec |
     name = family.name
     rest = name[len(prefix):] if name.startswith(prefix) else name
     head = name[: len(name) - len(rest)].replace("_", ".")
-    unit = ""
     for word, otel_unit in UNITS.items():
         if rest.endswith("_" + word):
             unit = otel_unit
             if not beside_gauge:
                 rest = rest[: -len(word) - 1]
             break
-    else:
-        if family.unit:  # a unit of Dask's own (``s``): the name keeps it
-            unit = "{%s}" % family.unit
+    else:  # a unit of Dask's own (``s``): the name keeps it
+        unit = "{%s}" % family.unit if family.unit else ""
     if beside_gauge:
         base, _, last = rest.rpartition("_")
         rest = f"{base}.{last}" if base else rest

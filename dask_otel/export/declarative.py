@@ -1,8 +1,7 @@
 """The ``OTEL_CONFIG_FILE`` recipe (:class:`ConfigFile`): the bridge's providers from
-the file, as opentelemetry-sdk builds the application's (docs/configuration-file.md);
-the ``OTEL_*`` variables the SDK then ignores are ignored here too. It answers what
-:class:`~dask_otel.export.exporters.EnvRecipe` answers; the file is read and
-validated once per process and file by opentelemetry-configuration.
+the file, as opentelemetry-sdk builds the application's, ignoring the ``OTEL_*``
+variables it ignores (docs/configuration-file.md). It answers what
+:class:`~dask_otel.export.exporters.EnvRecipe` answers.
 """
 
 from __future__ import annotations
@@ -19,7 +18,6 @@ from dask_otel.config import ConfigError
 from dask_otel.export.exporters import SIGNALS, Account, prometheus_reader
 from dask_otel.log import logger
 
-#: The variable that names the file (opentelemetry-sdk's name for it)
 VARIABLE = "OTEL_CONFIG_FILE"
 #: How the package that reads it is installed with the bridge
 EXTRA = "pip install 'dask-otel[config]'"
@@ -48,8 +46,6 @@ class ConfigFile:
         return {signal for signal, (section, items) in sections.items()
                 if getattr(getattr(self.model, section), items, None)}
 
-    # -- the resource ------------------------------------------------------------
-
     def resource(self, ours: dict[str, Any], service_name: str):
         """The file's resource, beneath Dask's identity (``ours``: host, process,
         the server's addresses); ``service_name`` where the file names none"""
@@ -71,8 +67,6 @@ class ConfigFile:
             return None
         return str(name), VARIABLE
 
-    # -- the providers -------------------------------------------------------------
-
     def tracer_provider(self, resource: Any, default_length: int):
         """The file's TracerProvider without its processors (:meth:`span_processors`),
         ``default_length`` where the file sets no length limit; and its SpanLimits"""
@@ -88,7 +82,10 @@ class ConfigFile:
             limits = dataclasses.replace(limits, attribute_value_length_limit=default_length)
         config = dataclasses.replace(config, processors=[], limits=limits)
         provider = create_tracer_provider(config, resource, global_limits)
-        _lifecycle_is_ours(provider)
+        # The package's providers shut down at exit; the bridge's when the last server
+        # closes, within otel.flush-timeout (an exit-time shutdown could hold a dying
+        # process on a dead collector)
+        atexit.unregister(provider.shutdown)
         return provider, declared_span_limits(limits, global_limits)
 
     def span_processors(self, account: Account, meter_provider: Any = None) -> list:
@@ -135,7 +132,7 @@ class ConfigFile:
 
         config = dataclasses.replace(self.model.logger_provider, processors=[])
         provider = create_logger_provider(config, resource, self.model.attribute_limits)
-        _lifecycle_is_ours(provider)
+        atexit.unregister(provider.shutdown)  # as the TracerProvider's
         return provider
 
     def log_processors(self, account: Account) -> list:
@@ -186,13 +183,6 @@ def _or_default(value: int | None, what: str) -> int:
     """``value``, else the spec's default in ms: a signal's export interval (the
     SDK's: ``SIGNALS``), or an export's timeout (``timeout``)"""
     return value if value is not None else 30000 if what == "timeout" else SIGNALS[what][3]
-
-
-def _lifecycle_is_ours(provider: Any) -> None:
-    """The package's providers shut down at exit; the bridge's flush and shut down
-    when the last server closes, bounded by otel.flush-timeout (an exit-time
-    shutdown could hold a dying process on a dead collector)"""
-    atexit.unregister(provider.shutdown)
 
 
 def _ignored(model: Any) -> tuple[str, ...]:

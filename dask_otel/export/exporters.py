@@ -1,9 +1,8 @@
-"""The ``OTEL_*`` recipe (:class:`EnvRecipe`): the providers' processors and
-readers from ``otel.*.exporter`` names, each exporter built from its entry point
-and reading its own ``OTEL_*`` variables (endpoint, headers, certificate, timeout,
-compression); the only choices made here are which exporter, gRPC or HTTP for
-``otlp``, and nothing else. A header variable's value (a credential) never
-reaches a log line or an error. docs/traces.md, docs/metrics.md, docs/logs.md.
+"""The ``OTEL_*`` recipe (:class:`EnvRecipe`): the providers' processors and readers
+from ``otel.*.exporter`` names, each exporter built from its entry point and reading
+its own ``OTEL_*`` variables; the only choices made here are which exporter, and gRPC
+or HTTP for ``otlp``. A header variable's value (a credential) never reaches a log
+line or an error. docs/traces.md, docs/metrics.md, docs/logs.md.
 """
 
 from __future__ import annotations
@@ -22,32 +21,6 @@ from dask_otel.log import logger
 def otel_environment() -> dict[str, str]:
     """The ``OTEL_*`` variables, which the providers' exporters read once"""
     return {k: v for k, v in os.environ.items() if k.startswith("OTEL_")}
-
-
-def _build_exporter(group: str, name: str, **kwargs: Any) -> Any:
-    """An exporter from its entry point; an error names the variable holding the
-    bad value (the SDK's do not always), but never a header variable's value"""
-    ep = installed_entry_points(group)[name]
-    try:
-        cls = ep.load()
-        try:
-            exporter = cls(**kwargs)
-        except TypeError:
-            if not kwargs:
-                raise
-            exporter = cls()  # an exporter without SDK metrics (older, third-party)
-    except Exception as e:
-        text = _redacted(f"{type(e).__name__}: {e}")
-        culprits = [k for k, v in otel_environment().items() if v.strip() and v.strip() in str(e)]
-        value = os.environ[culprits[0]] if culprits else text
-        if culprits and culprits[0] in _secret_variables():
-            value = SECRET_NOT_SHOWN
-        raise ConfigError(
-            ", ".join(culprits) or f"the {name} exporter's OTEL_* settings",
-            value,
-            f"a value the OpenTelemetry SDK accepts ({text})",
-        ) from e
-    return exporter
 
 
 #: What is shown instead of the value of a variable that may hold credentials
@@ -120,7 +93,9 @@ def export_interval(signal: str) -> float:
 
 
 def _exporter(signal: str, name: str, **kwargs: Any) -> Any:
-    """The exporter ``name`` (``console``, ``otlp``, an entry point) of ``signal``"""
+    """The exporter ``name`` (``console``, ``otlp``, an entry point) of ``signal``; an
+    error names the variable holding the bad value (the SDK's do not always), but
+    never a header variable's value"""
     if name == "console":
         from opentelemetry.sdk._logs.export import ConsoleLogRecordExporter
         from opentelemetry.sdk.metrics.export import ConsoleMetricExporter
@@ -129,7 +104,23 @@ def _exporter(signal: str, name: str, **kwargs: Any) -> Any:
         return {"spans": ConsoleSpanExporter, "metrics": ConsoleMetricExporter,
                 "logs": ConsoleLogRecordExporter}[signal]()
     group, otlp, *_ = SIGNALS[signal]
-    return _build_exporter(group, otlp_entry_point(otlp) if name == "otlp" else name, **kwargs)
+    ep = installed_entry_points(group)[otlp_entry_point(otlp) if name == "otlp" else name]
+    try:
+        cls = ep.load()
+        try:
+            return cls(**kwargs)
+        except TypeError:
+            if not kwargs:
+                raise
+            return cls()  # an exporter without SDK metrics (older, third-party)
+    except Exception as e:
+        text = _redacted(f"{type(e).__name__}: {e}")
+        culprits = [k for k, v in otel_environment().items() if v.strip() and v.strip() in str(e)]
+        value = os.environ[culprits[0]] if culprits else text
+        if culprits and culprits[0] in _secret_variables():
+            value = SECRET_NOT_SHOWN
+        raise ConfigError(", ".join(culprits) or f"the {ep.name} exporter's OTEL_* settings",
+                          value, f"a value the OpenTelemetry SDK accepts ({text})") from e
 
 
 def prometheus_reader() -> Any:
@@ -178,9 +169,8 @@ class EnvRecipe:
         from opentelemetry.sdk.resources import OTELResourceDetector, Resource
 
         detected = detected_resource(os.getpid(), tuple(sorted(otel_environment().items())))
-        return detected.merge(
-            Resource({"service.name": service_name, **ours})
-        ).merge(OTELResourceDetector().detect())
+        return detected.merge(Resource({"service.name": service_name, **ours})).merge(
+            OTELResourceDetector().detect())
 
     @property
     def signals(self) -> set[str]:
@@ -207,14 +197,11 @@ class EnvRecipe:
                                 export.BatchSpanProcessor, export.SimpleSpanProcessor, sdk_metrics)
 
     def metric_readers(self, account: Account) -> list:
-        from opentelemetry.sdk.metrics.export import (
-            InMemoryMetricReader,
-            PeriodicExportingMetricReader,
-        )
+        from opentelemetry.sdk.metrics import export
 
-        readers = {"memory": InMemoryMetricReader, "prometheus": prometheus_reader}
+        readers = {"memory": export.InMemoryMetricReader, "prometheus": prometheus_reader}
         return [
-            readers[name]() if name in readers else PeriodicExportingMetricReader(
+            readers[name]() if name in readers else export.PeriodicExportingMetricReader(
                 account("metrics", _exporter("metrics", name), export_interval("metrics")))
             for name in self.config.metrics_exporters
         ]
