@@ -15,7 +15,7 @@ from dask_otel._compat import (declared_exemplar_filter, declared_log_exporter,
                                declared_metric_exporter, declared_span_exporter,
                                declared_span_limits, declared_view)
 from dask_otel.config import ConfigError
-from dask_otel.export.exporters import SIGNALS, Account, prometheus_reader
+from dask_otel.export.exporters import SIGNALS, Account, prometheus_reader, sdk_processors
 from dask_otel.log import logger
 
 VARIABLE = "OTEL_CONFIG_FILE"
@@ -68,7 +68,7 @@ class ConfigFile:
         return str(name), VARIABLE
 
     def tracer_provider(self, resource: Any, default_length: int):
-        """The file's TracerProvider without its processors (:meth:`span_processors`),
+        """The file's TracerProvider without its processors (:meth:`processors`),
         ``default_length`` where the file sets no length limit; and its SpanLimits"""
         from opentelemetry.configuration.file import create_tracer_provider
         from opentelemetry.configuration.models import SpanLimits
@@ -87,14 +87,6 @@ class ConfigFile:
         # process on a dead collector)
         atexit.unregister(provider.shutdown)
         return provider, declared_span_limits(limits, global_limits)
-
-    def span_processors(self, account: Account, meter_provider: Any = None) -> list:
-        """Batch processors report their SDK metrics to ``meter_provider``"""
-        from opentelemetry.sdk.trace.export import BatchSpanProcessor, SimpleSpanProcessor
-
-        return self._processors("spans", "tracer_provider", declared_span_exporter, account,
-                                BatchSpanProcessor, SimpleSpanProcessor,
-                                {"meter_provider": meter_provider} if meter_provider else {})
 
     def metric_readers(self, account: Account) -> list:
         """A pull reader serves on Dask's ``/metrics`` (the Prometheus exporter's)"""
@@ -127,7 +119,7 @@ class ConfigFile:
 
     def logger_provider(self, resource: Any):
         """The file's LoggerProvider (limits, logger configurator) without its
-        processors, which :meth:`log_processors` builds"""
+        processors, which :meth:`processors` builds"""
         from opentelemetry.configuration.file import create_logger_provider
 
         config = dataclasses.replace(self.model.logger_provider, processors=[])
@@ -135,16 +127,14 @@ class ConfigFile:
         atexit.unregister(provider.shutdown)  # as the TracerProvider's
         return provider
 
-    def log_processors(self, account: Account) -> list:
-        from opentelemetry.sdk._logs.export import BatchLogRecordProcessor, SimpleLogRecordProcessor
-
-        return self._processors("logs", "logger_provider", declared_log_exporter, account,
-                                BatchLogRecordProcessor, SimpleLogRecordProcessor)
-
-    def _processors(self, signal: str, section: str, build: Any, account: Account,
-                    batch: type, simple: type, sdk_metrics: dict | None = None) -> list:
-        """The processors of a provider ``section`` of the file, each exporter passed
-        through ``account``; a batch's settings the file's, else the spec's defaults"""
+    def processors(self, signal: str, account: Account, meter_provider: Any = None) -> list:
+        """The span or log processors of the file, each exporter passed through
+        ``account``; a batch's settings the file's, else the spec's defaults. Batch
+        processors report their SDK metrics to ``meter_provider``"""
+        section, build = {"spans": ("tracer_provider", declared_span_exporter),
+                          "logs": ("logger_provider", declared_log_exporter)}[signal]
+        batch, simple, _ = sdk_processors(signal)
+        sdk_metrics = {"meter_provider": meter_provider} if meter_provider else {}
         out = []
         for i, config in enumerate(getattr(self.model, section).processors):
             where = f"{section}.processors[{i}]"

@@ -136,6 +136,19 @@ def prometheus_reader() -> Any:
     return PrometheusMetricReader()
 
 
+def sdk_processors(signal: str) -> tuple[type, type, type]:
+    """The SDK's batch and simple processors of spans or logs, and its in-memory exporter"""
+    if signal == "spans":
+        from opentelemetry.sdk.trace import export
+        from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+        return export.BatchSpanProcessor, export.SimpleSpanProcessor, InMemorySpanExporter
+    from opentelemetry.sdk._logs import export as logs
+
+    return (logs.BatchLogRecordProcessor, logs.SimpleLogRecordProcessor,
+            logs.InMemoryLogRecordExporter)
+
+
 @lru_cache(maxsize=1)
 def detected_resource(pid: int, otel_variables: tuple) -> Any:
     """``Resource.create({})`` (a few ms and a thread pool per call), once per process
@@ -187,15 +200,6 @@ class EnvRecipe:
         limits = span_limits()
         return TracerProvider(resource=resource, span_limits=limits, shutdown_on_exit=False), limits
 
-    def span_processors(self, account: Account, meter_provider: Any) -> list:
-        """OTLP exporters and processors report their SDK metrics to ``meter_provider``"""
-        from opentelemetry.sdk.trace import export
-        from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
-
-        sdk_metrics = {"meter_provider": meter_provider} if meter_provider else {}
-        return self._processors("spans", self.config.traces_exporters, account, InMemorySpanExporter,
-                                export.BatchSpanProcessor, export.SimpleSpanProcessor, sdk_metrics)
-
     def metric_readers(self, account: Account) -> list:
         from opentelemetry.sdk.metrics import export
 
@@ -214,18 +218,14 @@ class EnvRecipe:
 
         return LoggerProvider(resource=resource, shutdown_on_exit=False)
 
-    def log_processors(self, account: Account) -> list:
-        from opentelemetry.sdk._logs import export
-
-        return self._processors("logs", self.config.logs_exporters, account,
-                                export.InMemoryLogRecordExporter, export.BatchLogRecordProcessor,
-                                export.SimpleLogRecordProcessor)
-
-    @staticmethod
-    def _processors(signal: str, names: tuple[str, ...], account: Account, memory: type,
-                    batch: type, simple: type, sdk_metrics: dict | None = None) -> list:
+    def processors(self, signal: str, account: Account, meter_provider: Any = None) -> list:
+        """The span or log processors; OTLP exporters and processors report their SDK
+        metrics to ``meter_provider``"""
+        batch, simple, memory = sdk_processors(signal)
+        sdk_metrics = {"meter_provider": meter_provider} if meter_provider else {}
         out = []
-        for name in names:
+        config = self.config
+        for name in config.traces_exporters if signal == "spans" else config.logs_exporters:
             if name == "memory":
                 out.append(simple(account(signal, memory(), None)))
             else:

@@ -94,7 +94,7 @@ class LogExport:
                               "none, or opentelemetry-instrumentation-logging installed "
                               "(pip install 'dask-otel[logs]'): this SDK has no LoggingHandler")
         self.provider = recipe.logger_provider(resource)
-        for processor in recipe.log_processors(account):
+        for processor in recipe.processors("logs", account):
             self.provider.add_log_record_processor(processor)
         self.handlers = {}
         root = logging.getLogger()

@@ -156,7 +156,7 @@ class Telemetry:
         if "spans" in signals:
             self.tracer_provider, limits = built.tracer_provider(self.resource,
                                                                  DEFAULT_ATTRIBUTE_LENGTH)
-            processors = built.span_processors(self.account, self.meter_provider)
+            processors = built.processors("spans", self.account, self.meter_provider)
             for processor in processors:
                 self.tracer_provider.add_span_processor(processor)
             self.span_sink = SpanSink(self.tracer_provider, processors, limits)
