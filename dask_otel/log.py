@@ -19,11 +19,9 @@ from distributed.config import initialize_logging
 
 logger = logging.getLogger("dask_otel")
 
-#: The handler classes that export Python log records to OpenTelemetry, as
-#: (module, class), the preferred first: opentelemetry-instrumentation-logging's,
-#: which the SDK recommends (``opentelemetry-instrument`` puts one on the root
-#: logger), and the SDK's own (deprecated; on the root with
-#: ``OTEL_PYTHON_LOGGING_AUTO_INSTRUMENTATION_ENABLED=true``)
+#: The handler classes that export Python log records to OpenTelemetry, as (module,
+#: class), the preferred first: opentelemetry-instrumentation-logging's (the SDK
+#: recommends it; ``opentelemetry-instrument`` puts one on the root), the SDK's own
 OTEL_HANDLERS = (
     ("opentelemetry.instrumentation.logging.handler", "LoggingHandler"),
     ("opentelemetry.sdk._logs", "LoggingHandler"),

@@ -181,10 +181,8 @@ class ExporterHealth:
         if ok:
             self.items += items
             if self.failing:
-                logger.warning(
-                    "dask_otel: %s export recovered after %d failed exports",
-                    self.signal, self.failing,
-                )
+                logger.warning("dask_otel: %s export recovered after %d failed exports",
+                               self.signal, self.failing)
                 self.failing = 0
             return True
         self.dropped += items

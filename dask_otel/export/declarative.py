@@ -19,8 +19,6 @@ from dask_otel.export.exporters import SIGNALS, Account, prometheus_reader, sdk_
 from dask_otel.log import logger
 
 VARIABLE = "OTEL_CONFIG_FILE"
-#: How the package that reads it is installed with the bridge
-EXTRA = "pip install 'dask-otel[config]'"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -162,11 +160,9 @@ class ConfigFile:
         except Exception as e:
             names = [f.name for f in dataclasses.fields(config) if getattr(config, f.name) is not None]
             names += list(getattr(config, "additional_properties", None) or ())
-            raise ConfigError(
-                VARIABLE, self.path,
-                f"an exporter the SDK can build at {where}.exporter "
-                f"({', '.join(names) or 'none named'}: {type(e).__name__}: {e})",
-            ) from None
+            raise ConfigError(VARIABLE, self.path, f"an exporter the SDK can build at "
+                              f"{where}.exporter ({', '.join(names) or 'none named'}: "
+                              f"{type(e).__name__}: {e})") from None
 
 
 def _or_default(value: int | None, what: str) -> int:
@@ -209,15 +205,13 @@ def config_file() -> ConfigFile | None:
     try:
         from opentelemetry.configuration import ConfigurationError, load_config_file
     except ImportError:
-        raise ConfigError(
-            VARIABLE, path, f"unset, or opentelemetry-configuration installed ({EXTRA})"
-        ) from None
+        raise ConfigError(VARIABLE, path, "unset, or opentelemetry-configuration installed "
+                          "(pip install 'dask-otel[config]')") from None
     try:
         model = load_config_file(path)
     except (ConfigurationError, OSError) as e:
-        raise ConfigError(
-            VARIABLE, path, f"a declarative configuration file the SDK accepts ({e})"
-        ) from e
+        raise ConfigError(VARIABLE, path,
+                          f"a declarative configuration file the SDK accepts ({e})") from e
     read = _read[key] = ConfigFile(path, model, _ignored(model))
     if read.ignored:
         logger.warning(

@@ -56,12 +56,10 @@ class _HeaderWarningNamed(logging.Filter):
         if self.warned == values:
             return False
         self.warned = values
-        logger.warning(
-            "dask_otel: %s is malformed (expected comma-separated name=value pairs, "
-            "URL-encoded); the OpenTelemetry SDK ignores the malformed part. %s",
-            " or ".join(_secret_variables()) or "an OTEL_EXPORTER_OTLP_*HEADERS variable",
-            SECRET_NOT_SHOWN,
-        )
+        named = " or ".join(_secret_variables()) or "an OTEL_EXPORTER_OTLP_*HEADERS variable"
+        logger.warning("dask_otel: %s is malformed (expected comma-separated name=value pairs, "
+                       "URL-encoded); the OpenTelemetry SDK ignores the malformed part. %s",
+                       named, SECRET_NOT_SHOWN)
         return False
 
 
@@ -129,10 +127,9 @@ def prometheus_reader() -> Any:
     try:
         from opentelemetry.exporter.prometheus import PrometheusMetricReader
     except ImportError:
-        raise ConfigError(
-            "otel.metrics.exporter", "prometheus",
-            "opentelemetry-exporter-prometheus to be installed (pip install 'dask-otel[prometheus]')",
-        ) from None
+        raise ConfigError("otel.metrics.exporter", "prometheus",
+                          "opentelemetry-exporter-prometheus to be installed "
+                          "(pip install 'dask-otel[prometheus]')") from None
     return PrometheusMetricReader()
 
 

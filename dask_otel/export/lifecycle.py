@@ -53,14 +53,12 @@ async def _flush_and_shut_down(telemetry: Telemetry, builder: Any = None) -> Non
             logger.warning("dask_otel: exports are failing; closing without waiting for them "
                            "(what was still queued is dropped and counted)")
         else:
-            # One thread flushes, then shuts the SDK down (its threads joined
-            # before the server reports itself closed): one thread start and one
-            # wake-up of the loop per close with a healthy collector
+            # One thread flushes, then shuts the SDK down (joined before the server
+            # reports itself closed): one thread start and loop wake-up per close
             flushed = threading.Event()
             done = _in_thread(lambda: shut_down(flushed), "dask_otel-close")
-            # A flush whose export meets an outage (a refused or UNAVAILABLE
-            # collector, or one that has not answered for STALLED_AFTER) cannot
-            # complete: stop waiting for it
+            # A flush whose export meets an outage (a refused collector, or one
+            # silent for STALLED_AFTER) cannot complete: stop waiting for it
             flush_deadline = deadline - (1 - FLUSH_SHARE) * budget
             if (await _wait(done, flush_deadline, give_up=lambda: telemetry.outage)
                     or flushed.is_set()):

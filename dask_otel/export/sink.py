@@ -34,9 +34,8 @@ DEFAULT_ATTRIBUTE_LENGTH = 4096
 WHOLE_VALUES = frozenset({SPAN_ID})
 
 _UNSET = Status(StatusCode.UNSET)
-#: The attributes of an event or link that has none. Events and links always get
-#: a ``BoundedAttributes``, as the SDK's own spans give them, so that their
-#: ``dropped_attributes`` counts what the limits dropped.
+#: The attributes of an event or link that has none: a ``BoundedAttributes`` always,
+#: as the SDK gives them, so that ``dropped_attributes`` counts what the limits dropped
 NO_ATTRIBUTES = BoundedAttributes(immutable=True)
 
 #: Attribute value types that need no cleaning: OTel's primitive types, exactly

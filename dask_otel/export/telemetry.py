@@ -48,8 +48,7 @@ def service_name() -> tuple[str, str]:
     from opentelemetry import trace
     from opentelemetry.sdk.trace import TracerProvider
 
-    named = recipe().service_name()
-    if named:
+    if named := recipe().service_name():
         return named
     # imported only where DaskInstrumentor is (it needs opentelemetry-instrumentation)
     instrumentor = sys.modules.get("dask_otel.instrumentor")
@@ -299,9 +298,8 @@ class ServerTelemetry:
     shared_with: str | None = None
 
     @classmethod
-    def of(
-        cls, telemetry: Telemetry, config: OtelConfig, resource: Any, address: str | None
-    ) -> ServerTelemetry:
+    def of(cls, telemetry: Telemetry, config: OtelConfig, resource: Any,
+           address: str | None) -> ServerTelemetry:
         sink = telemetry.span_sink
         if sink is not None and resource != sink.resource:
             # a second cluster in the process: the same processors and limits, nothing copied
