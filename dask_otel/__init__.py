@@ -80,10 +80,9 @@ def instrument(client: Client) -> None:
 
 
 def status(client: Client) -> dict[str, Any]:
-    """The bridge's state on the scheduler and on every worker (None where it is
-    not installed), and ``warning``: why the scheduler has no bridge although its
-    config names the preload. What each key means: README.md, "``instrument`` and
-    ``status``"."""
+    """The bridge's state on the scheduler and on every worker (None where it is not
+    installed), and ``warning``: why the scheduler has none though its config names the
+    preload. What each key means: README.md, "``instrument`` and ``status``"."""
     from dask_otel.worker.plugin import PLUGIN_NAME
 
     def _status(dask_scheduler: Any = None, dask_worker: Any = None) -> dict[str, Any] | None:
@@ -100,6 +99,5 @@ def status(client: Client) -> dict[str, Any]:
     return {
         "scheduler": client.run_on_scheduler(_status),
         "workers": client.run(_status),
-        # why the bridge is off on the scheduler though its config names the preload
         "warning": client.run_on_scheduler(_trap),
     }

@@ -58,8 +58,7 @@ def waterfall(spans: Sequence[Any], trace_id: int) -> str:
     if not spans:
         return "(no spans)"
     t0 = min(s.start_time for s in spans)
-    t1 = max(s.end_time for s in spans)
-    scale = BAR_WIDTH / max(t1 - t0, 1)
+    scale = BAR_WIDTH / max(max(s.end_time for s in spans) - t0, 1)
     children = defaultdict(list)
     ids = {s.context.span_id for s in spans}
     for s in spans:

@@ -1,9 +1,8 @@
 """Zero-code: :class:`DaskInstrumentor`, the ``dask`` entry point of
-``opentelemetry_instrumentor`` that ``opentelemetry-instrument`` loads: once
-distributed is imported (a process that never imports it pays nothing) it sets up
-the ``otel:`` defaults and Dask's console and wraps ``Scheduler.__init__`` (then adds
-the bridge, whatever ``--preload`` says) and ``Worker.start_unsafe`` (then one
-WARNING if the scheduler handed the worker no bridge). The manual: docs/zero-code.md.
+``opentelemetry_instrumentor`` that ``opentelemetry-instrument`` loads: once distributed
+is imported (a process that never imports it pays nothing) it sets up the ``otel:``
+defaults and Dask's console and wraps ``Scheduler.__init__`` (to add the bridge) and
+``Worker.start_unsafe`` (to warn of a missing one). The manual: docs/zero-code.md.
 """
 
 from __future__ import annotations

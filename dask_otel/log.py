@@ -7,6 +7,7 @@ console; the ``dask_otel`` logger, unless something configured it, follows the
 
 from __future__ import annotations
 
+import contextlib
 import importlib
 import logging
 import sys
@@ -18,11 +19,9 @@ from distributed.config import initialize_logging
 
 logger = logging.getLogger("dask_otel")
 
-#: The handler classes that export Python log records to OpenTelemetry, as
-#: (module, class), the preferred first: opentelemetry-instrumentation-logging's,
-#: which the SDK recommends (``opentelemetry-instrument`` puts one on the root
-#: logger), and the SDK's own (deprecated; on the root with
-#: ``OTEL_PYTHON_LOGGING_AUTO_INSTRUMENTATION_ENABLED=true``)
+#: The handler classes that export Python log records to OpenTelemetry, as (module,
+#: class), the preferred first: opentelemetry-instrumentation-logging's (the SDK
+#: recommends it; ``opentelemetry-instrument`` puts one on the root), the SDK's own
 OTEL_HANDLERS = (
     ("opentelemetry.instrumentation.logging.handler", "LoggingHandler"),
     ("opentelemetry.sdk._logs", "LoggingHandler"),
@@ -37,12 +36,9 @@ def otel_handler_classes(import_them: bool = True) -> tuple[type, ...]:
     for module_name, class_name in OTEL_HANDLERS:
         module = sys.modules.get(module_name)
         if module is None and import_them:
-            try:
+            with contextlib.suppress(ImportError):
                 module = importlib.import_module(module_name)
-            except ImportError:
-                continue
-        handler_class = getattr(module, class_name, None)
-        if handler_class is not None:
+        if (handler_class := getattr(module, class_name, None)) is not None:
             classes.append(handler_class)
     return tuple(classes)
 
@@ -59,11 +55,9 @@ def dask_logging_config(config: dict | None = None) -> dict:
 
 def keep_dask_console() -> bool:
     """Run distributed's logging set-up again with the root logger's handlers set
-    aside, if it skipped Dask's console only because they were there and they are
-    all OpenTelemetry handlers; True if it did. A new-style (``version: 1``) or
-    file set-up does not look at the root's handlers: it is left alone, as is a
-    process whose root has any other handler (the application's ``basicConfig``:
-    Dask's lines go there, as they would without OpenTelemetry)."""
+    aside, if it skipped Dask's console only because they were all OpenTelemetry
+    handlers; True if it did. A new-style or file set-up does not look at the root's
+    handlers; a root with any other handler (``basicConfig``) gets Dask's lines."""
     root = logging.getLogger()
     theirs = logging.getLogger("distributed")
     base = dask_logging_config()

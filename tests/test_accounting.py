@@ -154,7 +154,7 @@ def accounted_otlp_exporter(env: dict, monkeypatch, retry_during_outage: bool = 
         built.append(AccountedExporter(signal, exporter, interval, retry_during_outage))
         return built[-1]
 
-    PROCESSORS.extend(EnvRecipe(otel_config(traces_exporters=("otlp",))).span_processors(account, None))
+    PROCESSORS.extend(EnvRecipe(otel_config(traces_exporters=("otlp",))).processors("spans", account))
     HELD_EXPORTER_LOGS.attach()
     (exporter,) = built
     assert exporter.health.interval == export_interval("spans")

@@ -1,9 +1,8 @@
 """Export accounting and the outage policy, one engine for the three signals
 (docs/deploy.md, "Volume" and "When telemetry fails"): :class:`AccountedExporter`
-wraps the SDK's exporter in the SDK's export thread and counts every item handed to
-it once, as exported or dropped; batching, queues and timeouts stay the SDK's, and
-the exporter is never built again. :class:`ExportInstruments` publishes the counts
-of every process with a bridge, scheduler or worker (docs/metrics.md).
+counts every item handed to the SDK's exporter once, as exported or dropped (batching,
+queues and timeouts stay the SDK's); :class:`ExportInstruments` publishes the counts
+of every process with a bridge (docs/metrics.md).
 """
 
 from __future__ import annotations
@@ -42,17 +41,16 @@ RESULTS = {
 
 
 class _HeldExporterLogs(logging.Filter):
-    """Holds back what the SDK's exporters log while an accounted export runs in
-    this thread (lines per failed batch and retry): :class:`ExporterHealth` logs once
-    per outage, with their reason. Shown, never decided on (the levels are the
-    user's: a logger drops a record below its level before its filters run)."""
+    """Holds back what the SDK's exporters log while an accounted export runs in this
+    thread (lines per failed batch and retry): :class:`ExporterHealth` logs once per
+    outage, with their reason. Shown, never decided on (a logger drops a record below
+    its level, which is the user's, before its filters run)."""
 
     #: this thread's held records, while an accounted export runs in it (one filter)
     local = threading.local()
 
     def filter(self, record: logging.LogRecord) -> bool:
-        held = getattr(self.local, "held", None)
-        if held is None:
+        if (held := getattr(self.local, "held", None)) is None:
             return True
         held.append(record)
         return False
@@ -84,6 +82,14 @@ class _Export:
     retrying: bool = False
     #: its last line then (the retry's announcement), if its logger let it through
     announced: str | None = None
+
+    def reason(self) -> str:
+        """What the user is shown of the exporter's failure: its retry announcement
+        without the retry it announces, else its last line (shown, never decided on)"""
+        if self.announced is not None:
+            return re.sub(r"^Transient error |,? retrying in [0-9.]+s\.?", "",
+                          self.announced).strip()
+        return self.held[-1].getMessage() if self.held else "the exporter returned FAILURE"
 
 
 @dataclass(slots=True)
@@ -175,17 +181,15 @@ class ExporterHealth:
         if ok:
             self.items += items
             if self.failing:
-                logger.warning(
-                    "dask_otel: %s export recovered after %d failed exports",
-                    self.signal, self.failing,
-                )
+                logger.warning("dask_otel: %s export recovered after %d failed exports",
+                               self.signal, self.failing)
                 self.failing = 0
             return True
         self.dropped += items
         if self.closed:  # cut short by the bridge's own shutdown: no outage
             return False
         self.failures += 1
-        reason = error or _reason(export)
+        reason = error or export.reason()
         logger.debug("dask_otel: %s export failed: %s", self.signal, reason)
         if not self.failing:
             # The settings that stop exporting the signal: a collector that does not
@@ -204,16 +208,6 @@ class ExporterHealth:
         return False
 
 
-def _reason(export: _Export) -> str:
-    """What the user is shown of the exporter's failure: its retry announcement
-    without the retry it announces, else its last line (shown, never decided on)"""
-    if export.announced is not None:
-        return re.sub(r"^Transient error |,? retrying in [0-9.]+s\.?", "", export.announced).strip()
-    if export.held:
-        return export.held[-1].getMessage()
-    return "the exporter returned FAILURE"
-
-
 def metric_points(data: Any) -> int:
     """The data points of a metric export (``MetricsData``)"""
     return sum(len(metric.data.data_points) for resource in data.resource_metrics
@@ -222,12 +216,11 @@ def metric_points(data: Any) -> int:
 
 class AccountedExporter:
     """An SDK exporter of any signal with :class:`ExporterHealth` accounting and the
-    outage policy: ``export``, ``force_flush`` and ``shutdown`` go through it, the
-    rest (a metric exporter's temporality) is the exporter's, as it was built."""
+    outage policy; what it does not define (a metric exporter's temporality) is the
+    exporter's, as it was built."""
 
     def __init__(self, signal: str, exporter: Any, interval: float,
                  retry_during_outage: bool = False):
-        #: the SDK exporter, built once
         self.exporter = exporter
         self.health = ExporterHealth(signal, interval, retry_during_outage)
         module, name = RESULTS[signal]
@@ -277,8 +270,8 @@ QUEUE_FULL = {OTEL_SIGNAL: "spans", ERROR_TYPE: "queue_full"}
 
 @dataclass(eq=False)
 class ExportHealth(Attached):
-    """A process's export health, attached once by its Telemetry (every process
-    with a bridge, scheduler or worker): its accounted exporters' counts"""
+    """A process's export health, attached once by its Telemetry: its accounted
+    exporters' counts"""
 
     #: the process's :class:`~dask_otel.export.telemetry.Telemetry`
     telemetry: Any = None

@@ -1,9 +1,8 @@
 """Dask's own Prometheus families as OpenTelemetry instruments (``otel.metrics.dask``):
 an adapter over the collectors Dask serves its ``/metrics`` from, naming no family.
-Each collection runs each attached server's collectors once, on a view of the
-server that leaves Dask's own scrapes unchanged, and every family they yield
-becomes an observable instrument by one rule (:func:`family_spec`). The rule, what
-is left out and why: docs/metrics.md#dasks-own-families.
+Each collection runs each attached server's collectors once, and every family they
+yield becomes an observable instrument by one rule (:func:`family_spec`; what is
+left out and why: docs/metrics.md#dasks-own-families).
 """
 
 from __future__ import annotations
@@ -22,13 +21,9 @@ from dask_otel.attributes import WORKER_ADDRESS
 from dask_otel.export.instruments import COUNTER, GAUGE, Attached, MetricSpec, ProcessInstruments
 
 if TYPE_CHECKING:
-    from collections import defaultdict
-    from collections.abc import Hashable
-
     from distributed import Scheduler, Worker
     from distributed.core import Server
     from distributed.http.prometheus import PrometheusCollector
-    from distributed.system_monitor import SystemMonitor
     from prometheus_client import Metric
 
     from dask_otel.export.telemetry import ServerTelemetry
@@ -74,16 +69,14 @@ def family_spec(family: Metric, prefix: str, beside_gauge: bool) -> MetricSpec |
     name = family.name
     rest = name[len(prefix):] if name.startswith(prefix) else name
     head = name[: len(name) - len(rest)].replace("_", ".")
-    unit = ""
     for word, otel_unit in UNITS.items():
         if rest.endswith("_" + word):
             unit = otel_unit
             if not beside_gauge:
                 rest = rest[: -len(word) - 1]
             break
-    else:
-        if family.unit:  # a unit of Dask's own (``s``): the name keeps it
-            unit = "{%s}" % family.unit
+    else:  # a unit of Dask's own (``s``): the name keeps it
+        unit = "{%s}" % family.unit if family.unit else ""
     if beside_gauge:
         base, _, last = rest.rpartition("_")
         rest = f"{base}.{last}" if base else rest
@@ -92,39 +85,28 @@ def family_spec(family: Metric, prefix: str, beside_gauge: bool) -> MetricSpec |
 
 
 @dataclass(slots=True, eq=False)
-class MonitorView:
-    """A server's SystemMonitor but for ``update()``, which a scrape calls (from
-    distributed 2024.8) and which would add a sample to its history: the bridge
-    reads the latest sample, taken by the server or by a scrape"""
+class CollectorView:
+    """A Dask server, or its SystemMonitor, as Dask's collectors see it through the
+    bridge: ``own`` answers first, so that what a collection resets is a copy or does
+    nothing. Dask's own scrapes are left unchanged (:func:`server_view`)."""
 
-    monitor: SystemMonitor
-
-    def update(self) -> dict[str, Any]:
-        return {}
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self.monitor, name)
-
-
-@dataclass(slots=True, eq=False)
-class ServerView:
-    """A Dask server as its collectors see it through the bridge: what a
-    collection resets is a copy or does nothing"""
-
-    server: Server
-
-    @property
-    def digests_max(self) -> defaultdict[Hashable, float]:
-        # a collection clears or pops the tick-duration maximum. A defaultdict's
-        # copy is made in C, holding the GIL: consistent
-        return copy.copy(self.server.digests_max)
-
-    @property
-    def monitor(self) -> MonitorView:
-        return MonitorView(self.server.monitor)
+    target: Any
+    #: attribute name -> its value, given the target
+    own: dict[str, Callable[[Any], Any]]
 
     def __getattr__(self, name: str) -> Any:
-        return getattr(self.server, name)
+        make = self.own.get(name)
+        return getattr(self.target, name) if make is None else make(self.target)
+
+
+def server_view(server: Server) -> CollectorView:
+    """A collection clears or pops the tick-duration maximum: it gets a copy (a
+    defaultdict's copy is made in C, holding the GIL: consistent). A scrape calls the
+    monitor's ``update()`` (from distributed 2024.8), which would add a sample to its
+    history: the bridge reads the latest sample, taken by the server or by a scrape"""
+    monitor = CollectorView(server.monitor, {"update": lambda _: dict})
+    return CollectorView(server, {"digests_max": lambda s: copy.copy(s.digests_max),
+                                  "monitor": lambda _: monitor})
 
 
 @dataclass(eq=False)
@@ -165,7 +147,6 @@ class FamilyInstruments(ProcessInstruments):
                     self._attached.pop(server, None)
             elif not server.active:
                 continue
-            assert isinstance(server, DaskFamilies)
             for name, series in server.collect().items():
                 out.setdefault(name, []).extend(
                     Observation(value, {**server.attributes, **labels})
@@ -201,7 +182,7 @@ class DaskFamilies(Attached):
 
     #: The scheduler or worker
     server: Server
-    #: Dask's collectors of this server, on its :class:`ServerView`
+    #: Dask's collectors of this server, on its :func:`server_view`
     collectors: list[PrometheusCollector]
     #: Collectors whose failure was logged at WARNING; DEBUG from then on
     failed: set[str]
@@ -229,13 +210,10 @@ class DaskFamilies(Attached):
             # Prometheus tells the endpoints apart by ``instance``
             super().__init__({**own.metric_attributes, WORKER_ADDRESS: server.address})
         self.server = server
-        view = ServerView(server)
+        view = server_view(server)
         self.collectors = [collector(view) for collector in collector_types]
         self.failed = set()
-        assert own.telemetry.meter_provider is not None
-        instruments = FamilyInstruments.of(own.telemetry.meter_provider)
-        assert isinstance(instruments, FamilyInstruments)
-        self.family_instruments = instruments
+        instruments = self.family_instruments = FamilyInstruments.of(own.telemetry.meter_provider)
         # Here, on the event loop, the instruments of what Dask yields now are
         # made before the first collection round
         self.collect()

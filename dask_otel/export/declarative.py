@@ -1,8 +1,7 @@
 """The ``OTEL_CONFIG_FILE`` recipe (:class:`ConfigFile`): the bridge's providers from
-the file, as opentelemetry-sdk builds the application's (docs/configuration-file.md);
-the ``OTEL_*`` variables the SDK then ignores are ignored here too. It answers what
-:class:`~dask_otel.export.exporters.EnvRecipe` answers; the file is read and
-validated once per process and file by opentelemetry-configuration.
+the file, as opentelemetry-sdk builds the application's, ignoring the ``OTEL_*``
+variables it ignores (docs/configuration-file.md). It answers what
+:class:`~dask_otel.export.exporters.EnvRecipe` answers.
 """
 
 from __future__ import annotations
@@ -16,13 +15,10 @@ from dask_otel._compat import (declared_exemplar_filter, declared_log_exporter,
                                declared_metric_exporter, declared_span_exporter,
                                declared_span_limits, declared_view)
 from dask_otel.config import ConfigError
-from dask_otel.export.exporters import SIGNALS, Account, prometheus_reader
+from dask_otel.export.exporters import SIGNALS, Account, prometheus_reader, sdk_processors
 from dask_otel.log import logger
 
-#: The variable that names the file (opentelemetry-sdk's name for it)
 VARIABLE = "OTEL_CONFIG_FILE"
-#: How the package that reads it is installed with the bridge
-EXTRA = "pip install 'dask-otel[config]'"
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,8 +44,6 @@ class ConfigFile:
         return {signal for signal, (section, items) in sections.items()
                 if getattr(getattr(self.model, section), items, None)}
 
-    # -- the resource ------------------------------------------------------------
-
     def resource(self, ours: dict[str, Any], service_name: str):
         """The file's resource, beneath Dask's identity (``ours``: host, process,
         the server's addresses); ``service_name`` where the file names none"""
@@ -71,10 +65,8 @@ class ConfigFile:
             return None
         return str(name), VARIABLE
 
-    # -- the providers -------------------------------------------------------------
-
     def tracer_provider(self, resource: Any, default_length: int):
-        """The file's TracerProvider without its processors (:meth:`span_processors`),
+        """The file's TracerProvider without its processors (:meth:`processors`),
         ``default_length`` where the file sets no length limit; and its SpanLimits"""
         from opentelemetry.configuration.file import create_tracer_provider
         from opentelemetry.configuration.models import SpanLimits
@@ -88,16 +80,11 @@ class ConfigFile:
             limits = dataclasses.replace(limits, attribute_value_length_limit=default_length)
         config = dataclasses.replace(config, processors=[], limits=limits)
         provider = create_tracer_provider(config, resource, global_limits)
-        _lifecycle_is_ours(provider)
+        # The package's providers shut down at exit; the bridge's when the last server
+        # closes, within otel.flush-timeout (an exit-time shutdown could hold a dying
+        # process on a dead collector)
+        atexit.unregister(provider.shutdown)
         return provider, declared_span_limits(limits, global_limits)
-
-    def span_processors(self, account: Account, meter_provider: Any = None) -> list:
-        """Batch processors report their SDK metrics to ``meter_provider``"""
-        from opentelemetry.sdk.trace.export import BatchSpanProcessor, SimpleSpanProcessor
-
-        return self._processors("spans", "tracer_provider", declared_span_exporter, account,
-                                BatchSpanProcessor, SimpleSpanProcessor,
-                                {"meter_provider": meter_provider} if meter_provider else {})
 
     def metric_readers(self, account: Account) -> list:
         """A pull reader serves on Dask's ``/metrics`` (the Prometheus exporter's)"""
@@ -130,24 +117,22 @@ class ConfigFile:
 
     def logger_provider(self, resource: Any):
         """The file's LoggerProvider (limits, logger configurator) without its
-        processors, which :meth:`log_processors` builds"""
+        processors, which :meth:`processors` builds"""
         from opentelemetry.configuration.file import create_logger_provider
 
         config = dataclasses.replace(self.model.logger_provider, processors=[])
         provider = create_logger_provider(config, resource, self.model.attribute_limits)
-        _lifecycle_is_ours(provider)
+        atexit.unregister(provider.shutdown)  # as the TracerProvider's
         return provider
 
-    def log_processors(self, account: Account) -> list:
-        from opentelemetry.sdk._logs.export import BatchLogRecordProcessor, SimpleLogRecordProcessor
-
-        return self._processors("logs", "logger_provider", declared_log_exporter, account,
-                                BatchLogRecordProcessor, SimpleLogRecordProcessor)
-
-    def _processors(self, signal: str, section: str, build: Any, account: Account,
-                    batch: type, simple: type, sdk_metrics: dict | None = None) -> list:
-        """The processors of a provider ``section`` of the file, each exporter passed
-        through ``account``; a batch's settings the file's, else the spec's defaults"""
+    def processors(self, signal: str, account: Account, meter_provider: Any = None) -> list:
+        """The span or log processors of the file, each exporter passed through
+        ``account``; a batch's settings the file's, else the spec's defaults. Batch
+        processors report their SDK metrics to ``meter_provider``"""
+        section, build = {"spans": ("tracer_provider", declared_span_exporter),
+                          "logs": ("logger_provider", declared_log_exporter)}[signal]
+        batch, simple, _ = sdk_processors(signal)
+        sdk_metrics = {"meter_provider": meter_provider} if meter_provider else {}
         out = []
         for i, config in enumerate(getattr(self.model, section).processors):
             where = f"{section}.processors[{i}]"
@@ -175,24 +160,15 @@ class ConfigFile:
         except Exception as e:
             names = [f.name for f in dataclasses.fields(config) if getattr(config, f.name) is not None]
             names += list(getattr(config, "additional_properties", None) or ())
-            raise ConfigError(
-                VARIABLE, self.path,
-                f"an exporter the SDK can build at {where}.exporter "
-                f"({', '.join(names) or 'none named'}: {type(e).__name__}: {e})",
-            ) from None
+            raise ConfigError(VARIABLE, self.path, f"an exporter the SDK can build at "
+                              f"{where}.exporter ({', '.join(names) or 'none named'}: "
+                              f"{type(e).__name__}: {e})") from None
 
 
 def _or_default(value: int | None, what: str) -> int:
     """``value``, else the spec's default in ms: a signal's export interval (the
     SDK's: ``SIGNALS``), or an export's timeout (``timeout``)"""
     return value if value is not None else 30000 if what == "timeout" else SIGNALS[what][3]
-
-
-def _lifecycle_is_ours(provider: Any) -> None:
-    """The package's providers shut down at exit; the bridge's flush and shut down
-    when the last server closes, bounded by otel.flush-timeout (an exit-time
-    shutdown could hold a dying process on a dead collector)"""
-    atexit.unregister(provider.shutdown)
 
 
 def _ignored(model: Any) -> tuple[str, ...]:
@@ -229,15 +205,13 @@ def config_file() -> ConfigFile | None:
     try:
         from opentelemetry.configuration import ConfigurationError, load_config_file
     except ImportError:
-        raise ConfigError(
-            VARIABLE, path, f"unset, or opentelemetry-configuration installed ({EXTRA})"
-        ) from None
+        raise ConfigError(VARIABLE, path, "unset, or opentelemetry-configuration installed "
+                          "(pip install 'dask-otel[config]')") from None
     try:
         model = load_config_file(path)
     except (ConfigurationError, OSError) as e:
-        raise ConfigError(
-            VARIABLE, path, f"a declarative configuration file the SDK accepts ({e})"
-        ) from e
+        raise ConfigError(VARIABLE, path,
+                          f"a declarative configuration file the SDK accepts ({e})") from e
     read = _read[key] = ConfigFile(path, model, _ignored(model))
     if read.ignored:
         logger.warning(

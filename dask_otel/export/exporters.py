@@ -1,9 +1,8 @@
-"""The ``OTEL_*`` recipe (:class:`EnvRecipe`): the providers' processors and
-readers from ``otel.*.exporter`` names, each exporter built from its entry point
-and reading its own ``OTEL_*`` variables (endpoint, headers, certificate, timeout,
-compression); the only choices made here are which exporter, gRPC or HTTP for
-``otlp``, and nothing else. A header variable's value (a credential) never
-reaches a log line or an error. docs/traces.md, docs/metrics.md, docs/logs.md.
+"""The ``OTEL_*`` recipe (:class:`EnvRecipe`): the providers' processors and readers
+from ``otel.*.exporter`` names, each exporter built from its entry point and reading
+its own ``OTEL_*`` variables; the only choices made here are which exporter, and gRPC
+or HTTP for ``otlp``. A header variable's value (a credential) never reaches a log
+line or an error. docs/traces.md, docs/metrics.md, docs/logs.md.
 """
 
 from __future__ import annotations
@@ -22,32 +21,6 @@ from dask_otel.log import logger
 def otel_environment() -> dict[str, str]:
     """The ``OTEL_*`` variables, which the providers' exporters read once"""
     return {k: v for k, v in os.environ.items() if k.startswith("OTEL_")}
-
-
-def _build_exporter(group: str, name: str, **kwargs: Any) -> Any:
-    """An exporter from its entry point; an error names the variable holding the
-    bad value (the SDK's do not always), but never a header variable's value"""
-    ep = installed_entry_points(group)[name]
-    try:
-        cls = ep.load()
-        try:
-            exporter = cls(**kwargs)
-        except TypeError:
-            if not kwargs:
-                raise
-            exporter = cls()  # an exporter without SDK metrics (older, third-party)
-    except Exception as e:
-        text = _redacted(f"{type(e).__name__}: {e}")
-        culprits = [k for k, v in otel_environment().items() if v.strip() and v.strip() in str(e)]
-        value = os.environ[culprits[0]] if culprits else text
-        if culprits and culprits[0] in _secret_variables():
-            value = SECRET_NOT_SHOWN
-        raise ConfigError(
-            ", ".join(culprits) or f"the {name} exporter's OTEL_* settings",
-            value,
-            f"a value the OpenTelemetry SDK accepts ({text})",
-        ) from e
-    return exporter
 
 
 #: What is shown instead of the value of a variable that may hold credentials
@@ -83,12 +56,10 @@ class _HeaderWarningNamed(logging.Filter):
         if self.warned == values:
             return False
         self.warned = values
-        logger.warning(
-            "dask_otel: %s is malformed (expected comma-separated name=value pairs, "
-            "URL-encoded); the OpenTelemetry SDK ignores the malformed part. %s",
-            " or ".join(_secret_variables()) or "an OTEL_EXPORTER_OTLP_*HEADERS variable",
-            SECRET_NOT_SHOWN,
-        )
+        named = " or ".join(_secret_variables()) or "an OTEL_EXPORTER_OTLP_*HEADERS variable"
+        logger.warning("dask_otel: %s is malformed (expected comma-separated name=value pairs, "
+                       "URL-encoded); the OpenTelemetry SDK ignores the malformed part. %s",
+                       named, SECRET_NOT_SHOWN)
         return False
 
 
@@ -120,7 +91,9 @@ def export_interval(signal: str) -> float:
 
 
 def _exporter(signal: str, name: str, **kwargs: Any) -> Any:
-    """The exporter ``name`` (``console``, ``otlp``, an entry point) of ``signal``"""
+    """The exporter ``name`` (``console``, ``otlp``, an entry point) of ``signal``; an
+    error names the variable holding the bad value (the SDK's do not always), but
+    never a header variable's value"""
     if name == "console":
         from opentelemetry.sdk._logs.export import ConsoleLogRecordExporter
         from opentelemetry.sdk.metrics.export import ConsoleMetricExporter
@@ -129,7 +102,23 @@ def _exporter(signal: str, name: str, **kwargs: Any) -> Any:
         return {"spans": ConsoleSpanExporter, "metrics": ConsoleMetricExporter,
                 "logs": ConsoleLogRecordExporter}[signal]()
     group, otlp, *_ = SIGNALS[signal]
-    return _build_exporter(group, otlp_entry_point(otlp) if name == "otlp" else name, **kwargs)
+    ep = installed_entry_points(group)[otlp_entry_point(otlp) if name == "otlp" else name]
+    try:
+        cls = ep.load()
+        try:
+            return cls(**kwargs)
+        except TypeError:
+            if not kwargs:
+                raise
+            return cls()  # an exporter without SDK metrics (older, third-party)
+    except Exception as e:
+        text = _redacted(f"{type(e).__name__}: {e}")
+        culprits = [k for k, v in otel_environment().items() if v.strip() and v.strip() in str(e)]
+        value = os.environ[culprits[0]] if culprits else text
+        if culprits and culprits[0] in _secret_variables():
+            value = SECRET_NOT_SHOWN
+        raise ConfigError(", ".join(culprits) or f"the {ep.name} exporter's OTEL_* settings",
+                          value, f"a value the OpenTelemetry SDK accepts ({text})") from e
 
 
 def prometheus_reader() -> Any:
@@ -138,11 +127,23 @@ def prometheus_reader() -> Any:
     try:
         from opentelemetry.exporter.prometheus import PrometheusMetricReader
     except ImportError:
-        raise ConfigError(
-            "otel.metrics.exporter", "prometheus",
-            "opentelemetry-exporter-prometheus to be installed (pip install 'dask-otel[prometheus]')",
-        ) from None
+        raise ConfigError("otel.metrics.exporter", "prometheus",
+                          "opentelemetry-exporter-prometheus to be installed "
+                          "(pip install 'dask-otel[prometheus]')") from None
     return PrometheusMetricReader()
+
+
+def sdk_processors(signal: str) -> tuple[type, type, type]:
+    """The SDK's batch and simple processors of spans or logs, and its in-memory exporter"""
+    if signal == "spans":
+        from opentelemetry.sdk.trace import export
+        from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+        return export.BatchSpanProcessor, export.SimpleSpanProcessor, InMemorySpanExporter
+    from opentelemetry.sdk._logs import export as logs
+
+    return (logs.BatchLogRecordProcessor, logs.SimpleLogRecordProcessor,
+            logs.InMemoryLogRecordExporter)
 
 
 @lru_cache(maxsize=1)
@@ -178,9 +179,8 @@ class EnvRecipe:
         from opentelemetry.sdk.resources import OTELResourceDetector, Resource
 
         detected = detected_resource(os.getpid(), tuple(sorted(otel_environment().items())))
-        return detected.merge(
-            Resource({"service.name": service_name, **ours})
-        ).merge(OTELResourceDetector().detect())
+        return detected.merge(Resource({"service.name": service_name, **ours})).merge(
+            OTELResourceDetector().detect())
 
     @property
     def signals(self) -> set[str]:
@@ -197,24 +197,12 @@ class EnvRecipe:
         limits = span_limits()
         return TracerProvider(resource=resource, span_limits=limits, shutdown_on_exit=False), limits
 
-    def span_processors(self, account: Account, meter_provider: Any) -> list:
-        """OTLP exporters and processors report their SDK metrics to ``meter_provider``"""
-        from opentelemetry.sdk.trace import export
-        from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
-
-        sdk_metrics = {"meter_provider": meter_provider} if meter_provider else {}
-        return self._processors("spans", self.config.traces_exporters, account, InMemorySpanExporter,
-                                export.BatchSpanProcessor, export.SimpleSpanProcessor, sdk_metrics)
-
     def metric_readers(self, account: Account) -> list:
-        from opentelemetry.sdk.metrics.export import (
-            InMemoryMetricReader,
-            PeriodicExportingMetricReader,
-        )
+        from opentelemetry.sdk.metrics import export
 
-        readers = {"memory": InMemoryMetricReader, "prometheus": prometheus_reader}
+        readers = {"memory": export.InMemoryMetricReader, "prometheus": prometheus_reader}
         return [
-            readers[name]() if name in readers else PeriodicExportingMetricReader(
+            readers[name]() if name in readers else export.PeriodicExportingMetricReader(
                 account("metrics", _exporter("metrics", name), export_interval("metrics")))
             for name in self.config.metrics_exporters
         ]
@@ -227,18 +215,14 @@ class EnvRecipe:
 
         return LoggerProvider(resource=resource, shutdown_on_exit=False)
 
-    def log_processors(self, account: Account) -> list:
-        from opentelemetry.sdk._logs import export
-
-        return self._processors("logs", self.config.logs_exporters, account,
-                                export.InMemoryLogRecordExporter, export.BatchLogRecordProcessor,
-                                export.SimpleLogRecordProcessor)
-
-    @staticmethod
-    def _processors(signal: str, names: tuple[str, ...], account: Account, memory: type,
-                    batch: type, simple: type, sdk_metrics: dict | None = None) -> list:
+    def processors(self, signal: str, account: Account, meter_provider: Any = None) -> list:
+        """The span or log processors; OTLP exporters and processors report their SDK
+        metrics to ``meter_provider``"""
+        batch, simple, memory = sdk_processors(signal)
+        sdk_metrics = {"meter_provider": meter_provider} if meter_provider else {}
         out = []
-        for name in names:
+        config = self.config
+        for name in config.traces_exporters if signal == "spans" else config.logs_exporters:
             if name == "memory":
                 out.append(simple(account(signal, memory(), None)))
             else:

@@ -25,16 +25,14 @@ class TelemetryTracer(trace.Tracer):
     """A Tracer whose spans start on the current :class:`Telemetry`'s TracerProvider
     (its tracer for this scope, got once per provider); none: no-op"""
 
-    #: the current provider's tracer, and that provider
+    #: the current provider, and its tracer
     _current: tuple[Any, trace.Tracer] | None = None
 
     def __init__(self, scope: tuple, named: dict[str, Any]):
-        #: what ``get_tracer`` was called with: the instrumentation scope
-        self.scope, self.named = scope, named
+        self.scope, self.named = scope, named  # what ``get_tracer`` was called with
 
     def tracer(self) -> trace.Tracer:
-        telemetry = Telemetry._current
-        provider = telemetry.tracer_provider if telemetry is not None else None
+        provider = getattr(Telemetry._current, "tracer_provider", None)
         if provider is None:
             return _NO_OP
         current = self._current
@@ -52,8 +50,7 @@ class TelemetryTracer(trace.Tracer):
 _NO_OP = trace.NoOpTracer()
 
 
-#: The global TracerProvider this process got from the bridge, if it did
-_ADOPTED: Any = None
+_ADOPTED: Any = None  # the global TracerProvider this process got from the bridge
 
 
 def adopt_global_tracer_provider() -> bool:

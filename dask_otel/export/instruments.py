@@ -156,9 +156,8 @@ class ProcessInstruments:
         """One more row, observed from the next collection on. Never from inside
         a callback: the SDK registers an instrument under the lock its
         collection holds."""
-        meter = self._meter
-        create = (meter.create_observable_gauge if spec.kind == GAUGE
-                  else meter.create_observable_counter)
+        create = (self._meter.create_observable_gauge if spec.kind == GAUGE
+                  else self._meter.create_observable_counter)
         create(spec.name, callbacks=[self._callback(spec)], unit=spec.unit,
                description=spec.description)
         with self._lock:
@@ -178,8 +177,7 @@ class ProcessInstruments:
                 attached.last_round = set(self.names)
 
     @property
-    def attached(self) -> list[Attached]:
-        """A copy, safe to iterate in the reader's thread"""
+    def attached(self) -> list[Attached]:  # a copy, safe to iterate in the reader's thread
         with self._lock:
             return list(self._attached)
 
@@ -196,10 +194,7 @@ class ProcessInstruments:
                         server.last_round.discard(spec.name)
                         if not server.last_round:
                             self._attached.pop(server, None)
-            out = []
-            for server in reporting:
-                out.extend(self._observe(spec, server))
-            return out
+            return [o for server in reporting for o in self._observe(spec, server)]
 
         return callback
 
@@ -222,9 +217,7 @@ class ProcessInstruments:
             # at the next collection too
             server.observed[spec.name] = (readings, out if again else None)
             return out
-        except RuntimeError:
-            # "dictionary changed size during iteration": the server is busy; it
-            # reports again at the next collection
+        except RuntimeError:  # "dictionary changed size during iteration": next time
             return []
         except Exception:
             level = logging.DEBUG if spec.name in self._failed else logging.WARNING

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import atexit
+import contextlib
 import threading
 import time
 from typing import Any
@@ -28,10 +29,8 @@ FLUSH_SHARE = 0.8
 async def release_telemetry(telemetry: Telemetry, builder: Any = None) -> None:
     """Detach from the process's Telemetry; the last user flushes (in a thread: the
     SDK does not bound a flush against a hung collector; the span ``builder`` drained
-    first) and shuts it down, waiting at most :data:`PROCESS_SHARE` of otel.flush-timeout.
-    Past that, or when exports were already failing, the SDK is shut down in the
-    background, exporters first (which ends a waiting export); what was still queued is
-    dropped and counted."""
+    first) and shuts it down, waiting at most :data:`PROCESS_SHARE` of otel.flush-timeout;
+    past that, or during an outage, the SDK is shut down in the background."""
     if Telemetry.detach(telemetry):
         await _flush_and_shut_down(telemetry, builder)
 
@@ -54,14 +53,12 @@ async def _flush_and_shut_down(telemetry: Telemetry, builder: Any = None) -> Non
             logger.warning("dask_otel: exports are failing; closing without waiting for them "
                            "(what was still queued is dropped and counted)")
         else:
-            # One thread flushes, then shuts the SDK down (its threads joined
-            # before the server reports itself closed): one thread start and one
-            # wake-up of the loop per close with a healthy collector
+            # One thread flushes, then shuts the SDK down (joined before the server
+            # reports itself closed): one thread start and loop wake-up per close
             flushed = threading.Event()
             done = _in_thread(lambda: shut_down(flushed), "dask_otel-close")
-            # A flush whose export meets an outage (a refused or UNAVAILABLE
-            # collector, or one that has not answered for STALLED_AFTER) cannot
-            # complete: stop waiting for it
+            # A flush whose export meets an outage (a refused collector, or one
+            # silent for STALLED_AFTER) cannot complete: stop waiting for it
             flush_deadline = deadline - (1 - FLUSH_SHARE) * budget
             if (await _wait(done, flush_deadline, give_up=lambda: telemetry.outage)
                     or flushed.is_set()):
@@ -76,9 +73,7 @@ async def _flush_and_shut_down(telemetry: Telemetry, builder: Any = None) -> Non
                                "otel.flush-timeout=%ss); what was still queued is dropped",
                                FLUSH_SHARE * budget, timeout)
     except asyncio.CancelledError:
-        # `dask worker` cancels its tasks on a second Ctrl-C; re-raising here would
-        # abandon Dask's own close half-way (the worker then hangs).
-        pass
+        pass  # `dask worker` cancels on a second Ctrl-C: re-raising hangs Dask's close
     # The collector is not answering: shut the SDK down without waiting. Its
     # threads end as soon as the exporters' shutdown cuts their exports short.
     threading.Thread(target=shut_down, name="dask_otel-shutdown", daemon=True).start()
@@ -94,8 +89,7 @@ def release_telemetry_in_background(telemetry: Telemetry) -> None:
         return
     thread = threading.Thread(target=asyncio.run, args=(_flush_and_shut_down(telemetry),),
                               name="dask_otel-release", daemon=True)
-    # _flush_and_shut_down returns within its share of otel.flush-timeout; the
-    # second is for the thread's start and event loop
+    # its share of otel.flush-timeout, and a second for the thread's start and loop
     deadline = time.monotonic() + PROCESS_SHARE * telemetry.config.flush_timeout + 1.0
     with _background_lock:
         # A process that closes many workers keeps only the releases under way
@@ -108,6 +102,7 @@ _background: list[tuple[threading.Thread, float]] = []
 _background_lock = threading.Lock()
 
 
+@atexit.register  # once per process: a no-op where no worker closed
 def _join_background_releases() -> None:
     """At the process's exit: let the releases of closed workers finish (their final
     export), each within its bound"""
@@ -116,10 +111,6 @@ def _join_background_releases() -> None:
         _background.clear()
     for thread, deadline in pending:
         thread.join(max(0.0, deadline - time.monotonic()))
-
-
-# Once per process: a no-op where no worker closed
-atexit.register(_join_background_releases)
 
 
 def _in_thread(function: Any, name: str) -> asyncio.Future:
@@ -138,10 +129,8 @@ def _in_thread(function: Any, name: str) -> asyncio.Future:
         except Exception:
             logger.exception("dask_otel: %s failed", name)
         finally:
-            try:
+            with contextlib.suppress(RuntimeError):  # the loop closed while we waited
                 loop.call_soon_threadsafe(finished)
-            except RuntimeError:  # the loop closed while we waited on the collector
-                pass
 
     threading.Thread(target=run, name=name, daemon=True).start()
     return done

@@ -28,9 +28,8 @@ DISTRIBUTED_LOGGERS = ("distributed", "distributed.client", "distributed.gc", "b
 
 def dask_logger_names(config: dict | None = None) -> list[str]:
     """The loggers that distributed configures in this process: :data:`DISTRIBUTED_LOGGERS`
-    and the ones dask config's ``logging`` (old style: its keys; ``version: 1``: its
-    ``loggers``) or ``logging-file-config`` (its ``[loggers]``) names. Looked up
-    under ``distributed:`` first, then at the top level, as distributed does."""
+    and those dask config's ``logging`` or ``logging-file-config`` (its ``[loggers]``)
+    names, under ``distributed:`` first, then at the top level, as distributed does."""
     base = dask_logging_config(config)
     names = list(DISTRIBUTED_LOGGERS)
     if base.get("logging-file-config"):
@@ -40,11 +39,9 @@ def dask_logger_names(config: dict | None = None) -> list[str]:
         names += [parser.get(f"logger_{key}", "qualname", fallback=key)
                   for key in keys if key and key != "root"]
     logging_config = base.get("logging") or {}
-    if "version" in logging_config:
-        names += list(logging_config.get("loggers") or {})
-    else:
-        names += list(logging_config)
-    return list(dict.fromkeys(names))
+    if "version" in logging_config:  # new style: its ``loggers``; old style: its keys
+        logging_config = logging_config.get("loggers") or {}
+    return list(dict.fromkeys([*names, *logging_config]))
 
 
 def _new_handler(handler_class: type, level: int, provider: Any) -> logging.Handler:
@@ -97,7 +94,7 @@ class LogExport:
                               "none, or opentelemetry-instrumentation-logging installed "
                               "(pip install 'dask-otel[logs]'): this SDK has no LoggingHandler")
         self.provider = recipe.logger_provider(resource)
-        for processor in recipe.log_processors(account):
+        for processor in recipe.processors("logs", account):
             self.provider.add_log_record_processor(processor)
         self.handlers = {}
         root = logging.getLogger()

@@ -1,9 +1,7 @@
 """The :class:`SpanSink`: the one place the bridge's spans (mirrored Dask spans and
 TaskGroups, task spans) go to the SDK, built finished as ``ReadableSpan``s, with what
-a Tracer would add (resource, scope, the SDK's ``SpanLimits``). Every string is cut
-to the attribute value length limit (4096 by default here), except the ids users
-search by (:data:`WHOLE_VALUES`). It imports nothing of the scheduler or the workers.
-Limits: docs/traces.md.
+a Tracer would add (resource, scope, the SDK's ``SpanLimits``: every string cut to
+the value length limit but the ids users search by). Limits: docs/traces.md.
 """
 
 from __future__ import annotations
@@ -35,11 +33,9 @@ DEFAULT_ATTRIBUTE_LENGTH = 4096
 #: finds nothing): ``dask.span.id``, on spans, task spans and links
 WHOLE_VALUES = frozenset({SPAN_ID})
 
-
 _UNSET = Status(StatusCode.UNSET)
-#: The attributes of an event or link that has none. Events and links always get
-#: a ``BoundedAttributes``, as the SDK's own spans give them, so that their
-#: ``dropped_attributes`` counts what the limits dropped.
+#: The attributes of an event or link that has none: a ``BoundedAttributes`` always,
+#: as the SDK gives them, so that ``dropped_attributes`` counts what the limits dropped
 NO_ATTRIBUTES = BoundedAttributes(immutable=True)
 
 #: Attribute value types that need no cleaning: OTel's primitive types, exactly
@@ -87,15 +83,13 @@ class SpanSink:
     def __post_init__(self) -> None:
         from opentelemetry.sdk.util.instrumentation import InstrumentationScope
 
-        if self.resource is None:
-            self.resource = self.provider.resource
+        self.resource = self.resource or self.provider.resource
         self.scope = InstrumentationScope("dask_otel", __version__, SCHEMA_URL)
 
     def name(self, name: str) -> str:
         """A span name or status description cut, as attribute strings are, to the
         attribute value length limit"""
-        max_len = self.limits.max_span_attribute_length
-        return name if max_len is None else name[:max_len]
+        return name[:self.limits.max_span_attribute_length]  # None: no limit
 
     @property
     def sampler(self) -> Sampler:
@@ -117,17 +111,15 @@ class SpanSink:
         return bounded_attributes(attributes, limit, max_len)
 
     def event_attributes(self, attributes: dict[str, Any], count: int | None) -> BoundedAttributes:
-        """The attributes of an event or a link, within the SDK's limits (``count``:
-        the event or link attribute count limit), always as ``BoundedAttributes``
-        (see :data:`NO_ATTRIBUTES`). Events and links are few: no fast path."""
+        """The attributes of an event or a link within the SDK's limits (``count``: its
+        count limit), always as ``BoundedAttributes``: they are few, no fast path"""
         return bounded_attributes(attributes, count, self.limits.max_span_attribute_length)
 
     def span(self, name: str, context: SpanContext, parent: SpanContext | None, start: float,
              end: float, attributes: dict[str, Any], status: Status | None = None,
              events: tuple[Event, ...] = (), links: tuple[Link, ...] = ()) -> ReadableSpan:
         """A finished span (times in seconds since the epoch, ``end`` no earlier
-        than ``start``), with what the SDK's Tracer would give it: resource,
-        instrumentation scope, attributes within the limits, a bounded name"""
+        than ``start``), with what the SDK's Tracer would give it"""
         return ReadableSpan(
             self.name(name), context=context, parent=parent, resource=self.resource,
             attributes=self.bounded(attributes), links=links, events=events,

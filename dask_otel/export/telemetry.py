@@ -1,9 +1,7 @@
 """The per-process :class:`Telemetry` (the SDK providers every Dask server of a
 process shares, built by one recipe: ``OTEL_*`` or ``OTEL_CONFIG_FILE``) and
-:class:`ServerTelemetry`, one server's view of it: its own ``otel.*`` values and
-resource, the first server's providers (docs/traces.md, "Two clusters in one
-process"). Created by the first server that attaches, flushed and shut down by the
-last that detaches (:mod:`dask_otel.export.lifecycle`).
+:class:`ServerTelemetry`, one server's view of it (docs/traces.md, "Two clusters in
+one process"). The last server to detach flushes and shuts it down (:mod:`.lifecycle`).
 """
 
 from __future__ import annotations
@@ -50,8 +48,7 @@ def service_name() -> tuple[str, str]:
     from opentelemetry import trace
     from opentelemetry.sdk.trace import TracerProvider
 
-    named = recipe().service_name()
-    if named:
+    if named := recipe().service_name():
         return named
     # imported only where DaskInstrumentor is (it needs opentelemetry-instrumentation)
     instrumentor = sys.modules.get("dask_otel.instrumentor")
@@ -156,9 +153,9 @@ class Telemetry:
             for accounted in self.accounted:  # a metric exporter's own SDK metrics (OTLP's)
                 getattr(accounted.exporter, "set_meter_provider", lambda _: None)(self.meter_provider)
         if "spans" in signals:
-            self.tracer_provider, limits = built.tracer_provider(
-                self.resource, DEFAULT_ATTRIBUTE_LENGTH)
-            processors = built.span_processors(self.account, self.meter_provider)
+            self.tracer_provider, limits = built.tracer_provider(self.resource,
+                                                                 DEFAULT_ATTRIBUTE_LENGTH)
+            processors = built.processors("spans", self.account, self.meter_provider)
             for processor in processors:
                 self.tracer_provider.add_span_processor(processor)
             self.span_sink = SpanSink(self.tracer_provider, processors, limits)
@@ -192,8 +189,7 @@ class Telemetry:
                 row[key] += getattr(exporter.health, key)
         return out
 
-    # What tests and the demo read
-    span_exporters = property(lambda self: self.exporters["spans"])
+    span_exporters = property(lambda self: self.exporters["spans"])  # tests and the demo
 
     @classmethod
     def acquire(cls, config: OtelConfig, **resource_attributes: Any) -> ServerTelemetry:
@@ -214,10 +210,9 @@ class Telemetry:
             if cls._current is not telemetry:
                 return False
             cls._users -= 1
-            if cls._users > 0:
-                return False
-            cls._current = None
-            return True
+            if cls._users == 0:
+                cls._current = None
+            return cls._users == 0
 
     def warn_shared(self, address: str, config: OtelConfig) -> None:
         """One WARNING per scheduler whose servers share this Telemetry with the
@@ -229,10 +224,8 @@ class Telemetry:
         keys = {f.name: f.metadata["key"] for f in fields(OtelConfig)}
         ignored = [keys[name] for name in PROCESS_WIDE
                    if getattr(config, name) != getattr(self.config, name)]
-        now = otel_environment()
-        ignored += sorted(
-            k for k in {*now, *self.environment} if now.get(k) != self.environment.get(k)
-        )
+        now, then = otel_environment(), self.environment
+        ignored += sorted(k for k in {*now, *then} if now.get(k) != then.get(k))
         first = self.scheduler_address
         logger.warning(
             "dask_otel: scheduler %s shares this process's OpenTelemetry providers with "
@@ -278,11 +271,10 @@ class Telemetry:
                 exporter.shutdown()
             except Exception:
                 logger.debug("dask_otel: exporter shutdown failed", exc_info=True)
-        timeout_ms = self.config.flush_timeout * 1000
         if self.tracer_provider:
             self.tracer_provider.shutdown()
         if self.meter_provider:
-            self.meter_provider.shutdown(timeout_millis=timeout_ms)
+            self.meter_provider.shutdown(timeout_millis=self.config.flush_timeout * 1000)
         if self.logs:
             self.logs.shutdown()
 
@@ -306,9 +298,8 @@ class ServerTelemetry:
     shared_with: str | None = None
 
     @classmethod
-    def of(
-        cls, telemetry: Telemetry, config: OtelConfig, resource: Any, address: str | None
-    ) -> ServerTelemetry:
+    def of(cls, telemetry: Telemetry, config: OtelConfig, resource: Any,
+           address: str | None) -> ServerTelemetry:
         sink = telemetry.span_sink
         if sink is not None and resource != sink.resource:
             # a second cluster in the process: the same processors and limits, nothing copied
