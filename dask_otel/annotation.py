@@ -86,13 +86,10 @@ def read_block(otel: Any, ids: Any, client: str | None = None, tags: Any = (), o
         return None
     if not isinstance(entered := otel.get("entered"), Mapping):
         entered = {}
-    root = _of_root(otel, ids[0])
-    carrier, sampled = root.get("carrier"), root.get("sampled")
     return Block(tuple(ids), tuple(tags),
                  {i: t for i, t in entered.items() if isinstance(t, (int, float))},
                  client if own or otel.get("exits") is True else None,
-                 carrier if isinstance(carrier, Mapping) else None,
-                 sampled if isinstance(sampled, bool) else None,
+                 root_carrier(otel, ids[0]), forced_sampling(otel, ids[0]),
                  otel.get("workflow") is True, own, exited)
 
 

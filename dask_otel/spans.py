@@ -153,7 +153,10 @@ class SpanMirror:
             else:
                 later.append((tg, ts, span))
         for tg, ts, own in later:
-            span = self._submitted_in(ts, own, fresh, told)
+            # The block ``told`` (the graph's), made where Dask made none; else where
+            # the task's block says (Ledger.submitted_in)
+            span = (self._made(told, own) if told is not None else ledger.submitted_in(
+                read_block(otel_of(ts.annotations), (own.id,)), own, fresh))
             if span is None:  # nothing says where: a root of its own, one per graph
                 span = orphan = orphan or self._made(([str(uuid4())], [tg.prefix.name]), own)
             if (batch := ledger.groups.get(tg)) is not None and (
@@ -172,14 +175,6 @@ class SpanMirror:
                 self._export(self.group_span_of, tg, ledger.take_group(tg), rerun[tg])
                 self._end_poll()
             self._open(tg, GroupBatch.reopened(tg, span, own, rerun[tg]), ts, client)
-
-    def _submitted_in(self, ts: TaskState, own: Span, fresh: Span | None,
-                      told: tuple[list[str], list[Any]] | None) -> Span | None:
-        """The Dask span the tasks of a later batch were submitted in: the block ``told``
-        (the graph's), made where Dask made none; else :meth:`Ledger.submitted_in`"""
-        if told is not None:
-            return self._made(told, own)
-        return self.ledger.submitted_in(read_block(otel_of(ts.annotations), (own.id,)), own, fresh)
 
     def _made(self, block: tuple[list[str], list[Any]], own: Span) -> Span:
         return self.ledger.made_span(block, own, self.dask_spans, self.scheduler,

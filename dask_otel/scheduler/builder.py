@@ -113,10 +113,8 @@ class SpanBuilder:
     child and joined off the loop (:meth:`drain`); it starts with spans handed
     over and ends when idle."""
 
-    def __init__(self, sink: SpanSink, folded: dict[str, Totals] | None = None,
-                 capacity: int = MAX_QUEUED_SPANS):
-        self.sink = sink
-        self.capacity = capacity
+    def __init__(self, sink: SpanSink, folded: dict[str, Totals] | None = None):
+        self.sink, self.capacity = sink, MAX_QUEUED_SPANS
         #: Spans handed over, and dropped because the queue was full (the loop)
         self.queued = self.dropped = 0
         #: Spans taken off the queue, and of them handed to the SDK (the thread)
@@ -282,14 +280,11 @@ class SpanBuilder:
         states, nbytes, duration = reading.states, reading.nbytes, reading.duration
         attributes = {attr.SPAN_ID: reading.span_id, attr.SPAN_NAME: reading.tags,
                       attr.TASKGROUP_NAME: reading.name, attr.TASKGROUP_PREFIX: prefix}
-        if (base := batch.states) is None:
-            attributes.update(task_counts(states, sum(states.values()), nbytes, duration))
-        else:
-            attributes.update(task_counts(
-                {state: n - base.get(state, 0) for state, n in states.items()},
-                sum(states.values()) - batch.total, max(nbytes - batch.nbytes, 0),
-                max(duration - batch.duration, 0.0),
-            ))
+        base = batch.states or {}  # a first batch's snapshot is all 0
+        attributes.update(task_counts(
+            {state: n - base.get(state, 0) for state, n in states.items()},
+            sum(states.values()) - batch.total, max(nbytes - batch.nbytes, 0),
+            max(duration - batch.duration, 0.0)))
         for key, value in metrics.items():
             if (delta := value - carried.get(key, 0)) > 0:
                 attributes[key], carried[key] = delta, value

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 from distributed.metrics import time
 
 from dask_otel._compat import span_own_metrics
-from dask_otel.scheduler.totals import SpanMetrics, group_done, groups_stop, observed
+from dask_otel.scheduler.totals import SpanMetrics, group_done, observed
 
 if TYPE_CHECKING:
     from distributed.scheduler import TaskGroup
@@ -105,8 +105,9 @@ class SpanRecord:
         waiting_exit = self.block_client is not None and not self.exited
         if self.open_children or self.client_left or waiting_exit:
             return None
-        if (stop := groups_stop(self.span.groups)) is None:
+        if not all(map(group_done, groups := self.span.groups)):
             return None
+        stop = max((tg.stop for tg in groups), default=0.0)
         # Dask's own TaskGroup.stop only for groups finished before the bridge
         # started; the others' bounded ends are in ``end``
         return max(self.end or stop, self.exited, self.span.enqueued)

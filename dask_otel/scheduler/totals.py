@@ -193,16 +193,6 @@ def group_done(tg: TaskGroup) -> bool:
     return True
 
 
-def groups_stop(groups: Iterable[TaskGroup]) -> float | None:
-    """When the last task of some TaskGroups finished, or None if one is not done"""
-    stop = 0.0
-    for tg in groups:
-        if not group_done(tg):
-            return None
-        stop = max(stop, tg.stop)
-    return stop
-
-
 @dataclass(slots=True)
 class Totals:
     """What a Dask span's attributes sum over TaskGroups and fine metrics: of its
