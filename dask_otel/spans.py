@@ -280,7 +280,7 @@ class SpanMirror:
                 self._export(self.group_span_of, tg, ledger.take_group(tg))
             for record in reversed(list(ledger.records.values())):  # children first
                 stop = record.finished_at()
-                self._export(self.span_of, record, stop or time(), unfinished=stop is None)
+                self._export(self.span_of, record, stop or time(), stop is None)
         finally:
             ledger.clear()
             self._end_poll()
@@ -297,12 +297,11 @@ class SpanMirror:
         """Whether the builder's queue takes a span of this poll (:meth:`SpanBuilder.admit`)"""
         return self.builder.admit(child_kept, len(self._batch), parent)  # type: ignore[union-attr]
 
-    def _export(self, export: Callable[..., Handed | bool | None], *args: Any, **kwargs: Any
-                ) -> None:
+    def _export(self, export: Callable[..., Handed | bool | None], *args: Any) -> None:
         """Read what a span's export needs with ``export`` (False: sampled out); one
         that cannot be mirrored is logged and dropped (never raises into Dask)"""
         try:
-            item = export(*args, **kwargs)
+            item = export(*args)
             if item is False:
                 self.sampled_out += 1
             elif item is not None:

@@ -256,12 +256,9 @@ class SpanBuilder:
         first_task = subtree.start and min(max(subtree.start, start), end)
         events = ((Event(attr.FIRST_TASK_START, NO_ATTRIBUTES, int(first_task * 1e9)),)
                   if first_task else ())
-        if record.events:  # dask.worker.lost (dask_otel.scheduler.events), bounded there
-            count = sink.limits.max_event_attributes
-            events += tuple(
-                Event(name, sink.event_attributes(dict(values), count), timestamp)
-                for name, values, timestamp in record.events
-            )
+        count = sink.limits.max_event_attributes  # SpanMirror.add_span_event's, bounded there
+        events += tuple(Event(name, sink.event_attributes(dict(values), count), timestamp)
+                        for name, values, timestamp in record.events or ())
         count = sink.limits.max_link_attributes  # links to other traces: within the SDK's limits
         links = tuple(Link(link.context, sink.event_attributes(dict(link.attributes), count))
                       for link in (record.links or {}).values())

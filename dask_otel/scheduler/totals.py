@@ -214,15 +214,8 @@ class Totals:
     def own(cls, span: Span) -> Totals:
         """Of a span's own groups (its fine metrics: named on the builder thread)"""
         totals = cls()
-        states = totals.states
-        for tg in span.groups:
-            for state, n in tg.states.items():
-                if n:
-                    states[state] = states.get(state, 0) + n
-            totals.nbytes += tg.nbytes_total
-            totals.duration += tg.duration
-            if tg.start and (not totals.start or tg.start < totals.start):
-                totals.start = tg.start
+        for tg in span.groups:  # read, never kept
+            totals.add(cls(tg.states, tg.nbytes_total, tg.duration, tg.start))
         return totals
 
     @classmethod
@@ -236,7 +229,8 @@ class Totals:
 
     def add(self, other: Totals) -> Totals:
         for state, n in other.states.items():
-            self.states[state] = self.states.get(state, 0) + n
+            if n:
+                self.states[state] = self.states.get(state, 0) + n
         self.fine.add(other.fine)
         self.nbytes += other.nbytes
         self.duration += other.duration
