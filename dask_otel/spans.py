@@ -23,7 +23,6 @@ when a span is exported: docs/traces.md; costs: benchmarks/README.md.
 
 from __future__ import annotations
 
-import logging
 import random
 from collections import Counter
 from collections.abc import Callable, Hashable, Iterable
@@ -34,13 +33,14 @@ from uuid import uuid4
 
 from distributed.metrics import time
 
-from dask_otel._compat import sent_annotations, span_own_metrics
+from dask_otel._compat import sent_annotations, span_code_blocks, span_own_metrics
 from dask_otel.annotation import otel_of, read_block, read_span
+from dask_otel.log import logger
 from dask_otel.scheduler import blocks
 from dask_otel.scheduler.builder import GroupReading, Handed, SpanBuilder, SpanReading
 from dask_otel.scheduler.ledger import Ledger
 from dask_otel.scheduler.record import GroupBatch, SpanHead, SpanRecord
-from dask_otel.scheduler.totals import Failure, Totals, active_cpu_seconds, group_done, span_code
+from dask_otel.scheduler.totals import Failure, Totals, active_cpu_seconds, group_done
 from dask_otel.span_context import child_context
 
 if TYPE_CHECKING:
@@ -54,8 +54,6 @@ if TYPE_CHECKING:
     from dask_otel.config import OtelConfig
     from dask_otel.export.sink import SpanSink
     from dask_otel.scheduler.outcomes import Outcomes
-
-logger = logging.getLogger("dask_otel")
 
 #: Task prefixes whose latest span context is kept for exemplars: the
 #: fine-metrics series limit (dask_otel.scheduler.metrics.MAX_SERIES)
@@ -153,8 +151,7 @@ class SpanMirror:
             else:
                 later.append((tg, ts, span))
         for tg, ts, own in later:
-            # The block ``told`` (the graph's), made where Dask made none; else where
-            # the task's block says (Ledger.submitted_in)
+            # The graph's block ``told`` (made where Dask made none), else the task's
             span = (self._made(told, own) if told is not None else ledger.submitted_in(
                 read_block(otel_of(ts.annotations), (own.id,)), own, fresh))
             if span is None:  # nothing says where: a root of its own, one per graph
@@ -332,7 +329,8 @@ class SpanMirror:
             return None if self.sink is None else False
         config = self.config
         sums = config.span_totals == "subtree"
-        code = span_code(span) if config.export_code else None
+        code = (tuple(sc.code for block in span_code_blocks(span) for sc in block)
+                if config.export_code else None)  # ``Span.code``; empty: Dask recorded none
         if code is not None and not code and not self.told_no_code:
             self.told_no_code = _tell_no_code(span.name[-1])
         parent_context = self._head(parent).context if parent is not None else record.remote_parent

@@ -10,7 +10,6 @@ docs/traces.md; costs: benchmarks/README.md.
 
 from __future__ import annotations
 
-import logging
 import os
 import threading
 import weakref
@@ -23,6 +22,7 @@ from opentelemetry.trace import Link
 
 import dask_otel.attributes as attr
 from dask_otel.export.sink import NO_ATTRIBUTES
+from dask_otel.log import logger
 from dask_otel.scheduler.totals import SpanMetrics, Totals, erred_status, task_counts
 
 if TYPE_CHECKING:
@@ -30,8 +30,6 @@ if TYPE_CHECKING:
 
     from dask_otel.export.sink import SpanSink
     from dask_otel.scheduler.record import GroupBatch, SpanHead, SpanRecord
-
-logger = logging.getLogger("dask_otel")
 
 #: A TaskGroup span's name: its task prefix behind a word of its own, so that a trace
 #: UI lists TaskGroups apart from Dask spans and tasks (docs/traces.md "Span names")
@@ -196,9 +194,7 @@ class SpanBuilder:
         return folded
 
     def _run(self) -> None:
-        queue = self._queue
-        sink = self.sink
-        me = threading.current_thread()
+        queue, sink, me = self._queue, self.sink, threading.current_thread()
         while True:
             try:
                 batch = queue.get(timeout=IDLE_EXIT)
@@ -239,11 +235,10 @@ class SpanBuilder:
             return None
         start, end, active = head.start, reading.end, reading.active
         totals = subtree if reading.subtree else own
-        attributes = {attr.SPAN_ID: record.span.id, attr.SPAN_NAME: head.tags}
-        attributes.update(task_counts(totals.states, sum(totals.states.values()), totals.nbytes,
-                                      totals.duration))
-        attributes[attr.ACTIVE_CPU_SECONDS] = active
-        attributes.update(totals.fine.total)
+        attributes = {attr.SPAN_ID: record.span.id, attr.SPAN_NAME: head.tags,
+                      **task_counts(totals.states, sum(totals.states.values()), totals.nbytes,
+                                    totals.duration),
+                      attr.ACTIVE_CPU_SECONDS: active, **totals.fine.total}
         if reading.subtree and (idle := active - totals.fine.execute_seconds) > 0:
             attributes[attr.IDLE] = idle
         if (code := reading.code) is not None:

@@ -200,11 +200,8 @@ class DaskEvents:
         processing = msg.get("processing-tasks") or ()
         computed, scattered = remove_worker_lost_keys(self.scheduler, msg)
         attributes = _fields(msg)
-        for name, keys in (
-            ("processing_tasks", processing),
-            ("lost_computed_tasks", computed),
-            ("lost_scattered_tasks", scattered),
-        ):
+        for name, keys in (("processing_tasks", processing), ("lost_computed_tasks", computed),
+                           ("lost_scattered_tasks", scattered)):
             attributes[attr.EVENT_PREFIX + name] = [str(k) for k in islice(keys, MAX_KEYS)]
             attributes[attr.EVENT_PREFIX + name + "_count"] = len(keys)
         attributes[attr.WORKER_ADDRESS] = address
@@ -295,12 +292,9 @@ def _fields(msg: Any) -> dict[str, Any]:
     scalars; Dask's pickled payloads are left out)"""
     if not isinstance(msg, dict):
         return {}
-    return {
-        attr.EVENT_PREFIX + attr.snake(name): value
-        for name, value in msg.items()
-        if isinstance(value, (str, bool, int, float))
-        and name not in ("action", "worker", "exception", "traceback")
-    }
+    return {attr.EVENT_PREFIX + attr.snake(name): value for name, value in msg.items()
+            if isinstance(value, (str, bool, int, float))
+            and name not in ("action", "worker", "exception", "traceback")}
 
 
 class _BuiltinsUnpickler(pickle.Unpickler):

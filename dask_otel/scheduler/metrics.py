@@ -74,7 +74,10 @@ class UnitRead:
     keys: dict[str | None, tuple[int, list[tuple]]]
 
 
-def _fine_metrics(dask_unit: str):
+def _fine_metrics(name: str, unit: str, what: str, dask_unit: str) -> MetricSpec:
+    """The instrument of one Dask unit of the fine metrics (the last element of the keys
+    of ``Scheduler.cumulative_worker_metrics``)"""
+
     def read(observed: SchedulerMetrics) -> Reading:
         scheduler = observed.scheduler
         spans = observed.span_label and scheduler.extensions.get("spans")
@@ -115,27 +118,15 @@ def _fine_metrics(dask_unit: str):
         observed.reads[dask_unit] = UnitRead(state, reading, values, exemplars, keys_now)
         return reading
 
-    return read
+    return MetricSpec(name, COUNTER, unit, f"{what}, by context, task prefix and activity "
+                      "(Dask's fine performance metrics)", read)
 
 
-#: Every scheduler instrument. The Dask unit in ``_fine_metrics(...)`` is the last
-#: element of the keys of ``Scheduler.cumulative_worker_metrics``.
+#: Every scheduler instrument
 SCHEDULER_METRICS: tuple[MetricSpec, ...] = (
-    MetricSpec(
-        "dask.activity.time", COUNTER, "s",
-        "Time workers spent, by context, task prefix and activity "
-        "(Dask's fine performance metrics)", _fine_metrics("seconds"),
-    ),
-    MetricSpec(
-        "dask.activity.size", COUNTER, "By",
-        "Bytes workers processed, by context, task prefix and activity "
-        "(Dask's fine performance metrics)", _fine_metrics("bytes"),
-    ),
-    MetricSpec(
-        "dask.activity.count", COUNTER, "{operation}",
-        "Operations workers performed, by context, task prefix and activity "
-        "(Dask's fine performance metrics)", _fine_metrics("count"),
-    ),
+    _fine_metrics("dask.activity.time", "s", "Time workers spent", "seconds"),
+    _fine_metrics("dask.activity.size", "By", "Bytes workers processed", "bytes"),
+    _fine_metrics("dask.activity.count", "{operation}", "Operations workers performed", "count"),
     # With metrics on, the mirror runs and has its outcomes (SchedulerMetrics.mirror)
     MetricSpec("dask.workflow.active", GAUGE, "{run}", "Workflow runs (root Dask spans) open now, "
                "by name", lambda m: m.mirror.outcomes.open_runs(m.mirror.ledger, False)),

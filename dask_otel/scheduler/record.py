@@ -210,11 +210,9 @@ class GroupBatch:
         ``rerun`` tasks of the new graph are to run. ``own`` is the group's Dask
         span, which Dask's fine metrics of its tasks go to."""
         states = dict(tg.states)
-        return cls(
-            span, time(), states, sum(states.values()) - rerun, tg.nbytes_total,
-            tg.duration, SpanMetrics.of(span_own_metrics(own)).by_prefix.get(tg.prefix.name, {}),
-        )
-
+        carried = SpanMetrics.of(span_own_metrics(own)).by_prefix.get(tg.prefix.name, {})
+        return cls(span, time(), states, sum(states.values()) - rerun, tg.nbytes_total,
+                   tg.duration, carried)
 
     def end(self, tg: TaskGroup) -> float:
         """When the group's last task finished or failed (0: none did yet),
@@ -274,6 +272,5 @@ class GroupBatch:
         states["released"] = states.get("released", 0) - held
         # float: an int 0 in distributed 2024.1 until a task ran
         figures = (states, tg.nbytes_total, float(tg.duration))
-        if self.states is None or self.erred or figures[2] > self.duration:
-            return figures
-        return figures if sum(states.values()) > self.total else None
+        ran = self.states is None or self.erred or figures[2] > self.duration
+        return figures if ran or sum(states.values()) > self.total else None

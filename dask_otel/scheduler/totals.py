@@ -16,7 +16,7 @@ from distributed.scheduler import ALL_TASK_STATES
 from opentelemetry.trace import Status, StatusCode
 
 import dask_otel.attributes as attr
-from dask_otel._compat import span_code_blocks, span_nthreads_history, span_own_metrics
+from dask_otel._compat import span_nthreads_history, span_own_metrics
 
 if TYPE_CHECKING:
     from distributed.scheduler import TaskGroup, TaskState
@@ -149,11 +149,6 @@ def observed(t: float, sent: float, received: float) -> float:
 #: TaskGroup states in which a task has yet to finish: ``TaskGroup.done`` is "no
 #: task in any of these"
 _PENDING = tuple(sorted(ALL_TASK_STATES - {"memory", "erred", "released", "forgotten"}))
-
-
-def span_code(span: Span) -> tuple[str, ...]:
-    """The source of the code a Dask span ran (``Span.code``; empty: Dask recorded none)"""
-    return tuple(sc.code for block in span_code_blocks(span) for sc in block)
 
 
 @dataclass(frozen=True, slots=True)
