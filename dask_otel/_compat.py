@@ -15,9 +15,9 @@ from __future__ import annotations
 
 import functools
 import importlib
+import inspect
 import threading
 from collections.abc import Callable, Hashable, Iterable, Mapping
-from types import MappingProxyType
 from typing import Any
 
 import distributed
@@ -27,8 +27,6 @@ from packaging.version import Version
 
 
 # --- distributed: versions ------------------------------------------------------
-
-# The span mirror, its events and the task spans
 
 #: ``remove-worker`` events list the keys lost with the worker (:func:`remove_worker_lost_keys`)
 REMOVE_WORKER_LISTS_LOST_KEYS = Version(distributed.__version__) >= Version("2024.3.0")
@@ -53,14 +51,12 @@ def task_function(run_spec: Any) -> Callable | None:
 
 # The span mirror and the scheduler's fine metrics (tests/test_compat.py::test_dask_*)
 
-_NO_METRICS: Mapping[tuple[Hashable, ...], float] = MappingProxyType({})
-
 
 def span_own_metrics(span: Span) -> Mapping[tuple[Hashable, ...], float]:
     """``Span._cumulative_worker_metrics``: a Dask span's own fine performance
     metrics (the public ``cumulative_worker_metrics`` walks and sums its subtree);
     empty if this Dask has none"""
-    return getattr(span, "_cumulative_worker_metrics", _NO_METRICS)
+    return getattr(span, "_cumulative_worker_metrics", {})
 
 
 def span_nthreads_history(span: Span) -> tuple[list[tuple[float, int]], int] | None:
@@ -112,13 +108,21 @@ def detached_span(name: tuple[str, ...], span_id: str, parent: Span | None, sche
     return span
 
 
-# -- limits --
+# --- opentelemetry-sdk: versions --------------------------------------------------
+
+
+@functools.cache
+def sdk_version() -> Version:
+    from opentelemetry.sdk.version import __version__
+
+    return Version(__version__)
+
+
 # The series limits of the bridge's metric streams (dask_otel/export/instruments.py;
-# tests/test_compat.py::test_limits_*). opentelemetry-sdk 1.45.2, a patch release,
-# folds every attribute set past 2,000 per metric stream into one
-# `otel.metric.overflow` point unless a View sets the limit
-# (`aggregation_cardinality_limit`, new in the same release); 1.41 to 1.45.1 have
-# no limit, and their View refuses the argument.
+# tests/test_compat.py::test_limits_*): opentelemetry-sdk 1.45.2, a patch release, folds
+# every attribute set past 2,000 per stream into one `otel.metric.overflow` point unless a
+# View's `aggregation_cardinality_limit` (new there) sets the limit; 1.41 to 1.45.1 have
+# none, and their View refuses the argument.
 
 #: The first SDK release whose metric streams have a series limit
 SERIES_LIMIT_SINCE = Version("1.45.2")
@@ -126,20 +130,15 @@ SERIES_LIMIT_SINCE = Version("1.45.2")
 
 def series_limit_view_options(limit: int) -> dict[str, int]:
     """The keyword of a View that sets its streams' series limit to ``limit``, if any"""
-    from opentelemetry.sdk.version import __version__
-
-    if Version(__version__) < SERIES_LIMIT_SINCE:
-        return {}
-    return {"aggregation_cardinality_limit": limit}
+    return {} if sdk_version() < SERIES_LIMIT_SINCE else {"aggregation_cardinality_limit": limit}
 
 
 # --- opentelemetry-configuration (declarative) ------------------------------------
-# opentelemetry-configuration 0.66b2 (experimental; it pins opentelemetry-sdk
-# 1.45.2) builds whole providers publicly (create_tracer_provider, ...) but a
-# processor's or reader's exporter only privately: the bridge builds the processors
-# itself, to wrap each exporter in its export accounting
-# (dask_otel/export/declarative.py). tests/test_compat.py::test_declarative_* trips
-# when a release renames them.
+# opentelemetry-configuration 0.66b2 (experimental; it pins opentelemetry-sdk 1.45.2)
+# builds whole providers publicly (create_tracer_provider, ...) but a processor's or
+# reader's exporter only privately: the bridge builds the processors itself, to wrap each
+# exporter in its export accounting (dask_otel/export/declarative.py).
+# tests/test_compat.py::test_declarative_* trips when a release renames them.
 
 
 def _declared(module: str, name: str) -> Callable[..., Any]:
@@ -172,8 +171,6 @@ declared_log_exporter = _declared("_logger_provider", "_create_log_record_export
 
 def execute_hookable(worker: Any) -> str | None:
     """Why ``worker.execute`` cannot carry the in-task context, or None if it can"""
-    import inspect
-
     execute = getattr(type(worker), "execute", None)
     if execute is None or not inspect.iscoroutinefunction(execute):
         return "Worker.execute is not a coroutine function"
@@ -202,26 +199,18 @@ def remove_worker_lost_keys(scheduler: Any, msg: dict) -> tuple[Any, Any]:
 
 # ---- export
 # The outage policy's one adapter (dask_otel/export/accounting.py). The SDK's OTLP
-# exporters (gRPC and HTTP) retry a failed export inside export() with backoff until
-# their timeout, and offer no public way to stop that cycle
+# exporters (gRPC and HTTP) retry a failed export inside export() with backoff until their
+# timeout, and offer no public way to stop that cycle
 # (https://github.com/open-telemetry/opentelemetry-python/issues/3815, /issues/4331).
 # In 1.41 to 1.45.2 each waits out its backoff on a threading.Event that its public
-# shutdown() sets ("Shutdown in progress, aborting retry"); the adapter writes, in
-# place of that Event, one whose wait() asks the policy first, so the export ends there
-# failed, and the exporter (its channel, its session) stays as it was built. Above
-# the versions tested the policy runs on what is public (the exporter's timeout,
-# FAILURE). tests/test_compat.py::test_sdk_* trips when a release changes it.
+# shutdown() sets; the adapter writes, in place of that Event, one whose wait() asks the
+# policy first, so the export ends there failed, and the exporter (its channel, its
+# session) stays as it was built. Above those versions the policy runs on what is public
+# (the exporter's timeout, FAILURE). tests/test_compat.py::test_sdk_* trips on a change.
 
 
-@functools.cache
-def sdk_version() -> tuple[int, ...]:
-    from opentelemetry.sdk.version import __version__
-
-    return tuple(int(part) for part in __version__.split(".")[:2] if part.isdigit())
-
-
-#: The SDK versions whose exporters wait as above (the floor to 1.45.2)
-RETRY_WAIT_UP_TO = (1, 45)
+#: The last SDK release whose exporters wait as above (from the floor)
+RETRY_WAIT_UP_TO = Version("1.45.2")
 #: Where the OTLP exporters keep that Event: gRPC, and HTTP spans and metrics up to
 #: 1.44; HTTP logs 1.41-1.44; HTTP from 1.45 (opentelemetry-exporter-otlp-common)
 RETRY_WAITS = ("_shutdown_in_progress", "_shutdown_is_occuring", "_client._shutdown_event")

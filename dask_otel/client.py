@@ -34,16 +34,15 @@ _sent: dict[str, dict[str, distributed.Client]] = {}
 @contextmanager
 def span(*tags: str, sampled: bool | None = None, tasks: Mapping[str, Any] | None = None,
          workflow: bool = False) -> Iterator[str]:
-    """Open Dask spans, as ``distributed.span(*tags)``, that continue the caller's
-    OTel trace; yields the UUID of the innermost one.
+    """Open Dask spans, as ``distributed.span(*tags)``, that continue the caller's OTel
+    trace; yields the UUID of the innermost one.
 
-    ``sampled``: True keeps, False drops, this workflow's whole trace whatever
-    the sampler says (a root block's choice). ``tasks``: ``otel.tasks.*`` keys by
-    their last part (``{"spans": True, "slower-than": "500ms"}``) for this block's
-    tasks, over the workers' config; nested blocks inherit and override them.
-    ``workflow``: the root block's name is a bounded workflow name. A bad value
-    raises TypeError or ValueError at the call, naming the argument and value.
-    """
+    ``sampled``: True keeps, False drops, this workflow's whole trace whatever the sampler
+    says (a root block's choice). ``tasks``: ``otel.tasks.*`` keys by their last part
+    (``{"spans": True, "slower-than": "500ms"}``) for this block's tasks, over the workers'
+    config; nested blocks inherit and override them. ``workflow``: the root block's name is
+    a bounded workflow name. A bad value raises TypeError or ValueError at the call, naming
+    the argument and value."""
     entered_at = time.time()
     outer = dask.get_annotations()
     rules = _check_controls(outer, sampled, tasks, workflow)
@@ -85,7 +84,7 @@ def _check_controls(outer: Mapping[str, Any], sampled: Any, tasks: Any, workflow
         if sampled is not inherited:
             raise ValueError(f"sampled={sampled!r}: a nested block is in its root's trace, which "
                              f"the root block decides (it said {inherited!r})")
-    return None if tasks is None else parse_task_rules(tasks, "tasks")
+    return None if tasks is None else parse_task_rules(tasks)
 
 
 def _graph_sent(client: distributed.Client) -> None:

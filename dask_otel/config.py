@@ -29,9 +29,10 @@ with open(Path(__file__).with_name("otel.yaml")) as f:
 # dask config to snapshots taken before this import; see get().
 dask.config.update_defaults(DEFAULTS)
 
-TRACES_EXPORTERS = ("otlp", "console", "memory", "none")
-METRICS_EXPORTERS = ("otlp", "prometheus", "console", "memory", "none")
-LOGS_EXPORTERS = ("otlp", "console", "memory", "none")
+#: The exporter names the bridge knows, by signal (others: installed entry points)
+EXPORTERS = {"TRACES": ("otlp", "console", "memory", "none"),
+             "METRICS": ("otlp", "prometheus", "console", "memory", "none"),
+             "LOGS": ("otlp", "console", "memory", "none")}
 #: Protocols of ``OTEL_EXPORTER_OTLP_PROTOCOL`` that the Python SDK implements
 OTLP_PROTOCOLS = {"grpc": "otlp_proto_grpc", "http/protobuf": "otlp_proto_http"}
 
@@ -41,14 +42,8 @@ class ConfigError(ValueError):
     use; the message names the key and the value at fault"""
 
     def __init__(self, key: str, value: Any, expected: str):
-        self.key = key
-        self.value = value
+        self.key, self.value = key, value
         super().__init__(f"{key}: expected {expected}, got {value!r}")
-
-
-#: "Read the value from dask config" for the parsers below, which also take one
-#: given directly (:func:`parse_task_rules`)
-_GET: Any = object()
 
 
 def get(key: str) -> Any:
@@ -69,8 +64,9 @@ def _warn_unknown_keys(given: Any, defaults: dict, prefix: str) -> None:
             _warn_unknown_keys(value, defaults[canonical], f"{prefix}.{canonical}")
 
 
-def _bool(key: str, value: Any = _GET) -> bool:
-    value = get(key) if value is _GET else value
+# The parsers: each validates ``value``, given for dask config ``key`` (or, by
+# parse_task_rules, for a block's argument), as the bridge uses it
+def _bool(key: str, value: Any) -> bool:
     # DASK_OTEL__ENABLED=false: dask 2024.1's collect_env keeps 'false' a string
     # (later dask reads YAML's true/false from the environment as booleans)
     if isinstance(value, str) and value.strip().lower() in ("true", "false"):
@@ -80,16 +76,14 @@ def _bool(key: str, value: Any = _GET) -> bool:
     return value
 
 
-def _choice(key: str, choices: Sequence[str]) -> str:
-    value = get(key)
+def _choice(key: str, value: Any, choices: Sequence[str]) -> str:
     if value not in choices:
         raise ConfigError(key, value, " or ".join(map(repr, choices)))
     return value
 
 
-def _seconds(key: str, positive: bool = False, value: Any = _GET, optional: bool = False
+def _seconds(key: str, value: Any, positive: bool = False, optional: bool = False
              ) -> float | None:
-    value = get(key) if value is _GET else value
     if optional and value is None:  # no such rule
         return None
     try:
@@ -101,16 +95,14 @@ def _seconds(key: str, positive: bool = False, value: Any = _GET, optional: bool
     return out
 
 
-def _ratio(key: str, value: Any = _GET) -> float:
-    value = get(key) if value is _GET else value
+def _ratio(key: str, value: Any) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not 0 <= value <= 1:
         raise ConfigError(key, value, "a number from 0 to 1")
     return float(value)
 
 
-def _level(key: str) -> int:
+def _level(key: str, value: Any) -> int:
     """A logging level by name (``INFO``, any case) or number"""
-    value = get(key)
     if isinstance(value, str):
         level = logging.getLevelName(value.strip().upper())
         if isinstance(level, int):
@@ -120,9 +112,8 @@ def _level(key: str) -> int:
     raise ConfigError(key, value, "a logging level like INFO or WARNING")
 
 
-def _names(key: str, what: str = "a list of event topic names") -> frozenset[str]:
+def _names(key: str, value: Any, what: str = "a list of event topic names") -> frozenset[str]:
     """Names (event topics, fnmatch patterns): a list, or a comma-separated string"""
-    value = get(key)
     if isinstance(value, str):
         value = [v for v in (v.strip() for v in value.split(",")) if v]
     if not isinstance(value, (list, tuple)) or not all(
@@ -132,21 +123,19 @@ def _names(key: str, what: str = "a list of event topic names") -> frozenset[str
     return frozenset(v.strip() for v in value)
 
 
-def _exporters(
-    key: str, signal: str, known: Sequence[str], env_default: str = "otlp"
-) -> tuple[str, ...]:
-    """Exporter names from dask config; its default, the name of OTEL_<signal>_EXPORTER,
-    reads that variable. None (``null``, or ``none`` in a DASK_* variable) is ``none``."""
-    env = f"OTEL_{signal}_EXPORTER"
-    group = f"opentelemetry_{signal.lower()}_exporter"
-    value, source = get(key), key
+def _exporters(key: str, value: Any) -> tuple[str, ...]:
+    """Exporter names of ``otel.<signal>.exporter``; its default, the name of
+    OTEL_<signal>_EXPORTER, reads that variable (unset: ``otlp``, ``none`` for logs).
+    None (``null``, or ``none`` in a DASK_* variable) is ``none``."""
+    signal = key.split(".")[1].upper()
+    env, known, source = f"OTEL_{signal}_EXPORTER", EXPORTERS[signal], key
     if value == env:
-        value, source = os.environ.get(env, env_default), env
+        value, source = os.environ.get(env, "none" if signal == "LOGS" else "otlp"), env
     if isinstance(value, str) or value is None:
         value = [v for v in (v.strip() for v in (value or "none").split(",")) if v]
     if not isinstance(value, (list, tuple)) or not all(isinstance(v, str) for v in value):
         raise ConfigError(source, value, "a list of exporter names")
-    installed = installed_entry_points(group)
+    installed = installed_entry_points(f"opentelemetry_{signal.lower()}_exporter")
     for name in value:
         if name not in known and name not in installed:
             raise ConfigError(source, name, f"one of {', '.join(known)}")
@@ -180,7 +169,7 @@ def otlp_entry_point(signal: str) -> str:
 CLIENT, SCHEDULER, WORKERS = "client", "scheduler", "workers"
 
 
-def _key(name: str, parse: Callable[[str], Any], *read_in: str) -> Any:
+def _key(name: str, parse: Callable[[str, Any], Any], *read_in: str) -> Any:
     """A field of :class:`OtelConfig`: dask config key ``name``, validated by
     ``parse``, which each process in ``read_in`` reads from its own dask config"""
     return field(metadata={"key": name, "parse": parse, "read_in": read_in})
@@ -194,52 +183,34 @@ class OtelConfig:
     enabled: bool = _key("otel.enabled", _bool, CLIENT, SCHEDULER, WORKERS)
     flush_timeout: float = _key("otel.flush-timeout", _seconds, SCHEDULER, WORKERS)
     #: the SDK's retries for every batch during an outage, instead of probes
-    retry_during_outage: bool = _key(
-        "otel.export.retry-during-outage", _bool, SCHEDULER, WORKERS
-    )
-    #: resolved against OTEL_TRACES_EXPORTER
-    traces_exporters: tuple[str, ...] = _key(
-        "otel.traces.exporter",
-        partial(_exporters, signal="TRACES", known=TRACES_EXPORTERS),
-        SCHEDULER, WORKERS,
-    )
-    poll_interval: float = _key(
-        "otel.spans.poll-interval", partial(_seconds, positive=True), SCHEDULER
-    )
+    retry_during_outage: bool = _key("otel.export.retry-during-outage", _bool, SCHEDULER,
+                                     WORKERS)
+    traces_exporters: tuple[str, ...] = _key("otel.traces.exporter", _exporters, SCHEDULER,
+                                             WORKERS)
+    poll_interval: float = _key("otel.spans.poll-interval", partial(_seconds, positive=True),
+                                SCHEDULER)
     export_delay: float = _key("otel.spans.export-delay", _seconds, SCHEDULER)
     metrics_timeout: float = _key("otel.spans.metrics-timeout", _seconds, SCHEDULER)
-    span_totals: str = _key(
-        "otel.spans.totals", partial(_choice, choices=("subtree", "own")), SCHEDULER
-    )
+    span_totals: str = _key("otel.spans.totals", partial(_choice, choices=("subtree", "own")),
+                            SCHEDULER)
     export_code: bool = _key("otel.spans.code", _bool, SCHEDULER)
-    #: resolved against OTEL_METRICS_EXPORTER
-    metrics_exporters: tuple[str, ...] = _key(
-        "otel.metrics.exporter",
-        partial(_exporters, signal="METRICS", known=METRICS_EXPORTERS),
-        SCHEDULER, WORKERS,
-    )
+    metrics_exporters: tuple[str, ...] = _key("otel.metrics.exporter", _exporters, SCHEDULER,
+                                              WORKERS)
     span_label: bool = _key("otel.metrics.span-label", _bool, SCHEDULER)
     #: Dask's own Prometheus families over OTLP (docs/metrics.md#dasks-own-families)
     dask_families: bool = _key("otel.metrics.dask", _bool, SCHEDULER, WORKERS)
     #: root span names that ``dask.workflow.*`` count by name
     #: (:mod:`dask_otel.scheduler.outcomes`)
     workflows: frozenset[str] = _key(
-        "otel.metrics.workflows",
-        partial(_names, what="a list of fnmatch patterns of span names"), SCHEDULER,
-    )
+        "otel.metrics.workflows", partial(_names, what="a list of fnmatch patterns of span names"),
+        SCHEDULER)
     task_spans: bool = _key("otel.tasks.spans", _bool, WORKERS)
     task_sample_ratio: float = _key("otel.tasks.sample-ratio", _ratio, WORKERS)
     #: seconds; None: no such rule
-    task_slower_than: float | None = _key(
-        "otel.tasks.slower-than", partial(_seconds, optional=True), WORKERS
-    )
+    task_slower_than: float | None = _key("otel.tasks.slower-than",
+                                          partial(_seconds, optional=True), WORKERS)
     task_erred: bool = _key("otel.tasks.erred", _bool, WORKERS)
-    #: resolved against OTEL_LOGS_EXPORTER (default none)
-    logs_exporters: tuple[str, ...] = _key(
-        "otel.logs.exporter",
-        partial(_exporters, signal="LOGS", known=LOGS_EXPORTERS, env_default="none"),
-        SCHEDULER, WORKERS,
-    )
+    logs_exporters: tuple[str, ...] = _key("otel.logs.exporter", _exporters, SCHEDULER, WORKERS)
     logs_level: int = _key("otel.logs.level", _level, SCHEDULER, WORKERS)
     #: the Dask events exported as log records (dask_otel.scheduler.events)
     event_topics: frozenset[str] = _key("otel.events.topics", _names, SCHEDULER)
@@ -263,7 +234,7 @@ class OtelConfig:
 def enabled() -> bool:
     """``otel.enabled`` in this process's dask config (ConfigError if it is not
     true or false)"""
-    return _bool("otel.enabled")
+    return _bool("otel.enabled", get("otel.enabled"))
 
 
 def read_config() -> OtelConfig:
@@ -271,9 +242,8 @@ def read_config() -> OtelConfig:
     key (or ``OTEL_*`` variable) whose value is unusable"""
     _warn_unknown_keys(dask.config.get("otel", default={}), DEFAULTS["otel"], "otel")
     # In field order: the first bad key is the one named
-    return OtelConfig(**{
-        f.name: f.metadata["parse"](f.metadata["key"]) for f in fields(OtelConfig)
-    })
+    return OtelConfig(**{f.name: f.metadata["parse"](f.metadata["key"], get(f.metadata["key"]))
+                         for f in fields(OtelConfig)})
 
 
 #: The ``otel.tasks.*`` keys, by their last part, with their parsers: the ones a
@@ -284,25 +254,23 @@ TASK_RULES: dict[str, Callable[..., Any]] = {
 }
 
 
-def parse_task_rules(given: Any, argument: str = "tasks", *, strict: bool = True) -> dict[str, Any]:
-    """``otel.tasks.*`` values given directly, as a ``dask_otel.span(tasks=...)``
-    block gives them (``{"spans": True, "slower-than": "500ms"}``), validated by
-    the keys' own parsers, as the bridge uses them (durations in seconds): the one
+def parse_task_rules(given: Any, *, strict: bool = True) -> dict[str, Any]:
+    """A ``dask_otel.span(tasks=...)`` block's ``otel.tasks.*`` values
+    (``{"spans": True, "slower-than": "500ms"}``) by the keys' own parsers: the one
     validator of a block's task rules, at the call and where they are read.
     ``strict``: a bad one raises (TypeError if ``given`` is no mapping, else a
-    ConfigError naming ``argument``, the key and the value); else it is left out
-    (an annotation is never trusted)."""
+    ConfigError naming it); else it is left out (an annotation is never trusted)."""
     if not isinstance(given, Mapping):
         if strict:
-            raise TypeError(f"{argument}: expected a mapping of otel.tasks.* keys, got {given!r}")
+            raise TypeError(f"tasks: expected a mapping of otel.tasks.* keys, got {given!r}")
         return {}
     rules = {}
     for short, value in given.items():
         name = short.replace("_", "-") if isinstance(short, str) else short
         try:
             if name not in TASK_RULES:
-                raise ConfigError(argument, short, f"keys among {', '.join(TASK_RULES)}")
-            rules[name] = TASK_RULES[name](f"{argument}[{short!r}]", value=value)
+                raise ConfigError("tasks", short, f"keys among {', '.join(TASK_RULES)}")
+            rules[name] = TASK_RULES[name](f"tasks[{short!r}]", value)
         except ConfigError:
             if strict:
                 raise

@@ -1,9 +1,8 @@
-"""A Dask span's OpenTelemetry identity, computable in any process without a
-message: :func:`dask_span_context` composes the ``SpanContext`` of a Dask span
-(ids, the sampling decision, trace flags and state) for the client, the
-scheduler's mirror, the workers and links alike; :func:`child_context` that of a
-span a process makes under it. The rules: docs/traces.md, "How the trace id is
-chosen" and "Sampling". Needs only ``opentelemetry-api``.
+"""A Dask span's OpenTelemetry identity, computable in any process without a message:
+:func:`dask_span_context` composes the ``SpanContext`` of a Dask span (ids, sampling
+decision, trace flags and state) for the client, the scheduler's mirror, the workers and
+links alike; :func:`child_context` that of a span a process makes under it. docs/traces.md,
+"How the trace id is chosen" and "Sampling". Needs only ``opentelemetry-api``.
 """
 
 from __future__ import annotations
@@ -81,12 +80,11 @@ def _root_decision(sampler: Sampler, trace_id: int, root_tag: str
 
 def trace_decision(sampler: Sampler | None, trace_id: int, root_tag: str,
                    remote_parent: SpanContext | None = None) -> tuple[bool, TraceState | None]:
-    """The sampler's decision for a whole Dask trace, and the trace state it
-    returned (None: none, or an empty one). ``root_tag``: the root Dask span's
-    first tag, which every task knows from its ``span`` annotation. A root trace
-    is sampled on :func:`sampling_id` (decisions cached in a bounded LRU); one
-    that continues a caller's as any child of a remote parent. Without a sampler
-    (a client with only the OTel API): the caller's flag, or sampled."""
+    """The sampler's decision for a whole Dask trace, and its trace state (None:
+    none, or empty). ``root_tag``: the root Dask span's first tag, which every task
+    knows. A root trace is sampled on :func:`sampling_id` (cached in a bounded LRU),
+    one that continues a caller's as any child of a remote parent. Without a
+    sampler (a client with only the OTel API): the caller's flag, or sampled."""
     if sampler is None:
         return remote_parent is None or remote_parent.trace_flags.sampled, None
     if remote_parent is None:
@@ -98,13 +96,11 @@ def trace_decision(sampler: Sampler | None, trace_id: int, root_tag: str,
 def dask_span_context(root_id: str, span_id: str, root_tag: str, remote_parent: SpanContext | None,
                       sampler: Sampler | None, *, is_remote: bool, forced: bool | None = None
                       ) -> SpanContext:
-    """The OTel SpanContext of Dask span ``span_id`` in the tree of root ``root_id``
-    (first tag ``root_tag``), continuing ``remote_parent`` if the root does.
-    ``is_remote``: False only in the process that makes the span (the scheduler).
-    ``forced``: the client's ``sampled=`` (None: the sampler decides). Flags are
-    the caller's (or :func:`root_flags`) with the sampled bit decided here; the
-    trace state the sampler's, else the caller's."""
-    # the caller's trace if the root continues one, else the root span's UUID
+    """The OTel SpanContext of Dask span ``span_id`` in the tree of root ``root_id`` (first
+    tag ``root_tag``), continuing ``remote_parent`` if the root does. ``is_remote``: False
+    only in the process that makes the span (the scheduler). ``forced``: the client's
+    ``sampled=`` (None: the sampler decides). Flags are the caller's (or :func:`root_flags`)
+    with the sampled bit decided here; the trace state the sampler's, else the caller's."""
     trace_id = remote_parent.trace_id if remote_parent is not None else dask_uuid(root_id)
     if forced is None:
         sampled, state = trace_decision(sampler, trace_id, root_tag, remote_parent)
@@ -125,13 +121,10 @@ def child_context(parent: SpanContext, span_id: int) -> SpanContext:
     return SpanContext(
         parent.trace_id, span_id, is_remote=False,
         trace_flags=TraceFlags(parent.trace_flags | TraceFlags.SAMPLED),
-        trace_state=parent.trace_state,
-    )
+        trace_state=parent.trace_state)
 
 
-def in_context(span_context: SpanContext | None, base: Context | None = None
-               ) -> Context | None:
-    """``base`` (None: the current context) with ``span_context`` as its current
-    span, not recording: what a task, an exemplar or a log record is tied to a
-    trace by; None for None"""
+def in_context(span_context: SpanContext | None, base: Context | None = None) -> Context | None:
+    """``base`` (None: the current context) with ``span_context`` as its current span, not
+    recording: what a task, an exemplar or a log record is tied to a trace by; None for None"""
     return set_span_in_context(NonRecordingSpan(span_context), base) if span_context else None

@@ -8,7 +8,8 @@ means and the formulas that combine them: docs/metrics.md.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sized
-from typing import TYPE_CHECKING, Any
+from functools import partial
+from typing import TYPE_CHECKING
 
 import dask.config
 
@@ -52,16 +53,14 @@ class ObservedWorker(Attached):
 
     @property
     def active(self) -> bool:
-        status = getattr(self.worker.status, "name", "")
-        return status not in ("closing", "closed", "failed")
+        return getattr(self.worker.status, "name", "") not in ("closing", "closed", "failed")
 
 
 def spill_levels(worker: Worker) -> dict[str, float]:
     """What the worker's data holds now; what this kind of ``data`` cannot tell
     is missing"""
     data = worker.data
-    fast = getattr(data, "fast", None)
-    slow = getattr(data, "slow", None)
+    fast, slow = getattr(data, "fast", None), getattr(data, "slow", None)
     spilled = getattr(data, "spilled_total", None)  # SpilledSize(memory, disk)
     out: dict[str, float] = {}
     if fast is None and slow is None:
@@ -107,58 +106,50 @@ def memory_thresholds(observed: ObservedWorker) -> Reading:
         "pause": getattr(manager, "memory_pause_fraction", False),
         "terminate": observed.terminate_fraction,
     }
-    out: list[tuple[float, Mapping[str, Any]]] = [(limit, {THRESHOLD: "limit"})]
-    for name, fraction in fractions.items():
-        if fraction is not None and fraction is not False:
-            out.append((int(limit * fraction), {THRESHOLD: name}))
-    return out
+    return [(limit, {THRESHOLD: "limit"})] + [
+        (int(limit * fraction), {THRESHOLD: name}) for name, fraction in fractions.items()
+        if fraction is not None and fraction is not False]
 
 
-def _level(field: str):
-    def read(observed: ObservedWorker) -> Reading:
-        value = spill_levels(observed.worker).get(field)
-        return [] if value is None else [(value, {})]
-
-    return read
+def _level(field: str, observed: ObservedWorker) -> Reading:
+    value = spill_levels(observed.worker).get(field)
+    return [] if value is None else [(value, {})]
 
 
-def _total(dask_unit: str):
-    def read(observed: ObservedWorker) -> Reading:
-        return [(value, {ACTIVITY: activity})
-                for (activity, unit), value in spill_totals(observed.worker).items()
-                if unit == dask_unit]
-
-    return read
+def _total(dask_unit: str, observed: ObservedWorker) -> Reading:
+    return [(value, {ACTIVITY: activity})
+            for (activity, unit), value in spill_totals(observed.worker).items()
+            if unit == dask_unit]
 
 
-#: Every spill instrument. The Dask unit in ``_total(...)`` is the second element
-#: of the keys of ``SpillBuffer.cumulative_metrics``.
+#: Every spill instrument. The Dask unit of a ``_total`` is the second element of
+#: the keys of ``SpillBuffer.cumulative_metrics``.
 SPILL_METRICS: tuple[MetricSpec, ...] = (
     MetricSpec("dask.spill.memory.keys", GAUGE, "{key}", "Keys held in memory by the worker",
-               _level("memory_count")),
+               partial(_level, "memory_count")),
     MetricSpec("dask.spill.memory.size", GAUGE, "By",
                "Size in memory (sizeof) of the keys held in memory by the worker",
-               _level("memory_size")),
+               partial(_level, "memory_size")),
     MetricSpec("dask.spill.disk.keys", GAUGE, "{key}", "Keys spilled to disk by the worker",
-               _level("disk_count")),
+               partial(_level, "disk_count")),
     MetricSpec("dask.spill.disk.size", GAUGE, "By",
                "Bytes on disk (pickled, possibly compressed) of the keys spilled by the worker",
-               _level("disk_size")),
+               partial(_level, "disk_size")),
     MetricSpec("dask.spill.disk.memory_size", GAUGE, "By",
                "Size in memory (sizeof) of the keys spilled to disk by the worker",
-               _level("disk_memory_size")),
+               partial(_level, "disk_memory_size")),
     MetricSpec("dask.memory.threshold", GAUGE, "By",
                "Memory limit and thresholds of the worker (attribute dask.threshold)",
                memory_thresholds),
     MetricSpec("dask.spill.count", COUNTER, "{key}",
                "Keys read from memory or disk, or written to disk, by the worker's data "
-               "since the worker started", _total("count")),
+               "since the worker started", partial(_total, "count")),
     MetricSpec("dask.spill.size", COUNTER, "By",
                "Bytes read from memory or disk, or written to disk, by the worker's data "
-               "since the worker started", _total("bytes")),
+               "since the worker started", partial(_total, "bytes")),
     MetricSpec("dask.spill.time", COUNTER, "s",
                "Time spent spilling and unspilling (disk I/O, (de)serialization, "
-               "(de)compression) since the worker started", _total("seconds")),
+               "(de)compression) since the worker started", partial(_total, "seconds")),
 )
 
 

@@ -756,9 +756,11 @@ def scraped_run(tmp_path_factory) -> Iterator[ScrapedRun]:
 def test_the_undelivered_spans_query_of_metrics_md_returns_the_schedulers_series(scraped_run):
     """docs/metrics.md's query of the mirrored spans not yet delivered returns one series,
     the scheduler's: the workers publish their export health too, and have no mirror"""
-    text = (REPO / "docs" / "metrics.md").read_text()
-    (query,) = [q for q in re.findall(r"```promql\n(.*?)```", text, re.S)
-                if "dask_otel_span_mirrored_total" in q]
+    from tests.test_doc_queries import documented_queries
+
+    (query,) = [q for doc, q, _ in documented_queries()
+                if doc == "metrics.md" and "dask_otel_span_mirrored_total" in q
+                and "dask_otel_export_items_total" in q]
     result = wait_until(lambda: scraped_run.prometheus.query(query), timeout=30,
                         message="the query's series")
     assert len(result) == 1, result

@@ -427,7 +427,7 @@ def test_docs_table_is_the_code_table():
     from dask_otel.scheduler.events import USER_EVENT
 
     text = (Path(__file__).parent.parent / "docs" / "events.md").read_text()
-    rows = re.findall(r"^\| `([\w-]+)` \| `([\w.]+)` \| [^|]+ \| ([^|]+) \|", text, re.M)
+    rows = re.findall(r"^\| `([\w.-]+)` \| `([\w.]+)` \| [^|]+ \| ([^|]+) \|", text, re.M)
     assert {name: event for name, event, _ in rows} == {
         name: row.event_name for name, row in DASK_EVENTS.items()
     }

@@ -556,7 +556,7 @@ def test_a_hung_collector_is_an_outage_at_the_exporters_timeout(monkeypatch, cap
             run_spans(client, 1, prefix="hung")
             wait_until(lambda: hole.connections >= 1, timeout=30)  # the export is sent
             sent = time.time()
-            wait_until(lambda: dask_otel.status(client)["scheduler"]["spans_failed"] >= 2,
+            wait_until(lambda: dask_otel.status(client)["scheduler"]["export"]["spans"]["dropped"] >= 2,
                        timeout=30)
             counted = time.time()
             (warned,) = [r.created for r in caplog.records if "cannot export spans" in r.getMessage()]

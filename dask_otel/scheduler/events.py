@@ -21,6 +21,7 @@ import dask_otel.attributes as attr
 from dask_otel._compat import remove_worker_lost_keys
 from dask_otel.scheduler.outcomes import CLOSED, FAIL_HARD, LOST, MEMORY_RESTART, RETIRED
 from dask_otel.span_context import in_context
+from dask_otel.stalls import STALL_EVENT, STALL_TOPIC
 
 if TYPE_CHECKING:
     from distributed import Scheduler
@@ -88,6 +89,7 @@ DASK_EVENTS: dict[str, DaskEvent] = {
     "workflow-started": DaskEvent("dask.workflow.started", logging.INFO, None, str),
     "print": DaskEvent("dask.task.print", logging.INFO, None, _printed),
     "warn": DaskEvent("dask.task.warn", logging.WARNING, None, _warning),
+    STALL_TOPIC: DaskEvent(STALL_EVENT, logging.WARNING, None, str),  # stalls.Stalls's
 }
 #: The ``event_name`` of the records of users' own topics (``Client.log_event``),
 #: exported at INFO
@@ -190,9 +192,9 @@ class DaskEvents:
         spans = self.mirror.dask_spans
         for span in islice(reversed(spans.values()), len(spans) - known):
             if span.parent is None and "workflow-started" in self.topics:
-                self._emit("workflow-started", logging.INFO, f"run of {span.name[0]!r} started",
-                           {attr.SPAN_ID: span.id, attr.SPAN_NAME: tuple(span.name)},
-                           self.mirror.context_of(span.id))
+                self.emit("workflow-started", logging.INFO, f"run of {span.name[0]!r} started",
+                          {attr.SPAN_ID: span.id, attr.SPAN_NAME: tuple(span.name)},
+                          self.mirror.context_of(span.id))
 
     # --- a worker removed ----------------------------------------------------------
 
@@ -214,7 +216,7 @@ class DaskEvents:
         body = DASK_EVENTS["remove-worker"].text(msg) + (f" ({reason})" if reason else "")
         by_span = self._spans_of(processing, computed)
         if not by_span:
-            self._emit("remove-worker", level, body, attributes)
+            self.emit("remove-worker", level, body, attributes)
             return
         now, mirror = time_ns(), self.mirror
         for span_id, (n_processing, n_lost) in islice(by_span.items(), MAX_SPANS):
@@ -227,7 +229,7 @@ class DaskEvents:
             per_span = {**attributes, attr.SPAN_ID: span_id,
                         attr.SPAN_TASKS_PROCESSING: n_processing,
                         attr.SPAN_TASKS_LOST_COMPUTED: n_lost}
-            self._emit("remove-worker", level, body, per_span, mirror.context_of(span_id), now)
+            self.emit("remove-worker", level, body, per_span, mirror.context_of(span_id), now)
 
     def _spans_of(self, processing: Iterable[Hashable], computed: Iterable[Hashable]
                   ) -> dict[str, list[int]]:
@@ -262,7 +264,7 @@ class DaskEvents:
         row = DASK_EVENTS.get(name)
         body = (row.text(msg) if row is not None and isinstance(msg, dict)
                 else msg if isinstance(msg, str) else name)
-        self._emit(name, row.severity if row else logging.INFO, body, attributes, context)
+        self.emit(name, row.severity if row else logging.INFO, body, attributes, context)
 
     def _running_span(self, address: str | None) -> str | None:
         """The Dask span of the tasks running on the worker that printed, if they
@@ -274,8 +276,8 @@ class DaskEvents:
         span_ids = {ts.group.span_id for ts in islice(ws.processing, 1000)}
         return span_ids.pop() if len(span_ids) == 1 else None
 
-    def _emit(self, name: str, level: int, body: str, attributes: dict[str, Any],
-              context: SpanContext | None = None, timestamp: int | None = None) -> None:
+    def emit(self, name: str, level: int, body: str, attributes: dict[str, Any],
+             context: SpanContext | None = None, timestamp: int | None = None) -> None:
         if self.logger is None or level < self.level:
             return
         attributes[attr.EVENT_TOPIC] = name

@@ -98,7 +98,6 @@ class OtelSchedulerPlugin(SchedulerPlugin):
                 self.mirror = SpanMirror(scheduler, own.span_sink, config, outcomes)
                 self._poller = PeriodicCallback(self._poll, config.poll_interval * 1000)
                 self._poller.start()
-                self.stalls = Stalls(self.mirror, provider, own.metric_attributes)
                 if provider is not None:  # metrics on: the mirror runs
                     self.metrics = SchedulerMetrics(scheduler, own, self.mirror)
                 from dask_otel.scheduler.events import DaskEvents
@@ -107,6 +106,7 @@ class OtelSchedulerPlugin(SchedulerPlugin):
                     scheduler, self.mirror, logs.provider if logs is not None else None,
                     config.event_topics, config.logs_level, outcomes,
                 )
+                self.stalls = Stalls(self.mirror, provider, own.metric_attributes, self.events)
         except ConfigError as e:  # an OTEL_* variable the SDK refused, named
             logger.error("dask_otel is off on scheduler %s: %s", scheduler.address, e)
             self.error = f"ConfigError: {e}"

@@ -26,7 +26,7 @@ from dask_otel.worker.task_spans import TaskRules, TaskSpans
 if TYPE_CHECKING:
     from distributed import Worker
 
-    from dask_otel.export.telemetry import ServerTelemetry, Telemetry
+    from dask_otel.export.telemetry import ServerTelemetry
 
 
 @dataclass(slots=True)
@@ -35,9 +35,8 @@ class WorkerBridge:
 
     #: why the bridge (or a feature of it) is off on this worker
     error: str | None = None
-    #: the process's Telemetry, and this worker's share of it (its own config,
-    #: span resource and metric attributes)
-    telemetry: Telemetry | None = None
+    #: this worker's share of its process's Telemetry (its own config, span
+    #: resource and metric attributes)
     server_telemetry: ServerTelemetry | None = None
     spill: Any = None
     #: :class:`~dask_otel.export.dask_families.DaskFamilies`, with otel.metrics.dask
@@ -45,17 +44,15 @@ class WorkerBridge:
     #: :class:`~dask_otel.worker.execute_hook.TaskContextHook`; None where it
     #: could not be installed
     task_context: Any = None
-    #: :func:`~dask_otel.stalls.watch_loop`
+    #: :class:`~dask_otel.stalls.LoopWatch`
     stalls: Any = None
 
     def setup(self, worker: Worker) -> None:
-        own, self.error = start_telemetry(
-            f"worker {worker.address}",
-            **{SCHEDULER_ADDRESS: worker.scheduler.address},
-        )
+        own, self.error = start_telemetry(f"worker {worker.address}",
+                                          **{SCHEDULER_ADDRESS: worker.scheduler.address})
         if own is None:
             return
-        self.server_telemetry, self.telemetry = own, own.telemetry
+        self.server_telemetry = own
         for step in (self._start_task_context, self._start_spill, self._start_families,
                      self._start_stalls):
             try:
@@ -68,14 +65,12 @@ class WorkerBridge:
         """Wrap ``Worker.execute``, with the sampler the scheduler's mirror asks too
         (the bridge's TracerProvider's, else the SDK's default from OTEL_*). Task
         spans, by the worker's rules or a client block's, need an exporter."""
-        sink = own.span_sink
-        if sink is None:
+        if (sink := own.span_sink) is None:
             self.task_context = TaskContextHook.install(worker, TaskContexts(default_sampler()))
             return
         adopt_global_tracer_provider()  # user spans inside tasks need a provider
         self.task_context = TaskContextHook.install(
-            worker, TaskContexts(sink.sampler, TaskRules.of(own.config)), TaskSpans(worker, sink)
-        )
+            worker, TaskContexts(sink.sampler, TaskRules.of(own.config)), TaskSpans(worker, sink))
 
     def _start_spill(self, worker: Worker, own: ServerTelemetry) -> None:
         if own.telemetry.meter_provider is not None:
@@ -96,11 +91,11 @@ class WorkerBridge:
             if (running := getattr(self, part)) is not None:
                 getattr(running, stop)()
                 setattr(self, part, None)
-        if self.telemetry is not None:
-            telemetry, self.telemetry, self.server_telemetry = self.telemetry, None, None
+        if (own := self.server_telemetry) is not None:
+            self.server_telemetry = None
             if worker.status in (Status.closing, Status.closed):
                 # Not inside Dask's close: see release_telemetry_in_background
-                release_telemetry_in_background(telemetry)
+                release_telemetry_in_background(own.telemetry)
             else:  # a client unregistered the plugin (no close): the worker goes on
-                await release_telemetry(telemetry)
+                await release_telemetry(own.telemetry)
 

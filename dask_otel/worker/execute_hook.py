@@ -1,12 +1,9 @@
-"""The hook around ``Worker.execute`` that runs every task in its OTel context
-(:mod:`~dask_otel.worker.task_context`), and tells the task spans
+"""The hook around a worker instance's ``execute`` that runs every task in its OTel context
+(:mod:`~dask_otel.worker.task_context`) and tells the task spans
 (:mod:`~dask_otel.worker.task_spans`) before and after each run: docs/traces.md,
-"Inside tasks". ``Worker.execute(key, *, stimulus_id)`` runs sync tasks with
-``run_in_executor_with_context`` (contextvars reach the executor thread) and
-coroutine tasks on the event loop; :class:`TaskContextHook` wraps the worker
-*instance*'s where :func:`dask_otel._compat.execute_hookable` finds that shape.
-An error while building a context runs the task without one. Cost:
-``benchmarks/task_context.py``.
+"Inside tasks". ``Worker.execute`` runs sync tasks with ``run_in_executor_with_context``
+(contextvars reach the executor thread) and coroutine tasks on the event loop. An error
+while building a context runs the task without one. Cost: ``benchmarks/task_context.py``.
 """
 
 from __future__ import annotations
@@ -27,7 +24,6 @@ from dask_otel.worker.task_spans import TaskRun
 if TYPE_CHECKING:
     from dask.typing import Key
     from distributed import Worker
-    from distributed.worker_state_machine import StateMachineEvent
 
     from dask_otel.worker.task_context import DaskSpanContext, TaskContexts
     from dask_otel.worker.task_spans import TaskSpans
@@ -71,7 +67,7 @@ class TaskContextHook:
         return hook
 
     def wrap(self, original: Callable) -> None:
-        prepare, finish = self.prepare, self.finish
+        prepare = self.prepare
         attach, detach = otel_context.attach, otel_context.detach
 
         async def execute(key: Key, *args: Any, **kwargs: Any) -> Any:
@@ -88,7 +84,10 @@ class TaskContextHook:
             finally:
                 detach(token)
             if type(run) is TaskRun:  # not a plain Dask span context
-                finish(run, event)
+                try:
+                    self.task_spans.finish(run, event)  # type: ignore[union-attr]
+                except Exception:
+                    self._failed("export the span of task %r", run.key)
             return event
 
         execute.__wrapped__ = original  # type: ignore[attr-defined]
@@ -110,13 +109,6 @@ class TaskContextHook:
         except Exception:
             self._failed("build the context of task %r", key)
             return None
-
-    def finish(self, run: TaskRun, event: StateMachineEvent) -> None:
-        """Hand a finished run to the task spans; never raises"""
-        try:
-            self.task_spans.finish(run, event)  # type: ignore[union-attr]
-        except Exception:
-            self._failed("export the span of task %r", run.key)
 
     def _failed(self, what: str, key: Key) -> None:
         self.errors += 1

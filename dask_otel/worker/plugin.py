@@ -32,11 +32,9 @@ class OtelWorkerPlugin(WorkerPlugin):
         try:
             from dask_otel.worker.bridge import WorkerBridge
         except ImportError as e:
-            self.error = (
-                f"dask_otel is not installed on worker {worker.address} ({e}); this "
-                "worker exports no telemetry. Install dask-otel in the workers' "
-                "environment."
-            )
+            self.error = (f"dask_otel is not installed on worker {worker.address} ({e}); this "
+                          "worker exports no telemetry. Install dask-otel in the workers' "
+                          "environment.")
             logging.getLogger("dask_otel").error(self.error)
             return None
         self.bridge = WorkerBridge()
@@ -70,7 +68,7 @@ def server_status(error: str | None, telemetry: Any, process: str, **features: A
     :class:`~dask_otel.export.telemetry.ServerTelemetry`, None where the bridge is
     off; ``process`` names the keys of ``config``; ``features``: the server's own."""
     if telemetry is None:
-        service_name = config_file = shared_with = config = export = None
+        service_name = config_file = config = export = None
     else:  # dask_otel is installed here
         from dask_otel.export.telemetry import service_name as named
 
@@ -79,7 +77,6 @@ def server_status(error: str | None, telemetry: Any, process: str, **features: A
                         "from": named()[1]}
         read = process_wide.config_file
         config_file = read and {"path": read.path, "ignored": list(read.ignored)}
-        shared_with = telemetry.shared_with
         config = process_wide.config.effective(process)
         export = process_wide.export_status()
     return {
@@ -91,7 +88,7 @@ def server_status(error: str | None, telemetry: Any, process: str, **features: A
         "config_file": config_file,
         # the scheduler whose exporters and metric resource it shares (two clusters
         # in one process), None when they are its own
-        "shared_with": shared_with,
+        "shared_with": telemetry and telemetry.shared_with,
         **features,
         # per signal (None: not exported), what this process's exporters shipped
         # and lost: items, size (bytes, before compression), dropped, failures

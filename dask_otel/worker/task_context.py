@@ -1,10 +1,8 @@
 """The OpenTelemetry context a task runs in, built from its annotations: its Dask
-span (``ts.annotations["span"]``) as the current span, with the ids the
-scheduler's mirror exports it with (:func:`dask_otel.span_context.dask_span_context`),
-over the caller's baggage, and its client block's controls (``sampled``, ``tasks``)
-read once per Dask span from the ``otel`` annotation (:mod:`dask_otel.annotation`).
-Nothing is sent for this: a task costs a dict lookup. The rules: docs/traces.md,
-"Inside tasks".
+span (``ts.annotations["span"]``) as the current span, with the ids the scheduler's
+mirror exports it with, over the caller's baggage, and its client block's controls
+(``sampled``, ``tasks``) read once per Dask span from the ``otel`` annotation.
+Nothing is sent for this: a task costs a dict lookup. docs/traces.md, "Inside tasks".
 """
 
 from __future__ import annotations
@@ -63,17 +61,14 @@ class TaskContexts:
         span = annotations.get("span") if annotations else None
         if not span:
             return None
-        ids = span["ids"]
-        otel = otel_of(annotations)
-        if otel is None:  # most tasks: a distributed.span, no caller (per task: no ABC check)
-            carrier = None
-            key: tuple = (ids[-1], ids[0], None)
-        else:
-            carrier = root_carrier(otel, ids[0])  # as the scheduler reads it
-            key = (ids[-1], ids[0], tuple(carrier.items()) if carrier else None)
-            if type(otel) is dict and ("sampled" in otel or "tasks" in otel):  # rare
-                # as sent, unread: they are read once, below
-                key += (repr((otel.get("sampled"), otel.get("tasks"))),)
+        ids, otel = span["ids"], otel_of(annotations)
+        # most tasks have no otel annotation (a distributed.span, no caller); the carrier
+        # is read as the scheduler reads it
+        carrier = None if otel is None else root_carrier(otel, ids[0])
+        key: tuple = (ids[-1], ids[0], tuple(carrier.items()) if carrier else None)
+        if type(otel) is dict and ("sampled" in otel or "tasks" in otel):  # rare, no ABC check
+            # as sent, unread: they are read once, below
+            key += (repr((otel.get("sampled"), otel.get("tasks"))),)
         cached = self._cache.get(key)
         if cached is None:
             if len(self._cache) >= MAX_CACHED_SPANS:
@@ -81,15 +76,13 @@ class TaskContexts:
             cached = self._cache[key] = self._build(ids, span["name"], carrier, otel)
         return cached
 
-    def _build(
-        self, ids: tuple[str, ...], name: tuple[str, ...], carrier: Mapping | None, otel: Any
-    ) -> DaskSpanContext:
+    def _build(self, ids: tuple[str, ...], name: tuple[str, ...], carrier: Mapping | None,
+               otel: Any) -> DaskSpanContext:
         base, remote = extract_caller(carrier)
         # is_remote: the Dask span is made by the scheduler, in another process
         span_context = dask_span_context(
             ids[0], ids[-1], str(name[0]) if name else "default", remote, self.sampler,
-            is_remote=True, forced=forced_sampling(otel, ids[0]),
-        )
+            is_remote=True, forced=forced_sampling(otel, ids[0]))
         return DaskSpanContext(
             span_context, in_context(span_context, base), str(ids[-1]), otel,
             self.rules and self.rules.of_span(task_rules(otel), span_context.trace_flags.sampled),

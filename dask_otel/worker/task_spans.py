@@ -16,7 +16,9 @@ from hashlib import blake2b
 from typing import TYPE_CHECKING, Any
 
 from dask.utils import key_split
+from distributed.comm import get_address_host
 from distributed.metrics import time
+from distributed.protocol import pickle
 from distributed.worker_state_machine import ExecuteFailureEvent, ExecuteSuccessEvent
 from opentelemetry.sdk.trace import Event
 from opentelemetry.trace import Status, StatusCode
@@ -73,9 +75,8 @@ class TaskRules:
 
     def of_span(self, block: Mapping[str, Any] | None, sampled: bool) -> TaskRules | None:
         """The rules of one Dask span's tasks: these with its client block's values
-        over them, key by key (``block``: :func:`dask_otel.annotation.task_rules`);
-        None when none of its tasks can get a span (its trace is dropped, or
-        ``spans`` is off): the decision, per Dask span"""
+        (:func:`dask_otel.annotation.task_rules`) over them, key by key; None when
+        none of its tasks can get a span (its trace is dropped, or ``spans`` is off)"""
         if not sampled:
             return None
         given = {k.replace("-", "_"): v for k, v in (block or {}).items()}
@@ -83,11 +84,10 @@ class TaskRules:
         return rules if rules.spans else None
 
     def decide(self, key: Key, erred: bool | None = None, duration: float = 0.0) -> bool | None:
-        """Whether a run of ``key`` gets a task span: the decision, per run, for
-        rules :meth:`of_span` returned. Before the run (``erred`` None): True if
-        its key is chosen (its span is then the current span while it runs), None
-        if only the ``erred`` and ``slower-than`` rules can tell, after it, False
-        if neither can. After it: whether they do."""
+        """Whether a run of ``key`` gets a task span. Before the run (``erred``
+        None): True if its key is chosen (its span is then current while it runs),
+        None if only the ``erred`` and ``slower-than`` rules can tell, after it,
+        False if neither can. After it: whether they do."""
         if erred is None:
             if key_chosen(key, self.sample_ratio):
                 return True
@@ -138,9 +138,8 @@ class TaskSpans:
     _thread_names: dict[int, str] = field(default_factory=dict)
 
     def start(self, key: Key, dask_span: DaskSpanContext) -> TaskRun | DaskSpanContext:
-        """The run of a task whose Dask span's tasks may get spans
-        (``dask_span.rules``): in its task span's context if its key is chosen,
-        else in its Dask span's"""
+        """The run of a task whose Dask span's tasks may get spans (``dask_span.rules``): in
+        its task span's context if its key is chosen, else in its Dask span's"""
         chosen = dask_span.rules.decide(key)  # type: ignore[union-attr]
         if chosen is False:
             return dask_span  # runs as if there were no task spans
@@ -165,8 +164,7 @@ class TaskSpans:
         # the Dask span starts no later than the client entered its block
         start = max(start, entered_at(run.otel, run.dask_span.dask_id))
         stop = max(stop, start)
-        rules: TaskRules = run.dask_span.rules
-        if not (run.chosen or rules.decide(run.key, erred, duration)):
+        if not (run.chosen or run.dask_span.rules.decide(run.key, erred, duration)):
             return
         self.sink.emit(self._span(run, event, start, stop, duration, erred))
         self.exported += 1
@@ -176,12 +174,9 @@ class TaskSpans:
         same clock: Dask's estimated offset is only error)"""
         if self._same_clock is None:
             try:
-                from distributed.comm import get_address_host
-
                 scheduler = self.worker.scheduler.address
                 self._same_clock = scheduler.startswith("inproc://") or (
-                    get_address_host(scheduler) == get_address_host(self.worker.address)
-                )
+                    get_address_host(scheduler) == get_address_host(self.worker.address))
             except Exception:
                 self._same_clock = False
         return self._same_clock
@@ -219,11 +214,8 @@ class TaskSpans:
             exc_type, message = _exception_type_and_message(event)
             status = Status(StatusCode.ERROR, sink.name(f"{exc_type}: {message}"))
             attributes[attr.ERROR_TYPE] = exc_type
-            exception = {
-                attr.EXCEPTION_TYPE: exc_type,
-                attr.EXCEPTION_MESSAGE: message,
-                attr.EXCEPTION_STACKTRACE: event.traceback_text or "",
-            }
+            exception = {attr.EXCEPTION_TYPE: exc_type, attr.EXCEPTION_MESSAGE: message,
+                         attr.EXCEPTION_STACKTRACE: event.traceback_text or ""}
             limited = sink.event_attributes(exception, count=sink.limits.max_event_attributes)
             events = (Event(attr.EXCEPTION_EVENT, limited, int(stop * 1e9)),)
         else:
@@ -255,8 +247,6 @@ def _exception_type_and_message(event: ExecuteFailureEvent) -> tuple[str, str]:
     """The exception's type name (as the SDK's ``record_exception`` writes it) and
     message, from the pickled exception the event holds, else from its ``repr``"""
     try:
-        from distributed.protocol import pickle
-
         exc = pickle.loads(event.exception.data)
         if isinstance(exc, BaseException):
             return type(exc).__qualname__, str(exc)

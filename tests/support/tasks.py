@@ -60,6 +60,36 @@ def hold_gil(seconds):
     return seconds
 
 
+def sleep_on_loop(seconds):
+    """What a user's ``run_on_scheduler``/``Client.run`` of a blocking call does:
+    sleeps in the event loop's thread, the function and its line on its stack"""
+    time.sleep(seconds)
+    return seconds
+
+
+#: The objects of :func:`make_cycles`, until :func:`full_collection`
+_CYCLES: list = []
+
+
+def make_cycles(n):
+    """``n`` pairs of lists in reference cycles, kept: a heap the collector must walk"""
+    for _ in range(n):
+        a, b = [], []
+        a.append(b)
+        b.append(a)
+        _CYCLES.append(a)
+    return len(_CYCLES)
+
+
+def full_collection():
+    """Drops what :func:`make_cycles` kept and runs a full collection: the
+    collector frees every cycle (on the event loop, run by ``run_on_scheduler``)"""
+    import gc
+
+    _CYCLES.clear()
+    return gc.collect()
+
+
 def wait_for_event(name):
     """Block until the cluster's ``distributed.Event(name)`` is set"""
     from distributed import Event
