@@ -86,13 +86,10 @@ def read_block(otel: Any, ids: Any, client: str | None = None, tags: Any = (), o
         return None
     if not isinstance(entered := otel.get("entered"), Mapping):
         entered = {}
-    root = _of_root(otel, ids[0])
-    carrier, sampled = root.get("carrier"), root.get("sampled")
     return Block(tuple(ids), tuple(tags),
                  {i: t for i, t in entered.items() if isinstance(t, (int, float))},
                  client if own or otel.get("exits") is True else None,
-                 carrier if isinstance(carrier, Mapping) else None,
-                 sampled if isinstance(sampled, bool) else None,
+                 root_carrier(otel, ids[0]), forced_sampling(otel, ids[0]),
                  otel.get("workflow") is True, own, exited)
 
 
@@ -102,16 +99,10 @@ def otel_of(annotations: Mapping[str, Any] | None) -> Any:
     return annotations.get(ANNOTATION) if annotations else None
 
 
-def write_annotation(
-    outer: Mapping[str, Any],
-    new_ids: Sequence[str],
-    entered_at: float,
-    caller: otel_context.Context,
-    *,
-    sampled: bool | None = None,
-    tasks: Mapping[str, Any] | None = None,
-    workflow: bool = False,
-) -> dict[str, Any]:
+def write_annotation(outer: Mapping[str, Any], new_ids: Sequence[str], entered_at: float,
+                     caller: otel_context.Context, *, sampled: bool | None = None,
+                     tasks: Mapping[str, Any] | None = None, workflow: bool = False
+                     ) -> dict[str, Any]:
     """The ``otel`` annotation of a block that opened Dask spans ``new_ids`` at
     ``entered_at``: the enclosing block's (in ``outer``, the annotations around
     it) extended, with a carrier if it is a root block under a valid current span
@@ -173,9 +164,8 @@ def entered_at(otel: Any, span_id: str) -> float:
     return t if isinstance(t, (int, float)) else 0.0
 
 
-def block_exit(
-    span_annotation: Mapping[str, Any], own: int, otel: Mapping[str, Any], exited: float
-) -> dict[str, Any]:
+def block_exit(span_annotation: Mapping[str, Any], own: int, otel: Mapping[str, Any],
+               exited: float) -> dict[str, Any]:
     """The :data:`BLOCK_EXIT` event of a block that opened the last ``own`` Dask
     spans of ``span_annotation`` and left at ``exited`` (its sender adds ``client``)"""
     span = {"name": list(span_annotation["name"]), "ids": list(span_annotation["ids"])}
@@ -206,9 +196,8 @@ def read_span(span: Any) -> tuple[list[str], list[Any]] | None:
     return list(ids), list(tags)
 
 
-def extract_caller(
-    carrier: Mapping[str, Any] | None,
-) -> tuple[otel_context.Context | None, SpanContext | None]:
+def extract_caller(carrier: Mapping[str, Any] | None
+                   ) -> tuple[otel_context.Context | None, SpanContext | None]:
     """The caller's context (with its baggage) and span context (None: it holds
     none) from a carrier, as the globally configured propagators read it"""
     if not carrier:

@@ -23,7 +23,6 @@ when a span is exported: docs/traces.md; costs: benchmarks/README.md.
 
 from __future__ import annotations
 
-import logging
 import random
 from collections import Counter
 from collections.abc import Callable, Hashable, Iterable
@@ -34,13 +33,14 @@ from uuid import uuid4
 
 from distributed.metrics import time
 
-from dask_otel._compat import sent_annotations, span_own_metrics
+from dask_otel._compat import sent_annotations, span_code_blocks, span_own_metrics
 from dask_otel.annotation import otel_of, read_block, read_span
+from dask_otel.log import logger
 from dask_otel.scheduler import blocks
 from dask_otel.scheduler.builder import GroupReading, Handed, SpanBuilder, SpanReading
 from dask_otel.scheduler.ledger import Ledger
 from dask_otel.scheduler.record import GroupBatch, SpanHead, SpanRecord
-from dask_otel.scheduler.totals import Failure, Totals, active_cpu_seconds, group_done, span_code
+from dask_otel.scheduler.totals import Failure, Totals, active_cpu_seconds, group_done
 from dask_otel.span_context import child_context
 
 if TYPE_CHECKING:
@@ -54,8 +54,6 @@ if TYPE_CHECKING:
     from dask_otel.config import OtelConfig
     from dask_otel.export.sink import SpanSink
     from dask_otel.scheduler.outcomes import Outcomes
-
-logger = logging.getLogger("dask_otel")
 
 #: Task prefixes whose latest span context is kept for exemplars: the
 #: fine-metrics series limit (dask_otel.scheduler.metrics.MAX_SERIES)
@@ -153,7 +151,9 @@ class SpanMirror:
             else:
                 later.append((tg, ts, span))
         for tg, ts, own in later:
-            span = self._submitted_in(ts, own, fresh, told)
+            # The graph's block ``told`` (made where Dask made none), else the task's
+            span = (self._made(told, own) if told is not None else ledger.submitted_in(
+                read_block(otel_of(ts.annotations), (own.id,)), own, fresh))
             if span is None:  # nothing says where: a root of its own, one per graph
                 span = orphan = orphan or self._made(([str(uuid4())], [tg.prefix.name]), own)
             if (batch := ledger.groups.get(tg)) is not None and (
@@ -172,14 +172,6 @@ class SpanMirror:
                 self._export(self.group_span_of, tg, ledger.take_group(tg), rerun[tg])
                 self._end_poll()
             self._open(tg, GroupBatch.reopened(tg, span, own, rerun[tg]), ts, client)
-
-    def _submitted_in(self, ts: TaskState, own: Span, fresh: Span | None,
-                      told: tuple[list[str], list[Any]] | None) -> Span | None:
-        """The Dask span the tasks of a later batch were submitted in: the block ``told``
-        (the graph's), made where Dask made none; else :meth:`Ledger.submitted_in`"""
-        if told is not None:
-            return self._made(told, own)
-        return self.ledger.submitted_in(read_block(otel_of(ts.annotations), (own.id,)), own, fresh)
 
     def _made(self, block: tuple[list[str], list[Any]], own: Span) -> Span:
         return self.ledger.made_span(block, own, self.dask_spans, self.scheduler,
@@ -285,7 +277,7 @@ class SpanMirror:
                 self._export(self.group_span_of, tg, ledger.take_group(tg))
             for record in reversed(list(ledger.records.values())):  # children first
                 stop = record.finished_at()
-                self._export(self.span_of, record, stop or time(), unfinished=stop is None)
+                self._export(self.span_of, record, stop or time(), stop is None)
         finally:
             ledger.clear()
             self._end_poll()
@@ -302,12 +294,11 @@ class SpanMirror:
         """Whether the builder's queue takes a span of this poll (:meth:`SpanBuilder.admit`)"""
         return self.builder.admit(child_kept, len(self._batch), parent)  # type: ignore[union-attr]
 
-    def _export(self, export: Callable[..., Handed | bool | None], *args: Any, **kwargs: Any
-                ) -> None:
+    def _export(self, export: Callable[..., Handed | bool | None], *args: Any) -> None:
         """Read what a span's export needs with ``export`` (False: sampled out); one
         that cannot be mirrored is logged and dropped (never raises into Dask)"""
         try:
-            item = export(*args, **kwargs)
+            item = export(*args)
             if item is False:
                 self.sampled_out += 1
             elif item is not None:
@@ -338,7 +329,8 @@ class SpanMirror:
             return None if self.sink is None else False
         config = self.config
         sums = config.span_totals == "subtree"
-        code = span_code(span) if config.export_code else None
+        code = (tuple(sc.code for block in span_code_blocks(span) for sc in block)
+                if config.export_code else None)  # ``Span.code``; empty: Dask recorded none
         if code is not None and not code and not self.told_no_code:
             self.told_no_code = _tell_no_code(span.name[-1])
         parent_context = self._head(parent).context if parent is not None else record.remote_parent

@@ -6,7 +6,7 @@ never came is exported on its own. docs/traces.md, "A dask_otel.span block".
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
 from distributed.metrics import time
@@ -74,18 +74,16 @@ def observe_client_gone(ledger: Ledger, client: str) -> None:
 
 
 def due_empty_blocks(ledger: Ledger, spans: Mapping[str, Span], heard_before: float
-                     ) -> list[tuple[str, Block]]:
+                     ) -> Iterator[tuple[str, Block]]:
     """Take the blocks whose exit was heard before ``heard_before`` and whose Dask
     span never came: they ran no task"""
     pending = ledger.pending_exits
-    due = []
     for span_id, (heard, block) in list(pending.items()):
         if heard >= heard_before:
             break  # oldest first
         del pending[span_id]
         if span_id not in spans:
-            due.append((span_id, block))
-    return due
+            yield span_id, block
 
 
 def empty_block_span(ledger: Ledger, sink: SpanSink, span_id: str, block: Block

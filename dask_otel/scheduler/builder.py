@@ -10,7 +10,6 @@ docs/traces.md; costs: benchmarks/README.md.
 
 from __future__ import annotations
 
-import logging
 import os
 import threading
 import weakref
@@ -23,6 +22,7 @@ from opentelemetry.trace import Link
 
 import dask_otel.attributes as attr
 from dask_otel.export.sink import NO_ATTRIBUTES
+from dask_otel.log import logger
 from dask_otel.scheduler.totals import SpanMetrics, Totals, erred_status, task_counts
 
 if TYPE_CHECKING:
@@ -30,8 +30,6 @@ if TYPE_CHECKING:
 
     from dask_otel.export.sink import SpanSink
     from dask_otel.scheduler.record import GroupBatch, SpanHead, SpanRecord
-
-logger = logging.getLogger("dask_otel")
 
 #: A TaskGroup span's name: its task prefix behind a word of its own, so that a trace
 #: UI lists TaskGroups apart from Dask spans and tasks (docs/traces.md "Span names")
@@ -113,10 +111,8 @@ class SpanBuilder:
     child and joined off the loop (:meth:`drain`); it starts with spans handed
     over and ends when idle."""
 
-    def __init__(self, sink: SpanSink, folded: dict[str, Totals] | None = None,
-                 capacity: int = MAX_QUEUED_SPANS):
-        self.sink = sink
-        self.capacity = capacity
+    def __init__(self, sink: SpanSink, folded: dict[str, Totals] | None = None):
+        self.sink, self.capacity = sink, MAX_QUEUED_SPANS
         #: Spans handed over, and dropped because the queue was full (the loop)
         self.queued = self.dropped = 0
         #: Spans taken off the queue, and of them handed to the SDK (the thread)
@@ -198,9 +194,7 @@ class SpanBuilder:
         return folded
 
     def _run(self) -> None:
-        queue = self._queue
-        sink = self.sink
-        me = threading.current_thread()
+        queue, sink, me = self._queue, self.sink, threading.current_thread()
         while True:
             try:
                 batch = queue.get(timeout=IDLE_EXIT)
@@ -241,11 +235,10 @@ class SpanBuilder:
             return None
         start, end, active = head.start, reading.end, reading.active
         totals = subtree if reading.subtree else own
-        attributes = {attr.SPAN_ID: record.span.id, attr.SPAN_NAME: head.tags}
-        attributes.update(task_counts(totals.states, sum(totals.states.values()), totals.nbytes,
-                                      totals.duration))
-        attributes[attr.ACTIVE_CPU_SECONDS] = active
-        attributes.update(totals.fine.total)
+        attributes = {attr.SPAN_ID: record.span.id, attr.SPAN_NAME: head.tags,
+                      **task_counts(totals.states, sum(totals.states.values()), totals.nbytes,
+                                    totals.duration),
+                      attr.ACTIVE_CPU_SECONDS: active, **totals.fine.total}
         if reading.subtree and (idle := active - totals.fine.execute_seconds) > 0:
             attributes[attr.IDLE] = idle
         if (code := reading.code) is not None:
@@ -258,12 +251,9 @@ class SpanBuilder:
         first_task = subtree.start and min(max(subtree.start, start), end)
         events = ((Event(attr.FIRST_TASK_START, NO_ATTRIBUTES, int(first_task * 1e9)),)
                   if first_task else ())
-        if record.events:  # dask.worker.lost (dask_otel.scheduler.events), bounded there
-            count = sink.limits.max_event_attributes
-            events += tuple(
-                Event(name, sink.event_attributes(dict(values), count), timestamp)
-                for name, values, timestamp in record.events
-            )
+        count = sink.limits.max_event_attributes  # SpanMirror.add_span_event's, bounded there
+        events += tuple(Event(name, sink.event_attributes(dict(values), count), timestamp)
+                        for name, values, timestamp in record.events or ())
         count = sink.limits.max_link_attributes  # links to other traces: within the SDK's limits
         links = tuple(Link(link.context, sink.event_attributes(dict(link.attributes), count))
                       for link in (record.links or {}).values())
@@ -282,14 +272,11 @@ class SpanBuilder:
         states, nbytes, duration = reading.states, reading.nbytes, reading.duration
         attributes = {attr.SPAN_ID: reading.span_id, attr.SPAN_NAME: reading.tags,
                       attr.TASKGROUP_NAME: reading.name, attr.TASKGROUP_PREFIX: prefix}
-        if (base := batch.states) is None:
-            attributes.update(task_counts(states, sum(states.values()), nbytes, duration))
-        else:
-            attributes.update(task_counts(
-                {state: n - base.get(state, 0) for state, n in states.items()},
-                sum(states.values()) - batch.total, max(nbytes - batch.nbytes, 0),
-                max(duration - batch.duration, 0.0),
-            ))
+        base = batch.states or {}  # a first batch's snapshot is all 0
+        attributes.update(task_counts(
+            {state: n - base.get(state, 0) for state, n in states.items()},
+            sum(states.values()) - batch.total, max(nbytes - batch.nbytes, 0),
+            max(duration - batch.duration, 0.0)))
         for key, value in metrics.items():
             if (delta := value - carried.get(key, 0)) > 0:
                 attributes[key], carried[key] = delta, value

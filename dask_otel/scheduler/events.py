@@ -128,8 +128,8 @@ class DaskEvents:
 
     #: The scheduler whose events these are
     scheduler: Scheduler
-    #: The span mirror the span events go to (None: traces are off)
-    mirror: SpanMirror | None
+    #: The span mirror the span events go to (it runs whenever events do)
+    mirror: SpanMirror
     logger_provider: InitVar[LoggerProvider | None]
     #: The event names to export (``otel.events.topics``; ``dask`` expanded)
     topics: Collection[str]
@@ -153,11 +153,14 @@ class DaskEvents:
         name = event_name(topic, msg)
         if name is None:
             if isinstance(msg, dict) and msg.get("action") == "worker-status-change":
-                self._note_status(str(topic), msg.get("status"))
+                # retire_workers sets it before it removes the worker, on every supported
+                # version; a retirement given up sets it back
+                gracefully = msg.get("status") == "closing_gracefully"
+                self._note(str(topic), RETIRED if gracefully else None)
             return
         row = DASK_EVENTS.get(name)
         if row is not None and row.removal is not None and isinstance(msg, dict):
-            self._note_removal(str(msg.get("worker") or topic), row.removal, row.text(msg))
+            self._note(str(msg.get("worker") or topic), row.removal, row.text(msg))
         if name == "remove-worker":
             # counted whatever otel.events.topics says
             address = str(msg.get("worker"))
@@ -171,39 +174,27 @@ class DaskEvents:
 
     # --- why a worker leaves --------------------------------------------------------
 
-    def _note_removal(self, address: str, kind: str, reason: str) -> None:
-        # closing-worker follows the nanny's restart and a hard failure: the first
-        # is kept, more precise; but either says more than a retirement
-        if kind != CLOSED and self._retired(address):
+    def _note(self, address: str, kind: str | None, reason: str | None = None) -> None:
+        """Why the worker at ``address`` leaves (None: a retirement given up). The first
+        reason is kept, more precise (closing-worker follows the nanny's restart and a
+        hard failure), but any other than closing says more than a retirement"""
+        if kind not in (RETIRED, CLOSED) and self.reasons.get(address, ("",))[0] == RETIRED:
             del self.reasons[address]
-        self._keep_first(address, kind, reason)
-
-    def _note_status(self, address: str, status: Any) -> None:
-        """``retire_workers`` sets a worker's status to ``closing_gracefully``
-        before it removes it, on every supported version; a retirement given up
-        sets it back"""
-        if status == "closing_gracefully":
-            self._keep_first(address, RETIRED, None)
-        elif self._retired(address):
-            del self.reasons[address]
-
-    def _keep_first(self, address: str, kind: str, reason: str | None) -> None:
+        if kind is None:
+            return
         if len(self.reasons) >= MAX_REASONS and address not in self.reasons:
             del self.reasons[next(iter(self.reasons))]  # the oldest
         self.reasons.setdefault(address, (kind, reason))
 
-    def _retired(self, address: str) -> bool:
-        return self.reasons.get(address, ("",))[0] == RETIRED
-
     def runs_started(self, known: int) -> None:
         """The root Dask spans the mirror opened past its first ``known``: a record each,
         after their graph's annotation was read, in their trace (sampled, traces on)"""
-        spans = self.mirror.dask_spans  # type: ignore[union-attr]  # the plugin's, running
+        spans = self.mirror.dask_spans
         for span in islice(reversed(spans.values()), len(spans) - known):
             if span.parent is None and "workflow-started" in self.topics:
-                self._emit("workflow-started", logging.INFO, f"run of {span.name[0]!r} started",
-                           {attr.SPAN_ID: span.id, attr.SPAN_NAME: tuple(span.name)},
-                           self.mirror.context_of(span.id))  # type: ignore[union-attr]
+                self.emit("workflow-started", logging.INFO, f"run of {span.name[0]!r} started",
+                          {attr.SPAN_ID: span.id, attr.SPAN_NAME: tuple(span.name)},
+                          self.mirror.context_of(span.id))
 
     # --- a worker removed ----------------------------------------------------------
 
@@ -211,11 +202,8 @@ class DaskEvents:
         processing = msg.get("processing-tasks") or ()
         computed, scattered = remove_worker_lost_keys(self.scheduler, msg)
         attributes = _fields(msg)
-        for name, keys in (
-            ("processing_tasks", processing),
-            ("lost_computed_tasks", computed),
-            ("lost_scattered_tasks", scattered),
-        ):
+        for name, keys in (("processing_tasks", processing), ("lost_computed_tasks", computed),
+                           ("lost_scattered_tasks", scattered)):
             attributes[attr.EVENT_PREFIX + name] = [str(k) for k in islice(keys, MAX_KEYS)]
             attributes[attr.EVENT_PREFIX + name + "_count"] = len(keys)
         attributes[attr.WORKER_ADDRESS] = address
@@ -232,21 +220,16 @@ class DaskEvents:
             return
         now, mirror = time_ns(), self.mirror
         for span_id, (n_processing, n_lost) in islice(by_span.items(), MAX_SPANS):
-            context = None
-            if mirror is not None:  # a dask.worker.lost span event, if the span is open
-                lost = {attr.WORKER_ADDRESS: address, attr.TASKS_PROCESSING: n_processing,
-                        attr.TASKS_LOST_COMPUTED: n_lost}
-                if reason:
-                    lost[attr.WORKER_LOST_REASON] = reason
-                mirror.add_span_event(attr.WORKER_LOST, lost, now, [span_id], up=False)
-                context = mirror.context_of(span_id)
-            per_span = {
-                **attributes,
-                attr.SPAN_ID: span_id,
-                attr.SPAN_TASKS_PROCESSING: n_processing,
-                attr.SPAN_TASKS_LOST_COMPUTED: n_lost,
-            }
-            self.emit("remove-worker", level, body, per_span, context, now)
+            # a dask.worker.lost span event, if the span is open
+            lost = {attr.WORKER_ADDRESS: address, attr.TASKS_PROCESSING: n_processing,
+                    attr.TASKS_LOST_COMPUTED: n_lost}
+            if reason:
+                lost[attr.WORKER_LOST_REASON] = reason
+            mirror.add_span_event(attr.WORKER_LOST, lost, now, [span_id], up=False)
+            per_span = {**attributes, attr.SPAN_ID: span_id,
+                        attr.SPAN_TASKS_PROCESSING: n_processing,
+                        attr.SPAN_TASKS_LOST_COMPUTED: n_lost}
+            self.emit("remove-worker", level, body, per_span, mirror.context_of(span_id), now)
 
     def _spans_of(self, processing: Iterable[Hashable], computed: Iterable[Hashable]
                   ) -> dict[str, list[int]]:
@@ -274,7 +257,7 @@ class DaskEvents:
             span_id = self._running_span(address)
             if span_id is not None:
                 attributes[attr.SPAN_ID] = span_id
-                context = self.mirror.context_of(span_id) if self.mirror is not None else None
+                context = self.mirror.context_of(span_id)
             category = _builtins_only(msg.get("category")) if isinstance(msg, dict) else None
             if isinstance(category, type):
                 attributes[attr.EVENT_CATEGORY] = category.__name__
@@ -294,20 +277,16 @@ class DaskEvents:
         return span_ids.pop() if len(span_ids) == 1 else None
 
     def emit(self, name: str, level: int, body: str, attributes: dict[str, Any],
-              context: SpanContext | None = None, timestamp: int | None = None) -> None:
+             context: SpanContext | None = None, timestamp: int | None = None) -> None:
         if self.logger is None or level < self.level:
             return
         attributes[attr.EVENT_TOPIC] = name
         row = DASK_EVENTS.get(name)
         self.logger.emit(LogRecord(
             event_name=row.event_name if row is not None else USER_EVENT,
-            timestamp=timestamp or time_ns(),
-            context=in_context(context),
-            severity_text=logging.getLevelName(level),
-            severity_number=_SEVERITY_NUMBERS[level],
-            body=body,
-            attributes=attributes,
-        ))
+            timestamp=timestamp or time_ns(), context=in_context(context), body=body,
+            severity_text=logging.getLevelName(level), severity_number=_SEVERITY_NUMBERS[level],
+            attributes=attributes))
 
 
 def _fields(msg: Any) -> dict[str, Any]:
@@ -315,12 +294,9 @@ def _fields(msg: Any) -> dict[str, Any]:
     scalars; Dask's pickled payloads are left out)"""
     if not isinstance(msg, dict):
         return {}
-    return {
-        attr.EVENT_PREFIX + attr.snake(name): value
-        for name, value in msg.items()
-        if isinstance(value, (str, bool, int, float))
-        and name not in ("action", "worker", "exception", "traceback")
-    }
+    return {attr.EVENT_PREFIX + attr.snake(name): value for name, value in msg.items()
+            if isinstance(value, (str, bool, int, float))
+            and name not in ("action", "worker", "exception", "traceback")}
 
 
 class _BuiltinsUnpickler(pickle.Unpickler):

@@ -123,12 +123,6 @@ class Ledger:
             self.leaves.pop(parent.id, None)
         return record
 
-    def open_made(self, span: Span, links: dict[str, Any] | None) -> None:
-        """Open a span the mirror made (a detached Dask ``Span``), with ``links``"""
-        _bounded_put(self.made, span.id, span, MAX_MADE_SPANS)
-        record = self.open_span(span)
-        record.collided, record.links = True, links
-
     def made_span(self, block: tuple[list[str], list[Any]], own: Span, spans: Mapping[str, Span],
                   scheduler: Scheduler, sampler: Sampler | None) -> Span:
         """The Dask span of ``block`` (ids and tags, root first), and each of its
@@ -142,7 +136,9 @@ class Ledger:
                 span = detached_span(tuple(map(str, tags[: i + 1])), span_id, parent, scheduler)
                 link = (context := self.context(own, sampler)) and Link(
                     context, {SPAN_ID: own.id, SPAN_NAME: tuple(own.name)})
-                self.open_made(span, {own.id: link} if link else None)
+                _bounded_put(self.made, span.id, span, MAX_MADE_SPANS)
+                record = self.open_span(span)
+                record.collided, record.links = True, {own.id: link} if link else None
         return span  # type: ignore[return-value]
 
     def submitted_in(self, block: Block | None, own: Span, fresh: Span | None) -> Span | None:

@@ -74,7 +74,10 @@ class UnitRead:
     keys: dict[str | None, tuple[int, list[tuple]]]
 
 
-def _fine_metrics(dask_unit: str):
+def _fine_metrics(name: str, unit: str, what: str, dask_unit: str) -> MetricSpec:
+    """The instrument of one Dask unit of the fine metrics (the last element of the keys
+    of ``Scheduler.cumulative_worker_metrics``)"""
+
     def read(observed: SchedulerMetrics) -> Reading:
         scheduler = observed.scheduler
         spans = observed.span_label and scheduler.extensions.get("spans")
@@ -115,46 +118,26 @@ def _fine_metrics(dask_unit: str):
         observed.reads[dask_unit] = UnitRead(state, reading, values, exemplars, keys_now)
         return reading
 
-    return read
+    return MetricSpec(name, COUNTER, unit, f"{what}, by context, task prefix and activity "
+                      "(Dask's fine performance metrics)", read)
 
 
-def _mirror_count(field: str):
-    def read(observed: SchedulerMetrics) -> Reading:
-        mirror = observed.mirror
-        return [] if mirror is None else [(getattr(mirror, field), {})]
-
-    return read
-
-
-#: Every scheduler instrument. The Dask unit in ``_fine_metrics(...)`` is the last
-#: element of the keys of ``Scheduler.cumulative_worker_metrics``.
+#: Every scheduler instrument
 SCHEDULER_METRICS: tuple[MetricSpec, ...] = (
-    MetricSpec(
-        "dask.activity.time", COUNTER, "s",
-        "Time workers spent, by context, task prefix and activity "
-        "(Dask's fine performance metrics)", _fine_metrics("seconds"),
-    ),
-    MetricSpec(
-        "dask.activity.size", COUNTER, "By",
-        "Bytes workers processed, by context, task prefix and activity "
-        "(Dask's fine performance metrics)", _fine_metrics("bytes"),
-    ),
-    MetricSpec(
-        "dask.activity.count", COUNTER, "{operation}",
-        "Operations workers performed, by context, task prefix and activity "
-        "(Dask's fine performance metrics)", _fine_metrics("count"),
-    ),
-    # With metrics on, the mirror runs and has its outcomes
+    _fine_metrics("dask.activity.time", "s", "Time workers spent", "seconds"),
+    _fine_metrics("dask.activity.size", "By", "Bytes workers processed", "bytes"),
+    _fine_metrics("dask.activity.count", "{operation}", "Operations workers performed", "count"),
+    # With metrics on, the mirror runs and has its outcomes (SchedulerMetrics.mirror)
     MetricSpec("dask.workflow.active", GAUGE, "{run}", "Workflow runs (root Dask spans) open now, "
                "by name", lambda m: m.mirror.outcomes.open_runs(m.mirror.ledger, False)),
     MetricSpec("dask.workflow.tasks", GAUGE, "{task}", "Tasks of the open runs of each workflow, "
                "by state", lambda m: m.mirror.outcomes.open_runs(m.mirror.ledger, True)),
     MetricSpec("dask.otel.span.mirrored", COUNTER, "{span}",
                "Dask spans and TaskGroups the bridge handed to the OpenTelemetry SDK",
-               _mirror_count("mirrored")),
+               lambda m: [(m.mirror.mirrored, {})]),
     MetricSpec("dask.otel.span.sampled_out", COUNTER, "{span}",
                "Dask spans and TaskGroups the sampler (OTEL_TRACES_SAMPLER) dropped",
-               _mirror_count("sampled_out")),
+               lambda m: [(m.mirror.sampled_out, {})]),
 )
 
 
@@ -169,13 +152,14 @@ class SchedulerMetrics(Attached):
     """Exports one scheduler's fine performance metrics and the bridge's
     self-metrics, from now until :meth:`close`"""
 
-    def __init__(self, scheduler: Scheduler, own: ServerTelemetry, mirror: SpanMirror | None):
+    def __init__(self, scheduler: Scheduler, own: ServerTelemetry, mirror: SpanMirror):
         # metric_attributes: a second scheduler in the process has the first's resource
         super().__init__(dict(own.metric_attributes))
         self.scheduler = scheduler
-        #: The span mirror (traces on or off): its counters, exemplars and open runs
+        #: The span mirror (traces on or off; always on with metrics): its counters,
+        #: exemplars and open runs
         self.mirror = mirror
-        if mirror is not None and mirror.builder is not None:  # its queue-full drops
+        if mirror.builder is not None:  # its queue-full drops
             own.telemetry.health.builders.append(mirror.builder)  # type: ignore[union-attr]
         #: otel.metrics.span-label
         self.span_label = own.config.span_label
@@ -220,8 +204,7 @@ class SchedulerMetrics(Attached):
         none); those of a task prefix that grew since ``previous`` (each series' value
         then) in the context of the latest sampled TaskGroup span of that prefix
         (docs/metrics.md: exemplars). Each series' value now; whether any has an exemplar"""
-        mirror = self.mirror
-        latest = mirror.latest_by_prefix if mirror is not None else {}
+        latest = self.mirror.latest_by_prefix
         now: dict[tuple, float] = {}
         contexts: dict[str, Context | None] = {}  # one per prefix, shared by its series
         out: list[tuple[Any, ...]] = []

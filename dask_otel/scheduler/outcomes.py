@@ -8,7 +8,6 @@ and Prometheus names: docs/metrics.md, "Workflow outcomes and removed workers".
 
 from __future__ import annotations
 
-import logging
 from collections import Counter
 from collections.abc import Mapping
 from fnmatch import fnmatchcase
@@ -19,6 +18,7 @@ from opentelemetry.context import Context
 
 import dask_otel.attributes as attr
 from dask_otel.export.instruments import of_provider
+from dask_otel.log import logger
 from dask_otel.span_context import in_context
 
 if TYPE_CHECKING:
@@ -29,8 +29,6 @@ if TYPE_CHECKING:
 
     from dask_otel.scheduler.ledger import Ledger
     from dask_otel.scheduler.record import SpanRecord
-
-logger = logging.getLogger("dask_otel")
 
 WORKERS_REMOVED = "dask.worker.removed"
 

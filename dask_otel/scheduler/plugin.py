@@ -98,9 +98,8 @@ class OtelSchedulerPlugin(SchedulerPlugin):
                 self.mirror = SpanMirror(scheduler, own.span_sink, config, outcomes)
                 self._poller = PeriodicCallback(self._poll, config.poll_interval * 1000)
                 self._poller.start()
-            if provider is not None:
-                self.metrics = SchedulerMetrics(scheduler, own, self.mirror)
-            if logs is not None or self.mirror is not None:
+                if provider is not None:  # metrics on: the mirror runs
+                    self.metrics = SchedulerMetrics(scheduler, own, self.mirror)
                 from dask_otel.scheduler.events import DaskEvents
 
                 self.events = DaskEvents(

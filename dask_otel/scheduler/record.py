@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 from distributed.metrics import time
 
 from dask_otel._compat import span_own_metrics
-from dask_otel.scheduler.totals import SpanMetrics, group_done, groups_stop, observed
+from dask_otel.scheduler.totals import SpanMetrics, group_done, observed
 
 if TYPE_CHECKING:
     from distributed.scheduler import TaskGroup
@@ -105,8 +105,9 @@ class SpanRecord:
         waiting_exit = self.block_client is not None and not self.exited
         if self.open_children or self.client_left or waiting_exit:
             return None
-        if (stop := groups_stop(self.span.groups)) is None:
+        if not all(map(group_done, groups := self.span.groups)):
             return None
+        stop = max((tg.stop for tg in groups), default=0.0)
         # Dask's own TaskGroup.stop only for groups finished before the bridge
         # started; the others' bounded ends are in ``end``
         return max(self.end or stop, self.exited, self.span.enqueued)
@@ -209,11 +210,9 @@ class GroupBatch:
         ``rerun`` tasks of the new graph are to run. ``own`` is the group's Dask
         span, which Dask's fine metrics of its tasks go to."""
         states = dict(tg.states)
-        return cls(
-            span, time(), states, sum(states.values()) - rerun, tg.nbytes_total,
-            tg.duration, SpanMetrics.of(span_own_metrics(own)).by_prefix.get(tg.prefix.name, {}),
-        )
-
+        carried = SpanMetrics.of(span_own_metrics(own)).by_prefix.get(tg.prefix.name, {})
+        return cls(span, time(), states, sum(states.values()) - rerun, tg.nbytes_total,
+                   tg.duration, carried)
 
     def end(self, tg: TaskGroup) -> float:
         """When the group's last task finished or failed (0: none did yet),
@@ -273,6 +272,5 @@ class GroupBatch:
         states["released"] = states.get("released", 0) - held
         # float: an int 0 in distributed 2024.1 until a task ran
         figures = (states, tg.nbytes_total, float(tg.duration))
-        if self.states is None or self.erred or figures[2] > self.duration:
-            return figures
-        return figures if sum(states.values()) > self.total else None
+        ran = self.states is None or self.erred or figures[2] > self.duration
+        return figures if ran or sum(states.values()) > self.total else None

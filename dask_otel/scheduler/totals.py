@@ -16,7 +16,7 @@ from distributed.scheduler import ALL_TASK_STATES
 from opentelemetry.trace import Status, StatusCode
 
 import dask_otel.attributes as attr
-from dask_otel._compat import span_code_blocks, span_nthreads_history, span_own_metrics
+from dask_otel._compat import span_nthreads_history, span_own_metrics
 
 if TYPE_CHECKING:
     from distributed.scheduler import TaskGroup, TaskState
@@ -151,11 +151,6 @@ def observed(t: float, sent: float, received: float) -> float:
 _PENDING = tuple(sorted(ALL_TASK_STATES - {"memory", "erred", "released", "forgotten"}))
 
 
-def span_code(span: Span) -> tuple[str, ...]:
-    """The source of the code a Dask span ran (``Span.code``; empty: Dask recorded none)"""
-    return tuple(sc.code for block in span_code_blocks(span) for sc in block)
-
-
 @dataclass(frozen=True, slots=True)
 class Failure:
     """A task that erred, read once from Dask's ``erred`` transition"""
@@ -193,16 +188,6 @@ def group_done(tg: TaskGroup) -> bool:
     return True
 
 
-def groups_stop(groups: Iterable[TaskGroup]) -> float | None:
-    """When the last task of some TaskGroups finished, or None if one is not done"""
-    stop = 0.0
-    for tg in groups:
-        if not group_done(tg):
-            return None
-        stop = max(stop, tg.stop)
-    return stop
-
-
 @dataclass(slots=True)
 class Totals:
     """What a Dask span's attributes sum over TaskGroups and fine metrics: of its
@@ -224,15 +209,8 @@ class Totals:
     def own(cls, span: Span) -> Totals:
         """Of a span's own groups (its fine metrics: named on the builder thread)"""
         totals = cls()
-        states = totals.states
-        for tg in span.groups:
-            for state, n in tg.states.items():
-                if n:
-                    states[state] = states.get(state, 0) + n
-            totals.nbytes += tg.nbytes_total
-            totals.duration += tg.duration
-            if tg.start and (not totals.start or tg.start < totals.start):
-                totals.start = tg.start
+        for tg in span.groups:  # read, never kept
+            totals.add(cls(tg.states, tg.nbytes_total, tg.duration, tg.start))
         return totals
 
     @classmethod
@@ -246,7 +224,8 @@ class Totals:
 
     def add(self, other: Totals) -> Totals:
         for state, n in other.states.items():
-            self.states[state] = self.states.get(state, 0) + n
+            if n:
+                self.states[state] = self.states.get(state, 0) + n
         self.fine.add(other.fine)
         self.nbytes += other.nbytes
         self.duration += other.duration
