@@ -6,7 +6,9 @@ readings (:mod:`dask_otel.spans`) and the builder thread
 
 from __future__ import annotations
 
+import ast
 from collections.abc import Hashable, Iterable, Mapping
+from contextlib import suppress
 from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import TYPE_CHECKING, Any, NamedTuple
@@ -170,18 +172,41 @@ class Failure:
     #: erred because a dependency did, or an older worker sent no times
     started: float
     failed: float
+    #: Its ``exception`` event's (:meth:`event`) key, worker, ``exception_text`` and
+    #: traceback (None: not exported, ``otel.errors.messages``)
+    key: Hashable = None
+    worker: str = ""
+    text: str = ""
+    traceback: str | None = None
 
     @classmethod
     def of(cls, ts: TaskState, startstops: Iterable[Mapping[str, Any]] | None,
-           allowed_failures: int) -> Failure:
+           allowed_failures: int, messages: bool = True) -> Failure:
         failing = ts.exception_blame or ts
-        kind = (failing.exception_text or "").partition("(")[0]
+        text = failing.exception_text or ""
+        kind = text.partition("(")[0]
         if not kind.isidentifier():
-            kind = "KilledWorker" if failing.suspicious > allowed_failures else attr.OTHER_ERROR
+            killed = failing.suspicious > allowed_failures  # no text of its own: say why
+            kind = "KilledWorker" if killed else attr.OTHER_ERROR
+            text = f"{kind}(its workers died: see the {attr.WORKER_LOST} span events)" * killed
+        said = (ts.key, next(iter(failing.erred_on or ()), ""), text,
+                (failing.traceback_text or "") if messages else None)
         for startstop in startstops or ():
             if startstop.get("action") == "compute" and startstop.get("stop"):
-                return cls(kind, startstop.get("start") or 0.0, startstop["stop"])
-        return cls(kind, 0.0, time())
+                return cls(kind, startstop.get("start") or 0.0, startstop["stop"], *said)
+        return cls(kind, 0.0, time(), *said)
+
+    def event(self, at: float) -> tuple[str, dict[str, Any], int]:
+        """Its ``exception`` span event, at ``at``; the message: in the parentheses
+        of the ``exception_text`` repr, a string literal read"""
+        attributes = {attr.EXCEPTION_TYPE: self.kind, attr.TASK_KEY: str(self.key),
+                      attr.WORKER_ADDRESS: self.worker}
+        if self.traceback is not None:
+            message = self.text[len(self.kind) + 1:].removesuffix(")")
+            with suppress(Exception):
+                message = str(ast.literal_eval(message)) if message[:1] in "'\"" else message
+            attributes |= {attr.EXCEPTION_MESSAGE: message, attr.EXCEPTION_STACKTRACE: self.traceback}
+        return attr.EXCEPTION_EVENT, attributes, int(at * 1e9)
 
 
 def group_done(tg: TaskGroup) -> bool:
