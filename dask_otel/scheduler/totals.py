@@ -172,40 +172,37 @@ class Failure:
     #: erred because a dependency did, or an older worker sent no times
     started: float
     failed: float
-    #: Its ``exception`` event's (:meth:`event`) key, worker, ``exception_text`` and
-    #: traceback (None: not exported, ``otel.errors.messages``)
-    key: Hashable = None
-    worker: str = ""
-    text: str = ""
-    traceback: str | None = None
+    #: The task, for its ``exception`` event (:meth:`event`), with its message and
+    #: traceback or not (``otel.errors.messages``)
+    ts: TaskState = None  # type: ignore[assignment]
+    messages: bool = True
 
     @classmethod
     def of(cls, ts: TaskState, startstops: Iterable[Mapping[str, Any]] | None,
            allowed_failures: int, messages: bool = True) -> Failure:
         failing = ts.exception_blame or ts
-        text = failing.exception_text or ""
-        kind = text.partition("(")[0]
+        kind = (failing.exception_text or "").partition("(")[0]
         if not kind.isidentifier():
-            killed = failing.suspicious > allowed_failures  # no text of its own: say why
-            kind = "KilledWorker" if killed else attr.OTHER_ERROR
-            text = f"{kind}(its workers died: see the {attr.WORKER_LOST} span events)" * killed
-        said = (ts.key, next(iter(failing.erred_on or ()), ""), text,
-                (failing.traceback_text or "") if messages else None)
+            kind = "KilledWorker" if failing.suspicious > allowed_failures else attr.OTHER_ERROR
         for startstop in startstops or ():
             if startstop.get("action") == "compute" and startstop.get("stop"):
-                return cls(kind, startstop.get("start") or 0.0, startstop["stop"], *said)
-        return cls(kind, 0.0, time(), *said)
+                return cls(kind, startstop.get("start") or 0.0, startstop["stop"], ts, messages)
+        return cls(kind, 0.0, time(), ts, messages)
 
     def event(self, at: float) -> tuple[str, dict[str, Any], int]:
-        """Its ``exception`` span event, at ``at``; the message: in the parentheses
-        of the ``exception_text`` repr, a string literal read"""
-        attributes = {attr.EXCEPTION_TYPE: self.kind, attr.TASK_KEY: str(self.key),
-                      attr.WORKER_ADDRESS: self.worker}
-        if self.traceback is not None:
-            message = self.text[len(self.kind) + 1:].removesuffix(")")
+        """Its ``exception`` span event at ``at``; the message: in the parentheses of
+        ``exception_text`` (a repr), a string literal read; KilledWorker's says why"""
+        failing = self.ts.exception_blame or self.ts
+        attributes = {attr.EXCEPTION_TYPE: self.kind, attr.TASK_KEY: str(self.ts.key),
+                      attr.WORKER_ADDRESS: next(iter(failing.erred_on or ()), "")}
+        if self.messages:
+            message = (failing.exception_text or "")[len(self.kind) + 1:].removesuffix(")") or (
+                f"its workers died: see the {attr.WORKER_LOST} span events"
+                * (self.kind == "KilledWorker"))
             with suppress(Exception):
                 message = str(ast.literal_eval(message)) if message[:1] in "'\"" else message
-            attributes |= {attr.EXCEPTION_MESSAGE: message, attr.EXCEPTION_STACKTRACE: self.traceback}
+            attributes |= {attr.EXCEPTION_MESSAGE: message,
+                           attr.EXCEPTION_STACKTRACE: failing.traceback_text or ""}
         return attr.EXCEPTION_EVENT, attributes, int(at * 1e9)
 
 
