@@ -17,7 +17,7 @@ from distributed.metrics import time
 from opentelemetry.trace import Link
 
 from dask_otel._compat import detached_span
-from dask_otel.attributes import SPAN_ID, SPAN_NAME
+from dask_otel.attributes import EXCEPTION_EVENT, SPAN_ID, SPAN_NAME
 from dask_otel.scheduler.links import producer_links
 from dask_otel.scheduler.record import MAX_FAILURE_EVENTS, GroupBatch, SpanRecord
 from dask_otel.scheduler.totals import Totals, group_done, observed
@@ -195,7 +195,8 @@ class Ledger:
                     record.count_erred(failure.kind)
                 if span.parent is None:
                     record.run_erred = True
-                    record.add_event(*failure.event(failed), most=MAX_FAILURE_EVENTS)
+                    if sum(e[0] == EXCEPTION_EVENT for e in record.events or ()) < MAX_FAILURE_EVENTS:
+                        record.add_event(*failure.event(failed))
             counted = True
             span = span.parent
 

@@ -152,12 +152,11 @@ class SpanRecord:
             self.exit_client = sender
         self.workflow = self.workflow or workflow
 
-    def add_event(self, name: str, attributes: dict[str, Any], timestamp: int,
-                  most: int = MAX_SPAN_EVENTS) -> None:
-        """A span event at ``timestamp`` (ns), within the span's end (``most``: of its name)"""
+    def add_event(self, name: str, attributes: dict[str, Any], timestamp: int) -> None:
+        """A span event at ``timestamp`` (ns), within the span's end"""
         if self.events is None:
             self.events = []
-        if len(self.events) < MAX_SPAN_EVENTS and sum(e[0] == name for e in self.events) < most:
+        if len(self.events) < MAX_SPAN_EVENTS:
             self.events.append((name, attributes, timestamp))
         self.end_no_earlier(timestamp / 1e9)
 
