@@ -214,6 +214,7 @@ class OtelConfig:
     logs_level: int = _key("otel.logs.level", _level, SCHEDULER, WORKERS)
     #: the Dask events exported as log records (dask_otel.scheduler.events)
     event_topics: frozenset[str] = _key("otel.events.topics", _names, SCHEDULER)
+    errors_messages: bool = _key("otel.errors.messages", _bool, SCHEDULER, WORKERS)
 
     def effective(self, process: str) -> dict[str, Any]:
         """The values of the keys that ``process`` (:data:`SCHEDULER` or

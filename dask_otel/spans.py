@@ -195,7 +195,8 @@ class SpanMirror:
     def observe_erred(self, key: Hashable, startstops: Any) -> None:
         """A task erred: one failure record, for :meth:`Ledger.observe_failure`"""
         if (ts := self.scheduler.tasks.get(key)) is not None:
-            failure = Failure.of(ts, startstops, self.scheduler.allowed_failures)
+            failure = Failure.of(ts, startstops, self.scheduler.allowed_failures,
+                                 self.config.errors_messages)
             self.ledger.observe_failure(ts.group, failure, self.dask_spans,
                                         self.config.span_totals == "subtree")
 

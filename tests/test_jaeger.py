@@ -193,6 +193,26 @@ def test_dask_scheduler_and_worker_processes_give_three_kinds_of_operations(jaeg
     assert jaeger.find_traces(service, "run/load") == [trace_id]
 
 
+def test_a_failed_stage_shows_its_exception_in_jaeger_without_task_spans(jaeger):
+    """``dask scheduler``/``dask worker``, task spans off (the default): Jaeger shows
+    the failed TaskGroup's ``exception`` event with its message, key and worker"""
+    service = "dask-jaeger-failed"
+    with dask_processes(jaeger_env(jaeger, service)) as cluster, cluster.client() as client:
+        with dask_otel.span("nightly") as root_id, dask_otel.span("failing"):
+            bad = client.submit(broken, 1)
+            wait([bad])
+        workers = set(client.scheduler_info()["workers"])
+        spans = jaeger.wait_for_trace(root_id.replace("-", ""), count=3, timeout=60)
+    assert sorted(s["name"] for s in spans) == ["failing", "nightly", TASKGROUP.format("broken")]
+    for name in (TASKGROUP.format("broken"), "nightly"):
+        (event,) = [e for e in one(spans, name)["events"] if e["name"] == "exception"]
+        assert event["attributes"]["exception.type"] == "RuntimeError"
+        assert event["attributes"]["exception.message"] == "diverged"
+        assert 'raise RuntimeError("diverged")' in event["attributes"]["exception.stacktrace"]
+        assert event["attributes"]["dask.task.key"] == str(bad.key)
+        assert event["attributes"]["dask.worker.address"] in workers
+
+
 #: The demo's Dask spans (its TaskGroups: load_partition, evaluate, fit)
 DEMO_DASK_SPANS = ["Alice's workflow", "data load", "evaluate", "train"]
 

@@ -225,6 +225,9 @@ def test_error_type_of_a_task_whose_workers_died_is_killed_worker(tmp_path):
         s = mirrored.by_dask_id(sid, timeout=60)
         assert s.status.status_code is StatusCode.ERROR
         assert s.attributes["error.type"] == "KilledWorker"
+        (event,) = [e.attributes for e in s.events if e.name == "exception"]
+        assert event["exception.type"] == "KilledWorker"  # no text of its own: says why
+        assert event["exception.message"] == "its workers died: see the dask.worker.lost span events"
 
 
 def test_multiple_tags_at_once_nest(cluster):

@@ -104,6 +104,9 @@ class LogExport:
         for target in loggers:
             handler = _new_handler(otel_classes[0], config.logs_level, self.provider)
             handler.addFilter(_WhereRecordsStop(target, self.handlers.values(), otel_classes))
+            if not config.errors_messages:  # a record's template (code), not its data: docs/privacy.md
+                handler.emit = lambda r, emit=handler.emit: emit(logging.makeLogRecord(  # type: ignore
+                    {**r.__dict__, "args": (), "exc_info": None, "exc_text": None, "stack_info": None}))
             self.handlers[target] = handler
         for target, handler in self.handlers.items():
             target.addHandler(handler)

@@ -13,9 +13,9 @@ from __future__ import annotations
 import os
 import threading
 import weakref
-from collections.abc import Hashable, Mapping
+from collections.abc import Hashable, Iterable, Mapping
 from queue import Empty, SimpleQueue
-from typing import TYPE_CHECKING, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from opentelemetry.sdk.trace import Event, ReadableSpan
 from opentelemetry.trace import Link
@@ -251,9 +251,7 @@ class SpanBuilder:
         first_task = subtree.start and min(max(subtree.start, start), end)
         events = ((Event(attr.FIRST_TASK_START, NO_ATTRIBUTES, int(first_task * 1e9)),)
                   if first_task else ())
-        count = sink.limits.max_event_attributes  # SpanMirror.add_span_event's, bounded there
-        events += tuple(Event(name, sink.event_attributes(dict(values), count), timestamp)
-                        for name, values, timestamp in record.events or ())
+        events += span_events(sink, record.events or (), start, end)  # bounded in the record
         count = sink.limits.max_link_attributes  # links to other traces: within the SDK's limits
         links = tuple(Link(link.context, sink.event_attributes(dict(link.attributes), count))
                       for link in (record.links or {}).values())
@@ -283,4 +281,12 @@ class SpanBuilder:
         status = erred_status(attributes, batch.erred, batch.error_type)
         start, end, context = reading.start, reading.end, reading.context
         return sink.span(TASKGROUP_SPAN_NAME.format(prefix), context, head.context, start, end,
-                         attributes, status)
+                         attributes, status, span_events(sink, batch.events, start, end))
+
+
+def span_events(sink: SpanSink, events: Iterable[tuple[str, dict[str, Any], int]], start: float,
+                end: float) -> tuple[Event, ...]:
+    """A record's span events (``dask.worker.lost``, ``exception``), within its span's times"""
+    count, first, last = sink.limits.max_event_attributes, int(start * 1e9), int(end * 1e9)
+    return tuple(Event(name, sink.event_attributes(dict(values), count), min(max(t, first), last))
+                 for name, values, t in events)

@@ -137,6 +137,7 @@ class DaskEvents:
     level: int = logging.NOTSET
     #: Counts removed workers (None: metrics are off)
     outcomes: Outcomes | None = None
+    messages: bool = True  # otel.errors.messages: False drops exception and traceback texts
     #: The LoggerProvider's logger the records go to (None: logs are off)
     logger: Logger | None = field(init=False)
     #: worker address -> ``(dask.worker.removed.reason, dask.worker.lost.reason)``
@@ -150,6 +151,8 @@ class DaskEvents:
 
     def observe(self, topic: Any, msg: Any) -> None:
         """The hook: every event on every topic passes here"""
+        if not self.messages and isinstance(msg, dict):
+            msg = {k: v for k, v in msg.items() if k not in ("exception_text", "traceback_text")}
         name = event_name(topic, msg)
         if name is None:
             if isinstance(msg, dict) and msg.get("action") == "worker-status-change":

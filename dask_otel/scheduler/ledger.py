@@ -17,9 +17,9 @@ from distributed.metrics import time
 from opentelemetry.trace import Link
 
 from dask_otel._compat import detached_span
-from dask_otel.attributes import SPAN_ID, SPAN_NAME
+from dask_otel.attributes import EXCEPTION_EVENT, SPAN_ID, SPAN_NAME
 from dask_otel.scheduler.links import producer_links
-from dask_otel.scheduler.record import GroupBatch, SpanRecord
+from dask_otel.scheduler.record import MAX_FAILURE_EVENTS, GroupBatch, SpanRecord
 from dask_otel.scheduler.totals import Totals, group_done, observed
 from dask_otel.span_context import dask_span_context, root_span
 
@@ -181,8 +181,9 @@ class Ledger:
             batch.observe_erred(failure)
         # The span its batch is exported under, else the group's
         span = batch.span if batch is not None else spans.get(tg.span_id)
+        failed = observed(failure.failed, batch.sent if batch else 0.0, time())
         if span is not None and (record := self.records.get(span.id)) is not None:
-            record.end_no_earlier(observed(failure.failed, batch.sent if batch else 0.0, time()))
+            record.end_no_earlier(failed)
         counted = False
         while span is not None:
             if (record := self.records.get(span.id)) is not None:
@@ -190,6 +191,8 @@ class Ledger:
                     record.count_erred(failure.kind)
                 if span.parent is None:
                     record.run_erred = True
+                    if sum(e[0] == EXCEPTION_EVENT for e in record.events or ()) < MAX_FAILURE_EVENTS:
+                        record.add_event(*failure.event(failed))
             counted = True
             span = span.parent
 

@@ -104,7 +104,7 @@ class OtelSchedulerPlugin(SchedulerPlugin):
 
                 self.events = DaskEvents(
                     scheduler, self.mirror, logs.provider if logs is not None else None,
-                    config.event_topics, config.logs_level, outcomes,
+                    config.event_topics, config.logs_level, outcomes, config.errors_messages,
                 )
                 self.stalls = Stalls(self.mirror, provider, own.metric_attributes, self.events)
         except ConfigError as e:  # an OTEL_* variable the SDK refused, named

@@ -25,6 +25,8 @@ if TYPE_CHECKING:
 #: Span events kept per Dask span (``dask.worker.lost``): a span whose workers keep
 #: dying would otherwise grow without bound
 MAX_SPAN_EVENTS = 16
+#: ``exception`` events (``Failure.event``) per TaskGroup batch and per root span
+MAX_FAILURE_EVENTS = 3
 
 
 @dataclass(slots=True)
@@ -190,8 +192,10 @@ class GroupBatch:
     erred: int = 0
     failed: float = 0.0
     started: float = 0.0
-    #: ``error.type`` of the first task of this batch that erred
+    #: ``error.type`` of the first task of this batch that erred, and the
+    #: ``exception`` events of the first :data:`MAX_FAILURE_EVENTS`
     error_type: str | None = None
+    events: list[tuple[str, dict[str, Any], int]] = field(default_factory=list)
     #: On the scheduler's clock: when it first sent a task of the batch and last
     #: heard one finish or fail (0: not yet), which bound the batch's times
     sent: float = 0.0
@@ -252,6 +256,8 @@ class GroupBatch:
         """A task of the batch erred (started to run at ``failure.started``, 0: it did not)"""
         self.erred += 1
         self.error_type = self.error_type or failure.kind
+        if len(self.events) < MAX_FAILURE_EVENTS:
+            self.events.append(failure.event(failure.failed))
         self.failed = max(self.failed, failure.failed)
         if failure.started and (not self.started or failure.started < self.started):
             self.started = failure.started

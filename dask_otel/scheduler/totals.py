@@ -6,7 +6,9 @@ readings (:mod:`dask_otel.spans`) and the builder thread
 
 from __future__ import annotations
 
+import ast
 from collections.abc import Hashable, Iterable, Mapping
+from contextlib import suppress
 from dataclasses import dataclass, field
 from functools import lru_cache
 from typing import TYPE_CHECKING, Any, NamedTuple
@@ -165,18 +167,38 @@ class Failure:
     #: erred because a dependency did, or an older worker sent no times
     started: float
     failed: float
+    #: The task, for its ``exception`` event (:meth:`event`), with its message and
+    #: traceback or not (``otel.errors.messages``)
+    ts: TaskState = None  # type: ignore[assignment]
+    messages: bool = True
 
     @classmethod
     def of(cls, ts: TaskState, startstops: Iterable[Mapping[str, Any]] | None,
-           allowed_failures: int) -> Failure:
+           allowed_failures: int, messages: bool = True) -> Failure:
         failing = ts.exception_blame or ts
         kind = (failing.exception_text or "").partition("(")[0]
         if not kind.isidentifier():
             kind = "KilledWorker" if failing.suspicious > allowed_failures else attr.OTHER_ERROR
         for startstop in startstops or ():
             if startstop.get("action") == "compute" and startstop.get("stop"):
-                return cls(kind, startstop.get("start") or 0.0, startstop["stop"])
-        return cls(kind, 0.0, time())
+                return cls(kind, startstop.get("start") or 0.0, startstop["stop"], ts, messages)
+        return cls(kind, 0.0, time(), ts, messages)
+
+    def event(self, at: float) -> tuple[str, dict[str, Any], int]:
+        """Its ``exception`` span event at ``at``; the message: in the parentheses of
+        ``exception_text`` (a repr), a string literal read; KilledWorker's says why"""
+        failing = self.ts.exception_blame or self.ts
+        attributes = {attr.EXCEPTION_TYPE: self.kind, attr.TASK_KEY: str(self.ts.key),
+                      attr.WORKER_ADDRESS: next(iter(failing.erred_on or ()), "")}
+        if self.messages:
+            message = (failing.exception_text or "")[len(self.kind) + 1:].removesuffix(")") or (
+                f"its workers died: see the {attr.WORKER_LOST} span events"
+                * (self.kind == "KilledWorker"))
+            with suppress(Exception):
+                message = str(ast.literal_eval(message)) if message[:1] in "'\"" else message
+            attributes |= {attr.EXCEPTION_MESSAGE: message,
+                           attr.EXCEPTION_STACKTRACE: failing.traceback_text or ""}
+        return attr.EXCEPTION_EVENT, attributes, int(at * 1e9)
 
 
 def group_done(tg: TaskGroup) -> bool:

@@ -70,7 +70,9 @@ class WorkerBridge:
             return
         adopt_global_tracer_provider()  # user spans inside tasks need a provider
         self.task_context = TaskContextHook.install(
-            worker, TaskContexts(sink.sampler, TaskRules.of(own.config)), TaskSpans(worker, sink))
+            worker, TaskContexts(sink.sampler, TaskRules.of(own.config)),
+            TaskSpans(worker, sink, own.config.errors_messages),
+        )
 
     def _start_spill(self, worker: Worker, own: ServerTelemetry) -> None:
         if own.telemetry.meter_provider is not None:

@@ -127,6 +127,8 @@ class TaskSpans:
     worker: Worker
     #: the worker process's span processors
     sink: SpanSink
+    #: ``otel.errors.messages``: exception messages and tracebacks exported
+    messages: bool = True
     #: task spans handed to the span processors
     exported: int = 0
     _random: random.Random = field(default_factory=random.Random)
@@ -212,10 +214,13 @@ class TaskSpans:
         status: Status | None = None
         if erred:
             exc_type, message = _exception_type_and_message(event)
-            status = Status(StatusCode.ERROR, sink.name(f"{exc_type}: {message}"))
+            status = Status(StatusCode.ERROR, sink.name(f"{exc_type}: {message}"
+                                                        if self.messages else exc_type))
             attributes[attr.ERROR_TYPE] = exc_type
-            exception = {attr.EXCEPTION_TYPE: exc_type, attr.EXCEPTION_MESSAGE: message,
-                         attr.EXCEPTION_STACKTRACE: event.traceback_text or ""}
+            exception = {attr.EXCEPTION_TYPE: exc_type}
+            if self.messages:
+                exception[attr.EXCEPTION_MESSAGE] = message
+                exception[attr.EXCEPTION_STACKTRACE] = event.traceback_text or ""
             limited = sink.event_attributes(exception, count=sink.limits.max_event_attributes)
             events = (Event(attr.EXCEPTION_EVENT, limited, int(stop * 1e9)),)
         else:
