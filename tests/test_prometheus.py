@@ -8,12 +8,14 @@ import math
 import urllib.request
 from collections.abc import Iterator
 from contextlib import contextmanager
+from importlib.metadata import version
 from typing import Any
 
 import prometheus_client
 import pytest
 from distributed import Client, LocalCluster, wait
 from opentelemetry.exporter.prometheus import PrometheusMetricReader
+from packaging.version import Version
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.support.backends import PrometheusServer, free_port
@@ -223,6 +225,10 @@ def ours_only(text: str) -> str:
     )
 
 
+@pytest.mark.skipif(
+    Version(version("opentelemetry-exporter-prometheus")) < Version("0.64b0"),
+    reason="opentelemetry-exporter-prometheus < 0.64b0 adds no otel_scope_name label: the "
+           "bridge's families cannot be told from Dask's own in a scrape")
 def test_promtool_check_metrics_is_clean_on_the_bridges_pull_output():
     """``promtool check metrics`` (Prometheus' linter: no `_count`, `_sum` or `_bucket`
     suffix but on histograms, `_total` on counters only, base units, help text) finds

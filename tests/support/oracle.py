@@ -34,6 +34,7 @@ that check by name, saying why: :meth:`Oracle.waive`):
 from __future__ import annotations
 
 import math
+import time
 from collections import Counter, defaultdict
 from collections.abc import Hashable, Iterable, Mapping
 from dataclasses import dataclass, field, replace
@@ -470,9 +471,34 @@ def read_remote(address: str) -> DaskRecord | None:
 
     try:
         with Client(address, timeout=10) as client:
-            return client.run_on_scheduler(read_dask)
+            dask = client.run_on_scheduler(read_dask)
+            # The workers' next heartbeats may still carry the fine metrics of the last
+            # tasks, which the bridge's flush on close then exports: read again after
+            # every worker heartbeated, until nothing changed
+            for _ in range(10):
+                since = client.run_on_scheduler(_scheduler_time)
+                deadline = time.monotonic() + 10
+                while (not client.run_on_scheduler(_heard_from_all, since)
+                       and time.monotonic() < deadline):
+                    time.sleep(0.1)
+                again = client.run_on_scheduler(read_dask)
+                if again.fine == dask.fine:
+                    return again
+                dask = again
+            return dask
     except Exception:
         return None
+
+
+def _scheduler_time(dask_scheduler: Any) -> float:
+    from distributed.metrics import time as dask_time
+
+    return dask_time()
+
+
+def _heard_from_all(since: float, dask_scheduler: Any) -> bool:
+    """Every worker heartbeated after ``since`` (the scheduler's clock)"""
+    return all(ws.last_seen > since for ws in dask_scheduler.workers.values())
 
 
 def processes_closed(dask: DaskRecord | None, env: Mapping[str, str], where: str) -> None:
