@@ -24,7 +24,7 @@ from dask_otel.span_context import in_context
 if TYPE_CHECKING:
     from collections.abc import Collection
 
-    from opentelemetry.metrics import Counter, Histogram, Meter, MeterProvider
+    from opentelemetry.metrics import Counter as OTelCounter, Histogram, Meter, MeterProvider
     from opentelemetry.trace import SpanContext
 
     from dask_otel.scheduler.ledger import Ledger
@@ -60,10 +60,10 @@ class OutcomeInstruments:
             description="Workflow runs (root Dask spans), from start to end, by name and result",
             explicit_bucket_boundaries_advisory=list(DURATION_BUCKETS),
         )
-        self.runs: Counter = meter.create_counter(
+        self.runs: OTelCounter = meter.create_counter(
             "dask.workflow.runs", unit="{run}",
             description="Workflow runs (root Dask spans) that ended, by name and result")
-        self.removed: Counter = meter.create_counter(
+        self.removed: OTelCounter = meter.create_counter(
             WORKERS_REMOVED, unit="{worker}",
             description="Workers the scheduler removed, by why they left")
 
