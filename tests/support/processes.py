@@ -163,6 +163,10 @@ class DaskProcesses:
         address = self._read_address() if self.procs["scheduler"].poll() is None else None
         dask = oracle.read_remote(address) if address and exc[0] is None else None
         self.stop()
+        if exc[0] is not None:
+            # pytest shows a failed test's captured output: the processes' logs with it
+            for name in self.logs:
+                print(f"----- {name}.log -----\n{self.log(name)}", file=sys.stderr)
         self.dir.cleanup()
         if exc[0] is None:
             oracle.processes_closed(dask, self.env, f"dask scheduler {address}")
