@@ -414,10 +414,11 @@ def stalls_on_spans(r: OTLPReceiver, ran: Ran, cell: Cell) -> None:
     """The worker's stall on the run's root, with its stack and its collector's share"""
     span_id = hex_of(ran.run)[1]
     root = r.wait_for(lambda r: [s for s in r.spans(WORKFLOW) if s.span_id == span_id])[0]
-    (event, *_) = [a for name, _, a in root.events if name == STALL_EVENT and is_the_stall(a, ran)]
-    assert event["dask.server.kind"] == "worker" and event["dask.tasks.running_count"] == 1
-    assert STALL_STACK in event.get("code.stacktrace", ""), event
-    assert 0 <= event.get(GC_SHARE, -1) <= 1, event
+    stalls = [a for name, _, a in root.events if name == STALL_EVENT and is_the_stall(a, ran)]
+    # (any of them: the machine's load may block that loop as long, though hardly)
+    assert any(a["dask.server.kind"] == "worker" and a["dask.tasks.running_count"] == 1
+               and STALL_STACK in a.get("code.stacktrace", "") and 0 <= a.get(GC_SHARE, -1) <= 1
+               for a in stalls), stalls
 
 
 def stall_histogram(r: OTLPReceiver, ran: Ran, cell: Cell) -> None:
@@ -433,13 +434,13 @@ def stall_histogram(r: OTLPReceiver, ran: Ran, cell: Cell) -> None:
 
 def stall_record(r: OTLPReceiver, ran: Ran, cell: Cell) -> None:
     """The stall's log record, with the stack, in the run's trace where traces are on"""
-    (record, *_) = r.wait_for(lambda r: [
+    records = r.wait_for(lambda r: [
         x for x in r.logs()
         if x.attributes.get("dask.event.topic") == STALL_TOPIC and is_the_stall(x.attributes, ran)])
-    assert STALL_STACK in record.attributes.get("code.stacktrace", ""), record
-    assert 0 <= record.attributes.get(GC_SHARE, -1) <= 1, record
     ids = hex_of(ran.run) if "traces" in cell.exported else (None, None)
-    assert (record.trace_id, record.span_id) == ids, record
+    assert any(STALL_STACK in x.attributes.get("code.stacktrace", "")
+               and 0 <= x.attributes.get(GC_SHARE, -1) <= 1 and (x.trace_id, x.span_id) == ids
+               for x in records), records
 
 
 #: What no exported span or record may carry without messages: the exceptions' texts
