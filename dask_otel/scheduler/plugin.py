@@ -60,7 +60,7 @@ class OtelSchedulerPlugin(SchedulerPlugin):
     #: Dask's events out as log records, span events and removed workers
     events: DaskEvents | None = None
     _poller: PeriodicCallback | None = None
-    #: Blocked event loops (None: traces and metrics are off)
+    #: Blocked event loops (None: traces, metrics and logs are off)
     stalls: Stalls | None = None
     _started = _closed = False
 
