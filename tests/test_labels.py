@@ -8,10 +8,12 @@ from __future__ import annotations
 import time
 
 import pytest
-from distributed import wait
+from opentelemetry.sdk.metrics import MeterProvider
+from distributed import span, wait
 
 import dask_otel
 from dask_otel.config import ConfigError
+from dask_otel.scheduler.outcomes import MAX_LABEL_LENGTH, MAX_WORKFLOW_NAMES, OTHER, Outcomes
 from tests.support.otlp_receiver import OTLPReceiver
 from tests.support.processes import dask_processes
 from tests.support.tasks import fail
@@ -22,14 +24,18 @@ def inc(x: int) -> int:
 
 
 def labelled_runs(client) -> dict[str, str]:
-    """A named run labelled team=data env=prod: its own tasks, a nested block that
-    overrides env and adds a list, and below it an empty block with a label of its own;
-    then a run without labels. The Dask span ids by name."""
+    """A named run labelled team=data env=prod, with tasks of its own; a nested block
+    that overrides env and adds a list, with no task of its own (its labels come with
+    its exit), around a plain ``distributed.span`` that runs tasks (its labels come
+    with them) and an empty block with a label of its own; then a run without
+    labels. The Dask span ids by name."""
     ids = {}
-    with dask_otel.span("etl", workflow=True, attributes={"team": "data", "env": "prod"}) as ids["etl"]:
+    etl = {"team": "data", "env": "prod"}
+    with dask_otel.span("etl", workflow=True, attributes=etl) as ids["etl"]:
         wait(client.map(inc, range(3), key=[f"load-{i}" for i in range(3)]))
         with dask_otel.span("stage", attributes={"env": "dev", "shards": [1, 2]}) as ids["stage"]:
-            wait(client.map(fail, range(2), key=[f"bad-{i}" for i in range(2)]))
+            with span("step") as ids["step"]:
+                wait(client.map(fail, range(2), key=[f"bad-{i}" for i in range(2)]))
             with dask_otel.span("noop", attributes={"step": True}) as ids["noop"]:
                 pass
     with dask_otel.span("plain", workflow=True) as ids["plain"]:
@@ -48,17 +54,17 @@ def check_labels(receiver: OTLPReceiver, ids: dict[str, str], allowed: set[str])
     (root,) = receiver.spans("etl")
     run = [s for s in receiver.spans() if s.trace_id == root.trace_id]
     names = {s.name for s in run}
-    assert {"etl", "stage", "noop", "taskgroup/load", "taskgroup/bad", "run/load",
+    assert {"etl", "stage", "step", "noop", "taskgroup/load", "taskgroup/bad", "run/load",
             "run/bad"} <= names, names
-    inner = {ids["stage"], ids["noop"]}
+    inner = {ids["stage"], ids["step"], ids["noop"]}
+    assert len(run) == 11, sorted(names)  # 3 Dask spans, an empty block, 2 TaskGroups, 5 tasks
     for s in run:
         expected = {"team": "data", "env": "dev" if s.attributes["dask.span.id"] in inner else "prod"}
         if s.attributes["dask.span.id"] in inner:
             expected["shards"] = (1, 2)
         if s.attributes["dask.span.id"] == ids["noop"]:
             expected["step"] = True
-        got = {k: v for k, v in s.attributes.items() if not k.startswith(("dask.", "otel."))
-               and k in {"team", "env", "shards", "step"}}
+        got = {k: v for k, v in s.attributes.items() if not k.startswith("dask.")}
         assert got == expected, (s.name, s.attributes)
     for s in receiver.spans():
         if s.trace_id != root.trace_id:
@@ -121,3 +127,17 @@ def test_bad_labels_raise_at_the_call_naming_them(given, error, names):
         pass
     assert names in str(raised.value)
     assert issubclass(ConfigError, ValueError)
+
+
+def test_label_values_on_metrics_are_bounded():
+    """Only the allow-listed labels with a str, bool or int value, as strings cut to
+    MAX_LABEL_LENGTH; at most MAX_WORKFLOW_NAMES values of each, later ones ``other``,
+    a value given keeps its series"""
+    outcomes = Outcomes(MeterProvider(), {}, labels=["team", "size"])  # type: ignore[arg-type]
+    teams = [outcomes.labels_of({"team": f"t{i}"}) for i in range(MAX_WORKFLOW_NAMES + 5)]
+    assert teams[:MAX_WORKFLOW_NAMES] == [{"team": f"t{i}"} for i in range(MAX_WORKFLOW_NAMES)]
+    assert teams[MAX_WORKFLOW_NAMES:] == [{"team": OTHER}] * 5
+    assert outcomes.labels_of({"team": "t0", "env": "prod", "size": 3}) == {"team": "t0", "size": "3"}
+    assert outcomes.labels_of({"size": True}) == {"size": "true"}
+    assert outcomes.labels_of({"size": "x" * 100}) == {"size": "x" * MAX_LABEL_LENGTH}
+    assert outcomes.labels_of({"size": 1.5, "team": ["a"]}) == {}
