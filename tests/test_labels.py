@@ -5,6 +5,7 @@ metrics (docs/traces.md "One workflow's controls", docs/metrics.md "Labels of a 
 
 from __future__ import annotations
 
+import importlib.util
 import time
 
 import pytest
@@ -15,7 +16,7 @@ import dask_otel
 from dask_otel.config import ConfigError
 from dask_otel.scheduler.outcomes import MAX_LABEL_LENGTH, MAX_WORKFLOW_NAMES, OTHER, Outcomes
 from tests.support.otlp_receiver import OTLPReceiver
-from tests.support.processes import dask_processes
+from tests.support.processes import FAST_ENV, DaskProcesses, dask_processes
 from tests.support.tasks import fail
 
 
@@ -94,21 +95,31 @@ def test_labels_on_every_span_of_the_run_and_allow_listed_on_its_metrics():
         check_labels(receiver, ids, {"team"})
 
 
-def test_labels_with_a_config_file(tmp_path):
-    """``OTEL_CONFIG_FILE`` for the SDK, the allow-list (both labels, a comma-separated
-    string) and task spans in a dask config file (``DASK_CONFIG``)"""
-    pytest.importorskip("opentelemetry.configuration",
-                        reason="OTEL_CONFIG_FILE needs opentelemetry-configuration")
-    from tests.test_modes import config_file
+class ZeroCode(DaskProcesses):
+    """``dask scheduler``/``dask worker`` under ``opentelemetry-instrument``, no preload"""
 
+    def _spawn(self, name, cmd):
+        from tests.test_instrumentor import OPENTELEMETRY_INSTRUMENT
+
+        return super()._spawn(name, [*OPENTELEMETRY_INSTRUMENT, *cmd])
+
+
+def test_labels_under_opentelemetry_instrument_with_config_files(tmp_path):
+    """``opentelemetry-instrument`` turns the bridge on; the allow-list (both labels, a
+    comma-separated string) and task spans in a dask config file (``DASK_CONFIG``); the
+    SDK from ``OTEL_CONFIG_FILE`` where opentelemetry-configuration is installed"""
     (tmp_path / "dask").mkdir()
     (tmp_path / "dask" / "otel.yaml").write_text(
         "otel:\n  metrics:\n    labels: team, env\n  tasks:\n    spans: true\n")
     with OTLPReceiver("grpc") as receiver:
-        env = {"OTEL_CONFIG_FILE": config_file(tmp_path / "sdk.yaml", receiver,
-                                               ("traces", "metrics")),
-               "DASK_CONFIG": str(tmp_path / "dask")}
-        with dask_processes(env) as cluster, cluster.client() as client:
+        env = {**FAST_ENV, **receiver.env(), "DASK_CONFIG": str(tmp_path / "dask"),
+               "OTEL_PYTHON_DISABLED_INSTRUMENTATIONS": "click,asyncio,tornado"}
+        if importlib.util.find_spec("opentelemetry.configuration"):
+            from tests.test_modes import config_file
+
+            env["OTEL_CONFIG_FILE"] = config_file(tmp_path / "sdk.yaml", receiver,
+                                                  ("traces", "metrics"))
+        with ZeroCode(env) as cluster, cluster.client() as client:
             ids = labelled_runs(client)
             wait_for_runs(receiver)
         check_labels(receiver, ids, {"team", "env"})
