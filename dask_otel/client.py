@@ -41,9 +41,8 @@ def span(*tags: str, sampled: bool | None = None, tasks: Mapping[str, Any] | Non
     says (a root block's choice). ``tasks``: ``otel.tasks.*`` keys by their last part
     (``{"spans": True, "slower-than": "500ms"}``) for this block's tasks, over the workers'
     config; nested blocks inherit and override them. ``workflow``: the root block's name is
-    a bounded workflow name. ``attributes``: labels (OTel attribute values) on every span of
-    the block, over the enclosing block's. A bad value raises TypeError or ValueError at the
-    call, naming the argument and value."""
+    a bounded workflow name. ``attributes``: labels on every span of the block, inherited and
+    overridden as ``tasks``. A bad value raises TypeError or ValueError at the call, naming it."""
     entered_at = time.time()
     outer = dask.get_annotations()
     rules = _check_controls(outer, sampled, tasks, workflow)
