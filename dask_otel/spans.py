@@ -395,8 +395,9 @@ class SpanMirror:
     def _head(self, span: Span) -> SpanHead:
         """The :class:`SpanHead` of a Dask span, once per poll"""
         if (head := self._heads.get(span.id)) is None:
-            head = self._heads[span.id] = SpanHead(self._context(span),
-                                                   self.ledger.span_start(span), tuple(span.name))
+            head = self._heads[span.id] = SpanHead(
+                self._context(span), self.ledger.span_start(span), tuple(span.name),
+                getattr(self.ledger.records.get(span.id), "labels", None))
         return head
 
 

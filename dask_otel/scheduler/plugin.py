@@ -89,7 +89,8 @@ class OtelSchedulerPlugin(SchedulerPlugin):
                 from dask_otel.scheduler.metrics import SchedulerMetrics
                 from dask_otel.scheduler.outcomes import Outcomes
 
-                outcomes = Outcomes(provider, own.metric_attributes, config.workflows)
+                outcomes = Outcomes(provider, own.metric_attributes, config.workflows,
+                                    config.metric_labels)
                 if families_wanted(own):
                     self.families = DaskFamilies(scheduler, own)
             logs = own.telemetry.logs

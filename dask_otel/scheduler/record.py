@@ -41,6 +41,8 @@ class SpanHead:
     start: float
     #: ``Span.name`` as an attribute value
     tags: tuple[str, ...]
+    #: Its record's labels, on its TaskGroups' spans too (None: none)
+    labels: dict[str, Any] | None = None
 
 
 @dataclass(slots=True, eq=False)
@@ -94,6 +96,8 @@ class SpanRecord:
     cancelled: bool = False
     #: Dask made no span of its block (the TaskGroup collision): the mirror did
     collided: bool = False
+    #: Its block's labels (``Block.labels``: of its tasks' or its exit's); None: none
+    labels: dict[str, Any] | None = None
 
     @property
     def leaf(self) -> bool:
