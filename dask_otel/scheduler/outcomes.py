@@ -8,6 +8,7 @@ and Prometheus names: docs/metrics.md, "Workflow outcomes and removed workers".
 
 from __future__ import annotations
 
+import threading
 from collections import Counter
 from collections.abc import Mapping
 from fnmatch import fnmatchcase
@@ -83,6 +84,7 @@ class Outcomes:
         self.patterns = tuple(patterns)
         #: The workflow names given so far, at most :data:`MAX_WORKFLOW_NAMES`
         self.names: set[str] = set()
+        self.lock = threading.Lock()
         #: The workflow names of the runs seen open (a bounded name each)
         self.watched: set[str] = set()
         #: ``otel.metrics.labels``, and the values given so far of each
@@ -115,9 +117,10 @@ class Outcomes:
         if name in self.names:
             return name
         bounded = named or name == DEFAULT or any(fnmatchcase(name, p) for p in self.patterns)
-        if not bounded or len(self.names) >= MAX_WORKFLOW_NAMES:
-            return OTHER
-        self.names.add(name)
+        with self.lock:  # the loop's and the metric reader's threads: never past the bound
+            if not bounded or len(self.names) >= MAX_WORKFLOW_NAMES:
+                return OTHER
+            self.names.add(name)
         return name
 
     def labels_of(self, labels: Mapping[str, Any]) -> dict[str, str]:
