@@ -490,8 +490,16 @@ def test_huge_empty_and_many_span_names_are_bounded():
         assert results == list(range(1, tasks + 1))
         mirrored.by_dask_id(roots[-1], timeout=120)
         wait_until(lambda: dask_otel.status(client)["scheduler"]["open_spans"] == 0, timeout=60)
+        names = {f"name {i} ✓" for i in range(MANY_NAMES)}
+
+        def told() -> bool:
+            # every name arrives (the builder may still be exporting), but for spans a
+            # builder queue past its capacity dropped (a loaded machine), each counted
+            dropped = dask_otel.status(client)["scheduler"]["queue_full_dropped_spans"]
+            return len(names - {s.name for s in mirrored.spans()}) <= dropped
+
+        wait_until(told, timeout=60, what="every name exported or counted dropped")
         spans = mirrored.spans()
-        assert {f"name {i} ✓" for i in range(MANY_NAMES)} <= {s.name for s in spans}
         exported_roots = {dask_span_ids(sid)[1] for sid in roots}
         assert exported_roots <= {s.context.span_id for s in spans if s.parent is None}
         # Nothing is kept per span or per name once exported
