@@ -247,6 +247,8 @@ class SpanBuilder:
             attributes[attr.SPAN_UNFINISHED] = True
         if record.collided:
             attributes[attr.SPAN_COLLIDED] = True
+        if record.kept:
+            attributes[attr.TRACE_KEPT] = record.kept
         status = erred_status(attributes, record.erred, record.error_type)
         first_task = subtree.start and min(max(subtree.start, start), end)
         events = ((Event(attr.FIRST_TASK_START, NO_ATTRIBUTES, int(first_task * 1e9)),)

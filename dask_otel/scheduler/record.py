@@ -41,6 +41,9 @@ class SpanHead:
     start: float
     #: ``Span.name`` as an attribute value
     tags: tuple[str, ...]
+    #: A run the sampler dropped that ``otel.traces.keep`` may keep: its root
+    #: record's ``held`` (its readings wait there for the root's end); else None
+    held: list[Any] | None = None
 
 
 @dataclass(slots=True, eq=False)
@@ -94,6 +97,11 @@ class SpanRecord:
     cancelled: bool = False
     #: Dask made no span of its block (the TaskGroup collision): the mirror did
     collided: bool = False
+    #: Roots of a run the sampler dropped, as ``otel.traces.keep`` asks: the readings
+    #: of its subtree, held until its end decides (None: not held), and why it was
+    #: kept then (``erred``, ``slow``; None: dropped, or sampled)
+    held: list[Any] | None = None
+    kept: str | None = None
 
     @property
     def leaf(self) -> bool:

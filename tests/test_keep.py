@@ -1,0 +1,100 @@
+"""``otel.traces.keep`` (issue 39): a run the sampler dropped that erred, or ran
+longer than a threshold, is exported whole as a trace of its own, linked to its
+caller's span. docs/traces.md, "Sampling"."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from distributed import span, wait
+from opentelemetry import context as otel_context
+from opentelemetry import trace
+from opentelemetry.trace import NonRecordingSpan, SpanContext, TraceFlags
+
+import dask_otel
+from tests.support.cluster import dask_span_ids, otel_cluster, wait_until
+from tests.support.tasks import fail, inc, slow
+
+RATIO = {"OTEL_TRACES_SAMPLER": "traceidratio", "OTEL_TRACES_SAMPLER_ARG": "0.01"}
+
+
+def _caller() -> SpanContext:
+    """A caller's span the sampler would drop: its flag unset"""
+    return SpanContext(random.getrandbits(128) or 1, random.getrandbits(64) or 1, is_remote=False,
+                       trace_flags=TraceFlags(0))
+
+
+def _runs(client, kinds: list[str], delay: float = 1.5, block=dask_otel.span
+          ) -> list[tuple[str, str, SpanContext | None]]:
+    """One root block per kind (each with a sub-block and one task: ``fail``,
+    ``slow`` for ``delay`` or ``inc``), a ``dask_otel.span`` under a caller's span (else
+    ``distributed.span``, no caller); (kind, root id, caller)"""
+    runs, futures = [], []
+    for i, kind in enumerate(kinds):
+        caller = _caller() if block is dask_otel.span else None
+        token = otel_context.attach(trace.set_span_in_context(NonRecordingSpan(caller))) if caller else None
+        try:
+            with block(f"run {i}") as root_id, block("step"):
+                task = {"erred": fail, "slow": slow}.get(kind, inc)
+                args = (i, delay) if kind == "slow" else (i,)
+                futures.append(client.submit(task, *args, key=f"run{i}-{kind}-0"))
+        finally:
+            if token is not None:
+                otel_context.detach(token)
+        runs.append((kind, root_id, caller))
+    wait(futures)
+    return runs
+
+
+def _traces(mirrored, runs) -> dict[str, list]:
+    by_trace: dict[int, list] = {}
+    for s in mirrored.spans():
+        by_trace.setdefault(s.context.trace_id, []).append(s)
+    return {root_id: by_trace.get(dask_span_ids(root_id)[0], []) for _, root_id, _ in runs}
+
+
+def _assert_whole(spans: list, caller: SpanContext | None, why: str) -> None:
+    """Root, sub-span and TaskGroup span, each parent present and around its child;
+    the root links to the caller, says why it was kept"""
+    assert len(spans) == 3, [s.name for s in spans]
+    assert "step" in [s.name for s in spans] and any(s.name.startswith("taskgroup/") for s in spans)
+    assert len(spans) == 3 and len({s.context.span_id for s in spans}) == 3
+    by_id = {s.context.span_id: s for s in spans}
+    (root,) = [s for s in spans if s.parent is None]
+    for s in spans:
+        assert s.context.trace_flags.sampled
+        if s is not root:
+            p = by_id[s.parent.span_id]
+            assert p.start_time <= s.start_time and s.end_time <= p.end_time
+    assert root.attributes["dask.trace.kept"] == why
+    assert [(link.context.trace_id, link.context.span_id) for link in root.links] == (
+        [(caller.trace_id, caller.span_id)] if caller else [])
+
+
+@pytest.mark.parametrize("n, block", [(200, span), (20, dask_otel.span)])
+def test_a_ratio_sampler_keeps_every_erred_and_slow_run_whole(monkeypatch, n, block):
+    """traceidratio 0.01, 200 runs: the 10 that erred and the 10 slower than the
+    threshold arrive whole, each a trace of its own (linked to its caller's span,
+    the 20 ``dask_otel.span`` runs); of the 180 others a binomially plausible few
+    (1.8 expected; more than 8: p < 1e-4)"""
+    for k, v in RATIO.items():
+        monkeypatch.setenv(k, v)
+    kinds = ["erred"] * (n // 20) + ["slow"] * (n // 20) + ["ok"] * (n - n // 10)
+    random.Random(39).shuffle(kinds)
+    config = {"otel.traces.keep.erred": True, "otel.traces.keep.slower-than": "1s"}
+    with otel_cluster(config, n_workers=2, threads_per_worker=8) as (client, mirrored):
+        runs = _runs(client, kinds, block=block)
+        mirror = mirrored.plugin.mirror
+        wait_until(lambda: mirror.mirrored + mirror.sampled_out == 3 * len(kinds)
+                   and not (mirror.ledger.records or mirror.ledger.groups),
+                   what="every span exported or sampled out", timeout=120)
+        traces = _traces(mirrored, runs)
+        for kind, root_id, caller in runs:
+            if kind != "ok":
+                _assert_whole(traces[root_id], caller, "erred" if kind == "erred" else "slow")
+        others = [traces[r] for k, r, _ in runs if k == "ok" and traces[r]]
+        assert len(others) <= 8 and all(len(t) == 3 for t in others)
+        assert all("dask.trace.kept" not in s.attributes for t in others for s in t)
+        assert len(mirrored.spans()) == mirror.mirrored == 3 * (n // 10 + len(others))
+        assert mirror.sampled_out == 3 * (n - n // 10 - len(others))
