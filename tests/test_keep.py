@@ -5,6 +5,8 @@ caller's span. docs/traces.md, "Sampling"."""
 from __future__ import annotations
 
 import random
+import time
+from pathlib import Path
 
 import pytest
 from distributed import span, wait
@@ -48,10 +50,18 @@ def _runs(client, kinds: list[str], delay: float = 1.5, block=dask_otel.span
 
 
 def _traces(mirrored, runs) -> dict[str, list]:
+    """By root Dask span id, the spans of the trace its root was exported in"""
     by_trace: dict[int, list] = {}
     for s in mirrored.spans():
         by_trace.setdefault(s.context.trace_id, []).append(s)
-    return {root_id: by_trace.get(dask_span_ids(root_id)[0], []) for _, root_id, _ in runs}
+    roots = {s.attributes["dask.span.id"]: s.context.trace_id for s in mirrored.spans()
+             if s.name.startswith("run ")}
+    return {root_id: by_trace.get(roots.get(root_id), []) for _, root_id, _ in runs}
+
+
+def _sampled(mirror, root_id: str) -> bool:
+    """Whether the sampler itself kept the run (1 %): exported as any sampled run"""
+    return mirror.ledger.context(mirror.dask_spans[root_id], mirror.sink.sampler) is not None
 
 
 def _assert_whole(spans: list, caller: SpanContext | None, why: str) -> None:
@@ -91,10 +101,57 @@ def test_a_ratio_sampler_keeps_every_erred_and_slow_run_whole(monkeypatch, n, bl
                    what="every span exported or sampled out", timeout=120)
         traces = _traces(mirrored, runs)
         for kind, root_id, caller in runs:
-            if kind != "ok":
+            if kind != "ok" and not _sampled(mirror, root_id):
                 _assert_whole(traces[root_id], caller, "erred" if kind == "erred" else "slow")
+            elif kind != "ok":
+                assert len(traces[root_id]) == 3
         others = [traces[r] for k, r, _ in runs if k == "ok" and traces[r]]
         assert len(others) <= 8 and all(len(t) == 3 for t in others)
         assert all("dask.trace.kept" not in s.attributes for t in others for s in t)
         assert len(mirrored.spans()) == mirror.mirrored == 3 * (n // 10 + len(others))
         assert mirror.sampled_out == 3 * (n - n // 10 - len(others))
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("switch, config, signals", [
+    ("preload", "env", "traces"), ("zero-code", "env", "all"), ("client", "file", "traces")])
+def test_kept_on_process_clusters_in_every_mode(switch, config, signals, tmp_path):
+    """``dask scheduler``/``dask worker`` processes, a real OTLP receiver; the bridge on by
+    the preload, ``opentelemetry-instrument`` or ``instrument(client)``; the SDK configured
+    by ``OTEL_*`` variables or ``OTEL_CONFIG_FILE``; ``otel.traces.keep.erred`` by its
+    environment variable. Every trace dropped (``always_off``): the erred run arrives
+    whole, in a trace of its own; the run that did not err, not at all."""
+    from tests.test_modes import Cell, CellProcesses, cell_cluster, cell_env
+
+    cell = Cell(switch, config, signals)
+    env = {"DASK_OTEL__TRACES__KEEP__ERRED": "true", "OTEL_TRACES_SAMPLER": "always_off"}
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr("tests.test_modes.cell_env", lambda *a: {**cell_env(*a), **env})
+        mp.setattr("tests.test_modes.config_file", _with_sampler(mp))
+        with cell_cluster(cell, tmp_path) as (receiver, procs, client):
+            assert isinstance(procs, CellProcesses)
+            with span("keep-fine"):
+                client.submit(inc, 1, key="keepfine-0").result()
+            with span("keep-failed") as root_id:
+                wait(client.submit(fail, 1, key="keepfailed-0"))
+            wait_until(lambda: receiver.spans("keep-failed"), timeout=60, what="the erred run")
+            time.sleep(1.0)
+            (root,) = receiver.spans("keep-failed")
+            assert root.attributes["dask.trace.kept"] == "erred" and root.parent_span_id is None
+            assert root.trace_id == root_id.replace("-", "")
+            assert [s.name for s in receiver.spans() if s.trace_id == root.trace_id
+                    and s.parent_span_id == root.span_id] == ["taskgroup/keepfailed"]
+            assert not receiver.spans("keep-fine")
+
+
+def _with_sampler(mp):
+    """``config_file`` whose tracer provider drops every trace"""
+    from tests.test_modes import config_file
+
+    def written(path, receiver, signals):
+        out = config_file(path, receiver, signals)
+        text = Path(out).read_text().replace("tracer_provider:\n",
+                                              "tracer_provider:\n  sampler:\n    always_off:\n")
+        Path(out).write_text(text)
+        return out
+    return written
