@@ -34,7 +34,7 @@ from opentelemetry import context as otel_context
 from opentelemetry import propagate, trace
 from opentelemetry.trace import SpanContext
 
-from dask_otel.config import parse_task_rules
+from dask_otel.config import KEEP_RULES, parse_task_rules
 
 #: Name of the task annotation
 ANNOTATION = "otel"
@@ -67,6 +67,8 @@ class Block:
     #: ``exited`` (client time)
     own: int = 0
     exited: float = 0.0
+    #: The root block's ``keep=`` (valid keys only; None: none)
+    keep: Mapping[str, Any] | None = None
 
     @property
     def caller(self) -> SpanContext | None:
@@ -90,7 +92,9 @@ def read_block(otel: Any, ids: Any, client: str | None = None, tags: Any = (), o
                  {i: t for i, t in entered.items() if isinstance(t, (int, float))},
                  client if own or otel.get("exits") is True else None,
                  root_carrier(otel, ids[0]), forced_sampling(otel, ids[0]),
-                 otel.get("workflow") is True, own, exited)
+                 otel.get("workflow") is True, own, exited,
+                 parse_task_rules(keep, strict=False, table=KEEP_RULES) if isinstance(
+                     keep := _of_root(otel, ids[0]).get("keep"), Mapping) else None)
 
 
 def otel_of(annotations: Mapping[str, Any] | None) -> Any:
@@ -101,8 +105,8 @@ def otel_of(annotations: Mapping[str, Any] | None) -> Any:
 
 def write_annotation(outer: Mapping[str, Any], new_ids: Sequence[str], entered_at: float,
                      caller: otel_context.Context, *, sampled: bool | None = None,
-                     tasks: Mapping[str, Any] | None = None, workflow: bool = False
-                     ) -> dict[str, Any]:
+                     tasks: Mapping[str, Any] | None = None, workflow: bool = False,
+                     keep: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """The ``otel`` annotation of a block that opened Dask spans ``new_ids`` at
     ``entered_at``: the enclosing block's (in ``outer``, the annotations around
     it) extended, with a carrier if it is a root block under a valid current span
@@ -116,6 +120,8 @@ def write_annotation(outer: Mapping[str, Any], new_ids: Sequence[str], entered_a
         annotation["tasks"] = {**inherited.get("tasks", {}), **(tasks or {})}
     if workflow:
         annotation["workflow"] = True
+    if (kept := inherited.get("keep", keep)) is not None:
+        annotation["keep"] = kept
     if "span" in outer:
         if "carrier" in inherited:
             annotation["carrier"] = inherited["carrier"]

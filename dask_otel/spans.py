@@ -326,8 +326,8 @@ class SpanMirror:
         if parent_record is not None:
             parent_record.end_no_earlier(end)
         if parent is None and head.held is not None:  # a dropped run ends: kept whole, or not
-            slower = config.keep_slower_than
-            record.kept = ("erred" if config.keep_erred and record.run_erred else
+            erred, slower = self._keep(record)
+            record.kept = ("erred" if erred and record.run_erred else
                            "slow" if slower is not None and end - head.start > slower else None)
             if record.kept is None:
                 self.sampled_out += len(head.held)
@@ -392,6 +392,13 @@ class SpanMirror:
         head.held.append(reading)
         return None
 
+    def _keep(self, root: SpanRecord) -> tuple[bool, float | None]:
+        """``otel.traces.keep``: ``erred``, ``slower-than`` (seconds) of the run, the root
+        block's ``keep=`` over the scheduler's config"""
+        given, config = root.keep or {}, self.config
+        return given.get("erred", config.keep_erred), given.get("slower-than",
+                                                                config.keep_slower_than)
+
     def _unname(self, prefix: str, batch: GroupBatch) -> None:
         """The batch named at open is not exported: no exemplar until the next"""
         if (named := self.latest_by_prefix.get(prefix)) and named.span_id == batch.span_id:
@@ -427,10 +434,9 @@ class SpanMirror:
         """The head of a Dask span of a run the sampler dropped: if ``otel.traces.keep``
         may keep it (and no ``sampled=False`` forced the drop), its OTel context in a
         trace of its own (as a root without caller), its readings held in the root's record"""
-        keep, root = self.config, root_span(span)
-        if not (keep.keep_erred or keep.keep_slower_than is not None) or (
-                record := self.ledger.records.get(root.id)) is None or self.ledger.forced(
-                root.id) is False:
+        root = root_span(span)
+        if (record := self.ledger.records.get(root.id)) is None or self.ledger.forced(
+                root.id) is False or self._keep(record) == (False, None):
             return SpanHead(None, start, tuple(span.name))
         record.held = [] if record.held is None else record.held
         context = dask_span_context(root.id, span.id, str(root.name[0]), None, None,

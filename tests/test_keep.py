@@ -155,3 +155,47 @@ def _with_sampler(mp):
         Path(out).write_text(text)
         return out
     return written
+
+
+def test_a_root_blocks_keep_decides_for_its_run(monkeypatch):
+    """Every trace dropped (``always_off``), no ``otel.traces.keep`` in the config: each
+    root block's ``keep=`` decides for its own run. Slower than its threshold (0.4 s, a
+    task of 1.2 s): kept; one of a task of 0.05 s with the same threshold, or one as slow
+    without ``keep=``: not; erred with ``erred``: kept, unless ``sampled=False`` forced
+    the drop"""
+    monkeypatch.setenv("OTEL_TRACES_SAMPLER", "always_off")
+    runs = {  # name: (keep, sampled, task, args, kept)
+        "over": ({"slower-than": "400ms"}, None, slow, (1, 1.2), "slow"),
+        "under": ({"slower-than": "400ms"}, None, slow, (1, 0.05), None),
+        "unasked": (None, None, slow, (1, 1.2), None),
+        "failed": ({"erred": True}, None, fail, (1,), "erred"),
+        "forced": ({"erred": True}, False, fail, (1,), None),
+    }
+    with otel_cluster(n_workers=1, threads_per_worker=len(runs)) as (client, mirrored):
+        futures = []
+        for name, (keep, sampled, task, args, _) in runs.items():
+            with dask_otel.span(name, keep=keep, sampled=sampled):
+                futures.append(client.submit(task, *args, key=f"{name}-0"))
+        wait(futures)
+        mirror = mirrored.plugin.mirror
+        wait_until(lambda: mirror.mirrored + mirror.sampled_out == 2 * len(runs),
+                   what="every span exported or sampled out", timeout=60)
+        got = {s.name: s.attributes.get("dask.trace.kept") for s in mirrored.spans()
+               if not s.name.startswith("taskgroup/")}
+        assert got == {name: kept for name, (*_, kept) in runs.items() if kept}
+        assert len(mirrored.spans()) == 2 * len(got)
+
+
+def test_a_bad_keep_raises_at_the_call_naming_it(cluster):
+    with pytest.raises(ValueError, match=r"keep\['slower-than'\].*'soon'"):
+        with dask_otel.span("bad", keep={"slower-than": "soon"}):
+            pass
+    with pytest.raises(ValueError, match="keep.*'sometimes'"):
+        with dask_otel.span("bad", keep={"sometimes": True}):
+            pass
+    with pytest.raises(TypeError, match="keep: expected a mapping"):
+        with dask_otel.span("bad", keep=True):
+            pass
+    with dask_otel.span("root"), pytest.raises(ValueError, match="only a root block"):
+        with dask_otel.span("nested", keep={"erred": True}):
+            pass

@@ -16,6 +16,8 @@ from dask_otel._compat import span_own_metrics
 from dask_otel.scheduler.totals import SpanMetrics, group_done, observed
 
 if TYPE_CHECKING:
+    from collections.abc import Mapping
+
     from distributed.scheduler import TaskGroup
     from distributed.spans import Span
     from opentelemetry.trace import Link, SpanContext
@@ -102,6 +104,8 @@ class SpanRecord:
     #: kept then (``erred``, ``slow``; None: dropped, or sampled)
     held: list[Any] | None = None
     kept: str | None = None
+    #: Roots: the root block's ``keep=`` (``otel.traces.keep.*`` by last part; None: none)
+    keep: Mapping[str, Any] | None = None
 
     @property
     def leaf(self) -> bool:
