@@ -92,9 +92,7 @@ def read_block(otel: Any, ids: Any, client: str | None = None, tags: Any = (), o
                  {i: t for i, t in entered.items() if isinstance(t, (int, float))},
                  client if own or otel.get("exits") is True else None,
                  root_carrier(otel, ids[0]), forced_sampling(otel, ids[0]),
-                 otel.get("workflow") is True, own, exited,
-                 parse_task_rules(keep, strict=False, table=KEEP_RULES) if isinstance(
-                     keep := _of_root(otel, ids[0]).get("keep"), Mapping) else None)
+                 otel.get("workflow") is True, own, exited, keep_rules(otel, ids[0]))
 
 
 def otel_of(annotations: Mapping[str, Any] | None) -> Any:
@@ -152,6 +150,13 @@ def forced_sampling(otel: Any, root_id: str) -> bool | None:
     (True) or dropped (False), by :func:`_of_root`; None: the sampler decides"""
     sampled = _of_root(otel, root_id).get("sampled")
     return sampled if isinstance(sampled, bool) else None
+
+
+def keep_rules(otel: Any, root_id: str) -> dict[str, Any] | None:
+    """The root block's ``keep=``, its valid keys, by :func:`_of_root` (None: none)"""
+    keep = _of_root(otel, root_id).get("keep")
+    return parse_task_rules(keep, strict=False, table=KEEP_RULES) if isinstance(
+        keep, Mapping) else None
 
 
 def task_rules(otel: Any) -> dict[str, Any] | None:

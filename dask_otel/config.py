@@ -188,7 +188,7 @@ class OtelConfig:
     traces_exporters: tuple[str, ...] = _key("otel.traces.exporter", _exporters, SCHEDULER,
                                              WORKERS)
     #: keep a run the sampler dropped if it erred, or lasted longer (seconds; None: no such rule)
-    keep_erred: bool = _key("otel.traces.keep.erred", _bool, SCHEDULER)
+    keep_erred: bool = _key("otel.traces.keep.erred", _bool, SCHEDULER, WORKERS)
     keep_slower_than: float | None = _key("otel.traces.keep.slower-than",
                                           partial(_seconds, optional=True), SCHEDULER)
     poll_interval: float = _key("otel.spans.poll-interval", partial(_seconds, positive=True),

@@ -119,29 +119,41 @@ def test_kept_on_process_clusters_in_every_mode(switch, config, signals, tmp_pat
     """``dask scheduler``/``dask worker`` processes, a real OTLP receiver; the bridge on by
     the preload, ``opentelemetry-instrument`` or ``instrument(client)``; the SDK configured
     by ``OTEL_*`` variables or ``OTEL_CONFIG_FILE``; ``otel.traces.keep.erred`` by its
-    environment variable. Every trace dropped (``always_off``): the erred run arrives
-    whole, in a trace of its own; the run that did not err, not at all."""
+    environment variable, task spans on (every task chosen). Every trace dropped
+    (``always_off``): the erred run arrives whole, in a trace of its own, its erred task's
+    span (from a worker) in it; the run that did not err, and its task span, not at all."""
     from tests.test_modes import Cell, CellProcesses, cell_cluster, cell_env
 
     cell = Cell(switch, config, signals)
-    env = {"DASK_OTEL__TRACES__KEEP__ERRED": "true", "OTEL_TRACES_SAMPLER": "always_off"}
+    env = {"DASK_OTEL__TRACES__KEEP__ERRED": "true", "OTEL_TRACES_SAMPLER": "always_off",
+           "DASK_OTEL__TASKS__SPANS": "true", "DASK_OTEL__TASKS__SAMPLE_RATIO": "1.0"}
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr("tests.test_modes.cell_env", lambda *a: {**cell_env(*a), **env})
         mp.setattr("tests.test_modes.config_file", _with_sampler(mp))
         with cell_cluster(cell, tmp_path) as (receiver, procs, client):
             assert isinstance(procs, CellProcesses)
-            with span("keep-fine"):
-                client.submit(inc, 1, key="keepfine-0").result()
-            with span("keep-failed") as root_id:
-                wait(client.submit(fail, 1, key="keepfailed-0"))
+            caller = _caller()
+            token = otel_context.attach(trace.set_span_in_context(NonRecordingSpan(caller)))
+            try:  # the runs continue a caller's trace; the kept one is a trace of its own
+                with dask_otel.span("keep-fine"):
+                    client.submit(inc, 1, key="keepfine-0").result()
+                with dask_otel.span("keep-failed") as root_id:
+                    wait(client.submit(fail, 1, key="keepfailed-0"))
+            finally:
+                otel_context.detach(token)
             wait_until(lambda: receiver.spans("keep-failed"), timeout=60, what="the erred run")
             time.sleep(1.0)
             (root,) = receiver.spans("keep-failed")
             assert root.attributes["dask.trace.kept"] == "erred" and root.parent_span_id is None
             assert root.trace_id == root_id.replace("-", "")
-            assert [s.name for s in receiver.spans() if s.trace_id == root.trace_id
-                    and s.parent_span_id == root.span_id] == ["taskgroup/keepfailed"]
-            assert not receiver.spans("keep-fine")
+            assert [link[:2] for link in root.links] == [
+                (f"{caller.trace_id:032x}", f"{caller.span_id:016x}")]
+            wait_until(lambda: receiver.spans("run/keepfailed"), timeout=30,
+                       what="the erred task's span, from its worker")
+            assert sorted(s.name for s in receiver.spans() if s.trace_id == root.trace_id
+                          and s.parent_span_id == root.span_id) == [
+                "run/keepfailed", "taskgroup/keepfailed"]
+            assert not receiver.spans("keep-fine") and not receiver.spans("run/keepfine")
 
 
 def _with_sampler(mp):
