@@ -27,7 +27,7 @@ def _caller() -> SpanContext:
                        trace_flags=TraceFlags(0))
 
 
-def _runs(client, kinds: list[str], delay: float = 1.5, block=dask_otel.span
+def _runs(client, kinds: list[str], delay: float = 3.0, block=dask_otel.span
           ) -> list[tuple[str, str, SpanContext | None]]:
     """One root block per kind (each with a sub-block and one task: ``fail``,
     ``slow`` for ``delay`` or ``inc``), a ``dask_otel.span`` under a caller's span (else
@@ -92,7 +92,7 @@ def test_a_ratio_sampler_keeps_every_erred_and_slow_run_whole(monkeypatch, n, bl
         monkeypatch.setenv(k, v)
     kinds = ["erred"] * (n // 20) + ["slow"] * (n // 20) + ["ok"] * (n - n // 10)
     random.Random(39).shuffle(kinds)
-    config = {"otel.traces.keep.erred": True, "otel.traces.keep.slower-than": "1s"}
+    config = {"otel.traces.keep.erred": True, "otel.traces.keep.slower-than": "2s"}
     with otel_cluster(config, n_workers=2, threads_per_worker=8) as (client, mirrored):
         runs = _runs(client, kinds, block=block)
         mirror = mirrored.plugin.mirror
@@ -171,15 +171,15 @@ def _with_sampler(mp):
 
 def test_a_root_blocks_keep_decides_for_its_run(monkeypatch):
     """Every trace dropped (``always_off``), no ``otel.traces.keep`` in the config: each
-    root block's ``keep=`` decides for its own run. Slower than its threshold (0.4 s, a
-    task of 1.2 s): kept; one of a task of 0.05 s with the same threshold, or one as slow
+    root block's ``keep=`` decides for its own run. Slower than its threshold (1 s, a
+    task of 2.5 s): kept; one of a task of 0.05 s with the same threshold, or one as slow
     without ``keep=``: not; erred with ``erred``: kept, unless ``sampled=False`` forced
     the drop"""
     monkeypatch.setenv("OTEL_TRACES_SAMPLER", "always_off")
     runs = {  # name: (keep, sampled, task, args, kept)
-        "over": ({"slower-than": "400ms"}, None, slow, (1, 1.2), "slow"),
-        "under": ({"slower-than": "400ms"}, None, slow, (1, 0.05), None),
-        "unasked": (None, None, slow, (1, 1.2), None),
+        "over": ({"slower-than": "1s"}, None, slow, (1, 2.5), "slow"),
+        "under": ({"slower-than": "1s"}, None, slow, (1, 0.05), None),
+        "unasked": (None, None, slow, (1, 2.5), None),
         "failed": ({"erred": True}, None, fail, (1,), "erred"),
         "forced": ({"erred": True}, False, fail, (1,), None),
     }
