@@ -9,7 +9,8 @@ on every task of its block, beside Dask's own ``span`` annotation::
      "carrier": {"traceparent": "00-...", "baggage": "..."},  # the caller's context, root blocks
      "sampled": True,              # dask_otel.span(sampled=...), from the root block
      "tasks": {"spans": True, "slower-than": 0.5},  # dask_otel.span(tasks=...), key by key
-     "workflow": True}             # dask_otel.span(workflow=True), that block only
+     "workflow": True,             # dask_otel.span(workflow=True), that block only
+     "attributes": {"team": "data"}}  # dask_otel.span(attributes=...), key by key
 
 Every key but ``entered`` is optional. The carrier is what the globally configured
 propagators write (``OTEL_PROPAGATORS``). Leaving a block, the client sends one
@@ -34,7 +35,7 @@ from opentelemetry import context as otel_context
 from opentelemetry import propagate, trace
 from opentelemetry.trace import SpanContext
 
-from dask_otel.config import KEEP_RULES, parse_task_rules
+from dask_otel.config import KEEP_RULES, parse_labels, parse_task_rules
 
 #: Name of the task annotation
 ANNOTATION = "otel"
@@ -63,6 +64,8 @@ class Block:
     sampled: bool | None
     #: Opened with ``workflow=True`` (that block only)
     workflow: bool
+    #: Its innermost block's labels, over the enclosing ones' (the valid ones)
+    labels: Mapping[str, Any]
     #: Of an exit: the last ``own`` ids are the spans the block opened, left at
     #: ``exited`` (client time)
     own: int = 0
@@ -92,7 +95,8 @@ def read_block(otel: Any, ids: Any, client: str | None = None, tags: Any = (), o
                  {i: t for i, t in entered.items() if isinstance(t, (int, float))},
                  client if own or otel.get("exits") is True else None,
                  root_carrier(otel, ids[0]), forced_sampling(otel, ids[0]),
-                 otel.get("workflow") is True, own, exited, keep_rules(otel, ids[0]))
+                 otel.get("workflow") is True, labels(otel), own, exited,
+                 keep_rules(otel, ids[0]))
 
 
 def otel_of(annotations: Mapping[str, Any] | None) -> Any:
@@ -104,6 +108,7 @@ def otel_of(annotations: Mapping[str, Any] | None) -> Any:
 def write_annotation(outer: Mapping[str, Any], new_ids: Sequence[str], entered_at: float,
                      caller: otel_context.Context, *, sampled: bool | None = None,
                      tasks: Mapping[str, Any] | None = None, workflow: bool = False,
+                     attributes: Mapping[str, Any] | None = None,
                      keep: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """The ``otel`` annotation of a block that opened Dask spans ``new_ids`` at
     ``entered_at``: the enclosing block's (in ``outer``, the annotations around
@@ -120,6 +125,8 @@ def write_annotation(outer: Mapping[str, Any], new_ids: Sequence[str], entered_a
         annotation["workflow"] = True
     if (kept := inherited.get("keep", keep)) is not None:
         annotation["keep"] = kept
+    if attributes or inherited.get("attributes"):
+        annotation["attributes"] = {**inherited.get("attributes", {}), **(attributes or {})}
     if "span" in outer:
         if "carrier" in inherited:
             annotation["carrier"] = inherited["carrier"]
@@ -165,6 +172,11 @@ def task_rules(otel: Any) -> dict[str, Any] | None:
     client ran); None if it set none"""
     given = otel.get("tasks") if isinstance(otel, Mapping) else None
     return (parse_task_rules(given, strict=False) or None) if given else None
+
+
+def labels(otel: Any) -> dict[str, Any]:
+    """The valid labels in a task's ``otel`` annotation (:func:`dask_otel.config.parse_labels`)"""
+    return parse_labels(otel.get("attributes") if isinstance(otel, Mapping) else None, strict=False)
 
 
 def entered_at(otel: Any, span_id: str) -> float:

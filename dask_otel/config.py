@@ -208,6 +208,9 @@ class OtelConfig:
     workflows: frozenset[str] = _key(
         "otel.metrics.workflows", partial(_names, what="a list of fnmatch patterns of span names"),
         SCHEDULER)
+    #: the labels (``dask_otel.span(attributes=...)``) on ``dask.workflow.*``
+    metric_labels: frozenset[str] = _key(
+        "otel.metrics.labels", partial(_names, what="a list of attribute names"), SCHEDULER)
     task_spans: bool = _key("otel.tasks.spans", _bool, WORKERS)
     task_sample_ratio: float = _key("otel.tasks.sample-ratio", _ratio, WORKERS)
     #: seconds; None: no such rule
@@ -287,3 +290,21 @@ def parse_task_rules(given: Any, *, strict: bool = True, table: Mapping[str, Cal
             if strict:
                 raise
     return rules
+
+
+def parse_labels(given: Any, *, strict: bool = True) -> dict[str, Any]:
+    """A ``dask_otel.span(attributes=...)`` block's labels, OTel attribute values, by
+    :func:`parse_task_rules`' rule (``strict``: a bad one raises, naming it)"""
+    if strict and not isinstance(given, Mapping):
+        raise TypeError(f"attributes: expected a mapping of names to values, got {given!r}")
+    labels = {}
+    for key, value in given.items() if isinstance(given, Mapping) else ():
+        values = value if isinstance(value, (list, tuple)) else [value]
+        ours = not isinstance(key, str) or not key or key.startswith(("dask.", "otel."))
+        if not ours and len(types := set(map(type, values))) < 2 and types <= {str, bool, int, float}:
+            labels[key] = list(values) if values is value else value
+        elif strict:  # the bridge's own attributes' names, or a value OTel takes not
+            raise (ConfigError("attributes", key, "a name outside dask.* and otel.*") if ours else
+                   TypeError(f"attributes[{key!r}]: expected a str, bool, int or float, or a "
+                             f"list of one of them, got {value!r}"))
+    return labels

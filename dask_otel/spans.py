@@ -26,6 +26,7 @@ from __future__ import annotations
 import random
 from collections import Counter
 from collections.abc import Callable, Hashable, Iterable
+from dataclasses import replace
 from operator import attrgetter
 from time import perf_counter
 from typing import TYPE_CHECKING, Any
@@ -331,7 +332,7 @@ class SpanMirror:
                            "slow" if slower is not None and end - head.start > slower else None)
             if record.kept is None:
                 self.sampled_out += len(head.held)
-                head = self._heads[span.id] = SpanHead(None, head.start, head.tags)
+                head = self._heads[span.id] = replace(head, context=None, held=None)
         if parent is None and self.outcomes is not None:  # dask.workflow.*
             self.outcomes.record_run(record, head.context, head.start, end, unfinished)
         if head.context is None:
@@ -422,26 +423,25 @@ class SpanMirror:
     def _head(self, span: Span) -> SpanHead:
         """The :class:`SpanHead` of a Dask span, once per poll"""
         if (head := self._heads.get(span.id)) is None:
-            start = self.ledger.span_start(span)
-            if (context := self._context(span)) is not None or self.sink is None:
-                head = SpanHead(context, start, tuple(span.name))
-            else:
-                head = self._kept_head(span, start)
+            head = SpanHead(self._context(span), self.ledger.span_start(span), tuple(span.name),
+                            getattr(self.ledger.records.get(span.id), "labels", None))
+            if head.context is None and self.sink is not None:
+                head = self._kept_head(span, head)
             self._heads[span.id] = head
         return head
 
-    def _kept_head(self, span: Span, start: float) -> SpanHead:
+    def _kept_head(self, span: Span, head: SpanHead) -> SpanHead:
         """The head of a Dask span of a run the sampler dropped: if ``otel.traces.keep``
         may keep it (and no ``sampled=False`` forced the drop), its OTel context in a
         trace of its own (as a root without caller), its readings held in the root's record"""
         root = root_span(span)
         if (record := self.ledger.records.get(root.id)) is None or self.ledger.forced(
                 root.id) is False or self._keep(record) == (False, None):
-            return SpanHead(None, start, tuple(span.name))
+            return head
         record.held = [] if record.held is None else record.held
         context = dask_span_context(root.id, span.id, str(root.name[0]), None, None,
                                     is_remote=False, forced=True)
-        return SpanHead(context, start, tuple(span.name), record.held)
+        return replace(head, context=context, held=record.held)
 
 
 def _tell_no_code(name: str) -> bool:

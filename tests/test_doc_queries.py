@@ -109,13 +109,14 @@ def prometheus(tmp_path_factory) -> Iterator[PrometheusServer]:
                # a 1.5 s block of the scheduler's loop is a blocked loop
                "DASK_DISTRIBUTED__ADMIN__TICK__LIMIT": "1s",
                "DASK_DISTRIBUTED__SCHEDULER__ALLOWED_FAILURES": "0",
+               "DASK_OTEL__METRICS__LABELS": "team",
                **SPILL_ENV, **workload_pythonpath()}
         with dask_processes(env, worker_args=WORKER_ARGS) as cluster, cluster.client() as client:
             # spills and unspills, round after round (a rate needs work after a
             # series' first sample), and a worker retired
             run_workload(cluster, client)
-            # a named workflow's run that erred
-            with dask_otel.span("nightly-etl", workflow=True):
+            # a named workflow's run that erred, labelled (its team on the metrics)
+            with dask_otel.span("nightly-etl", workflow=True, attributes={"team": "data"}):
                 wait(client.submit(fail, 1))
             # the scheduler's event loop blocked
             client.run_on_scheduler(time.sleep, 1.5)

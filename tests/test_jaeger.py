@@ -15,6 +15,7 @@ import os
 import re
 import subprocess
 import sys
+import time
 import urllib.request
 from collections.abc import Iterator
 
@@ -211,6 +212,29 @@ def test_a_failed_stage_shows_its_exception_in_jaeger_without_task_spans(jaeger)
         assert 'raise RuntimeError("diverged")' in event["attributes"]["exception.stacktrace"]
         assert event["attributes"]["dask.task.key"] == str(bad.key)
         assert event["attributes"]["dask.worker.address"] in workers
+
+
+def test_a_runs_labels_find_its_trace_in_jaeger(jaeger):
+    """``dask scheduler``/``dask worker``: a run's labels on each of its spans in Jaeger,
+    and Jaeger's search by tag finds its trace, not another run's of the same operation"""
+    service = "dask-jaeger-labels"
+    with dask_processes(jaeger_env(jaeger, service)) as cluster, cluster.client() as client:
+        with dask_otel.span("nightly", attributes={"team": "data"}) as root_id, \
+                dask_otel.span("load", attributes={"env": "dev"}):
+            wait(client.map(inc, range(2)))
+        with dask_otel.span("adhoc", attributes={"team": "web"}):
+            wait(client.submit(inc, 10))
+        trace_id = root_id.replace("-", "")
+        spans = jaeger.wait_for_trace(trace_id, count=3, timeout=60)
+        deadline = time.monotonic() + 60
+        while len(found := jaeger.find_traces(service, TASKGROUP.format("inc"))) < 2:
+            assert time.monotonic() < deadline, found
+            time.sleep(0.5)
+        data = jaeger.find_traces(service, TASKGROUP.format("inc"), tags={"team": "data"})
+    assert sorted(s["name"] for s in spans) == ["load", "nightly", TASKGROUP.format("inc")]
+    assert [s["attributes"]["team"] for s in spans] == ["data"] * 3
+    assert [s["attributes"].get("env") for s in spans if s["name"] != "nightly"] == ["dev"] * 2
+    assert data == [trace_id]
 
 
 #: The demo's Dask spans (its TaskGroups: load_partition, evaluate, fit)

@@ -10,10 +10,13 @@ The factors:
 - **config**: the standard ``OTEL_*`` variables, or ``OTEL_CONFIG_FILE`` (with
   ``OTEL_*`` variables set to values the file must override: a wrong endpoint,
   a wrong service name, export intervals of a minute);
-- **signals**: traces only, metrics only, logs only, or all three.
+- **signals**: traces only, metrics only, logs only, or all three;
+- **messages**: ``otel.errors.messages`` true (the default) or false, set as the
+  cell's config says: a ``DASK_OTEL__*`` variable, or a dask config file
+  (``DASK_CONFIG``) beside ``OTEL_CONFIG_FILE``.
 
 :data:`CELLS` is a covering array of strength 2: every pair of levels of two
-factors is in some cell (12 cells, not the 24 of the full product;
+factors is in some cell (12 cells, not the 48 of the full product;
 ``test_the_cells_cover_every_pair`` checks it). One cluster per cell serves every
 capability (:data:`CAPABILITIES`): where the cell's signals carry it, it must work
 as the README and docs/ say; where they do not, nothing of it may arrive and
@@ -40,17 +43,22 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from distributed import Client, span, wait
+from distributed import Client, Event, span, wait
 
 import dask_otel
+from dask_otel.attributes import WORKER_ADDRESS
+from dask_otel.stalls import GC_SHARE, STALL_DURATION, STALL_EVENT, STALL_TOPIC
 from tests.support import oracle
 from tests.support.cluster import wait_until
 from tests.support.otlp_receiver import OTLPReceiver
 from tests.support.processes import FAST_ENV, PRELOAD_ENV, DaskProcesses
-from tests.support.tasks import double, inc, log_in_task, make_chunk
+from tests.support.tasks import (
+    double, fail, inc, log_in_task, make_chunk, sleep_on_loop, wait_for_event,
+)
 
 SWITCHES = ("preload", "client", "zero-code")
 CONFIGS = ("env", "file")
+MESSAGES = (True, False)
 SIGNALS = {
     "traces": ("traces",),
     "metrics": ("metrics",),
@@ -64,30 +72,31 @@ class Cell:
     switch: str
     config: str
     signals: str
+    messages: bool = True  # otel.errors.messages
 
     @property
     def exported(self) -> tuple[str, ...]:
         return SIGNALS[self.signals]
 
     def __str__(self) -> str:
-        return f"{self.switch}-{self.config}-{self.signals}"
+        return f"{self.switch}-{self.config}-{self.signals}" + ("" if self.messages else "-quiet")
 
 
-#: A covering array of strength 2 over (switch, config, signals): each switch
-#: meets each signal set once, and each switch and each signal set meets both
-#: configs
+#: A covering array of strength 2 over (switch, config, signals, messages): each
+#: switch meets each signal set once, and each switch and each signal set meets
+#: both configs and both values of otel.errors.messages
 CELLS = [
     Cell("preload", "env", "traces"),
     Cell("preload", "file", "metrics"),
-    Cell("preload", "env", "logs"),
-    Cell("preload", "file", "all"),
-    Cell("client", "file", "traces"),
-    Cell("client", "env", "metrics"),
+    Cell("preload", "env", "logs", messages=False),
+    Cell("preload", "file", "all", messages=False),
+    Cell("client", "file", "traces", messages=False),
+    Cell("client", "env", "metrics", messages=False),
     Cell("client", "file", "logs"),
     Cell("client", "env", "all"),
-    Cell("zero-code", "env", "traces"),
+    Cell("zero-code", "env", "traces", messages=False),
     Cell("zero-code", "file", "metrics"),
-    Cell("zero-code", "file", "logs"),
+    Cell("zero-code", "file", "logs", messages=False),
     Cell("zero-code", "env", "all"),
 ]
 
@@ -106,6 +115,11 @@ CAPABILITIES = {
     "Dask's log lines and task logs": "logs",
     "events": "logs",
     "run started": "logs",
+    "stalls on spans": "traces",
+    "stall histogram": "metrics",
+    "stall record": "logs",
+    "failed runs": "traces",
+    "failed tasks' log lines": "logs",
 }
 
 #: Seconds within which data flows again once the collector is back: one probe per
@@ -118,6 +132,16 @@ RECOVERY = 15
 WORKFLOW = "modes-run"
 #: ... and a sibling that asks for nothing (otel.tasks.spans stays false)
 PLAIN = "modes-plain"
+#: ... and a run whose tasks all fail (ValueError("bad <i>")), keyed FAILED_KEYS
+#: (their TaskGroup: taskgroup/modes-bad)
+FAILED = "modes-failed"
+FAILED_KEYS = [f"modes-bad-{i}" for i in range(5)]
+#: Dask's tick limit in the cells' processes (docs/events.md "Blocked event
+#: loops"), and how long WORKFLOW blocks a worker's loop (a user's function given
+#: to ``Client.run``) while one of its tasks runs there: a stall, told on its spans,
+#: in a log record and the histogram, whose stack names the function
+TICK_LIMIT, BLOCK, CLOCK = 1.0, 2.5, 0.01
+STALL_STACK = "in sleep_on_loop\n    time.sleep(seconds)\n"
 #: The service name the cell's configuration gives (the file's, or OTEL_SERVICE_NAME)
 SERVICE = {"env": "modes-env", "file": "modes-file"}
 #: What the variables say in file mode, which the file must override: an endpoint
@@ -148,7 +172,8 @@ SDK_EXPORT_LINES = re.compile(r"encountered while exporting|Failed to export")
 
 
 def test_the_cells_cover_every_pair():
-    levels = {"switch": SWITCHES, "config": CONFIGS, "signals": tuple(SIGNALS)}
+    levels = {"switch": SWITCHES, "config": CONFIGS, "signals": tuple(SIGNALS),
+              "messages": MESSAGES}
     for a, b in itertools.combinations(levels, 2):
         seen = {(getattr(c, a), getattr(c, b)) for c in CELLS}
         assert seen == set(itertools.product(levels[a], levels[b])), (a, b)
@@ -196,6 +221,17 @@ def cell_env(cell: Cell, receiver: OTLPReceiver, tmp_path: Path) -> dict[str, st
     else:
         env.update(OVERRIDDEN_BY_THE_FILE)
         env["OTEL_CONFIG_FILE"] = config_file(tmp_path / "otel.yaml", receiver, cell.exported)
+    # the tick limit and otel.errors.messages: variables, or a dask config file
+    dask_keys = {"DISTRIBUTED__ADMIN__TICK__LIMIT": f"{TICK_LIMIT}s",
+                 "OTEL__ERRORS__MESSAGES": str(cell.messages).lower()}
+    if cell.config == "env":
+        env.update({f"DASK_{k}": v for k, v in dask_keys.items()})
+    else:
+        (tmp_path / "dask").mkdir()
+        (tmp_path / "dask" / "dask.yaml").write_text(
+            f"distributed: {{admin: {{tick: {{limit: {TICK_LIMIT}s}}}}}}\n"
+            f"otel: {{errors: {{messages: {str(cell.messages).lower()}}}}}\n")
+        env["DASK_CONFIG"] = str(tmp_path / "dask")
     return env
 
 
@@ -225,6 +261,7 @@ class Ran:
 
     run: str  # the Dask span id of WORKFLOW
     plain: str  # ... of PLAIN
+    failed: str  # ... of FAILED
     spiller: str  # the worker that spilled
     retired: str  # the worker retired
     spilled: int  # bytes the spiller's SpillBuffer wrote to disk
@@ -241,9 +278,13 @@ def run_workload(client: Client) -> Ran:
         # 16 MB on one worker whose target is 10 MB
         chunks = client.map(make_chunk, range(4), workers=[spiller])
         wait(chunks)
-        time.sleep(1.2)  # the run stays open (its block) over two metric collections
+        # the run stays open (its block) over two metric collections, and stalls
+        # the retired worker's loop while its task runs there
+        stall(client, retired)
     with dask_otel.span(PLAIN) as plain:
         assert client.submit(double, 1).result() == 2
+    with dask_otel.span(FAILED) as failed:
+        wait(client.map(fail, range(len(FAILED_KEYS)), key=FAILED_KEYS))
     spilled = client.run(
         lambda dask_worker: dask_worker.data.spilled_total.disk, workers=[spiller]
     )[spiller]
@@ -253,8 +294,18 @@ def run_workload(client: Client) -> Ran:
     client.retire_workers([retired])
     wait_until(lambda: client.run_on_scheduler(lambda dask_scheduler: len(dask_scheduler.workers))
                == 1, 30, "the retirement")
-    return Ran(run, plain, spiller, retired, spilled,
+    return Ran(run, plain, failed, spiller, retired, spilled,
                client.run_on_scheduler(os.getpid), dask_otel.status(client), chunks)
+
+
+def stall(client: Client, worker: str) -> None:
+    """Block ``worker``'s loop for BLOCK seconds while a task runs there"""
+    gate = client.submit(wait_for_event, "modes-stall", workers=[worker])
+    wait_until(lambda: client.run(lambda dask_worker: len(dask_worker.state.executing),
+                                  workers=[worker])[worker] == 1, 30, "the task's start")
+    client.run(sleep_on_loop, BLOCK, workers=[worker])
+    Event("modes-stall", client=client).set()
+    assert gate.result() == "modes-stall"
 
 
 # --- the capabilities ----------------------------------------------------------------
@@ -354,6 +405,88 @@ def run_started(r: OTLPReceiver, ran: Ran, cell: Cell) -> None:
     assert (record.trace_id, record.span_id) == ids, record
 
 
+def is_the_stall(attributes, ran: Ran) -> bool:
+    return (attributes.get(WORKER_ADDRESS) == ran.retired
+            and attributes.get(STALL_DURATION, 0) >= BLOCK - CLOCK)
+
+
+def stalls_on_spans(r: OTLPReceiver, ran: Ran, cell: Cell) -> None:
+    """The worker's stall on the run's root, with its stack and its collector's share"""
+    span_id = hex_of(ran.run)[1]
+    root = r.wait_for(lambda r: [s for s in r.spans(WORKFLOW) if s.span_id == span_id])[0]
+    stalls = [a for name, _, a in root.events if name == STALL_EVENT and is_the_stall(a, ran)]
+    # (any of them: the machine's load may block that loop as long, though hardly)
+    assert any(a["dask.server.kind"] == "worker" and a["dask.tasks.running_count"] == 1
+               and STALL_STACK in a.get("code.stacktrace", "") and 0 <= a.get(GC_SHARE, -1) <= 1
+               for a in stalls), stalls
+
+
+def stall_histogram(r: OTLPReceiver, ran: Ran, cell: Cell) -> None:
+    """A worker's point at least the block, with the run's trace as exemplar
+    where traces are on"""
+    trace_id = hex_of(ran.run)[0]
+    (point, *_) = r.wait_for(lambda r: [
+        p for p in r.metric_points(STALL_DURATION)
+        if p.attributes.get("dask.server.kind") == "worker" and (p.max or 0) >= BLOCK - CLOCK
+        and ("traces" not in cell.exported or trace_id in {t for t, _ in p.exemplars})])
+    assert point.resource["service.name"] == SERVICE[cell.config], point.resource
+
+
+def stall_record(r: OTLPReceiver, ran: Ran, cell: Cell) -> None:
+    """The stall's log record, with the stack, in the run's trace where traces are on"""
+    records = r.wait_for(lambda r: [
+        x for x in r.logs()
+        if x.attributes.get("dask.event.topic") == STALL_TOPIC and is_the_stall(x.attributes, ran)])
+    ids = hex_of(ran.run) if "traces" in cell.exported else (None, None)
+    assert any(STALL_STACK in x.attributes.get("code.stacktrace", "")
+               and 0 <= x.attributes.get(GC_SHARE, -1) <= 1 and (x.trace_id, x.span_id) == ids
+               for x in records), records
+
+
+#: What no exported span or record may carry without messages: the exceptions' texts
+FAILED_TEXTS = [f"bad {i}" for i in range(len(FAILED_KEYS))] + ["raise ValueError"]
+
+
+def failed_runs(r: OTLPReceiver, ran: Ran, cell: Cell) -> None:
+    """The failed TaskGroup's span and the run's root: an exception event for each of
+    the first 3 erred tasks, with its key and worker, and its message and traceback
+    unless otel.errors.messages is false"""
+    trace_id, span_id = hex_of(ran.failed)
+    (root,) = r.wait_for(lambda r: [s for s in r.spans(FAILED) if s.span_id == span_id])
+    (group,) = r.wait_for(lambda r: [s for s in r.spans("taskgroup/modes-bad")
+                                     if s.trace_id == trace_id])
+    for each in (group, root):
+        got = [a for name, _, a in each.events if name == "exception"]
+        assert len(got) == 3 and len({a["dask.task.key"] for a in got}) == 3, (each.name, got)
+        for event in got:
+            assert event.get("exception.type") == "ValueError", event
+            i = FAILED_KEYS.index(event["dask.task.key"])
+            assert event.get(WORKER_ADDRESS) in (ran.spiller, ran.retired), event
+            if cell.messages:
+                assert event.get("exception.message") == f"bad {i}", event
+                assert 'raise ValueError(f"bad {x}")' in event.get("exception.stacktrace", ""), event
+            else:
+                assert "exception.message" not in event, event
+                assert "exception.stacktrace" not in event, event
+    if not cell.messages:
+        exported = repr([(s.name, s.attributes, s.events, s.status_message) for s in r.spans()])
+        assert not [t for t in FAILED_TEXTS if t in exported], exported[:400]
+
+
+def failed_task_logs(r: OTLPReceiver, ran: Ran, cell: Cell) -> None:
+    """distributed's "Compute Failed" warnings of the failed tasks: with the
+    exception's text, or as their templates without messages (docs/privacy.md);
+    no record, the stall's included, carries the text then"""
+    records = r.wait_for(lambda r: len(x := [g for g in r.logs()
+                                              if str(g.body).startswith("Compute Failed")])
+                         >= len(FAILED_KEYS) and x)
+    texts = [t for t in FAILED_TEXTS if t in repr([(g.body, g.attributes) for g in r.logs()])]
+    if cell.messages:
+        assert any("bad " in str(g.body) for g in records), records[0]
+    else:
+        assert texts == [], texts
+
+
 def removed_workers(r: OTLPReceiver, ran: Ran, cell: Cell) -> None:
     r.wait_for(lambda r: latest(r, "dask.worker.removed",
                                 dask_worker_removed_reason="retired") == 1)
@@ -366,8 +499,13 @@ def log_lines(r: OTLPReceiver, ran: Ran, cell: Cell) -> None:
     (scheduler,) = r.wait_for(lambda r: lines("from the scheduler"))
     assert scheduler.resource["process.pid"] == ran.scheduler_pid
     assert scheduler.resource["service.name"] == SERVICE[cell.config], scheduler.resource
-    tasks = r.wait_for(lambda r: len(x := lines("scored partition 0") + lines(
-        "scored partition 1")) == 2 and x)
+    # without messages, each record's template (docs/privacy.md); under
+    # opentelemetry-instrument, the root logger's records are its handler's, as it
+    # exports them (docs/logs.md "Each record once"): the switch is not its
+    bodies = ["scored partition 0", "scored partition 1"]
+    if not cell.messages and cell.switch != "zero-code":
+        bodies = ["scored partition %d"]
+    tasks = r.wait_for(lambda r: len(x := sum(map(lines, bodies), [])) == 2 and x)
     # in their task's trace
     assert {x.trace_id for x in tasks} == {hex_of(ran.run)[0]}, tasks
 
@@ -391,6 +529,11 @@ CHECKS: dict[str, Callable[[OTLPReceiver, Ran, Cell], None]] = {
     "Dask's log lines and task logs": log_lines,
     "events": events,
     "run started": run_started,
+    "stalls on spans": stalls_on_spans,
+    "stall histogram": stall_histogram,
+    "stall record": stall_record,
+    "failed runs": failed_runs,
+    "failed tasks' log lines": failed_task_logs,
 }
 
 
@@ -403,11 +546,10 @@ def signal_is_off(r: OTLPReceiver, ran: Ran, cell: Cell, signal: str) -> None:
         assert scheduler[signal] is False, scheduler
     if signal == "metrics":
         assert all(w["metrics"] is False for w in ran.status["workers"].values())
-    if signal == "logs" and cell.config == "env":
-        # status() has no flag for logs: the value of otel.logs.exporter it uses says it
-        # (with a file, that value is not what it uses; nothing says it)
-        for server in (scheduler, *ran.status["workers"].values()):
-            assert server["config"]["otel.logs.exporter"] == [], server["config"]
+    for server in (scheduler, *ran.status["workers"].values()):
+        # export: None for a signal the server's process does not export, with the
+        # variables or the file (so of logs, which has no flag of its own)
+        assert server["export"][{"traces": "spans"}.get(signal, signal)] is None, server
 
 
 # --- the outage ----------------------------------------------------------------------
@@ -512,6 +654,7 @@ def test_every_capability_works_or_says_it_does_not_apply(cell, tmp_path):
             assert status["error"] is None, status
             assert status["service_name"]["name"] == SERVICE[cell.config], status
             assert (status["config_file"] is None) == (cell.config == "env"), status
+            assert status["config"]["otel.errors.messages"] is cell.messages, status
         for name, signal in CAPABILITIES.items():
             if signal in cell.exported:
                 check(name, lambda: CHECKS[name](receiver, ran, cell))

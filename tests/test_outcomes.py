@@ -201,6 +201,29 @@ def test_a_client_that_leaves_inside_its_block_cancels_the_run(monkeypatch):
             )
 
 
+def test_an_exit_another_client_sends_after_the_close_still_cancels(monkeypatch):
+    """A client closes inside its block, its task done. The block's exit, as the
+    client would have sent it, comes after the scheduler removed the client, sent by
+    another client (an exit names its sender): the run is ``cancelled``. Only the
+    block's own client, or an old client whose exit names no sender, ends its block
+    after its close"""
+    held: list[dict] = []
+    config = {**CONFIG, "otel.metrics.workflows": "hourly-*"}
+    with OTLPReceiver("grpc") as receiver:
+        set_otel_env(monkeypatch, {**receiver.env(), **ENV})
+        with otel_cluster(config, processes=True, n_workers=1) as (client, mirrored):
+            scheduler = mirrored.cluster.scheduler
+            leaving = Client(mirrored.cluster)
+            monkeypatch.setattr("dask_otel.client._announce_exit", lambda msg, _: held.append(msg))
+            with dask_otel.span("hourly-merge"):
+                assert leaving.submit(inc, 1).result() == 2
+                leaving.close()
+                wait_until(lambda: leaving.id not in scheduler.clients, what="the client removed")
+            (exit_msg,) = held
+            client.log_event(BLOCK_EXIT, {**exit_msg, "client": client.id})
+            receiver.wait_for(lambda r: runs(r) == {("hourly-merge", "cancelled"): 1}, timeout=30)
+
+
 def test_an_exit_heard_just_after_its_client_left_is_no_cancellation(monkeypatch):
     """A client leaves its block and closes at once. Its exit goes out on the
     scheduler's rpc, its close on its own stream: the exit can come second (seen on

@@ -41,6 +41,7 @@ def observe_exit(ledger: Ledger, spans: Mapping[str, Span], msg: Any) -> None:
     for span_id in block.ids[-block.own:]:
         if (record := ledger.records.get(span_id)) is not None:
             record.left_block(block.exited, block.client, block.names_workflow(span_id))
+            record.labels = block.labels
         elif span_id not in spans and span_id not in ledger.made:
             ledger.pend_exit(span_id, time(), block)
 
@@ -109,4 +110,4 @@ def empty_block_span(ledger: Ledger, sink: SpanSink, span_id: str, block: Block
         parent_record.child_kept = True  # and a full builder queue keeps it
     # Dask made no span of it: only its ids, tags, entry and exit are known
     attributes = {attr.SPAN_ID: span_id, attr.SPAN_NAME: tuple(tags[: i + 1]), attr.TASKS_TOTAL: 0}
-    return sink.span(str(tags[i]), context, parent, start, exited, attributes)
+    return sink.span(str(tags[i]), context, parent, start, exited, attributes | block.labels)

@@ -249,6 +249,7 @@ class SpanBuilder:
             attributes[attr.SPAN_COLLIDED] = True
         if record.kept:
             attributes[attr.TRACE_KEPT] = record.kept
+        attributes.update(record.labels or ())
         status = erred_status(attributes, record.erred, record.error_type)
         first_task = subtree.start and min(max(subtree.start, start), end)
         events = ((Event(attr.FIRST_TASK_START, NO_ATTRIBUTES, int(first_task * 1e9)),)
@@ -280,6 +281,7 @@ class SpanBuilder:
         for key, value in metrics.items():
             if (delta := value - carried.get(key, 0)) > 0:
                 attributes[key], carried[key] = delta, value
+        attributes.update(head.labels or ())
         status = erred_status(attributes, batch.erred, batch.error_type)
         start, end, context = reading.start, reading.end, reading.context
         return sink.span(TASKGROUP_SPAN_NAME.format(prefix), context, head.context, start, end,

@@ -117,6 +117,7 @@ class Ledger:
             # its block was left before its graph came
             block = pending[1]
             record.left_block(block.exited, None, block.names_workflow(span.id))
+            record.labels = block.labels
         parent = span.parent
         if parent is not None and (parent_record := self.records.get(parent.id)):
             parent_record.open_children += 1
@@ -234,6 +235,8 @@ class Ledger:
         its root is a named workflow; and, from the root's own blocks only, the
         caller's span the root continues and its ``sampled=``"""
         records, root_id = self.records, block.ids[0]
+        if (own := records.get(block.ids[-1])) is not None:  # its tasks' span
+            own.labels = block.labels
         if block.workflow and (root := records.get(root_id)) is not None:
             root.workflow = True
         earliest = float("inf")

@@ -8,6 +8,7 @@ and Prometheus names: docs/metrics.md, "Workflow outcomes and removed workers".
 
 from __future__ import annotations
 
+import threading
 from collections import Counter
 from collections.abc import Mapping
 from fnmatch import fnmatchcase
@@ -39,8 +40,10 @@ OK, ERRED, CANCELLED = "ok", "erred", "cancelled"
 OTHER = "other"
 #: Dask's own root span of work outside any span: a bounded name
 DEFAULT = "default"
-#: Distinct workflow names given; later ones are :data:`OTHER`
+#: Distinct workflow names given (and values of each label); later ones are :data:`OTHER`
 MAX_WORKFLOW_NAMES = 100
+#: Characters of a label's value kept on the metrics
+MAX_LABEL_LENGTH = 64
 #: ``dask.worker.removed.reason`` (docs/metrics.md has what each means)
 MEMORY_RESTART, FAIL_HARD, RETIRED, CLOSED = "memory_restart", "fail_hard", "retired", "closed"
 LOST = "lost"
@@ -73,7 +76,7 @@ class Outcomes:
     ``SpanMirror.span_of``) and removed workers"""
 
     def __init__(self, meter_provider: MeterProvider, attributes: Mapping[str, Any],
-                 patterns: Collection[str] = ()):
+                 patterns: Collection[str] = (), labels: Collection[str] = ()):
         self.instruments = OutcomeInstruments.of(meter_provider)
         #: Attributes on every point (``ServerTelemetry.metric_attributes``)
         self.attributes = dict(attributes)
@@ -81,8 +84,11 @@ class Outcomes:
         self.patterns = tuple(patterns)
         #: The workflow names given so far, at most :data:`MAX_WORKFLOW_NAMES`
         self.names: set[str] = set()
+        self.lock = threading.Lock()
         #: The workflow names of the runs seen open (a bounded name each)
         self.watched: set[str] = set()
+        #: ``otel.metrics.labels``, and the values given so far of each
+        self.labels: dict[str, set[str]] = {key: set() for key in labels}
 
     def record_run(self, record: SpanRecord, context: SpanContext | None, start: float, end: float,
                    unfinished: bool = False) -> None:
@@ -96,6 +102,7 @@ class Outcomes:
                 **self.attributes,
                 attr.WORKFLOW_NAME: self.workflow_name(str(record.span.name[0]), record.workflow),
                 attr.WORKFLOW_RESULT: result,
+                **self.labels_of(record.labels or {}),
             }
             # No sampled span: an empty context, never the scheduler's current one
             in_trace = in_context(context) or Context()
@@ -110,10 +117,23 @@ class Outcomes:
         if name in self.names:
             return name
         bounded = named or name == DEFAULT or any(fnmatchcase(name, p) for p in self.patterns)
-        if not bounded or len(self.names) >= MAX_WORKFLOW_NAMES:
-            return OTHER
-        self.names.add(name)
+        with self.lock:  # the loop's and the metric reader's threads: never past the bound
+            if not bounded or len(self.names) >= MAX_WORKFLOW_NAMES:
+                return OTHER
+            self.names.add(name)
         return name
+
+    def labels_of(self, labels: Mapping[str, Any]) -> dict[str, str]:
+        """A run's allow-listed str, bool or int labels as strings, cut to :data:`MAX_LABEL_LENGTH`:
+        the first :data:`MAX_WORKFLOW_NAMES` values of each, then :data:`OTHER`"""
+        bounded = {}
+        for key in self.labels.keys() & labels.keys():
+            if isinstance(value := labels[key], (str, bool, int)):
+                value = str(value).lower() if isinstance(value, bool) else str(value)[:MAX_LABEL_LENGTH]
+                if len(seen := self.labels[key]) < MAX_WORKFLOW_NAMES:
+                    seen.add(value)
+                bounded[key] = value if value in seen else OTHER
+        return bounded
 
     def open_runs(self, ledger: Ledger, by_state: bool) -> list[tuple[int, dict]]:
         """``dask.workflow.active`` now (``by_state``: ``dask.workflow.tasks``): the open

@@ -60,7 +60,7 @@ class OtelSchedulerPlugin(SchedulerPlugin):
     #: Dask's events out as log records, span events and removed workers
     events: DaskEvents | None = None
     _poller: PeriodicCallback | None = None
-    #: Blocked event loops (None: traces and metrics are off)
+    #: Blocked event loops (None: traces, metrics and logs are off)
     stalls: Stalls | None = None
     _started = _closed = False
 
@@ -89,7 +89,8 @@ class OtelSchedulerPlugin(SchedulerPlugin):
                 from dask_otel.scheduler.metrics import SchedulerMetrics
                 from dask_otel.scheduler.outcomes import Outcomes
 
-                outcomes = Outcomes(provider, own.metric_attributes, config.workflows)
+                outcomes = Outcomes(provider, own.metric_attributes, config.workflows,
+                                    config.metric_labels)
                 if families_wanted(own):
                     self.families = DaskFamilies(scheduler, own)
             logs = own.telemetry.logs

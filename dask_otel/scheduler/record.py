@@ -43,6 +43,8 @@ class SpanHead:
     start: float
     #: ``Span.name`` as an attribute value
     tags: tuple[str, ...]
+    #: Its record's labels, on its TaskGroups' spans too (None: none)
+    labels: dict[str, Any] | None = None
     #: A run the sampler dropped that ``otel.traces.keep`` may keep: its root
     #: record's ``held`` (its readings wait there for the root's end); else None
     held: list[Any] | None = None
@@ -106,6 +108,8 @@ class SpanRecord:
     kept: str | None = None
     #: Roots: the root block's ``keep=`` (``otel.traces.keep.*`` by last part; None: none)
     keep: Mapping[str, Any] | None = None
+    #: Its block's labels (``Block.labels``: of its tasks' or its exit's); None: none
+    labels: dict[str, Any] | None = None
 
     @property
     def leaf(self) -> bool:

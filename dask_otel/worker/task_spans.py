@@ -25,7 +25,7 @@ from opentelemetry.trace import Status, StatusCode
 
 import dask_otel.attributes as attr
 from dask_otel._compat import task_function
-from dask_otel.annotation import entered_at
+from dask_otel.annotation import entered_at, labels
 from dask_otel.span_context import child_context, in_context
 
 if TYPE_CHECKING:
@@ -225,6 +225,7 @@ class TaskSpans:
             events = (Event(attr.EXCEPTION_EVENT, limited, int(stop * 1e9)),)
         else:
             attributes[attr.OUTPUT_BYTES] = event.nbytes
+        attributes.update(labels(run.otel))  # its block's
         # The task span is this worker's; its parent, the Dask span, is the
         # scheduler's (remote here), with the ids every process composes alike
         context = child_context(parent, run.span_id)
