@@ -35,7 +35,7 @@ from opentelemetry import context as otel_context
 from opentelemetry import propagate, trace
 from opentelemetry.trace import SpanContext
 
-from dask_otel.config import parse_labels, parse_task_rules
+from dask_otel.config import KEEP_RULES, parse_labels, parse_task_rules
 
 #: Name of the task annotation
 ANNOTATION = "otel"
@@ -70,6 +70,8 @@ class Block:
     #: ``exited`` (client time)
     own: int = 0
     exited: float = 0.0
+    #: The root block's ``keep=`` (valid keys only; None: none)
+    keep: Mapping[str, Any] | None = None
 
     @property
     def caller(self) -> SpanContext | None:
@@ -93,7 +95,8 @@ def read_block(otel: Any, ids: Any, client: str | None = None, tags: Any = (), o
                  {i: t for i, t in entered.items() if isinstance(t, (int, float))},
                  client if own or otel.get("exits") is True else None,
                  root_carrier(otel, ids[0]), forced_sampling(otel, ids[0]),
-                 otel.get("workflow") is True, labels(otel), own, exited)
+                 otel.get("workflow") is True, labels(otel), own, exited,
+                 keep_rules(otel, ids[0]))
 
 
 def otel_of(annotations: Mapping[str, Any] | None) -> Any:
@@ -105,7 +108,8 @@ def otel_of(annotations: Mapping[str, Any] | None) -> Any:
 def write_annotation(outer: Mapping[str, Any], new_ids: Sequence[str], entered_at: float,
                      caller: otel_context.Context, *, sampled: bool | None = None,
                      tasks: Mapping[str, Any] | None = None, workflow: bool = False,
-                     attributes: Mapping[str, Any] | None = None) -> dict[str, Any]:
+                     attributes: Mapping[str, Any] | None = None,
+                     keep: Mapping[str, Any] | None = None) -> dict[str, Any]:
     """The ``otel`` annotation of a block that opened Dask spans ``new_ids`` at
     ``entered_at``: the enclosing block's (in ``outer``, the annotations around
     it) extended, with a carrier if it is a root block under a valid current span
@@ -119,6 +123,8 @@ def write_annotation(outer: Mapping[str, Any], new_ids: Sequence[str], entered_a
         annotation["tasks"] = {**inherited.get("tasks", {}), **(tasks or {})}
     if workflow:
         annotation["workflow"] = True
+    if (kept := inherited.get("keep", keep)) is not None:
+        annotation["keep"] = kept
     if attributes or inherited.get("attributes"):
         annotation["attributes"] = {**inherited.get("attributes", {}), **(attributes or {})}
     if "span" in outer:
@@ -151,6 +157,13 @@ def forced_sampling(otel: Any, root_id: str) -> bool | None:
     (True) or dropped (False), by :func:`_of_root`; None: the sampler decides"""
     sampled = _of_root(otel, root_id).get("sampled")
     return sampled if isinstance(sampled, bool) else None
+
+
+def keep_rules(otel: Any, root_id: str) -> dict[str, Any] | None:
+    """The root block's ``keep=``, its valid keys, by :func:`_of_root` (None: none)"""
+    keep = _of_root(otel, root_id).get("keep")
+    return parse_task_rules(keep, strict=False, table=KEEP_RULES) if isinstance(
+        keep, Mapping) else None
 
 
 def task_rules(otel: Any) -> dict[str, Any] | None:

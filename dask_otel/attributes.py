@@ -50,6 +50,8 @@ SPAN_CODE = "dask.span.code"
 SPAN_UNFINISHED = "dask.span.unfinished"
 #: A span Dask made none of: every task of its block joined an older TaskGroup
 SPAN_COLLIDED = "dask.span.collided"
+#: Why a run the sampler dropped was kept (``otel.traces.keep``): ``erred``, ``slow``
+TRACE_KEPT = "dask.trace.kept"
 ACTIVE_CPU_SECONDS = "dask.active_cpu_seconds"
 #: Thread time of a span that no task accounts for, as Dask's
 #: ``Span.cumulative_worker_metrics`` has it

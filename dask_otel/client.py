@@ -22,7 +22,7 @@ from opentelemetry import trace
 from dask_otel._compat import on_graph_sent
 from dask_otel.annotation import (ANNOTATION, BLOCK_EXIT, block_exit, forced_sampling,
                                   remote_parent, write_annotation)
-from dask_otel.config import parse_labels, parse_task_rules
+from dask_otel.config import KEEP_RULES, parse_labels, parse_task_rules
 from dask_otel.span_context import dask_span_context, in_context
 
 __all__ = ["span"]
@@ -33,7 +33,8 @@ _sent: dict[str, dict[str, distributed.Client]] = {}
 
 @contextmanager
 def span(*tags: str, sampled: bool | None = None, tasks: Mapping[str, Any] | None = None,
-         workflow: bool = False, attributes: Mapping[str, Any] | None = None) -> Iterator[str]:
+         workflow: bool = False, attributes: Mapping[str, Any] | None = None,
+         keep: Mapping[str, Any] | None = None) -> Iterator[str]:
     """Open Dask spans, as ``distributed.span(*tags)``, that continue the caller's OTel
     trace; yields the UUID of the innermost one.
 
@@ -42,17 +43,25 @@ def span(*tags: str, sampled: bool | None = None, tasks: Mapping[str, Any] | Non
     (``{"spans": True, "slower-than": "500ms"}``) for this block's tasks, over the workers'
     config; nested blocks inherit and override them. ``workflow``: the root block's name is
     a bounded workflow name. ``attributes``: labels on every span of the block, inherited and
-    overridden as ``tasks``. A bad value raises TypeError or ValueError at the call, naming it."""
+    overridden as ``tasks``. ``keep``: ``otel.traces.keep.*`` keys by their last part
+    (``{"erred": True, "slower-than": "10m"}``) for this run, over the scheduler's config
+    (a root block's choice). A bad value raises TypeError or ValueError at the call, naming it."""
     entered_at = time.time()
     outer = dask.get_annotations()
     rules = _check_controls(outer, sampled, tasks, workflow)
     labels = None if attributes is None else parse_labels(attributes)
+    if keep is not None:  # the run's, so its root block's
+        if "span" in outer:
+            raise ValueError(f"keep={keep!r}: only a root block (in no other Dask span) says "
+                             "what of its run is kept")
+        keep = parse_task_rules(keep, table=KEEP_RULES, arg="keep")
     caller = otel_context.get_current()
     with distributed.span(*tags) as span_id:
         span_annotation = dask.get_annotations()["span"]
         ids, name = span_annotation["ids"], span_annotation["name"]
         otel = write_annotation(outer, ids[-len(tags):], entered_at, caller,
-                                sampled=sampled, tasks=rules, workflow=workflow, attributes=labels)
+                                sampled=sampled, tasks=rules, workflow=workflow,
+                                attributes=labels, keep=keep)
         # The Dask span as the scheduler exports it; is_remote: it lives there
         sampler = getattr(trace.get_tracer_provider(), "sampler", None)  # the SDK's, if any
         context = dask_span_context(ids[0], ids[-1], name[0], remote_parent(otel.get("carrier")),

@@ -187,6 +187,10 @@ class OtelConfig:
                                      WORKERS)
     traces_exporters: tuple[str, ...] = _key("otel.traces.exporter", _exporters, SCHEDULER,
                                              WORKERS)
+    #: keep a run the sampler dropped if it erred, or lasted longer (seconds; None: no such rule)
+    keep_erred: bool = _key("otel.traces.keep.erred", _bool, SCHEDULER, WORKERS)
+    keep_slower_than: float | None = _key("otel.traces.keep.slower-than",
+                                          partial(_seconds, optional=True), SCHEDULER)
     poll_interval: float = _key("otel.spans.poll-interval", partial(_seconds, positive=True),
                                 SCHEDULER)
     export_delay: float = _key("otel.spans.export-delay", _seconds, SCHEDULER)
@@ -256,25 +260,32 @@ TASK_RULES: dict[str, Callable[..., Any]] = {
     f.metadata["key"].removeprefix("otel.tasks."): f.metadata["parse"]
     for f in fields(OtelConfig) if f.metadata["key"].startswith("otel.tasks.")
 }
+#: The ``otel.traces.keep.*`` keys, as :data:`TASK_RULES`: a root block's ``keep=``
+KEEP_RULES: dict[str, Callable[..., Any]] = {
+    f.metadata["key"].removeprefix("otel.traces.keep."): f.metadata["parse"]
+    for f in fields(OtelConfig) if f.metadata["key"].startswith("otel.traces.keep.")
+}
 
 
-def parse_task_rules(given: Any, *, strict: bool = True) -> dict[str, Any]:
+def parse_task_rules(given: Any, *, strict: bool = True, table: Mapping[str, Callable[..., Any]]
+                     = TASK_RULES, arg: str = "tasks") -> dict[str, Any]:
     """A ``dask_otel.span(tasks=...)`` block's ``otel.tasks.*`` values
     (``{"spans": True, "slower-than": "500ms"}``) by the keys' own parsers: the one
     validator of a block's task rules, at the call and where they are read.
     ``strict``: a bad one raises (TypeError if ``given`` is no mapping, else a
-    ConfigError naming it); else it is left out (an annotation is never trusted)."""
+    ConfigError naming it); else it is left out (an annotation is never trusted).
+    ``table``, ``arg``: :data:`KEEP_RULES`, ``keep`` for a root block's ``keep=``."""
     if not isinstance(given, Mapping):
         if strict:
-            raise TypeError(f"tasks: expected a mapping of otel.tasks.* keys, got {given!r}")
+            raise TypeError(f"{arg}: expected a mapping of {', '.join(table)}, got {given!r}")
         return {}
     rules = {}
     for short, value in given.items():
         name = short.replace("_", "-") if isinstance(short, str) else short
         try:
-            if name not in TASK_RULES:
-                raise ConfigError("tasks", short, f"keys among {', '.join(TASK_RULES)}")
-            rules[name] = TASK_RULES[name](f"tasks[{short!r}]", value)
+            if name not in table:
+                raise ConfigError(arg, short, f"keys among {', '.join(table)}")
+            rules[name] = table[name](f"{arg}[{short!r}]", value)
         except ConfigError:
             if strict:
                 raise

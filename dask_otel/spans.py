@@ -26,12 +26,14 @@ from __future__ import annotations
 import random
 from collections import Counter
 from collections.abc import Callable, Hashable, Iterable
+from dataclasses import replace
 from operator import attrgetter
 from time import perf_counter
 from typing import TYPE_CHECKING, Any
 from uuid import uuid4
 
 from distributed.metrics import time
+from opentelemetry.trace import Link
 
 from dask_otel._compat import sent_annotations, span_code_blocks, span_own_metrics
 from dask_otel.annotation import otel_of, read_block, read_span
@@ -41,7 +43,7 @@ from dask_otel.scheduler.builder import GroupReading, Handed, SpanBuilder, SpanR
 from dask_otel.scheduler.ledger import Ledger
 from dask_otel.scheduler.record import GroupBatch, SpanHead, SpanRecord
 from dask_otel.scheduler.totals import Failure, Totals, active_cpu_seconds, group_done
-from dask_otel.span_context import child_context
+from dask_otel.span_context import child_context, dask_span_context, root_span
 
 if TYPE_CHECKING:
     from distributed import Scheduler
@@ -317,28 +319,39 @@ class SpanMirror:
         run, and read its OTel span's needs; False: sampled out, None: traces off"""
         span = record.span
         head = self._head(span)  # before the record goes: the root's caller
-        ledger = self.ledger
+        ledger, config = self.ledger, self.config
         ledger.take_span(record)
         end = max(stop, record.end, head.start)
         parent = span.parent
         parent_record = ledger.records.get(parent.id) if parent is not None else None
         if parent_record is not None:
             parent_record.end_no_earlier(end)
+        if parent is None and head.held is not None:  # a dropped run ends: kept whole, or not
+            erred, slower = self._keep(record)
+            record.kept = ("erred" if erred and record.run_erred else
+                           "slow" if slower is not None and end - head.start > slower else None)
+            if record.kept is None:
+                self.sampled_out += len(head.held)
+                head = self._heads[span.id] = replace(head, context=None, held=None)
         if parent is None and self.outcomes is not None:  # dask.workflow.*
             self.outcomes.record_run(record, head.context, head.start, end, unfinished)
         if head.context is None:
             return None if self.sink is None else False
-        config = self.config
         sums = config.span_totals == "subtree"
         code = (tuple(sc.code for block in span_code_blocks(span) for sc in block)
                 if config.export_code else None)  # ``Span.code``; empty: Dask recorded none
         if code is not None and not code and not self.told_no_code:
             self.told_no_code = _tell_no_code(span.name[-1])
         parent_context = self._head(parent).context if parent is not None else record.remote_parent
-        return SpanReading(record, head, parent_context, parent.id if parent_record else None, end,
-                           Totals.own(span), self._span_metrics(span),
-                           active_cpu_seconds(span, end), sums, code, unfinished,
-                           self._kept(record.child_kept, parent_record))
+        if record.kept:  # a trace of its own, linked to the caller's span (not an orphan)
+            self._batch += head.held  # type: ignore[operator]
+            if parent_context is not None:
+                record.links = {**(record.links or {}), "caller": Link(parent_context, {})}
+            parent_context = None
+        return self._hold(head, SpanReading(
+            record, head, parent_context, parent.id if parent_record else None, end,
+            Totals.own(span), self._span_metrics(span), active_cpu_seconds(span, end), sums, code,
+            unfinished, self._kept(record.child_kept, parent_record)))
 
     def group_span_of(self, tg: TaskGroup, batch: GroupBatch, held: int = 0
                       ) -> GroupReading | bool | None:
@@ -363,14 +376,29 @@ class SpanMirror:
             self._unname(prefix, batch)  # dropped by the full queue: no exemplar
             return None
         context = child_context(head.context, batch.span_id or self._random.getrandbits(64) or 1)
-        if prefix in latest or len(latest) < MAX_EXEMPLAR_PREFIXES:  # bounded
-            latest[prefix] = context  # the exemplar of the prefix's fine metrics
+        if head.held is None and (prefix in latest or len(latest) < MAX_EXEMPLAR_PREFIXES):
+            latest[prefix] = context  # the exemplar of the prefix's fine metrics (bounded)
         # The Dask span Dask attached it to, which has its tasks' fine metrics
         own = self.dask_spans.get(tg.span_id, span)
         open_id = own.id if own.id in self.ledger.records else None
         (states, nbytes, duration), metrics = figures, self._span_metrics(own)
-        return GroupReading(str(tg.name), str(prefix), own.id, tuple(own.name), batch, head,
-                            context, states, nbytes, duration, metrics, open_id, start, end)
+        return self._hold(head, GroupReading(str(tg.name), str(prefix), own.id, tuple(own.name),
+                                             batch, head, context, states, nbytes, duration,
+                                             metrics, open_id, start, end))
+
+    def _hold(self, head: SpanHead, reading: Any) -> Any:
+        """A reading of a dropped run that may be kept waits in its root's record"""
+        if head.held is None or (isinstance(reading, SpanReading) and reading.record.kept):
+            return reading
+        head.held.append(reading)
+        return None
+
+    def _keep(self, root: SpanRecord) -> tuple[bool, float | None]:
+        """``otel.traces.keep``: ``erred``, ``slower-than`` (seconds) of the run, the root
+        block's ``keep=`` over the scheduler's config"""
+        given, config = root.keep or {}, self.config
+        return given.get("erred", config.keep_erred), given.get("slower-than",
+                                                                config.keep_slower_than)
 
     def _unname(self, prefix: str, batch: GroupBatch) -> None:
         """The batch named at open is not exported: no exemplar until the next"""
@@ -395,10 +423,25 @@ class SpanMirror:
     def _head(self, span: Span) -> SpanHead:
         """The :class:`SpanHead` of a Dask span, once per poll"""
         if (head := self._heads.get(span.id)) is None:
-            head = self._heads[span.id] = SpanHead(
-                self._context(span), self.ledger.span_start(span), tuple(span.name),
-                getattr(self.ledger.records.get(span.id), "labels", None))
+            head = SpanHead(self._context(span), self.ledger.span_start(span), tuple(span.name),
+                            getattr(self.ledger.records.get(span.id), "labels", None))
+            if head.context is None and self.sink is not None:
+                head = self._kept_head(span, head)
+            self._heads[span.id] = head
         return head
+
+    def _kept_head(self, span: Span, head: SpanHead) -> SpanHead:
+        """The head of a Dask span of a run the sampler dropped: if ``otel.traces.keep``
+        may keep it (and no ``sampled=False`` forced the drop), its OTel context in a
+        trace of its own (as a root without caller), its readings held in the root's record"""
+        root = root_span(span)
+        if (record := self.ledger.records.get(root.id)) is None or self.ledger.forced(
+                root.id) is False or self._keep(record) == (False, None):
+            return head
+        record.held = [] if record.held is None else record.held
+        context = dask_span_context(root.id, span.id, str(root.name[0]), None, None,
+                                    is_remote=False, forced=True)
+        return replace(head, context=context, held=record.held)
 
 
 def _tell_no_code(name: str) -> bool:

@@ -315,3 +315,36 @@ def test_before_its_root_arrives_a_running_trace_shows_its_finished_parts(jaeger
     assert one(spans, "long run")["span_id"] == root_id
     (raw,) = jaeger._get(f"/api/traces/{trace_id}")
     assert not any("invalid parent" in w for s in raw["spans"] for w in s.get("warnings") or [])
+
+
+def test_a_kept_run_reads_back_from_jaeger_as_a_trace_of_its_own(jaeger):
+    """``dask scheduler``/``dask worker``, every trace dropped (``always_off``),
+    ``otel.traces.keep.erred`` and task spans on: the run that erred is in Jaeger as a
+    trace of its own (its root's UUID), linked to the caller's span, its erred task's
+    span in it; the run that did not err is not"""
+    from opentelemetry import context as otel_context
+    from opentelemetry import trace
+    from opentelemetry.trace import NonRecordingSpan, SpanContext, TraceFlags
+
+    service = "dask-jaeger-kept"
+    env = {**jaeger_env(jaeger, service), "OTEL_TRACES_SAMPLER": "always_off",
+           "DASK_OTEL__TRACES__KEEP__ERRED": "true", "DASK_OTEL__TASKS__SPANS": "true"}
+    caller = SpanContext(0x39AB, 0x39CD, is_remote=False, trace_flags=TraceFlags(0))
+    with dask_processes(env) as cluster, cluster.client() as client:
+        token = otel_context.attach(trace.set_span_in_context(NonRecordingSpan(caller)))
+        try:
+            with dask_otel.span("kept-fine") as fine_id:
+                client.submit(inc, 1, key="keptfine-0").result()
+            with dask_otel.span("kept-nightly") as root_id, dask_otel.span("failing"):
+                wait([client.submit(broken, 1, key="keptbroken-0")])
+        finally:
+            otel_context.detach(token)
+        spans = jaeger.wait_for_trace(root_id.replace("-", ""), count=4, timeout=60)
+    assert sorted(s["name"] for s in spans) == [
+        "failing", "kept-nightly", TASK.format("keptbroken"), TASKGROUP.format("keptbroken")]
+    root = one(spans, "kept-nightly")
+    assert root["parent_id"] is None and root["attributes"]["dask.trace.kept"] == "erred"
+    assert root["links"] == [(f"{0x39AB:032x}", f"{0x39CD:016x}")]
+    assert children(spans, one(spans, "failing")) == [
+        TASK.format("keptbroken"), TASKGROUP.format("keptbroken")]
+    assert not jaeger.trace(fine_id.replace("-", "")) and not jaeger.trace(f"{0x39AB:032x}")

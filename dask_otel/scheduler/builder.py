@@ -247,6 +247,8 @@ class SpanBuilder:
             attributes[attr.SPAN_UNFINISHED] = True
         if record.collided:
             attributes[attr.SPAN_COLLIDED] = True
+        if record.kept:
+            attributes[attr.TRACE_KEPT] = record.kept
         attributes.update(record.labels or ())
         status = erred_status(attributes, record.erred, record.error_type)
         first_task = subtree.start and min(max(subtree.start, start), end)

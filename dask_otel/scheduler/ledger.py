@@ -250,6 +250,8 @@ class Ledger:
         if (forced := block.sampled) is not None:
             _bounded_put(self.forced_roots, root_id, forced, MAX_FORCED_ROOTS)
         record = records.get(root_id)
+        if record is not None and block.keep is not None:
+            record.keep = block.keep
         if record is None:
             if root_id not in self.reopened_parents:
                 _bounded_put(self.reopened_parents, root_id, block.caller, MAX_REOPENED_ROOTS)

@@ -16,6 +16,8 @@ from dask_otel._compat import span_own_metrics
 from dask_otel.scheduler.totals import SpanMetrics, group_done, observed
 
 if TYPE_CHECKING:
+    from collections.abc import Mapping
+
     from distributed.scheduler import TaskGroup
     from distributed.spans import Span
     from opentelemetry.trace import Link, SpanContext
@@ -43,6 +45,9 @@ class SpanHead:
     tags: tuple[str, ...]
     #: Its record's labels, on its TaskGroups' spans too (None: none)
     labels: dict[str, Any] | None = None
+    #: A run the sampler dropped that ``otel.traces.keep`` may keep: its root
+    #: record's ``held`` (its readings wait there for the root's end); else None
+    held: list[Any] | None = None
 
 
 @dataclass(slots=True, eq=False)
@@ -96,6 +101,13 @@ class SpanRecord:
     cancelled: bool = False
     #: Dask made no span of its block (the TaskGroup collision): the mirror did
     collided: bool = False
+    #: Roots of a run the sampler dropped, as ``otel.traces.keep`` asks: the readings
+    #: of its subtree, held until its end decides (None: not held), and why it was
+    #: kept then (``erred``, ``slow``; None: dropped, or sampled)
+    held: list[Any] | None = None
+    kept: str | None = None
+    #: Roots: the root block's ``keep=`` (``otel.traces.keep.*`` by last part; None: none)
+    keep: Mapping[str, Any] | None = None
     #: Its block's labels (``Block.labels``: of its tasks' or its exit's); None: none
     labels: dict[str, Any] | None = None
 

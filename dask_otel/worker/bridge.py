@@ -70,7 +70,7 @@ class WorkerBridge:
             return
         adopt_global_tracer_provider()  # user spans inside tasks need a provider
         self.task_context = TaskContextHook.install(
-            worker, TaskContexts(sink.sampler, TaskRules.of(own.config)),
+            worker, TaskContexts(sink.sampler, TaskRules.of(own.config), own.config.keep_erred),
             TaskSpans(worker, sink, own.config.errors_messages),
         )
 

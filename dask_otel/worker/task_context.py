@@ -8,12 +8,13 @@ Nothing is sent for this: a task costs a dict lookup. docs/traces.md, "Inside ta
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any
 
 from opentelemetry.trace import SpanContext
 
-from dask_otel.annotation import extract_caller, forced_sampling, otel_of, root_carrier, task_rules
+from dask_otel.annotation import (extract_caller, forced_sampling, keep_rules, otel_of,
+                                  root_carrier, task_rules)
 from dask_otel.span_context import dask_span_context, in_context
 
 if TYPE_CHECKING:
@@ -40,6 +41,9 @@ class DaskSpanContext:
     #: which of its tasks get task spans (:class:`~dask_otel.worker.task_spans.TaskRules`,
     #: the worker's with its block's over them); None when none can
     rules: Any
+    #: A dropped run that ``otel.traces.keep`` keeps if it errs: the Dask span's
+    #: context in the kept trace, the parent of its erred tasks' spans (None: not so)
+    kept: SpanContext | None = None
 
 
 @dataclass(eq=False)
@@ -51,6 +55,8 @@ class TaskContexts:
     sampler: Sampler
     #: the worker's own task span rules (None: it exports no traces)
     rules: Any = None
+    #: ``otel.traces.keep.erred`` in the worker's config
+    keep_erred: bool = False
     #: by (own Dask span id, root Dask span id, carrier items, the block's controls as sent)
     _cache: dict[tuple, DaskSpanContext] = field(default_factory=dict)
 
@@ -66,9 +72,9 @@ class TaskContexts:
         # is read as the scheduler reads it
         carrier = None if otel is None else root_carrier(otel, ids[0])
         key: tuple = (ids[-1], ids[0], tuple(carrier.items()) if carrier else None)
-        if type(otel) is dict and ("sampled" in otel or "tasks" in otel):  # rare, no ABC check
-            # as sent, unread: they are read once, below
-            key += (repr((otel.get("sampled"), otel.get("tasks"))),)
+        if type(otel) is dict and ("sampled" in otel or "tasks" in otel or "keep" in otel):
+            # rare, no ABC check; as sent, unread: they are read once, below
+            key += (repr((otel.get("sampled"), otel.get("tasks"), otel.get("keep"))),)
         cached = self._cache.get(key)
         if cached is None:
             if len(self._cache) >= MAX_CACHED_SPANS:
@@ -83,10 +89,16 @@ class TaskContexts:
         span_context = dask_span_context(
             ids[0], ids[-1], str(name[0]) if name else "default", remote, self.sampler,
             is_remote=True, forced=forced_sampling(otel, ids[0]))
-        return DaskSpanContext(
-            span_context, in_context(span_context, base), str(ids[-1]), otel,
-            self.rules and self.rules.of_span(task_rules(otel), span_context.trace_flags.sampled),
-        )
+        sampled, kept = span_context.trace_flags.sampled, None
+        if not sampled and self.rules and forced_sampling(otel, ids[0]) is None and (
+                keep_rules(otel, ids[0]) or {}).get("erred", self.keep_erred):
+            # its erred tasks' spans, in the trace the scheduler keeps if the run errs
+            kept = dask_span_context(ids[0], ids[-1], "", None, None, is_remote=True, forced=True)
+        rules = self.rules and self.rules.of_span(task_rules(otel), sampled or kept is not None)
+        if kept is not None and rules:
+            rules = replace(rules, sample_ratio=0.0, slower_than=None)  # erred tasks only
+        return DaskSpanContext(span_context, in_context(span_context, base), str(ids[-1]), otel,
+                               rules, kept)
 
 
 def default_sampler() -> Sampler:

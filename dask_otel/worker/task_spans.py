@@ -195,7 +195,7 @@ class TaskSpans:
     def _span(self, run: TaskRun, event: ExecuteSuccessEvent | ExecuteFailureEvent,
               start: float, stop: float, duration: float, erred: bool) -> ReadableSpan:
         sink = self.sink
-        parent = run.dask_span.span_context
+        parent = run.dask_span.kept or run.dask_span.span_context
         attributes: dict[str, Any] = {
             attr.TASK_KEY: str(run.key),
             attr.SPAN_ID: run.dask_span.dask_id,
