@@ -17,9 +17,11 @@ propagators write (``OTEL_PROPAGATORS``). Leaving a block, the client sends one
 event on topic :data:`BLOCK_EXIT` (``Client.log_event``'s path, without waiting)::
 
     {"span": {"name": [tag, ...], "ids": [uuid, ...]},  # Dask's span annotation
-     "own": n, "otel": {...}, "exited": client_time_exited, "client": client_id}
+     "own": n, "otel": {...}, "exited": client_time_exited, "client": client_id,
+     "graphs": True}  # the block sent graphs to this scheduler (absent: none, or an old client)
 
-``own``: the last n ids are the spans the block opened. Readers never trust
+``own``: the last n ids are the spans the block opened. ``graphs``: its Dask spans will
+come, however late their graphs (on the client's stream; the exit is an rpc of its own). Readers never trust
 either: one of another shape (someone else's ``otel`` key), or one that came with
 a task Dask moved onto another workflow's span (the TaskGroup collision), reads
 as none. Needs opentelemetry-api only.
@@ -72,6 +74,8 @@ class Block:
     exited: float = 0.0
     #: The root block's ``keep=`` (valid keys only; None: none)
     keep: Mapping[str, Any] | None = None
+    #: Of an exit: its block sent graphs here (its Dask spans will come)
+    graphs: bool = False
 
     @property
     def caller(self) -> SpanContext | None:
@@ -84,7 +88,7 @@ class Block:
 
 
 def read_block(otel: Any, ids: Any, client: str | None = None, tags: Any = (), own: int = 0,
-               exited: float = 0.0) -> Block | None:
+               exited: float = 0.0, graphs: bool = False) -> Block | None:
     """The :class:`Block` of Dask span ``ids`` that ``otel`` annotates (None: none,
     or another shape; one without ``entered``, as none entered)"""
     if not isinstance(otel, Mapping) or not ids:
@@ -96,7 +100,7 @@ def read_block(otel: Any, ids: Any, client: str | None = None, tags: Any = (), o
                  client if own or otel.get("exits") is True else None,
                  root_carrier(otel, ids[0]), forced_sampling(otel, ids[0]),
                  otel.get("workflow") is True, labels(otel), own, exited,
-                 keep_rules(otel, ids[0]))
+                 keep_rules(otel, ids[0]), graphs)
 
 
 def otel_of(annotations: Mapping[str, Any] | None) -> Any:
@@ -206,7 +210,7 @@ def read_block_exit(msg: Any) -> Block | None:
             and isinstance(otel, Mapping) and isinstance(otel.get("entered"), Mapping)):
         return None
     return read_block(otel, names[0], sender if isinstance(sender, str) else None,
-                      names[1], own, float(exited))
+                      names[1], own, float(exited), msg.get("graphs") is True)
 
 
 def read_span(span: Any) -> tuple[list[str], list[Any]] | None:

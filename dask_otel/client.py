@@ -116,7 +116,8 @@ def _announce_exit(msg: dict, sent: dict[str, distributed.Client]) -> None:
             if client.status == "running" and client.loop is not None:
                 # Sent before this client closes: the scheduler tells a late exit
                 # from a block its client left open (dask_otel.scheduler.blocks)
-                client.loop.add_callback(_send_exit, client, {**msg, "client": client.id})
+                client.loop.add_callback(_send_exit, client, {**msg, "client": client.id,
+                                                              "graphs": bool(sent)})
     except Exception:  # no client (no graph of this block reached a scheduler), or other
         pass  # telemetry never fails the caller
 

@@ -247,7 +247,7 @@ class SpanMirror:
                     self._export(self.group_span_of, tg, ledger.take_group(tg))
                     if perf_counter() > deadline:
                         return True
-            self._export_empty_blocks(now - delay)
+            self._export_empty_blocks(now - delay, now - timeout)
             # Spans with nothing open below them; a parent is looked at when its last
             # sub-span goes, so that its end and subtree sums include the sub-span's
             pending = list(ledger.leaves.values())
@@ -264,9 +264,10 @@ class SpanMirror:
         finally:
             self._end_poll()
 
-    def _export_empty_blocks(self, heard_before: float) -> None:
+    def _export_empty_blocks(self, heard_before: float, sent_before: float) -> None:
         """The blocks that ran no task: their spans, built here (rare)"""
-        for span_id, block in blocks.due_empty_blocks(self.ledger, self.dask_spans, heard_before):
+        for span_id, block in blocks.due_empty_blocks(self.ledger, self.dask_spans, heard_before,
+                                                      sent_before):
             if self.sink is not None:
                 self._export(self._empty_block, span_id, block)
 
@@ -275,7 +276,7 @@ class SpanMirror:
         ledger = self.ledger
         ledger.open_new_spans(self.dask_spans)
         try:
-            self._export_empty_blocks(float("inf"))
+            self._export_empty_blocks(float("inf"), float("inf"))
             for tg in list(ledger.groups):
                 self._export(self.group_span_of, tg, ledger.take_group(tg))
             for record in reversed(list(ledger.records.values())):  # children first

@@ -542,3 +542,26 @@ def test_enclosing_and_empty_blocks_belong_to_the_client_of_their_work():
     (empty_span,) = spans_of(two, empty, b)
     assert empty_span.attributes["dask.tasks.total"] == 0
     assert [spans_of(one, sid, a) for sid in (outer, inner, empty)] == [[], [], []]
+
+
+#: Blocks submitted in a loop: the scheduler reads many of their graphs after the
+#: exits that followed them (each exit an rpc of its own, the graphs read in turn
+#: from the client's stream): 398 of 400 Dask spans were left open, then exported
+#: twice at close, before exits waited for graphs
+FLOOD = 200
+
+
+def test_an_exit_heard_before_its_graph_waits_for_it():
+    """FLOOD blocks, one task each, in a loop on worker processes: every block's
+    spans are exported once, with their task, none as a block that ran no task"""
+    with otel_cluster({}, processes=True, n_workers=2) as (client, mirrored):
+        futures = []
+        for i in range(FLOOD):
+            with dask_otel.span(f"flood {i}"), dask_otel.span("step"):
+                futures.append(client.submit(inc, i, key=f"flood{i}-0"))  # a group each
+        wait(futures)
+        wait_until(lambda: dask_otel.status(client)["scheduler"]["open_spans"] == 0, timeout=60)
+        steps = wait_until(lambda: [s for s in mirrored.spans() if s.name == "step"] if len(
+            [s for s in mirrored.spans() if s.name == "step"]) >= FLOOD else None, timeout=30)
+        assert len(steps) == FLOOD
+        assert [s.attributes["dask.span.name"] for s in steps if s.attributes["dask.tasks.total"] != 1] == []

@@ -74,14 +74,17 @@ def observe_client_gone(ledger: Ledger, client: str) -> None:
             record.client_left = 0.0
 
 
-def due_empty_blocks(ledger: Ledger, spans: Mapping[str, Span], heard_before: float
-                     ) -> Iterator[tuple[str, Block]]:
-    """Take the blocks whose exit was heard before ``heard_before`` and whose Dask
-    span never came: they ran no task"""
+def due_empty_blocks(ledger: Ledger, spans: Mapping[str, Span], heard_before: float,
+                     sent_before: float) -> Iterator[tuple[str, Block]]:
+    """Take the blocks whose exit was heard before ``heard_before`` (if they sent
+    graphs, before ``sent_before``: a busy scheduler reads a graph seconds after the
+    exit that followed it) and whose Dask span never came: they ran no task"""
     pending = ledger.pending_exits
     for span_id, (heard, block) in list(pending.items()):
         if heard >= heard_before:
             break  # oldest first
+        if block.graphs and heard >= sent_before:
+            continue  # its graph is on its way: its span comes with it
         del pending[span_id]
         if span_id not in spans:
             yield span_id, block
