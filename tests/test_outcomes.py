@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import time
 from collections import Counter
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import dask
 import distributed
@@ -201,27 +203,35 @@ def test_a_client_that_leaves_inside_its_block_cancels_the_run(monkeypatch):
             )
 
 
+@contextmanager
+def leaving_client(monkeypatch, config: dict) -> Iterator[tuple]:
+    """Worker processes, a second client that will leave them, and the block exits a
+    client would send, held back for the test to send: (receiver, client, leaving,
+    held, scheduler)"""
+    held: list[dict] = []
+    with OTLPReceiver("grpc") as receiver:
+        set_otel_env(monkeypatch, {**receiver.env(), **ENV})
+        with otel_cluster(config, processes=True, n_workers=1) as (client, mirrored):
+            leaving = Client(mirrored.cluster)
+            monkeypatch.setattr("dask_otel.client._announce_exit", lambda msg, _: held.append(msg))
+            yield receiver, client, leaving, held, mirrored.cluster.scheduler
+
+
 def test_an_exit_another_client_sends_after_the_close_still_cancels(monkeypatch):
     """A client closes inside its block, its task done. The block's exit, as the
     client would have sent it, comes after the scheduler removed the client, sent by
     another client (an exit names its sender): the run is ``cancelled``. Only the
     block's own client, or an old client whose exit names no sender, ends its block
     after its close"""
-    held: list[dict] = []
     config = {**CONFIG, "otel.metrics.workflows": "hourly-*"}
-    with OTLPReceiver("grpc") as receiver:
-        set_otel_env(monkeypatch, {**receiver.env(), **ENV})
-        with otel_cluster(config, processes=True, n_workers=1) as (client, mirrored):
-            scheduler = mirrored.cluster.scheduler
-            leaving = Client(mirrored.cluster)
-            monkeypatch.setattr("dask_otel.client._announce_exit", lambda msg, _: held.append(msg))
-            with dask_otel.span("hourly-merge"):
-                assert leaving.submit(inc, 1).result() == 2
-                leaving.close()
-                wait_until(lambda: leaving.id not in scheduler.clients, what="the client removed")
-            (exit_msg,) = held
-            client.log_event(BLOCK_EXIT, {**exit_msg, "client": client.id})
-            receiver.wait_for(lambda r: runs(r) == {("hourly-merge", "cancelled"): 1}, timeout=30)
+    with leaving_client(monkeypatch, config) as (receiver, client, leaving, held, scheduler):
+        with dask_otel.span("hourly-merge"):
+            assert leaving.submit(inc, 1).result() == 2
+            leaving.close()
+            wait_until(lambda: leaving.id not in scheduler.clients, what="the client removed")
+        (exit_msg,) = held
+        client.log_event(BLOCK_EXIT, {**exit_msg, "client": client.id})
+        receiver.wait_for(lambda r: runs(r) == {("hourly-merge", "cancelled"): 1}, timeout=30)
 
 
 def test_an_exit_heard_just_after_its_client_left_is_no_cancellation(monkeypatch):
@@ -229,23 +239,17 @@ def test_an_exit_heard_just_after_its_client_left_is_no_cancellation(monkeypatch
     scheduler's rpc, its close on its own stream: the exit can come second (seen on
     a loaded machine). Here it comes 0.2 s after the scheduler removed the client:
     the run is ``ok``, and its span ends at the exit, not at the close."""
-    held: list[dict] = []
-    with OTLPReceiver("grpc") as receiver:
-        set_otel_env(monkeypatch, {**receiver.env(), **ENV})
-        with otel_cluster(CONFIG, processes=True, n_workers=1) as (client, mirrored):
-            scheduler = mirrored.cluster.scheduler
-            leaving = Client(mirrored.cluster)
-            monkeypatch.setattr("dask_otel.client._announce_exit", lambda msg, _: held.append(msg))
-            with dask_otel.span("nightly-etl", workflow=True):
-                leaving.submit(inc, 1).result()
-            closed = time.time()
-            leaving.close()
-            wait_until(lambda: leaving.id not in scheduler.clients, what="the client removed")
-            time.sleep(0.2)
-            (exit_msg,) = held
-            client.log_event(BLOCK_EXIT, exit_msg)
-            receiver.wait_for(lambda r: runs(r) == {("nightly-etl", "ok"): 1}, timeout=30)
-            (root,) = receiver.wait_for(lambda r: r.spans("nightly-etl"), timeout=30)
+    with leaving_client(monkeypatch, CONFIG) as (receiver, client, leaving, held, scheduler):
+        with dask_otel.span("nightly-etl", workflow=True):
+            leaving.submit(inc, 1).result()
+        closed = time.time()
+        leaving.close()
+        wait_until(lambda: leaving.id not in scheduler.clients, what="the client removed")
+        time.sleep(0.2)
+        (exit_msg,) = held
+        client.log_event(BLOCK_EXIT, exit_msg)
+        receiver.wait_for(lambda r: runs(r) == {("nightly-etl", "ok"): 1}, timeout=30)
+        (root,) = receiver.wait_for(lambda r: r.spans("nightly-etl"), timeout=30)
     assert abs(root.end - exit_msg["exited"]) < 1e-6
     assert exit_msg["exited"] < closed
 
