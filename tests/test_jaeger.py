@@ -32,7 +32,8 @@ from tests.support.cluster import otel_cluster
 from tests.support.otlp_receiver import set_otel_env
 from tests.support.processes import dask_processes
 from tests.support.span_tree import assert_span_tree
-from tests.support.tasks import broken, exit_once, inc, load, total, user_work, wait_for_event
+from tests.support.tasks import (broken, exit_once, inc, load, nap, sleep_on_loop, total,
+                                 user_work, wait_for_event)
 
 #: The names of docs/traces.md "Span names": a Dask span is its tag, a TaskGroup
 #: span and a task span carry their task prefix behind their own word
@@ -212,6 +213,28 @@ def test_a_failed_stage_shows_its_exception_in_jaeger_without_task_spans(jaeger)
         assert 'raise RuntimeError("diverged")' in event["attributes"]["exception.stacktrace"]
         assert event["attributes"]["dask.task.key"] == str(bad.key)
         assert event["attributes"]["dask.worker.address"] in workers
+
+
+@pytest.mark.timeout(300)
+def test_a_stall_shows_its_cause_on_its_run_in_jaeger(jaeger):
+    """``dask scheduler``/``dask worker``, Dask's limit at 1 s: the scheduler's loop
+    blocked 2.5 s by a user's ``run_on_scheduler`` while a run's task runs. Jaeger shows
+    the stall's event on the run's root, with the loop's stack (the function that
+    slept) and the collector's share of it"""
+    service = "dask-jaeger-stall"
+    env = {**jaeger_env(jaeger, service), "DASK_DISTRIBUTED__ADMIN__TICK__LIMIT": "1s"}
+    with dask_processes(env) as cluster, cluster.client() as client:
+        with dask_otel.span("nightly") as root_id:
+            running = client.submit(nap, 5)
+            client.run_on_scheduler(sleep_on_loop, 2.5)
+            assert running.result() == 5
+        spans = jaeger.wait_for_trace(root_id.replace("-", ""), count=2, timeout=60)
+    events = [e["attributes"] for e in one(spans, "nightly")["events"]
+              if e["name"] == "dask.event_loop.blocked"]
+    (stall,) = [e for e in events if e["dask.event_loop.blocked.duration"] >= 2.5 - 0.01]
+    assert stall["dask.server.kind"] == "scheduler"
+    assert "in sleep_on_loop\n    time.sleep(seconds)\n" in stall["code.stacktrace"]
+    assert 0 <= stall["dask.event_loop.blocked.gc_share"] < 0.5
 
 
 def test_a_runs_labels_find_its_trace_in_jaeger(jaeger):
