@@ -128,7 +128,7 @@ def test_status_and_self_metrics_tell_what_each_signal_sent(protocol, compressio
                 return (sent == got and set(got) == {"spans", "metrics", "logs"}
                         and all(workers) and task_spans == 1 and sent)
 
-            sent = wait_until(agreed, timeout=60, what="status() and the receiver agree")
+            wait_until(agreed, timeout=60, what="status() and the receiver agree")
             # No more spans: the next metric export reports their final count
             wait_until(lambda: mirrored.plugin.mirror.mirrored >= 2, what="the span mirrored")
 
