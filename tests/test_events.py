@@ -190,10 +190,19 @@ def test_a_print_in_a_trace_the_sampler_drops_carries_no_ids(monkeypatch):
                     with span(f"scoring {len(sids)}") as sid:
                         client.submit(print_in_task, len(sids), key=f"p{len(sids)}-0").result()
                     sids[len(sids)] = sid
-                ledger = mirrored.plugin.mirror.ledger
-                wait_until(lambda: not (ledger.records or ledger.groups))
-                kept = {s.attributes["dask.span.id"] for s in mirrored.spans()
-                        if s.name.startswith("scoring")}
+                mirror = mirrored.plugin.mirror
+
+                def exported() -> tuple[set[str]] | None:
+                    # every span (a root and its TaskGroup's, each run) handed to the SDK
+                    # or sampled out, and what was handed exported: the builder is a thread
+                    spans = mirrored.spans()
+                    if mirror.mirrored + mirror.sampled_out < 2 * len(sids) or (
+                            len(spans) < mirror.mirrored):
+                        return None
+                    return ({s.attributes["dask.span.id"] for s in spans
+                             if s.name.startswith("scoring")},)
+
+                (kept,) = wait_until(exported, what="every span exported or sampled out")
             receiver.wait_for(lambda r: len(events(r, "print")) == len(sids))
             assert kept and kept != set(sids.values())
             for record in events(receiver, "print"):
