@@ -28,7 +28,7 @@ from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 
 import dask_otel
 from tests.support.backends import JaegerServer
-from tests.support.cluster import otel_cluster
+from tests.support.cluster import otel_cluster, wait_until
 from tests.support.otlp_receiver import set_otel_env
 from tests.support.processes import dask_processes
 from tests.support.span_tree import assert_span_tree
@@ -226,6 +226,8 @@ def test_a_stall_shows_its_cause_on_its_run_in_jaeger(jaeger):
     with dask_processes(env) as cluster, cluster.client() as client:
         with dask_otel.span("nightly") as root_id:
             running = client.submit(nap, 5)
+            # the task in flight first: the stall's rpc can come before the graph
+            wait_until(lambda: any(client.processing().values()), what="the task processing")
             client.run_on_scheduler(sleep_on_loop, 2.5)
             assert running.result() == 5
         spans = jaeger.wait_for_trace(root_id.replace("-", ""), count=2, timeout=60)

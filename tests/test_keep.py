@@ -15,7 +15,8 @@ from opentelemetry import trace
 from opentelemetry.trace import NonRecordingSpan, SpanContext, TraceFlags
 
 import dask_otel
-from tests.support.cluster import dask_span_ids, otel_cluster, wait_until
+from dask_otel.span_context import dask_span_context
+from tests.support.cluster import otel_cluster, wait_until
 from tests.support.tasks import fail, inc, slow
 
 RATIO = {"OTEL_TRACES_SAMPLER": "traceidratio", "OTEL_TRACES_SAMPLER_ARG": "0.01"}
@@ -59,9 +60,13 @@ def _traces(mirrored, runs) -> dict[str, list]:
     return {root_id: by_trace.get(roots.get(root_id), []) for _, root_id, _ in runs}
 
 
-def _sampled(mirror, root_id: str) -> bool:
-    """Whether the sampler itself kept the run (1 %): exported as any sampled run"""
-    return mirror.ledger.context(mirror.dask_spans[root_id], mirror.sink.sampler) is not None
+def _sampled(mirror, root_id: str, caller: SpanContext | None) -> bool:
+    """Whether the sampler itself kept the run (1 %), exported as any sampled run: its
+    decision on the run's trace, the caller's if it has one (the mirror forgets the
+    caller of a run it exported)"""
+    name = str(mirror.dask_spans[root_id].name[0])
+    return dask_span_context(root_id, root_id, name, caller, mirror.sink.sampler,
+                             is_remote=False).trace_flags.sampled
 
 
 def _assert_whole(spans: list, caller: SpanContext | None, why: str) -> None:
@@ -102,7 +107,7 @@ def test_a_ratio_sampler_keeps_every_erred_and_slow_run_whole(monkeypatch, n, bl
                    what="every span exported or sampled out", timeout=120)
         traces = _traces(mirrored, runs)
         for kind, root_id, caller in runs:
-            if kind != "ok" and not _sampled(mirror, root_id):
+            if kind != "ok" and not _sampled(mirror, root_id, caller):
                 _assert_whole(traces[root_id], caller, "erred" if kind == "erred" else "slow")
             elif kind != "ok":
                 assert len(traces[root_id]) == 3
