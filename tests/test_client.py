@@ -194,7 +194,7 @@ def test_memory_of_the_mirror_is_bounded_by_open_spans(cluster):
                     # One TaskGroup for all: batches after its first export
                     client.submit(double, i, pure=False).result()
                 with dask_otel.span("client-side only"):
-                    pass  # a block that runs no task: its exit waits for its graph
+                    pass  # a block that runs no task: its exit waits export-delay for none
     mirrored.by_dask_id(sid)
     mirror = mirrored.plugin.mirror
     ledger = mirror.ledger
