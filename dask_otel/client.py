@@ -48,13 +48,7 @@ def span(*tags: str, sampled: bool | None = None, tasks: Mapping[str, Any] | Non
     (a root block's choice). A bad value raises TypeError or ValueError at the call, naming it."""
     entered_at = time.time()
     outer = dask.get_annotations()
-    rules = _check_controls(outer, sampled, tasks, workflow)
-    labels = None if attributes is None else parse_labels(attributes)
-    if keep is not None:  # the run's, so its root block's
-        if "span" in outer:
-            raise ValueError(f"keep={keep!r}: only a root block (in no other Dask span) says "
-                             "what of its run is kept")
-        keep = parse_task_rules(keep, table=KEEP_RULES, arg="keep")
+    rules, labels, keep = _check_controls(outer, sampled, tasks, workflow, attributes, keep)
     caller = otel_context.get_current()
     with distributed.span(*tags) as span_id:
         span_annotation = dask.get_annotations()["span"]
@@ -77,10 +71,11 @@ def span(*tags: str, sampled: bool | None = None, tasks: Mapping[str, Any] | Non
             _announce_exit(block_exit(span_annotation, len(tags), otel, time.time()), sent)
 
 
-def _check_controls(outer: Mapping[str, Any], sampled: Any, tasks: Any, workflow: Any
-                    ) -> dict[str, Any] | None:
-    """The block's controls checked at the call: ``tasks`` validated by the
-    ``otel.tasks.*`` keys' parsers (the readers use the same), or None"""
+def _check_controls(outer: Mapping[str, Any], sampled: Any, tasks: Any, workflow: Any,
+                    attributes: Any, keep: Any) -> tuple[dict[str, Any] | None, ...]:
+    """The block's controls checked at the call, by the parsers their readers use:
+    ``tasks`` (the ``otel.tasks.*`` keys'), ``attributes`` and ``keep`` (the
+    ``otel.traces.keep.*`` keys'), each None if not given"""
     nested = "span" in outer
     if sampled is not None and not isinstance(sampled, bool):
         raise TypeError(f"sampled: expected True, False or None, got {sampled!r}")
@@ -94,7 +89,12 @@ def _check_controls(outer: Mapping[str, Any], sampled: Any, tasks: Any, workflow
         if sampled is not inherited:
             raise ValueError(f"sampled={sampled!r}: a nested block is in its root's trace, which "
                              f"the root block decides (it said {inherited!r})")
-    return None if tasks is None else parse_task_rules(tasks)
+    if nested and keep is not None:  # the run's, so its root block's
+        raise ValueError(f"keep={keep!r}: only a root block (in no other Dask span) says "
+                         "what of its run is kept")
+    return (None if tasks is None else parse_task_rules(tasks),
+            None if attributes is None else parse_labels(attributes),
+            None if keep is None else parse_task_rules(keep, table=KEEP_RULES, arg="keep"))
 
 
 def _graph_sent(client: distributed.Client) -> None:

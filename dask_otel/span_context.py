@@ -115,6 +115,13 @@ def dask_span_context(root_id: str, span_id: str, root_tag: str, remote_parent: 
                        trace_flags=TraceFlags(flags | TraceFlags.SAMPLED if sampled else flags))
 
 
+def kept_context(root_id: str, span_id: str, *, is_remote: bool) -> SpanContext:
+    """Dask span ``span_id``'s context in the trace ``otel.traces.keep`` keeps the run of
+    root ``root_id`` in, the sampler having dropped it: a trace of its own (as a root
+    without caller), sampled; the same in every process"""
+    return dask_span_context(root_id, span_id, "", None, None, is_remote=is_remote, forced=True)
+
+
 def child_context(parent: SpanContext, span_id: int) -> SpanContext:
     """The SpanContext (id ``span_id``) of a span this process makes and exports
     under a sampled Dask span's ``parent``: its trace, flags and trace state"""

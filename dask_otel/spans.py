@@ -43,7 +43,7 @@ from dask_otel.scheduler.builder import GroupReading, Handed, SpanBuilder, SpanR
 from dask_otel.scheduler.ledger import Ledger
 from dask_otel.scheduler.record import GroupBatch, SpanHead, SpanRecord
 from dask_otel.scheduler.totals import Failure, Totals, active_cpu_seconds, group_done
-from dask_otel.span_context import child_context, dask_span_context, root_span
+from dask_otel.span_context import child_context, kept_context, root_span
 
 if TYPE_CHECKING:
     from distributed import Scheduler
@@ -440,9 +440,8 @@ class SpanMirror:
                 root.id) is False or self._keep(record) == (False, None):
             return head
         record.held = [] if record.held is None else record.held
-        context = dask_span_context(root.id, span.id, str(root.name[0]), None, None,
-                                    is_remote=False, forced=True)
-        return replace(head, context=context, held=record.held)
+        return replace(head, context=kept_context(root.id, span.id, is_remote=False),
+                       held=record.held)
 
 
 def _tell_no_code(name: str) -> bool:

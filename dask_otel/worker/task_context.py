@@ -15,7 +15,7 @@ from opentelemetry.trace import SpanContext
 
 from dask_otel.annotation import (extract_caller, forced_sampling, keep_rules, otel_of,
                                   root_carrier, task_rules)
-from dask_otel.span_context import dask_span_context, in_context
+from dask_otel.span_context import dask_span_context, in_context, kept_context
 
 if TYPE_CHECKING:
     from opentelemetry.context import Context
@@ -88,12 +88,12 @@ class TaskContexts:
         # is_remote: the Dask span is made by the scheduler, in another process
         span_context = dask_span_context(
             ids[0], ids[-1], str(name[0]) if name else "default", remote, self.sampler,
-            is_remote=True, forced=forced_sampling(otel, ids[0]))
+            is_remote=True, forced=(forced := forced_sampling(otel, ids[0])))
         sampled, kept = span_context.trace_flags.sampled, None
-        if not sampled and self.rules and forced_sampling(otel, ids[0]) is None and (
+        if not sampled and self.rules and forced is None and (
                 keep_rules(otel, ids[0]) or {}).get("erred", self.keep_erred):
             # its erred tasks' spans, in the trace the scheduler keeps if the run errs
-            kept = dask_span_context(ids[0], ids[-1], "", None, None, is_remote=True, forced=True)
+            kept = kept_context(ids[0], ids[-1], is_remote=True)
         rules = self.rules and self.rules.of_span(task_rules(otel), sampled or kept is not None)
         if kept is not None and rules:
             rules = replace(rules, sample_ratio=0.0, slower_than=None)  # erred tasks only
